@@ -1,0 +1,21 @@
+"""The few exception types a user ever sees.
+
+Every user mistake ends in one of these, with one sentence that names the file, flag or value at fault and
+what to do about it. Code deep inside (kernels, Ray plumbing) raises them or lets the caller wrap its error.
+"""
+
+
+class LLMQError(Exception):
+    """Base class of all errors that are the user's to fix."""
+
+
+class ConfigError(LLMQError, ValueError):
+    """A model config, preset, flag or flag combination is wrong."""
+
+
+class DataError(LLMQError, ValueError):
+    """A token shard, glob or dataset is wrong (names the file and, where it applies, the offset)."""
+
+
+class CheckpointError(LLMQError, RuntimeError):
+    """A checkpoint or weights file is missing, incomplete, corrupt or of another model."""
