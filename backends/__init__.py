@@ -1,0 +1,43 @@
+"""Kernel backends, picked by name: ``get_backend("torch", device)``.
+
+``torch`` (alias ``torch_ref``) is the PyTorch reference and ground truth; ``triton`` and ``cupy`` are the
+fast paths. Backends are imported lazily so that a missing optional dependency (CuPy, a GPU) only matters
+when that backend is asked for, and then ends in one clear sentence.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from backends.base import Backend
+
+_REGISTRY = {
+    "torch": ("backends.torch_ref", "TorchBackend"),
+    "torch_ref": ("backends.torch_ref", "TorchBackend"),
+    "triton": ("backends.triton", "TritonBackend"),
+    "cupy": ("backends.cupy", "CupyBackend"),
+}
+
+
+def available_backends() -> list[str]:
+    """Names accepted by get_backend (whether or not their dependencies are installed)."""
+    return sorted(k for k in _REGISTRY if k != "torch_ref")
+
+
+def get_backend(name: str, device="cpu") -> Backend:
+    """Instantiate the backend called ``name`` on ``device``; unknown names raise ConfigError."""
+    from llmq_ray.errors import ConfigError
+
+    if name not in _REGISTRY:
+        raise ConfigError(f"--backend={name!r} is not a known backend; choose one of {available_backends()}.")
+    module_name, cls_name = _REGISTRY[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith(module_name):
+            raise ConfigError(f"--backend={name!r} is not implemented yet in this version of llmq-ray.") from exc
+        raise
+    return getattr(module, cls_name)(device)
+
+
+__all__ = ["Backend", "get_backend", "available_backends"]

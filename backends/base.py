@@ -1,0 +1,213 @@
+"""The Backend interface: every kernel the model, the optimizer and the trainer call.
+
+A backend is a bag of kernels over *preallocated* torch tensors. Nothing here allocates the big buffers,
+keeps state between calls (beyond compiled-kernel caches) or knows about Ray or distribution: the model owns
+the buffers, the actors own the process groups. That is what lets the same model run on the PyTorch
+reference (`torch_ref`, the ground truth, CPU and CUDA), on Triton (`triton`) and on raw CUDA (`cupy`).
+
+Conventions used in every docstring below:
+
+* ``N`` = B*T rows (tokens of a micro-batch), ``C`` = hidden size, ``V`` = vocabulary, ``I`` = MLP
+  intermediate size, ``Hq``/``Hkv`` = query / key-value heads, ``D`` = head dim.
+* "model dtype" is fp32 or bf16 (``--model-dtype``): weights as used, activations, gradients.
+  Statistics that feed a division or an exponent (``rstd``, attention log-sum-exp, losses, absmax, norms)
+  are always fp32.
+* All tensors are contiguous unless said otherwise; kernels never change their inputs unless the docstring
+  says "in place".
+* "accumulate" means ``out += result`` (gradient accumulation over micro-steps / layers); otherwise
+  ``out`` is overwritten.
+* Scalars that change every step (lr, step) are Python numbers; scalars produced on the device (absmax,
+  norms) stay device tensors so that no kernel forces a host sync.
+
+FP8 scaling convention (per-tensor "current" scaling): for a tensor ``x`` with ``amax = max|x|`` the
+quantized tensor is ``q = saturate(x * s)`` with ``s = fp8_max / amax``, and its *descale* is
+``1 / s``: ``x ≈ q.float() * descale``. Descales are what ``matmul_fp8`` takes (as cuBLASLt and
+``torch._scaled_mm`` do).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Backend:
+    """Abstract kernel set. Subclasses implement every method; ``name`` is the registry key."""
+
+    name = "abstract"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    # ------------------------------------------------------------------ embedding
+    def embedding_forward(self, out: torch.Tensor, tokens: torch.Tensor, table: torch.Tensor) -> None:
+        """out[N, C] = table[tokens[N]].  tokens int32/int64 in [0, V); table [V, C] model dtype."""
+        raise NotImplementedError
+
+    def embedding_backward(self, dtable: torch.Tensor, tokens: torch.Tensor, dout: torch.Tensor) -> None:
+        """dtable[V, C] += scatter-add of dout[N, C] into the rows tokens[N] (accumulate).
+
+        Must be deterministic (the same bits on every run): rows hit by several tokens are summed in a
+        fixed order, so recompute and resume tests can compare gradients bit for bit.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ RMSNorm
+    def rmsnorm_forward(self, out: torch.Tensor, rstd: torch.Tensor, inp: torch.Tensor,
+                        weight: torch.Tensor, eps: float, absmax: torch.Tensor | None = None) -> None:
+        """out[N, C] = inp * rstd * weight with rstd[N] (fp32) = 1 / sqrt(mean(inp^2) + eps).
+
+        The mean is taken in fp32. If ``absmax`` (fp32 scalar tensor) is given, it is overwritten with
+        max|out| so that out can be quantized to FP8 without another pass over memory.
+        """
+        raise NotImplementedError
+
+    def fused_residual_rmsnorm_forward(self, residual: torch.Tensor, out: torch.Tensor, rstd: torch.Tensor,
+                                       inp1: torch.Tensor, inp2: torch.Tensor, weight: torch.Tensor,
+                                       eps: float, absmax: torch.Tensor | None = None) -> None:
+        """residual[N, C] = inp1 + inp2 (rounded to model dtype), then rmsnorm_forward(out, rstd, residual).
+
+        This is the residual add of a transformer block fused with the next norm: one read of each input,
+        one write of each output.
+        """
+        raise NotImplementedError
+
+    def rmsnorm_backward(self, dinp: torch.Tensor, dweight: torch.Tensor, dout: torch.Tensor,
+                         inp: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                         dresidual: torch.Tensor | None = None) -> None:
+        """Backward of rmsnorm_forward.
+
+        dinp[N, C] = d(out)/d(inp)^T dout  (+ dresidual when given: the residual stream's gradient,
+        fused here so the block backward needs no separate add; dinp may alias dresidual);
+        dweight[C] += sum_n dout * inp * rstd (accumulate). Internals in fp32.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ RoPE
+    def rope_forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     n_q_heads: int, n_kv_heads: int) -> None:
+        """Rotary embedding, in place, on the q and k heads of qkv[B, T, Hq + 2*Hkv, D] (v untouched).
+
+        Half-split convention (as HF Llama/Qwen2): for pair (x1 = x[..., :D/2], x2 = x[..., D/2:])
+        out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, with cos/sin[T, D/2] fp32 for positions 0..T-1.
+        """
+        raise NotImplementedError
+
+    def rope_backward(self, dqkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      n_q_heads: int, n_kv_heads: int) -> None:
+        """Backward of rope_forward, in place on dqkv[B, T, Hq + 2*Hkv, D]: the inverse rotation."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ SwiGLU
+    def swiglu_forward(self, out: torch.Tensor, inp: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
+        """out[N, I] = up * silu(gate) where inp[N, 2I] = [up | gate] (the fused up+gate GEMM's output).
+
+        Computed in fp32, written in model dtype; ``absmax`` (optional) overwritten with max|out|.
+        """
+        raise NotImplementedError
+
+    def swiglu_backward(self, dinp: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor) -> None:
+        """dinp[N, 2I] = [d up | d gate] for dout[N, I] and the forward input inp[N, 2I]."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ attention
+    def attention_forward(self, out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor,
+                          n_q_heads: int, n_kv_heads: int) -> None:
+        """Causal grouped-query attention.
+
+        qkv[B, T, Hq + 2*Hkv, D] (post-RoPE), out[B, T, Hq, D] model dtype, lse[B, Hq, T] fp32 the
+        log-sum-exp of each softmax row (natural log, of the scaled scores), kept for the backward.
+        Query head h reads key/value head h // (Hq / Hkv); scores are scaled by 1/sqrt(D).
+        """
+        raise NotImplementedError
+
+    def attention_backward(self, dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int) -> None:
+        """dqkv[B, T, Hq + 2*Hkv, D] (overwritten) from dout[B, T, Hq, D] and the forward's out, lse, qkv.
+
+        dk/dv of a shared kv head sum over the query heads of its group.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ GEMMs
+    def matmul(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose_a: bool = False,
+               transpose_b: bool = False, bias: torch.Tensor | None = None, accumulate: bool = False) -> None:
+        """out[M, N] (+)= op(a) @ op(b) (+ bias[N]), op = transpose when asked.
+
+        All operands in model dtype, fp32 accumulation inside the GEMM. The three uses in a linear layer
+        y = x W^T:  forward ``matmul(y, x, W, transpose_b=True)``; dgrad ``matmul(dx, dy, W)``; wgrad
+        ``matmul(dW, dy, x, transpose_a=True, accumulate=True)``.
+        """
+        raise NotImplementedError
+
+    def bias_backward(self, dbias: torch.Tensor, dout: torch.Tensor) -> None:
+        """dbias[N] += dout[M, N].sum(0) (accumulate; fp32 sum)."""
+        raise NotImplementedError
+
+    def matmul_fp8(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_descale: torch.Tensor,
+                   b_descale: torch.Tensor, *, bias: torch.Tensor | None = None, accumulate: bool = False) -> None:
+        """out[M, N] (+)= (a * a_descale) @ (b * b_descale)^T with a[M, K], b[N, K] in FP8 (row-major, K
+        contiguous in both: the "TN" layout FP8 tensor cores need), descales fp32 scalar tensors,
+        out in model dtype (+ bias[N]).
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ FP8 quantization
+    def absmax(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """out (fp32 scalar tensor) = max |inp| (overwritten)."""
+        raise NotImplementedError
+
+    def quantize(self, out: torch.Tensor, descale: torch.Tensor, inp: torch.Tensor, absmax: torch.Tensor) -> None:
+        """out (FP8, same shape as inp) = saturate(inp * s), s = fp8_max(out.dtype) / absmax; descale = 1/s.
+
+        absmax is an fp32 scalar tensor (usually fused out of the producing kernel). An absmax of 0 gives
+        s = 1 (all-zero tensors stay zero).
+        """
+        raise NotImplementedError
+
+    def quantize_transpose(self, out_t: torch.Tensor, descale: torch.Tensor, inp: torch.Tensor,
+                           absmax: torch.Tensor) -> None:
+        """As quantize, but out_t[K, M] is the transpose of inp[M, K] (for wgrad / dgrad operands)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ loss
+    def fused_classifier(self, logits: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
+                         dloss: float = 1.0, write_dlogits: bool = True) -> None:
+        """Cross-entropy over logits[n, V] (model dtype) for targets[n] (int; -100 = masked).
+
+        losses[n] (fp32, overwritten) = logsumexp(logits) - logits[target], 0 for masked rows.
+        If write_dlogits, logits is overwritten **in place** with dloss * (softmax(logits) - onehot(target))
+        (all zero for masked rows): the LM head's backward starts from there without another [n, V] buffer.
+        Softmax in fp32.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ optimizer
+    def adamw_update(self, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
+                     master: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
+                     weight_decay: float, step: int, grad_scale: torch.Tensor | float, seed: int) -> None:
+        """One AdamW step over flat 1-D shards of equal length (in place on param, m, v, master).
+
+        g = grad * grad_scale (fp32; grad_scale folds in 1/tokens and the clip factor);
+        m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+        p = p (1 - lr wd) - lr * (m / (1-b1^step)) / (sqrt(v / (1-b2^step)) + eps)   [torch.optim.AdamW]
+        where p is ``master`` when given (fp32 or bf16) and ``param`` otherwise. With a master, param is
+        overwritten with master rounded to nearest in the model dtype. Every bf16 tensor that is the
+        storage of record (m, v, master, or param without master) is written with **stochastic rounding**
+        seeded by ``seed`` (reproducible), so that small updates are not lost on average.
+        """
+        raise NotImplementedError
+
+    def global_norm_squared(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """out (fp32 scalar tensor) += sum(tensor^2), summed in fp32 (accumulate; no host sync)."""
+        raise NotImplementedError
+
+    def stochastic_round(self, out: torch.Tensor, inp: torch.Tensor, seed: int) -> None:
+        """out (bf16) = inp (fp32) rounded up or down to a neighbouring bf16 with probability proportional
+        to the distance, so that E[out] = inp. Deterministic for a given seed."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ misc
+    def synchronize(self) -> None:
+        """Wait for all queued kernels (no-op on CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

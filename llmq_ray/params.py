@@ -1,0 +1,129 @@
+"""Where every parameter lives: one flat buffer, named views into it, and the from-scratch init.
+
+All parameters of the model (and, with the same layout, its gradients, master weights and Adam moments) sit
+in one contiguous 1-D tensor. That makes ZeRO sharding a matter of slicing [rank*S, (rank+1)*S), lets the
+optimizer run over a few long flat ranges instead of hundreds of small tensors, and lets a collective move
+all gradients in one call.
+
+Order: every tensor that gets weight decay (embeddings and matrices) comes first, then the ones that don't
+(norm weights, biases). So any contiguous range splits into at most two runs with one decay setting each.
+
+Fused layouts (HF names in brackets):
+* ``layers.{l}.qkv_w`` [(Hq+2Hkv)*D, C] = rows of [q_proj; k_proj; v_proj], ``qkv_b`` likewise (Qwen2).
+* ``layers.{l}.up_gate_w`` [2I, C] = rows of [up_proj; gate_proj]; swiglu reads [up | gate].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import torch
+
+from llmq_ray.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """One named tensor inside the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    decay: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+class ParamLayout:
+    """Names, shapes and offsets of all parameters of a ModelConfig in one flat buffer."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        c, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        decayed: list[tuple[str, tuple[int, ...]]] = [("embed", (v, c))]
+        if not cfg.tie_word_embeddings:
+            decayed.append(("lm_head", (v, c)))
+        plain: list[tuple[str, tuple[int, ...]]] = []
+        for layer in range(cfg.num_layers):
+            p = f"layers.{layer}."
+            decayed += [(p + "qkv_w", (cfg.qkv_channels, c)), (p + "out_w", (c, cfg.attn_channels)),
+                        (p + "up_gate_w", (2 * i, c)), (p + "down_w", (c, i))]
+            plain += [(p + "ln1_w", (c,)), (p + "ln2_w", (c,))]
+            if cfg.qkv_bias:
+                plain.append((p + "qkv_b", (cfg.qkv_channels,)))
+        plain.append(("final_norm", (c,)))
+        self.slots: dict[str, ParamSlot] = {}
+        offset = 0
+        for names, decay in ((decayed, True), (plain, False)):
+            for name, shape in names:
+                self.slots[name] = ParamSlot(name, shape, offset, decay)
+                offset += math.prod(shape)
+            if decay:
+                self.decay_end = offset  # [0, decay_end) gets weight decay
+        self.numel = offset
+
+    def __iter__(self):
+        return iter(self.slots.values())
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views (no copies) into a flat buffer of this layout."""
+        if flat.numel() < self.numel:
+            raise ValueError(f"flat buffer has {flat.numel()} elements, layout needs {self.numel}")
+        return {s.name: flat[s.offset:s.end].view(s.shape) for s in self.slots.values()}
+
+    def decay_runs(self, start: int, end: int) -> list[tuple[int, int, bool]]:
+        """Split the flat range [start, end) into runs of equal decay setting: [(start, end, decay)]."""
+        runs = []
+        if start < min(end, self.decay_end):
+            runs.append((start, min(end, self.decay_end), True))
+        if max(start, self.decay_end) < end:
+            runs.append((max(start, self.decay_end), end, False))
+        return runs
+
+    def shard_range(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The [start, end) of the flat buffer owned by ``rank`` under ZeRO (last shard may be shorter)."""
+        size = self.shard_size(world_size)
+        return min(rank * size, self.numel), min((rank + 1) * size, self.numel)
+
+    def shard_size(self, world_size: int) -> int:
+        """Elements per ZeRO shard: ceil(numel / world_size). Flat buffers are padded to size * world_size."""
+        return -(-self.numel // world_size)
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int) -> None:
+    """Fill ``flat`` with a from-scratch initialization, identical for any device and number of workers.
+
+    Scheme (GPT-2 / llm.c style): embeddings and matrices ~ N(0, 0.02); the two projections that write into
+    the residual stream (``out_w``, ``down_w``) ~ N(0, 0.02 / sqrt(2 * num_layers)) so that the residual's
+    variance does not grow with depth; norm weights = 1; biases = 0. Every tensor draws from its own CPU
+    generator seeded by (seed, name) in fp32, so the values do not depend on the device, the model dtype
+    (beyond the final rounding) or how the buffer is later sharded.
+    """
+    std = 0.02
+    residual_std = std / math.sqrt(2 * layout.cfg.num_layers)
+    views = layout.views(flat)
+    for slot in layout:
+        view = views[slot.name]
+        leaf = slot.name.rsplit(".", 1)[-1]
+        if leaf in ("ln1_w", "ln2_w", "final_norm"):
+            view.fill_(1.0)
+        elif leaf == "qkv_b":
+            view.zero_()
+        else:
+            gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, slot.name))
+            scale = residual_std if leaf in ("out_w", "down_w") else std
+            values = torch.empty(slot.shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
+            view.copy_(values)
