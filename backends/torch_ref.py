@@ -1,0 +1,237 @@
+"""The PyTorch reference backend: every kernel of backends/base.py written with plain torch ops.
+
+This is the ground truth the Triton and CuPy backends are tested against, and the backend that runs on CPU.
+It favours obviously-correct math over speed: statistics in fp32, one rounding to the model dtype at the end
+of each kernel. Attention is written out (scores, softmax, weighted sum) so that the CPU path is exact and
+has no hidden autograd; on CUDA it goes to the fused flash/cuDNN kernels through ``torch.ops.aten``
+(see ``backends/_aten_attention.py``), which DESIGN §3 allows every backend to use.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from backends import torch_ref_optim
+from backends.base import Backend
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def _split_heads(qkv: torch.Tensor, n_q: int, n_kv: int):
+    """qkv[B, T, Hq+2Hkv, D] -> fp32 q[B, Hq, T, D], k and v[B, Hkv, T, D]."""
+    q = qkv[:, :, :n_q].float().transpose(1, 2)
+    k = qkv[:, :, n_q:n_q + n_kv].float().transpose(1, 2)
+    v = qkv[:, :, n_q + n_kv:].float().transpose(1, 2)
+    return q, k, v
+
+
+class TorchBackend(Backend):
+    """Reference kernels (CPU and CUDA, fp32 and bf16)."""
+
+    name = "torch"
+
+    def __init__(self, device="cpu"):
+        super().__init__(device)
+        self._aten_attention = None
+        if self.device.type == "cuda":
+            from backends import _aten_attention
+
+            self._aten_attention = _aten_attention
+
+    # ------------------------------------------------------------------ embedding
+    def embedding_forward(self, out, tokens, table):
+        torch.index_select(table, 0, tokens.long(), out=out)
+
+    def embedding_backward(self, dtable, tokens, dout):
+        # Sum the rows of each distinct token in fp32 first (index_put_ with accumulate is deterministic,
+        # sort-based, on CUDA), then add each distinct row into the table once.
+        uniq, inverse = torch.unique(tokens.long(), return_inverse=True)
+        acc = torch.zeros(uniq.numel(), dout.shape[-1], dtype=torch.float32, device=dout.device)
+        acc.index_put_((inverse,), dout.float(), accumulate=True)
+        dtable[uniq] = (dtable[uniq].float() + acc).to(dtable.dtype)
+
+    # ------------------------------------------------------------------ RMSNorm
+    def rmsnorm_forward(self, out, rstd, inp, weight, eps, absmax=None):
+        x = inp.float()
+        r = torch.rsqrt(x.pow(2).mean(-1) + eps)
+        rstd.copy_(r)
+        y = (x * r[:, None]) * weight.float()
+        out.copy_(y)
+        if absmax is not None:
+            absmax.copy_(out.abs().amax().float())
+
+    def fused_residual_rmsnorm_forward(self, residual, out, rstd, inp1, inp2, weight, eps, absmax=None):
+        torch.add(inp1, inp2, out=residual)
+        self.rmsnorm_forward(out, rstd, residual, weight, eps, absmax)
+
+    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None):
+        x = inp.float()
+        r = rstd.float()[:, None]
+        xhat = x * r
+        g = dout.float()
+        dweight.add_((g * xhat).sum(0))
+        gw = g * weight.float()
+        dx = r * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        if dresidual is not None:
+            dx = dx + dresidual.float()
+        dinp.copy_(dx)
+
+    # ------------------------------------------------------------------ RoPE
+    @staticmethod
+    def _rotate(qkv, cos, sin, n_q, n_kv, inverse):
+        half = qkv.shape[-1] // 2
+        qk = qkv[:, :, :n_q + n_kv]
+        x1, x2 = qk[..., :half].float(), qk[..., half:].float()
+        c = cos[None, :, None, :]
+        s = sin[None, :, None, :]
+        if inverse:  # transpose of the rotation matrix
+            y1, y2 = x1 * c + x2 * s, x2 * c - x1 * s
+        else:
+            y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+        qk[..., :half] = y1.to(qkv.dtype)
+        qk[..., half:] = y2.to(qkv.dtype)
+
+    def rope_forward(self, qkv, cos, sin, n_q_heads, n_kv_heads):
+        self._rotate(qkv, cos, sin, n_q_heads, n_kv_heads, inverse=False)
+
+    def rope_backward(self, dqkv, cos, sin, n_q_heads, n_kv_heads):
+        self._rotate(dqkv, cos, sin, n_q_heads, n_kv_heads, inverse=True)
+
+    # ------------------------------------------------------------------ SwiGLU
+    def swiglu_forward(self, out, inp, absmax=None):
+        i = out.shape[-1]
+        up, gate = inp[:, :i].float(), inp[:, i:].float()
+        out.copy_(up * F.silu(gate))
+        if absmax is not None:
+            absmax.copy_(out.abs().amax().float())
+
+    def swiglu_backward(self, dinp, dout, inp):
+        i = dout.shape[-1]
+        up, gate = inp[:, :i].float(), inp[:, i:].float()
+        g = dout.float()
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        dinp[:, :i] = (g * silu).to(dinp.dtype)
+        dinp[:, i:] = (g * up * sig * (1.0 + gate * (1.0 - sig))).to(dinp.dtype)
+
+    # ------------------------------------------------------------------ attention
+    def attention_forward(self, out, lse, qkv, n_q_heads, n_kv_heads):
+        if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
+            return self._aten_attention.forward(out, lse, qkv, n_q_heads, n_kv_heads)
+        q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
+        group = n_q_heads // n_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        t = q.shape[2]
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        causal = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
+        scores.masked_fill_(causal, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - row_lse[..., None])
+        lse.copy_(row_lse)
+        out.copy_((probs @ v).transpose(1, 2))
+
+    def attention_backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
+        if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
+            return self._aten_attention.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+        q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
+        b, _, t, d = q.shape
+        group = n_q_heads // n_kv_heads
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+        scale = 1.0 / math.sqrt(d)
+        scores = (q @ k.transpose(-1, -2)) * scale
+        causal = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
+        scores.masked_fill_(causal, float("-inf"))
+        probs = torch.exp(scores - lse.float()[..., None])
+        do = dout.float().transpose(1, 2)  # [B, Hq, T, D]
+        o = out.float().transpose(1, 2)
+        dv = probs.transpose(-1, -2) @ do
+        dp = do @ v.transpose(-1, -2)
+        row_dot = (do * o).sum(-1, keepdim=True)
+        ds = probs * (dp - row_dot)
+        dq = (ds @ k) * scale
+        dk = (ds.transpose(-1, -2) @ q) * scale
+        dk = dk.view(b, n_kv_heads, group, t, d).sum(2)
+        dv = dv.view(b, n_kv_heads, group, t, d).sum(2)
+        dqkv[:, :, :n_q_heads] = dq.transpose(1, 2).to(dqkv.dtype)
+        dqkv[:, :, n_q_heads:n_q_heads + n_kv_heads] = dk.transpose(1, 2).to(dqkv.dtype)
+        dqkv[:, :, n_q_heads + n_kv_heads:] = dv.transpose(1, 2).to(dqkv.dtype)
+
+    # ------------------------------------------------------------------ GEMMs
+    def matmul(self, out, a, b, *, transpose_a=False, transpose_b=False, bias=None, accumulate=False):
+        a_ = a.t() if transpose_a else a
+        b_ = b.t() if transpose_b else b
+        if accumulate:
+            out.addmm_(a_, b_)  # one rounding of out + a@b (beta = 1 in BLAS terms)
+            if bias is not None:
+                out.add_(bias)
+        elif bias is not None:
+            torch.addmm(bias, a_, b_, out=out)
+        else:
+            torch.mm(a_, b_, out=out)
+
+    def bias_backward(self, dbias, dout):
+        dbias.add_(dout.float().sum(0))
+
+    def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
+        if out.device.type == "cuda":
+            res = torch._scaled_mm(a, b.t(), scale_a=a_descale, scale_b=b_descale, out_dtype=out.dtype,
+                                   bias=None if accumulate else bias)
+        else:  # exact emulation: FP8 values are exactly representable in fp32
+            res = (a.float() * a_descale) @ (b.float() * b_descale).t()
+            if bias is not None and not accumulate:
+                res = res + bias.float()
+        if accumulate:
+            out.add_(res if bias is None else res + bias)
+        else:
+            out.copy_(res)
+
+    # ------------------------------------------------------------------ FP8 quantization
+    def absmax(self, out, inp):
+        out.copy_(inp.abs().amax().float())
+
+    def _scale(self, absmax, dtype):
+        amax = absmax.float()
+        return torch.where(amax > 0, _fp8_max(dtype) / amax, torch.ones_like(amax))
+
+    def quantize(self, out, descale, inp, absmax):
+        s = self._scale(absmax, out.dtype)
+        m = _fp8_max(out.dtype)
+        out.copy_((inp.float() * s).clamp(-m, m).to(out.dtype))
+        descale.copy_(1.0 / s)
+
+    def quantize_transpose(self, out_t, descale, inp, absmax):
+        s = self._scale(absmax, out_t.dtype)
+        m = _fp8_max(out_t.dtype)
+        out_t.copy_((inp.float() * s).clamp(-m, m).to(out_t.dtype).t())
+        descale.copy_(1.0 / s)
+
+    # ------------------------------------------------------------------ loss
+    def fused_classifier(self, logits, losses, targets, dloss=1.0, write_dlogits=True):
+        x = logits.float()
+        valid = targets != -100
+        tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
+        row_lse = torch.logsumexp(x, dim=-1)
+        picked = x.gather(1, tgt[:, None])[:, 0]
+        losses.copy_(torch.where(valid, row_lse - picked, torch.zeros_like(row_lse)))
+        if write_dlogits:
+            probs = torch.exp(x - row_lse[:, None])
+            probs[torch.arange(x.shape[0], device=x.device), tgt] -= 1.0
+            probs.mul_((valid.float() * dloss)[:, None])
+            logits.copy_(probs)
+
+    # ------------------------------------------------------------------ optimizer
+    def adamw_update(self, param, grad, m, v, **kwargs):
+        torch_ref_optim.adamw_update(param, grad, m, v, **kwargs)
+
+    def global_norm_squared(self, out, tensor):
+        torch_ref_optim.global_norm_squared(out, tensor)
+
+    def stochastic_round(self, out, inp, seed):
+        torch_ref_optim.stochastic_round(out, inp, seed)

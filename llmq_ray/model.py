@@ -1,0 +1,335 @@
+"""The Llama/Qwen2 decoder with an explicit forward and backward over preallocated buffers.
+
+No autograd: every activation the backward needs is written into a buffer allocated once, and the backward
+is written out kernel by kernel (as llm.c / llm.q do). That is what makes fine-grained recomputation, FP8 in
+all GEMMs, bit-exact recompute tests and CUDA graphs possible. All math goes through a Backend.
+
+One block, for N = B*T rows (the residual stream ``x_l`` is the block's input):
+
+    h      = rmsnorm(x_l)                 ln1      [N, C]
+    qkv    = rope(h Wqkv^T + b)           qkv      [B, T, Hq+2Hkv, D]
+    a, lse = causal_gqa_attention(qkv)    att      [B, T, Hq, D], lse [B, Hq, T]
+    x_mid  = x_l + a Wo^T                 residual_mid [N, C]
+    h2     = rmsnorm(x_mid)               ln2      [N, C]
+    u      = h2 Wug^T                     up_gate  [N, 2I]  ([up | gate])
+    s      = up * silu(gate)              swiglu   [N, I]
+    x_l+1  = x_mid + s Wd^T
+
+then ``final_norm`` and the LM head, run in ``lmhead_chunks`` row chunks: each chunk's logits [N/chunks, V]
+go through the fused classifier, which turns them into dlogits in place, and the chunk's LM-head backward
+runs at once, so the full [N, V] logits never exist.
+
+Loss scaling: the classifier writes the gradient of the *sum* of token losses. Gradients are therefore sums
+over all tokens of all micro-steps (and all ranks); the update divides by the true number of unmasked target
+tokens, known only then. This makes "mean over unmasked targets" exact under gradient accumulation and data
+parallelism, where a per-micro-step mean would weight micro-batches with many masked tokens wrongly.
+
+Recomputation (llm.q's flags): every activation kind is either stored per layer or kept in one shared
+scratch buffer and recomputed in the backward from what is stored, with the very same kernels on the same
+inputs, so results are bit-identical to not recomputing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from backends.base import Backend
+from llmq_ray.config import ModelConfig
+from llmq_ray.errors import ConfigError
+from llmq_ray.params import ParamLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeOptions:
+    """llm.q's recompute flags. ``resolved()`` applies their implications."""
+
+    swiglu: bool = False
+    norm: bool = False
+    ffn: bool = False      # implies swiglu
+    qkv: bool = False
+    att: bool = False      # implies qkv
+    block: bool = False    # implies all of the above, and the mid-block residual
+
+    def resolved(self) -> "RecomputeOptions":
+        block = self.block
+        ffn = self.ffn or block
+        att = self.att or block
+        return RecomputeOptions(swiglu=self.swiglu or ffn, norm=self.norm or block, ffn=ffn,
+                                qkv=self.qkv or att, att=att, block=block)
+
+
+# Which flag turns each activation kind from per-layer storage into a shared, recomputed scratch buffer.
+_RECOMPUTED_BY = {"ln1": "norm", "qkv": "qkv", "att": "att", "lse": "att", "residual_mid": "block",
+                  "ln2": "norm", "up_gate": "ffn", "swiglu": "swiglu"}
+
+
+class Activations:
+    """The forward's saved tensors: per layer where kept, one shared buffer where recomputed.
+
+    Always per layer: ``residual`` (L+1 entries: the input of each block and the final residual) and the
+    fp32 ``rstd1``/``rstd2`` of both norms (N floats each).
+    """
+
+    def __init__(self, cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
+                 recompute: RecomputeOptions):
+        n, c, L = batch * seq, cfg.hidden_size, cfg.num_layers
+        shapes = {
+            "ln1": (n, c), "qkv": (batch, seq, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim),
+            "att": (batch, seq, cfg.num_heads, cfg.head_dim), "lse": (batch, cfg.num_heads, seq),
+            "residual_mid": (n, c), "ln2": (n, c), "up_gate": (n, 2 * cfg.intermediate_size),
+            "swiglu": (n, cfg.intermediate_size),
+        }
+        self.recompute = recompute
+        self.per_layer_bytes = 0
+        self.shared_bytes = 0
+        self._store: dict[str, list[torch.Tensor]] = {}
+        for kind, shape in shapes.items():
+            kind_dtype = torch.float32 if kind == "lse" else dtype
+            recomputed = getattr(recompute, _RECOMPUTED_BY[kind])
+            count = 1 if recomputed else L
+            bufs = [torch.empty(shape, dtype=kind_dtype, device=device) for _ in range(count)]
+            self._store[kind] = bufs
+            nbytes = bufs[0].numel() * bufs[0].element_size()
+            if recomputed:
+                self.shared_bytes += nbytes
+            else:
+                self.per_layer_bytes += nbytes
+        self.residual = [torch.empty(n, c, dtype=dtype, device=device) for _ in range(L + 1)]
+        self.rstd1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
+        self.rstd2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
+        self.per_layer_bytes += n * c * dtype.itemsize + 2 * n * 4  # residual + two rstd
+
+    def get(self, kind: str, layer: int) -> torch.Tensor:
+        bufs = self._store[kind]
+        return bufs[0] if len(bufs) == 1 else bufs[layer]
+
+    def total_bytes(self, num_layers: int) -> int:
+        return self.per_layer_bytes * num_layers + self.shared_bytes
+
+
+class LlamaModel:
+    """Explicit forward/backward of a Llama-family decoder for fixed micro-batch shape [B, T].
+
+    ``params`` and ``grads`` are flat buffers in ``ParamLayout`` order (model dtype; they may be longer than
+    the layout, e.g. padded for ZeRO). Gradients accumulate (+=) into ``grads`` until ``zero_grads()``.
+    ``loss_sum`` (fp32) and ``target_count`` (int64) accumulate on the device alongside them.
+    """
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, *, batch_size: int, seq_len: int,
+                 dtype: torch.dtype = torch.float32, recompute: RecomputeOptions | None = None,
+                 lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None):
+        self.cfg, self.backend = cfg, backend
+        self.device = backend.device
+        self.dtype = dtype
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.recompute = (recompute or RecomputeOptions()).resolved()
+        n = batch_size * seq_len
+        if lmhead_chunks < 1 or n % lmhead_chunks:
+            raise ConfigError(f"--lmhead-chunks={lmhead_chunks} must be >= 1 and divide batch*seq_len = {n}.")
+        if seq_len > cfg.max_position_embeddings:
+            raise ConfigError(f"--seq-len={seq_len} exceeds the model's max_position_embeddings "
+                              f"({cfg.max_position_embeddings}).")
+        self.lmhead_chunks = lmhead_chunks
+        self.layout = ParamLayout(cfg)
+        self.params = params if params is not None else torch.zeros(self.layout.numel, dtype=dtype,
+                                                                     device=self.device)
+        self.grads = grads if grads is not None else torch.zeros(self.layout.numel, dtype=dtype,
+                                                                  device=self.device)
+        for what, buf in (("params", self.params), ("grads", self.grads)):
+            if buf.dtype != dtype or buf.numel() < self.layout.numel or buf.device != self.device:
+                raise ValueError(f"{what} buffer must be {dtype} on {self.device} with >= {self.layout.numel} "
+                                 f"elements, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+        self.w = self.layout.views(self.params)
+        self.g = self.layout.views(self.grads)
+
+        positions = torch.arange(seq_len, dtype=torch.float32)
+        angles = positions[:, None] * cfg.rope_inv_freq()[None, :]
+        self.rope_cos = angles.cos().to(self.device)
+        self.rope_sin = angles.sin().to(self.device)
+
+        dev, c = self.device, cfg.hidden_size
+        self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute)
+        empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
+        self.final_ln = empty(n, c)
+        self.final_rstd = empty(n, dt=torch.float32)
+        self.scratch_nc = empty(n, c)  # attention-out / MLP-out projection before the residual add
+        self.logits = empty(n // lmhead_chunks, cfg.vocab_size)
+        self.losses = empty(n, dt=torch.float32)
+        # backward buffers, shared by all layers
+        self.d_residual = empty(n, c)
+        self.d_ln = empty(n, c)
+        self.d_swiglu = empty(n, cfg.intermediate_size)
+        self.d_up_gate = empty(n, 2 * cfg.intermediate_size)
+        self.d_att = empty(batch_size, seq_len, cfg.num_heads, cfg.head_dim)
+        self.d_qkv = empty(batch_size, seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
+        self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def zero_grads(self) -> None:
+        """Start a new optimizer step: zero gradients, the loss sum and the target count."""
+        self.grads.zero_()
+        self.loss_sum.zero_()
+        self.target_count.zero_()
+
+    def activation_bytes(self) -> dict[str, int]:
+        """Bytes of saved activations: per layer, shared scratch, and total for the whole model."""
+        return {"per_layer": self.acts.per_layer_bytes, "shared": self.acts.shared_bytes,
+                "total": self.acts.total_bytes(self.cfg.num_layers)}
+
+    def _lm_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.tie_word_embeddings:
+            return self.w["embed"], self.g["embed"]
+        return self.w["lm_head"], self.g["lm_head"]
+
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        shape = (self.batch_size, self.seq_len)
+        if tuple(inputs.shape) != shape or (targets is not None and tuple(targets.shape) != shape):
+            raise ValueError(f"batch must be {shape} tokens, got inputs {tuple(inputs.shape)}"
+                             + ("" if targets is None else f", targets {tuple(targets.shape)}"))
+        inputs = inputs.to(self.device, non_blocking=True).reshape(-1)
+        if targets is not None:
+            targets = targets.to(self.device, non_blocking=True).reshape(-1)
+        return inputs, targets
+
+    # ------------------------------------------------------------------ forward
+    def _block_forward(self, layer: int) -> None:
+        be, a, w, cfg = self.backend, self.acts, self.w, self.cfg
+        p = f"layers.{layer}."
+        n = self.batch_size * self.seq_len
+        ln1, qkv, att, lse = a.get("ln1", layer), a.get("qkv", layer), a.get("att", layer), a.get("lse", layer)
+        be.matmul(qkv.view(n, -1), ln1, w[p + "qkv_w"], transpose_b=True, bias=w.get(p + "qkv_b"))
+        be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
+        be.attention_forward(att, lse, qkv, cfg.num_heads, cfg.num_kv_heads)
+        be.matmul(self.scratch_nc, att.view(n, -1), w[p + "out_w"], transpose_b=True)
+        mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
+        be.fused_residual_rmsnorm_forward(mid, ln2, a.rstd2[layer], a.residual[layer], self.scratch_nc,
+                                          w[p + "ln2_w"], cfg.rms_norm_eps)
+        up_gate, swiglu = a.get("up_gate", layer), a.get("swiglu", layer)
+        be.matmul(up_gate, ln2, w[p + "up_gate_w"], transpose_b=True)
+        be.swiglu_forward(swiglu, up_gate)
+        be.matmul(self.scratch_nc, swiglu, w[p + "down_w"], transpose_b=True)
+        last = layer + 1 == cfg.num_layers
+        next_ln = self.final_ln if last else a.get("ln1", layer + 1)
+        next_rstd = self.final_rstd if last else a.rstd1[layer + 1]
+        next_w = w["final_norm"] if last else w[f"layers.{layer + 1}.ln1_w"]
+        be.fused_residual_rmsnorm_forward(a.residual[layer + 1], next_ln, next_rstd, mid, self.scratch_nc,
+                                          next_w, cfg.rms_norm_eps)
+
+    def _forward_trunk(self, tokens: torch.Tensor) -> None:
+        """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
+        be, a = self.backend, self.acts
+        be.embedding_forward(a.residual[0], tokens, self.w["embed"])
+        be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], self.w["layers.0.ln1_w"],
+                           self.cfg.rms_norm_eps)
+        for layer in range(self.cfg.num_layers):
+            self._block_forward(layer)
+
+    # ------------------------------------------------------------------ backward
+    def _recompute(self, layer: int) -> None:
+        """Refill the shared buffers of ``layer`` that the forward did not keep (same kernels, same inputs)."""
+        rc, be, a, w, cfg = self.recompute, self.backend, self.acts, self.w, self.cfg
+        p = f"layers.{layer}."
+        n = self.batch_size * self.seq_len
+        eps = cfg.rms_norm_eps
+        if rc.norm:
+            be.rmsnorm_forward(a.get("ln1", layer), a.rstd1[layer], a.residual[layer], w[p + "ln1_w"], eps)
+        qkv = a.get("qkv", layer)
+        if rc.qkv:
+            be.matmul(qkv.view(n, -1), a.get("ln1", layer), w[p + "qkv_w"], transpose_b=True,
+                      bias=w.get(p + "qkv_b"))
+            be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
+        if rc.att:
+            be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads)
+        if rc.block:
+            be.matmul(self.scratch_nc, a.get("att", layer).view(n, -1), w[p + "out_w"], transpose_b=True)
+            be.fused_residual_rmsnorm_forward(a.get("residual_mid", layer), a.get("ln2", layer), a.rstd2[layer],
+                                              a.residual[layer], self.scratch_nc, w[p + "ln2_w"], eps)
+        elif rc.norm:
+            be.rmsnorm_forward(a.get("ln2", layer), a.rstd2[layer], a.get("residual_mid", layer),
+                               w[p + "ln2_w"], eps)
+        if rc.ffn:
+            be.matmul(a.get("up_gate", layer), a.get("ln2", layer), w[p + "up_gate_w"], transpose_b=True)
+        if rc.swiglu:
+            be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer))
+
+    def _block_backward(self, layer: int) -> None:
+        """Backward of one block. On entry d_residual = dL/dx_{l+1}; on exit dL/dx_l. Weight grads += ."""
+        be, a, w, g, cfg = self.backend, self.acts, self.w, self.g, self.cfg
+        p = f"layers.{layer}."
+        n = self.batch_size * self.seq_len
+        self._recompute(layer)
+        dres = self.d_residual
+        # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
+        be.matmul(self.d_swiglu, dres, w[p + "down_w"])
+        be.matmul(g[p + "down_w"], dres, a.get("swiglu", layer), transpose_a=True, accumulate=True)
+        be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
+        be.matmul(self.d_ln, self.d_up_gate, w[p + "up_gate_w"])
+        be.matmul(g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), transpose_a=True, accumulate=True)
+        be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
+                            a.rstd2[layer], dresidual=dres)
+        # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
+        att = a.get("att", layer)
+        be.matmul(self.d_att.view(n, -1), dres, w[p + "out_w"])
+        be.matmul(g[p + "out_w"], dres, att.view(n, -1), transpose_a=True, accumulate=True)
+        be.attention_backward(self.d_qkv, self.d_att, att, a.get("lse", layer), a.get("qkv", layer),
+                              cfg.num_heads, cfg.num_kv_heads)
+        be.rope_backward(self.d_qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
+        d_qkv = self.d_qkv.view(n, -1)
+        be.matmul(self.d_ln, d_qkv, w[p + "qkv_w"])
+        be.matmul(g[p + "qkv_w"], d_qkv, a.get("ln1", layer), transpose_a=True, accumulate=True)
+        if cfg.qkv_bias:
+            be.bias_backward(g[p + "qkv_b"], d_qkv)
+        be.rmsnorm_backward(dres, g[p + "ln1_w"], self.d_ln, a.residual[layer], w[p + "ln1_w"],
+                            a.rstd1[layer], dresidual=dres)
+
+    # ------------------------------------------------------------------ public steps
+    def _lm_head_loss(self, targets: torch.Tensor, backward: bool) -> None:
+        """Chunked LM head + fused cross-entropy; with ``backward``, also dL/d final_ln into d_ln and the
+        LM-head weight gradient. Adds the chunk losses to ``loss_sum``."""
+        be = self.backend
+        w_head, g_head = self._lm_head()
+        rows = self.logits.shape[0]
+        for chunk in range(self.lmhead_chunks):
+            sl = slice(chunk * rows, (chunk + 1) * rows)
+            x = self.final_ln[sl]
+            be.matmul(self.logits, x, w_head, transpose_b=True)
+            be.fused_classifier(self.logits, self.losses[sl], targets[sl], 1.0, write_dlogits=backward)
+            if backward:
+                be.matmul(self.d_ln[sl], self.logits, w_head)
+                be.matmul(g_head, self.logits, x, transpose_a=True, accumulate=True)
+        self.loss_sum += self.losses.sum()
+        self.target_count += (targets != -100).sum()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """One micro-step: inputs/targets int [B, T] (targets -100 = masked). Accumulates into ``grads``
+        the gradient of the *sum* of target losses, into ``loss_sum`` that sum, into ``target_count`` the
+        number of unmasked targets. No host sync."""
+        tokens, targets = self._check_batch(inputs, targets)
+        self._forward_trunk(tokens)
+        self._lm_head_loss(targets, backward=True)
+        a = self.acts
+        self.backend.rmsnorm_backward(self.d_residual, self.g["final_norm"], self.d_ln, a.residual[-1],
+                                      self.w["final_norm"], self.final_rstd)
+        for layer in reversed(range(self.cfg.num_layers)):
+            self._block_backward(layer)
+        self.backend.embedding_backward(self.g["embed"], tokens, self.d_residual)
+
+    def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Evaluation: adds the summed loss and target count of a batch to loss_sum / target_count
+        (call zero_grads() or reset them first); gradients untouched."""
+        tokens, targets = self._check_batch(inputs, targets)
+        self._forward_trunk(tokens)
+        self._lm_head_loss(targets, backward=False)
+
+    @torch.no_grad()
+    def logits_for(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Full logits [B, T, V] in fp32 for inputs [B, T] (tests, generation; allocates [N, V])."""
+        tokens, _ = self._check_batch(inputs, None)
+        self._forward_trunk(tokens)
+        w_head, _ = self._lm_head()
+        out = torch.empty(tokens.numel(), self.cfg.vocab_size, dtype=self.dtype, device=self.device)
+        self.backend.matmul(out, self.final_ln, w_head, transpose_b=True)
+        return out.float().view(self.batch_size, self.seq_len, -1)
