@@ -173,7 +173,9 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     if isinstance(eos, list):
         eos = eos[0] if eos else None
     if kind == "llama":
-        qkv_bias = bool(d.get("attention_bias", False))
+        qkv_bias = False
+        if d.get("attention_bias", False):  # in HF Llama it also adds an o_proj bias, which we do not have
+            raise ConfigError(f"{source}: attention_bias=true is not supported.")
         if d.get("mlp_bias", False):
             raise ConfigError(f"{source}: mlp_bias=true is not supported.")
     else:
