@@ -1,0 +1,105 @@
+"""Run options: every knob of a training run in one validated dataclass.
+
+The CLI (llmq_ray/cli.py) maps flags one to one onto these fields (``--grad-accumulation`` ->
+``grad_accumulation``), and ``LLMQTrainer`` takes them as keyword arguments. ``validate()`` turns flag
+combinations that make no sense into one ConfigError sentence naming the flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmq_ray.errors import ConfigError
+from llmq_ray.model import RecomputeOptions
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class TrainOptions:
+    # model and data shape
+    model: str = "tiny"
+    from_scratch: bool = True
+    batch_size: int = 4
+    seq_len: int = 256
+    grad_accumulation: int = 1
+    # schedule and optimizer
+    steps: int = 100
+    learning_rate: float = 3e-4
+    warmup: int = 0
+    final_lr_fraction: float = 0.1
+    lr_schedule: str = "cosine"
+    cooldown_fraction: float = 0.2
+    beta_1: float = 0.9
+    beta_2: float = 0.95
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    # numerics
+    model_dtype: str = "fp32"
+    matmul_dtype: str | None = None   # None = model dtype; "e4m3" = FP8 block GEMMs
+    gradient_dtype: str | None = None  # None = matmul dtype; "e5m2" for FP8 backward operands
+    master_dtype: str = "fp32"
+    opt_m_dtype: str = "fp32"
+    opt_v_dtype: str = "fp32"
+    # memory
+    recompute_swiglu: bool = False
+    recompute_norm: bool = False
+    recompute_ffn: bool = False
+    recompute_qkv: bool = False
+    recompute_att: bool = False
+    recompute_block: bool = False
+    lmhead_chunks: int = 1
+    # parallelism
+    zero_level: int = 1
+    shard_gradients: bool = False
+    # misc
+    seed: int = 42
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.model_dtype]
+
+    @property
+    def recompute(self) -> RecomputeOptions:
+        return RecomputeOptions(swiglu=self.recompute_swiglu, norm=self.recompute_norm, ffn=self.recompute_ffn,
+                                qkv=self.recompute_qkv, att=self.recompute_att, block=self.recompute_block)
+
+    @property
+    def effective_zero_level(self) -> int:
+        return max(self.zero_level, 2 if self.shard_gradients else 0)
+
+    def validate(self) -> "TrainOptions":
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ConfigError(msg)
+
+        for flag in ("batch_size", "grad_accumulation", "steps", "lmhead_chunks"):
+            value = getattr(self, flag)
+            need(isinstance(value, int) and value >= 1, f"--{flag.replace('_', '-')}={value!r} must be an integer >= 1.")
+        need(self.seq_len >= 2, f"--seq-len={self.seq_len} must be at least 2.")
+        need(self.learning_rate > 0, f"--learning-rate={self.learning_rate} must be > 0.")
+        need(0 <= self.beta_1 < 1 and 0 <= self.beta_2 < 1,
+             f"--beta-1={self.beta_1} and --beta-2={self.beta_2} must be in [0, 1).")
+        need(self.weight_decay >= 0, f"--weight-decay={self.weight_decay} must be >= 0.")
+        need(self.grad_clip >= 0, f"--grad-clip={self.grad_clip} must be >= 0 (0 turns clipping off).")
+        for flag in ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype"):
+            value = getattr(self, flag)
+            need(value in DTYPES, f"--{flag.replace('_', '-')}={value!r} must be one of {sorted(DTYPES)}.")
+        need(not (self.model_dtype == "fp32" and self.master_dtype == "bf16"),
+             "--master-dtype=bf16 with --model-dtype=fp32 makes no sense: the master copy would be less precise "
+             "than the weights it updates; use --master-dtype=fp32.")
+        need(self.matmul_dtype in (None, self.model_dtype, "bf16", "e4m3"),
+             f"--matmul-dtype={self.matmul_dtype!r} must be the model dtype or e4m3.")
+        if self.matmul_dtype == "bf16":
+            need(self.model_dtype == "bf16", "--matmul-dtype=bf16 needs --model-dtype=bf16.")
+        need(self.gradient_dtype in (None, "e4m3", "e5m2"),
+             f"--gradient-dtype={self.gradient_dtype!r} must be e4m3 or e5m2.")
+        need(self.gradient_dtype is None or self.matmul_dtype == "e4m3",
+             f"--gradient-dtype={self.gradient_dtype} only applies with --matmul-dtype=e4m3.")
+        need(self.matmul_dtype != "e4m3" or self.model_dtype == "bf16",
+             "--matmul-dtype=e4m3 needs --model-dtype=bf16.")
+        need(self.zero_level in (1, 2, 3), f"--zero-level={self.zero_level} must be 1, 2 or 3.")
+        return self
