@@ -35,7 +35,8 @@ def configure_data_context() -> None:
 
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = False
+    if ctx.enable_progress_bars:
+        ctx.enable_progress_bars = False
 
 
 def ray_epoch_chunks(spec: DatasetSpec, seed: int, epoch: int, rank: int, world_size: int, cursor: int,

@@ -56,9 +56,16 @@ def test_qwen_vocabulary_gives_published_qwen25_ids(qwen):
 def shakespeare_out(tmp_path_factory):
     if not os.path.isfile(os.path.join(SHAKESPEARE_DIR, "tinyshakespeare.txt")):
         pytest.skip("tinyshakespeare.txt not available")
-    os.environ["LLMQ_DATA_DIR"] = SHAKESPEARE_DIR
-    out = str(tmp_path_factory.mktemp("ts") / "tiny-shakespeare-qwen")
-    meta = tokenize_files(["tiny-shakespeare"], out, shard_tokens=100_000, eval_tokens=32768, workers=1)
+    old = os.environ.get("LLMQ_DATA_DIR")
+    os.environ["LLMQ_DATA_DIR"] = SHAKESPEARE_DIR  # how the command finds the corpus without a download
+    try:
+        out = str(tmp_path_factory.mktemp("ts") / "tiny-shakespeare-qwen")
+        meta = tokenize_files(["tiny-shakespeare"], out, shard_tokens=100_000, eval_tokens=32768, workers=1)
+    finally:
+        if old is None:
+            del os.environ["LLMQ_DATA_DIR"]
+        else:
+            os.environ["LLMQ_DATA_DIR"] = old
     return out, meta
 
 
