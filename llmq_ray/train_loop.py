@@ -1,0 +1,60 @@
+"""A single-process training loop over a TrainEngine: what tests, notebooks and the Ray worker build on.
+
+``train_steps`` runs ``opts.steps`` optimizer steps of ``opts.grad_accumulation`` micro-batches each,
+with the learning-rate schedule of ``llmq_ray.optim.learning_rate_at``, and returns the per-step history.
+Batches come from any iterator of (inputs, targets) int tensors [B, T] (targets -100 = masked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from llmq_ray.engine import StepStats, TrainEngine
+from llmq_ray.optim import learning_rate_at
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One optimizer step as logged: 0-based step, lr, mean target loss, global grad norm, tokens, seconds."""
+
+    step: int
+    lr: float
+    loss: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+    skipped: bool = False
+
+
+def lr_for_step(engine: TrainEngine, step: int) -> float:
+    o = engine.opts
+    return learning_rate_at(step, base_lr=o.learning_rate, total_steps=o.steps, warmup_steps=o.warmup,
+                            schedule=o.lr_schedule, final_lr_fraction=o.final_lr_fraction,
+                            cooldown_fraction=o.cooldown_fraction)
+
+
+def train_step(engine: TrainEngine, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], step: int) -> StepRecord:
+    """Optimizer step number ``step`` (0-based): grad_accumulation micro-steps, then the update."""
+    start = time.perf_counter()
+    for _ in range(engine.opts.grad_accumulation):
+        inputs, targets = next(batches)
+        engine.micro_step(inputs, targets)
+    lr = lr_for_step(engine, step)
+    stats: StepStats = engine.update(lr, step + 1)
+    return StepRecord(step, lr, stats.loss, stats.grad_norm, stats.tokens, time.perf_counter() - start, stats.skipped)
+
+
+def train_steps(engine: TrainEngine, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], *, start_step: int = 0,
+                on_step: Callable[[StepRecord], None] | None = None) -> list[StepRecord]:
+    """Run steps start_step .. opts.steps-1; returns their records (``on_step`` sees each as it ends)."""
+    history = []
+    for step in range(start_step, engine.opts.steps):
+        record = train_step(engine, batches, step)
+        history.append(record)
+        if on_step is not None:
+            on_step(record)
+    return history
