@@ -1,0 +1,67 @@
+"""Time the single-process TrainEngine (no Ray) on random tokens: tokens/s, step time, peak memory.
+
+    python benchmarks/engine_step.py --model Qwen2.5-0.5B --backend torch --batch-size 16 --seq-len 1024
+
+This isolates the model + optimizer from the Ray runtime (benchmarks/bench_train.py measures the whole
+trainer); the difference between the two is Ray's own cost.
+"""
+
+import argparse
+import time
+
+import torch
+
+from backends import get_backend
+from llmq_ray.config import PRESETS
+from llmq_ray.engine import TrainEngine
+from llmq_ray.options import TrainOptions
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="Qwen2.5-0.5B")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--grad-accumulation", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warmup steps)")
+    ap.add_argument("--model-dtype", default="bf16")
+    ap.add_argument("--master-dtype", default="fp32")
+    ap.add_argument("--opt-dtype", default="bf16", help="Adam m and v dtype")
+    ap.add_argument("--recompute", default="", help="comma list: swiglu,norm,ffn,qkv,att,block")
+    ap.add_argument("--lmhead-chunks", type=int, default=1)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
+    opts = TrainOptions(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
+                        grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,
+                        master_dtype=args.master_dtype, opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype,
+                        lmhead_chunks=args.lmhead_chunks, **rec)
+    cfg = PRESETS[args.model]
+    engine = TrainEngine(cfg, opts, get_backend(args.backend, args.device))
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
+    inputs, targets = batch[:, :-1].to(args.device), batch[:, 1:].to(args.device)
+    times = []
+    for step in range(args.steps + 2):
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.grad_accumulation):
+            engine.micro_step(inputs, targets)
+        stats = engine.update(1e-4, step + 1)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        print(f"step {step}: loss {stats.loss:.4f} norm {stats.grad_norm:.3f} {times[-1] * 1e3:.1f} ms", flush=True)
+    step_time = sorted(times[2:])[len(times[2:]) // 2]
+    tokens = args.batch_size * args.seq_len * args.grad_accumulation
+    flops = cfg.flops_per_token(args.seq_len) * tokens / step_time
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    print(f"RESULT model={args.model} backend={args.backend} B={args.batch_size} T={args.seq_len} "
+          f"dtype={args.model_dtype} median_step_ms={step_time * 1e3:.1f} tokens_per_s={tokens / step_time:.0f} "
+          f"TFLOPs={flops / 1e12:.1f} MFU_vs_989={flops / 989e12 * 100:.1f}% peak_mem_GiB={peak:.1f}")
+
+
+if __name__ == "__main__":
+    main()
