@@ -36,7 +36,10 @@ class Backend:
     name = "abstract"
 
     def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" -> "cuda:<current>", so devices compare equal
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
 
     # ------------------------------------------------------------------ embedding
     def embedding_forward(self, out: torch.Tensor, tokens: torch.Tensor, table: torch.Tensor) -> None:

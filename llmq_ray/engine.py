@@ -12,6 +12,12 @@ A step is ``micro_step`` x grad_accumulation, then ``update``:
 * grad_scale = clip_coefficient / total_target_tokens is folded into the AdamW kernel (no extra pass);
 * each rank updates its shard of the weights, then the weights are all-gathered.
 
+ZeRO-2 (``--zero-level=2`` or ``--shard-gradients``): the full gradient buffer is reduce-scattered after
+*every* micro-step and added into a shard-sized accumulator ``grad_shard`` (model dtype, [S]); the full
+buffer is then zeroed for the next micro-step, and the update uses the accumulator directly. The
+accumulated gradients that persist across micro-steps are thus sharded; the full buffer is still the
+backward's scratch (a per-layer reduce-scatter during the backward would shrink it too; not done yet).
+
 Everything stays on the device until ``update`` returns its small stats tensor: the one host sync per step.
 """
 
@@ -97,6 +103,10 @@ class TrainEngine:
         self.shard_end = min((rank + 1) * self.shard_size, layout_numel)
         self.optimizer = self._make_optimizer()
         self.micro_steps_done = 0
+        # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step.
+        self.grad_shard = (torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
+                           if opts.effective_zero_level >= 2 else None)
+        self._grad_shard_tmp = torch.empty_like(self.grad_shard) if self.grad_shard is not None else None
 
     def _make_optimizer(self) -> ShardedAdamW:
         o = self.opts
@@ -114,7 +124,15 @@ class TrainEngine:
         """Forward + backward of one micro-batch [B, T]; the first of a step zeroes the gradients."""
         if self.micro_steps_done == 0:
             self.model.zero_grads()
+        elif self.grad_shard is not None:
+            self.grads.zero_()  # ZeRO-2: the previous micro-step's gradients already sit in grad_shard
         self.model.forward_backward(inputs, targets)
+        if self.grad_shard is not None:
+            if self.micro_steps_done == 0:
+                self.comm.reduce_scatter_sum(self.grad_shard, self.grads)
+            else:
+                self.comm.reduce_scatter_sum(self._grad_shard_tmp, self.grads)
+                self.grad_shard += self._grad_shard_tmp
         self.micro_steps_done += 1
 
     def update(self, lr: float, step: int) -> StepStats:
@@ -129,8 +147,11 @@ class TrainEngine:
         model, comm = self.model, self.comm
         totals = torch.stack([model.loss_sum.double(), model.target_count.double()])
         comm.all_reduce_sum(totals)
-        shard = self.grads[self.comm.rank * self.shard_size:(self.comm.rank + 1) * self.shard_size]
-        comm.reduce_scatter_sum(shard, self.grads)
+        if self.grad_shard is not None:  # ZeRO-2: reduced at every micro-step already
+            shard = self.grad_shard
+        else:  # ZeRO-1: reduce once, at the end of the step
+            shard = self.grads[self.comm.rank * self.shard_size:(self.comm.rank + 1) * self.shard_size]
+            comm.reduce_scatter_sum(shard, self.grads)
         local = shard[:self.shard_end - self.shard_start]
         norm_sq = global_grad_norm_squared(self.backend, local)
         comm.all_reduce_sum(norm_sq)
