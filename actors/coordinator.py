@@ -1,0 +1,230 @@
+"""``Coordinator``: the Ray actor that drives a run's workers step by step, evaluates, exports and logs.
+
+Per optimizer step it makes one call per worker, ``GPUWorker.train_step(step, lr)``; each worker runs its
+grad-accumulation micro-steps and the update (gradient reduce-scatter -- at the last micro-step under
+ZeRO-1, at every micro-step under ZeRO-2 -- global-norm all-reduce, clip, AdamW on its shard, all-gather
+of the weights) and reports a small dict. Nothing goes back to the coordinator between micro-steps; the
+update's stats are the one host sync. The coordinator then:
+
+* logs the step (JSON record; the console line goes back to the caller, who prints it),
+* publishes Ray metrics (tokens/s, loss, norm, step time),
+* evaluates every ``eval_every_n_steps`` steps on ``eval_num_steps`` batches, and at ``finish()`` over the
+  whole eval file, then exports the weights as an HF folder (from a worker on the coordinator's node when
+  there is one, so the export lands on the driver's machine).
+
+Step-level calls for custom loops (``LLMQTrainer.step`` / ``update`` / ``validate`` / ``export``) map onto
+``micro_step`` / ``update`` / ``validate`` / ``export`` here.
+
+The trainer schedules this actor on the driver's node, so ``out_dir`` and the log are local to the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from actors import telemetry
+from actors.failures import gather
+from actors.placement import create_workers
+from actors.spec import RuntimeSpec
+from llmq_ray.config import resolve_model
+from llmq_ray.metrics import sol_fraction, sol_record
+from llmq_ray.optim import learning_rate_at
+from llmq_ray.runlog import RunLog, eval_line, step_line
+
+
+class Coordinator:
+    """Owns the placement group and the workers of one run (they die with it)."""
+
+    def __init__(self, spec: RuntimeSpec):
+        self.spec = spec
+        self.opts = spec.opts
+        self.cfg, _ = resolve_model(spec.opts.model)
+        self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.json"))
+        self.step = 0               # optimizer steps done
+        self.micro_pending = 0      # micro-steps done since the last update (step-level API)
+        self.workers: list = []
+        self.pg = None
+        self.gpu_name: str | None = None
+        self.peak = None
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+        self.export_path: str | None = None
+        self._export_rank = 0
+
+    # ------------------------------------------------------------------ set-up
+    def start(self) -> dict:
+        """Place the workers, form the process group, build the engines. Returns the set-up info."""
+        import ray
+
+        spec = self.spec
+        t0 = time.perf_counter()
+        self.pg, self.workers, nodes = create_workers(spec)
+        address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
+        infos = gather([w.setup.remote(address, nodes[r]["local_rank"]) for r, w in enumerate(self.workers)],
+                       max(spec.collective_timeout_s, 120.0) + 60.0, "set-up")
+        here = ray.get_runtime_context().get_node_id()
+        self._export_rank = next((r for r, n in enumerate(nodes) if n["node_id"] == here), 0)
+        self.gpu_name = infos[0]["device_name"] if spec.device == "cuda" else None
+        sol = sol_record(self.cfg, self.opts.seq_len, self.gpu_name, self.opts.matmul_dtype)
+        self.peak = sol["peak_tflops"]
+        self.log.add("options", **dataclasses.asdict(self.opts),
+                     **{k: v for k, v in dataclasses.asdict(spec).items() if k not in ("opts", "fault")})
+        for r, (info, node) in enumerate(zip(infos, nodes)):
+            self.log.add("gpu", rank=r, device=info["device"], name=info["device_name"], node_ip=node["ip"],
+                         local_rank=node["local_rank"], pid=node["pid"])
+        self.log.add("sol", **sol)
+        self.log.add("dataset", **infos[0]["dataset"])
+        self.log.add("allocator", rank=0, **infos[0]["memory"])
+        self.log.flush()
+        return {"world_size": spec.world_size, "gpu": self.gpu_name, "device": infos[0]["device"],
+                "nodes": nodes, "memory": infos[0]["memory"], "dataset": infos[0]["dataset"],
+                "seconds": time.perf_counter() - t0, "log_file": self.log.path}
+
+    # ------------------------------------------------------------------ helpers
+    def lr_at(self, step: int) -> float:
+        o = self.opts
+        return learning_rate_at(step, base_lr=o.learning_rate, total_steps=o.steps, warmup_steps=o.warmup,
+                                schedule=o.lr_schedule, final_lr_fraction=o.final_lr_fraction,
+                                cooldown_fraction=o.cooldown_fraction)
+
+    def _call(self, method: str, *args, what: str | None = None, timeout: float | None = None) -> list:
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return gather(refs, timeout or self.spec.call_timeout_s, what or method)
+
+    def _record_step(self, step: int, lr: float, results: list[dict], wall: float, tokens: int) -> dict:
+        r0 = results[0]
+        tps = tokens / max(wall, 1e-9)
+        sol = sol_fraction(tps / self.spec.world_size, self.cfg.flops_per_token(self.opts.seq_len), self.peak)
+        worker_s = max(r.get("seconds", 0.0) for r in results)
+        rec = {"step": step, "lr": lr, "loss": r0["loss"], "norm": r0["norm"], "targets": r0["targets"],
+               "tokens": tokens, "seconds": wall, "tokens_per_s": tps, "sol": sol, "skipped": r0["skipped"],
+               "worker_seconds": worker_s, "ray_overhead_seconds": max(wall - worker_s, 0.0),
+               "data_seconds": max(r.get("data_seconds", 0.0) for r in results),
+               "memory": [r.get("memory", 0) for r in results]}
+        self.history.append(rec)
+        self.log.add("step", **rec)
+        telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
+                           "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})
+        return rec
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self) -> dict:
+        """One optimizer step over all workers (+ a periodic eval when due).
+
+        Returns {"record": step record, "lines": console lines, "eval": eval record or None}."""
+        if self.micro_pending:
+            raise RuntimeError("train_step() after step() without update(): call update() first.")
+        step, lr = self.step, self.lr_at(self.step)
+        t0 = time.perf_counter()
+        results = self._call("train_step", step, lr, what=f"train_step (step {step + 1})")
+        wall = time.perf_counter() - t0
+        self.step += 1
+        rec = self._record_step(step, lr, results, wall, self.spec.tokens_per_step)
+        lines = [step_line(step, self.opts.steps, wall, rec["norm"], rec["loss"], rec["tokens_per_s"], rec["sol"],
+                           rec["skipped"])]
+        ev = None
+        n = self.spec.eval_every_n_steps
+        if n > 0 and self.spec.eval_file and self.step % n == 0 and self.step < self.opts.steps:
+            ev = self.validate(full=False)
+            lines.append(ev["line"])
+        return {"record": rec, "lines": lines, "eval": ev}
+
+    def micro_step(self) -> None:
+        """One forward+backward on every worker (each on its own next batch), gradients accumulating."""
+        self._call("micro_step", what=f"micro_step (step {self.step + 1})")
+        self.micro_pending += 1
+
+    def update(self, lr: float | None = None) -> dict:
+        """The optimizer update after one or more micro_step(); ``lr`` defaults to the schedule's.
+        Returns the step record (loss, norm, ...)."""
+        if not self.micro_pending:
+            raise RuntimeError("update() before any step(): run at least one forward+backward first.")
+        step = self.step
+        lr = self.lr_at(step) if lr is None else float(lr)
+        t0 = time.perf_counter()
+        results = self._call("update", step, lr, what=f"update (step {step + 1})")
+        wall = time.perf_counter() - t0
+        o = self.opts
+        tokens = o.batch_size * o.seq_len * self.micro_pending * self.spec.world_size
+        self.micro_pending = 0
+        self.step += 1
+        return self._record_step(step, lr, results, wall, tokens)
+
+    def validate(self, full: bool = False) -> dict | None:
+        """Eval loss over eval_num_steps batches (or the whole eval file with ``full``); None without one."""
+        if not self.spec.eval_file:
+            return None
+        t0 = time.perf_counter()
+        results = self._call("evaluate", full, what="evaluate")
+        wall = time.perf_counter() - t0
+        loss_sum, count = results[0]["loss_sum"], results[0]["targets"]
+        loss = loss_sum / max(count, 1)
+        rec = {"step": self.step, "loss": loss, "targets": count, "seconds": wall, "full": full,
+               "batches": results[0].get("batches", 0)}
+        rec["line"] = eval_line(self.step, self.opts.steps, wall, loss, rec["batches"], final=full)
+        self.evals.append(rec)
+        self.log.add("eval", **{k: v for k, v in rec.items() if k != "line"})
+        self.log.flush()
+        telemetry.publish({"llmq_eval_loss": loss}, {"role": "coordinator"})
+        return rec
+
+    # ------------------------------------------------------------------ outputs
+    def export(self, path: str | None = None) -> str:
+        """HF export of the current weights into ``path`` (default out_dir/export), written atomically."""
+        path = os.path.abspath(path or os.path.join(self.spec.out_dir, "export"))
+        w = self.workers[self._export_rank]
+        return gather([w.export.remote(path, self.spec.export_dtype)], self.spec.call_timeout_s, "export")[0]
+
+    def finish(self) -> dict:
+        """Final eval over the whole eval file, the export, the last log flush. Returns the summary."""
+        final = self.validate(full=True) if self.spec.final_eval else None
+        if self.spec.export:
+            self.export_path = self.export()
+        summary = self.summary(final)
+        self.log.add("summary", **summary)
+        self.log.flush()
+        return {"summary": summary, "lines": [final["line"]] if final else []}
+
+    def summary(self, final: dict | None = None) -> dict:
+        steady = self.history[1:] or self.history  # the first step includes warm-up (allocations, first collectives)
+        wall = sum(r["seconds"] for r in steady)
+        toks = sum(r["tokens"] for r in steady)
+        return {"steps": self.step, "train_loss": self.history[-1]["loss"] if self.history else None,
+                "eval_loss": final["loss"] if final else (self.evals[-1]["loss"] if self.evals else None),
+                "tokens_per_s": toks / wall if wall > 0 else None,
+                "step_seconds": wall / len(steady) if steady else None,
+                "worker_seconds": (sum(r["worker_seconds"] for r in steady) / len(steady)) if steady else None,
+                "export_path": self.export_path, "log_file": self.log.path}
+
+    def get_history(self) -> dict:
+        return {"steps": list(self.history), "evals": [{k: v for k, v in e.items() if k != "line"} for e in self.evals]}
+
+    def flat_params(self, rank: int = 0):
+        return gather([self.workers[rank].flat_params.remote()], self.spec.call_timeout_s, "flat_params")[0]
+
+    def data_state(self) -> list:
+        return self._call("data_state", timeout=60.0)
+
+    def shutdown(self) -> None:
+        """Close the workers (leave the process group), kill them and release the placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.log.records:
+            try:
+                self.log.flush()
+            except OSError:
+                pass
+        if self.workers:
+            try:
+                gather([w.close.remote() for w in self.workers], 30.0, "close")
+            except Exception:  # noqa: BLE001 - best effort; they are killed next
+                pass
+            for w in self.workers:
+                ray.kill(w)
+            self.workers = []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

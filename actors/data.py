@@ -1,0 +1,60 @@
+"""A worker's batches: its share of the train shards (``TokenStream``), or random tokens for benchmarks.
+
+Both sources hand out ``(inputs, targets)`` int64 [B, T] on the CPU, pinned when CUDA is present, so the
+engine's ``.to(device, non_blocking=True)`` is an asynchronous copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors.spec import RuntimeSpec
+from llmq_ray.errors import DataError
+
+
+class RandomTokenStream:
+    """Uniform random tokens in [0, vocab): each batch is B rows of T+1 tokens (inputs = [:, :T],
+    targets = [:, 1:]), drawn from a CPU generator seeded by (seed, rank), so a run is reproducible and
+    ranks see different data. No files needed: this is what ``benchmarks/bench_train.py`` trains on."""
+
+    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, rank: int, seed: int):
+        self.vocab, self.T, self.B = vocab_size, seq_len, batch_size
+        self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self.pin = torch.cuda.is_available()
+
+    def next_batch(self):
+        tokens = torch.randint(0, self.vocab, (self.B, self.T + 1), generator=self.gen, dtype=torch.int64)
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        if self.pin:
+            inputs, targets = inputs.pin_memory(), targets.pin_memory()
+        return inputs, targets
+
+    def state(self) -> dict:
+        return {"random": True}
+
+    def close(self) -> None:
+        pass
+
+
+def train_source(spec: RuntimeSpec, vocab_size: int, rank: int):
+    """The worker's endless batch source for ``spec`` (rank ``rank`` of ``spec.world_size``)."""
+    o = spec.opts
+    if spec.synthetic_data:
+        return RandomTokenStream(vocab_size, o.seq_len, o.batch_size, rank, o.seed)
+    if not spec.train_file:
+        raise DataError("no --train-file given (pass a glob of token shards, or --synthetic-data for random tokens).")
+    from data_pipeline.stream import TokenStream
+
+    return TokenStream(spec.train_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.world_size,
+                       seed=o.seed, use_ray=spec.use_ray_data, vocab_size=vocab_size)
+
+
+def eval_source(spec: RuntimeSpec, vocab_size: int, rank: int, max_batches=None):
+    """An EvalStream over ``spec.eval_file`` (None when there is no eval file)."""
+    if not spec.eval_file:
+        return None
+    from data_pipeline.stream import EvalStream
+
+    o = spec.opts
+    return EvalStream(spec.eval_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.world_size,
+                      vocab_size=vocab_size, max_batches=max_batches)

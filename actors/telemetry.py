@@ -1,0 +1,65 @@
+"""Ray metrics (``ray.util.metrics``) that workers and the coordinator publish for the Ray dashboard.
+
+Ray exports them in Prometheus format on each node's metrics endpoint (``ray_<name>``, e.g.
+``ray_llmq_worker_tokens_per_second{rank="0",...}``), which the dashboard's Metrics tab (through
+Prometheus/Grafana) and any scraper read. Gauges are created lazily, once per process; outside a Ray
+worker process (plain unit tests) everything here is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+
+_GAUGES: dict = {}
+
+WORKER_METRICS = {
+    "llmq_worker_tokens_per_second": "tokens/s processed by this worker in its last train_step",
+    "llmq_worker_step_seconds": "seconds this worker spent inside its last train_step (all micro-steps + update)",
+    "llmq_worker_loss": "mean target loss of the last optimizer step (same on every rank)",
+    "llmq_worker_memory_bytes": "device memory of this worker: peak allocated on CUDA, resident set on CPU",
+}
+COORDINATOR_METRICS = {
+    "llmq_tokens_per_second": "tokens/s of the whole run (all workers) in the last step, by coordinator wall time",
+    "llmq_step_seconds": "coordinator wall time of the last optimizer step",
+    "llmq_train_loss": "mean target loss of the last optimizer step",
+    "llmq_grad_norm": "global gradient L2 norm of the last optimizer step",
+    "llmq_eval_loss": "mean target loss of the last evaluation",
+}
+
+
+def _gauge(name: str, description: str, tag_keys: tuple):
+    g = _GAUGES.get(name)
+    if g is None:
+        from ray.util.metrics import Gauge
+
+        g = _GAUGES[name] = Gauge(name, description=description, tag_keys=tag_keys)
+    return g
+
+
+def publish(values: dict, tags: dict) -> None:
+    """Set gauges ``name -> value`` with ``tags`` (e.g. {"rank": "0", "run": "abc"}); unknown names ignored."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return
+    except ImportError:
+        return
+    described = {**WORKER_METRICS, **COORDINATOR_METRICS}
+    for name, value in values.items():
+        if name in described and value is not None:
+            _gauge(name, described[name], tuple(sorted(tags))).set(float(value), tags=tags)
+
+
+def memory_bytes(device) -> int:
+    """Peak allocated device memory on CUDA, else this process's resident set size."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        import psutil
+
+        return int(psutil.Process(os.getpid()).memory_info().rss)
+    except Exception:  # noqa: BLE001
+        return 0

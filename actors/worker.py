@@ -1,0 +1,227 @@
+"""``GPUWorker``: the Ray actor that owns one GPU (or, with ``device="cpu"``, a few CPU cores) of a run.
+
+It holds a ``TrainEngine`` (the full weights under ZeRO-1/2, its shard of the optimizer state and, under
+ZeRO-2, of the gradients), its own data source (rank r of W), and the torch.distributed group over which
+the engine's collectives run. The coordinator makes **one Ray call per worker per optimizer step**
+(``train_step``): all grad-accumulation micro-steps and the update run inside the actor, without a host
+sync until the update's small stats tensor is read. The result is a small dict.
+
+Placement and devices (see ``actors/placement.py``): each worker sits in a {GPU: 1, CPU: k} bundle.
+The actor's ``runtime_env`` sets ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so that every worker on
+a node sees all its GPUs (per-actor CUDA_VISIBLE_DEVICES masking is known to make NCCL slow); the worker
+then picks its own GPU: the one Ray assigned to its bundle when Ray reports it, else ``cuda:<local_rank>``.
+``OMP_NUM_THREADS`` = k and ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` are set in the same runtime_env.
+
+Method order: ``rendezvous_address`` (rank 0 only) -> ``setup`` (all ranks, concurrently) -> any of
+``train_step`` / ``micro_step`` + ``update`` / ``evaluate`` / ``export`` -> ``close``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from actors import telemetry
+from actors.collectives import destroy_group, free_port, init_group, node_ip, set_worker_threads
+from actors.data import eval_source, train_source
+from actors.spec import RuntimeSpec
+from llmq_ray.config import resolve_model
+from llmq_ray.engine import TrainEngine
+from llmq_ray.errors import ConfigError
+
+
+def worker_env(cpus_per_worker: int) -> dict:
+    """The env_vars of a worker's runtime_env."""
+    env = {
+        "OMP_NUM_THREADS": str(cpus_per_worker),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+    }
+    if os.environ.get("PYTHONPATH"):  # the coordinator's, which the trainer points at this checkout
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
+
+
+def pick_cuda_device(local_rank: int) -> torch.device:
+    """This worker's GPU. With NOSET_CUDA_VISIBLE_DEVICES the process sees all the node's GPUs; Ray still
+    records which one it assigned to the bundle (``ray.get_gpu_ids()``, physical ids). We map that id
+    through any node-level CUDA_VISIBLE_DEVICES to a torch index; if Ray reports nothing, ``local_rank``."""
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ConfigError("--device=cuda but this worker sees no CUDA device; use --device=cpu.")
+    index = local_rank
+    try:
+        import ray
+
+        ids = [str(i) for i in ray.get_gpu_ids()]
+    except Exception:  # noqa: BLE001
+        ids = []
+    if len(ids) == 1:
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        if visible and ids[0] in visible:
+            index = visible.index(ids[0])
+        elif not visible and ids[0].isdigit():
+            index = int(ids[0])
+    if index >= count:
+        index = local_rank % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+class GPUWorker:
+    """One rank of a run (wrap with ``ray.remote`` and a placement-group strategy; see actors/placement.py)."""
+
+    def __init__(self, rank: int, spec: RuntimeSpec):
+        self.rank, self.spec = rank, spec
+        self.world_size = spec.world_size
+        self.engine: TrainEngine | None = None
+        self.device: torch.device | None = None
+        self._train = self._eval_periodic = self._eval_full = None
+        set_worker_threads(spec.cpus_per_worker)
+
+    # ------------------------------------------------------------------ set-up
+    def node(self) -> dict:
+        """Where this actor runs: {"node_id", "ip", "pid", "gpu_ids"} (the coordinator derives local ranks)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": node_ip(), "pid": os.getpid(),
+                "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
+
+    def rendezvous_address(self) -> str:
+        """Rank 0 only: reserve a free port on this node and return ``tcp://ip:port`` for init_process_group."""
+        ip = node_ip()
+        return f"tcp://{ip}:{free_port()}"
+
+    def setup(self, init_method: str, local_rank: int) -> dict:
+        """Pick the device, join the process group, build the engine (weights: init or HF load) and the
+        data sources. Returns {"device", "device_name", "memory": {...}, "dataset": {...}}."""
+        spec, o = self.spec, self.spec.opts
+        if spec.device == "cuda":
+            self.device = pick_cuda_device(local_rank)
+        else:
+            self.device = torch.device("cpu")
+        comm = init_group(init_method, self.rank, self.world_size, self.device, spec.collective_timeout_s)
+        from backends import get_backend
+
+        cfg, weights = resolve_model(o.model)
+        backend = get_backend(spec.backend, self.device)
+        self.engine = TrainEngine(cfg, o, backend, comm, init_weights=o.from_scratch or weights is None)
+        if not o.from_scratch:
+            if weights is None:
+                raise ConfigError(f"--model={o.model!r} is a preset without weights; add --from-scratch or "
+                                  f"pass an HF model folder.")
+            from llmq_ray.hf_io import load_hf_weights
+
+            load_hf_weights(weights, self.engine.layout, self.engine.params)
+            self.engine.reset_optimizer_from_params()
+        self._train = train_source(spec, cfg.vocab_size, self.rank)
+        if spec.eval_file:
+            self._eval_periodic = eval_source(spec, cfg.vocab_size, self.rank, spec.eval_num_steps)
+            self._eval_full = eval_source(spec, cfg.vocab_size, self.rank, None)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {"device": str(self.device), "device_name": name, "memory": self.memory_table(),
+                "dataset": self._dataset_info()}
+
+    def _dataset_info(self) -> dict:
+        src = self._train
+        info: dict = {"synthetic": self.spec.synthetic_data}
+        spec_obj = getattr(src, "spec", None)
+        if spec_obj is not None:
+            info.update(files=list(spec_obj.paths), tokens=int(sum(spec_obj.n_tokens)),
+                        windows_per_epoch_per_rank=int(src.windows_per_epoch))
+        if self._eval_full is not None:
+            info.update(eval_files=list(self._eval_full.spec.paths), eval_tokens=int(sum(self._eval_full.spec.n_tokens)),
+                        eval_batches_per_rank=len(self._eval_full))
+        return info
+
+    def memory_table(self) -> dict:
+        """Bytes of each part of the training state on this worker (weights, grads, optimizer, activations)."""
+        e = self.engine
+        nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
+        opt = e.optimizer
+        table = {"weights": nbytes(e.params), "grads": nbytes(e.grads) + nbytes(e.grad_shard),
+                 "master": nbytes(opt.master), "adam_m": nbytes(opt.m), "adam_v": nbytes(opt.v),
+                 "activations": e.model.activation_bytes()["total"]}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            table.update(free=int(free), total=int(total))
+        return table
+
+    # ------------------------------------------------------------------ steps
+    def _check_fault(self, step: int) -> None:
+        f = self.spec.fault
+        if f and int(f.get("rank", -1)) == self.rank and int(f.get("step", -1)) == step:
+            raise RuntimeError(f"injected fault at step {step} (test hook)")
+
+    def micro_step(self) -> float:
+        """One forward+backward on this rank's next batch; returns seconds spent waiting for data."""
+        t0 = time.perf_counter()
+        inputs, targets = self._train.next_batch()
+        data_s = time.perf_counter() - t0
+        self.engine.micro_step(inputs, targets)
+        return data_s
+
+    def update(self, step: int, lr: float) -> dict:
+        """The optimizer update number ``step + 1`` (0-based ``step``) at learning rate ``lr``."""
+        s = self.engine.update(lr, step + 1)
+        return {"loss": s.loss, "norm": s.grad_norm, "targets": s.tokens, "skipped": s.skipped}
+
+    def train_step(self, step: int, lr: float) -> dict:
+        """grad_accumulation micro-steps then the update: one whole optimizer step in one Ray call.
+
+        Returns {"loss", "norm", "targets", "skipped", "seconds" (inside this call), "data_seconds",
+        "memory"} -- loss/norm/targets are already reduced over all ranks."""
+        self._check_fault(step)
+        t0 = time.perf_counter()
+        data_s = 0.0
+        for _ in range(self.spec.opts.grad_accumulation):
+            data_s += self.micro_step()
+        out = self.update(step, lr)  # reads the stats to the host: the step's one sync
+        seconds = time.perf_counter() - t0
+        o = self.spec.opts
+        tokens = o.batch_size * o.seq_len * o.grad_accumulation
+        mem = telemetry.memory_bytes(self.device)
+        out.update(seconds=seconds, data_seconds=data_s, memory=mem)
+        telemetry.publish({"llmq_worker_tokens_per_second": tokens / max(seconds, 1e-9),
+                           "llmq_worker_step_seconds": seconds, "llmq_worker_loss": out["loss"],
+                           "llmq_worker_memory_bytes": mem}, {"rank": str(self.rank)})
+        return out
+
+    def evaluate(self, full: bool) -> dict:
+        """Summed loss and target count over the eval file (all of it, or eval_num_steps batches), reduced
+        over ranks: {"loss_sum", "targets", "seconds"}."""
+        stream = self._eval_full if full else self._eval_periodic
+        if stream is None:
+            return {"loss_sum": 0.0, "targets": 0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        loss_sum, count = self.engine.evaluate(stream)
+        return {"loss_sum": loss_sum, "targets": count, "seconds": time.perf_counter() - t0,
+                "batches": len(stream)}
+
+    # ------------------------------------------------------------------ outputs
+    def export(self, out_dir: str, dtype: str | None) -> str:
+        """Write the (replicated) weights as an HF folder, atomically; returns its absolute path."""
+        from llmq_ray.hf_io import export_hf
+        from llmq_ray.options import DTYPES
+
+        e = self.engine
+        torch_dtype = DTYPES[dtype] if dtype else e.params.dtype
+        return export_hf(out_dir, e.cfg, e.layout, e.params[:e.layout.numel].cpu(), dtype=torch_dtype)
+
+    def flat_params(self) -> torch.Tensor:
+        """A CPU fp32 copy of the weights [layout.numel] (tests, small models)."""
+        e = self.engine
+        return e.params[:e.layout.numel].detach().float().cpu().clone()
+
+    def data_state(self) -> dict:
+        return self._train.state() if self._train is not None else {}
+
+    def close(self) -> None:
+        """Stop the data reader and leave the process group (the actor is killed afterwards)."""
+        if self._train is not None:
+            self._train.close()
+        destroy_group()

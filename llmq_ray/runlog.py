@@ -1,0 +1,101 @@
+"""Run logs: llm.q-shaped console lines and the JSON log.
+
+Console (one line per optimizer step, one per eval)::
+
+    [T] step    12 [ 12.0%] | time:   183 ms | norm   1.2345 | loss   6.1234 | tps   44.8k | sol  45.1%
+    [V] step    50 [ 50.0%] | time:  1204 ms | eval loss   5.4321 | batches 8
+
+JSON log: a list of records, each a dict with a "log" key naming its kind, in the order they happened:
+"options" (all run options), "gpu" (one per rank: device, name, memory table), "sol" (FLOPs/token,
+peaks), "dataset" (files, token counts), "allocator" (memory table of rank 0), "step" (per optimizer
+step), "eval". ``RunLog.flush()`` writes the whole list to a temporary file in the same folder and renames
+it over the log, so a reader (or a crash) never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+
+def _num(x: Optional[float], width: int, prec: int) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return f"{'nan' if x is not None else '-':>{width}}"
+    return f"{x:{width}.{prec}f}"
+
+
+def _tps(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:6.2f}M"
+    if x >= 1e3:
+        return f"{x / 1e3:6.1f}k"
+    return f"{x:7.0f}"
+
+
+def step_line(step: int, total: int, seconds: float, norm: float, loss: float, tps: float,
+              sol: Optional[float], skipped: bool = False) -> str:
+    """``[T]`` line of 0-based ``step`` of ``total``; ``sol`` is a fraction or None."""
+    pct = 100.0 * (step + 1) / max(total, 1)
+    sol_s = f"{100 * sol:5.1f}%" if sol is not None else "    -"
+    tail = " | SKIPPED (non-finite gradient)" if skipped else ""
+    return (f"[T] step {step + 1:5d} [{pct:5.1f}%] | time: {1000 * seconds:6.0f} ms | norm {_num(norm, 8, 4)} | "
+            f"loss {_num(loss, 8, 4)} | tps {_tps(tps)} | sol {sol_s}{tail}")
+
+
+def eval_line(step: int, total: int, seconds: float, loss: float, batches: int, final: bool = False) -> str:
+    pct = 100.0 * step / max(total, 1)
+    what = "final eval loss" if final else "eval loss"
+    return (f"[V] step {step:5d} [{pct:5.1f}%] | time: {1000 * seconds:6.0f} ms | {what} {_num(loss, 8, 4)} | "
+            f"batches {batches}")
+
+
+def atomic_write_json(path: str, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` via a temporary sibling and os.replace (never half-written)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, default=_json_default)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _json_default(o):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    return str(o)
+
+
+class RunLog:
+    """The JSON log of one run: ``add(kind, **fields)`` appends a record; ``flush()`` rewrites the file
+    atomically (called at set-up, after each eval, every ``flush_every`` steps and at the end)."""
+
+    def __init__(self, path: Optional[str], flush_every: int = 50):
+        self.path = os.path.abspath(path) if path else None
+        self.records: list[dict] = []
+        self.flush_every = flush_every
+        self._since_flush = 0
+
+    def add(self, kind: str, **fields) -> dict:
+        rec = {"log": kind, **fields}
+        self.records.append(rec)
+        self._since_flush += 1
+        if kind == "step" and self._since_flush >= self.flush_every:
+            self.flush()
+        return rec
+
+    def flush(self) -> None:
+        if self.path is not None:
+            atomic_write_json(self.path, self.records)
+        self._since_flush = 0

@@ -1,0 +1,345 @@
+"""``LLMQTrainer``: a whole training run on Ray in one call, or step by step for custom loops.
+
+    from llmq_ray.trainer import LLMQTrainer
+    result = LLMQTrainer(model="tiny-qwen", train_file="data/ts/train-*.bin", eval_file="data/ts/eval.bin",
+                         steps=200, batch_size=8, seq_len=256, device="cpu", workers=2).fit()
+    result.metrics["eval_loss"], result.export_path, result.history[-1]["loss"]
+
+Step-level (each call spans all workers; the unit of work is never smaller than a micro-step)::
+
+    with LLMQTrainer(...) as t:
+        for step in range(n):
+            t.step()                     # one forward+backward on every worker (its own next batch)
+            stats = t.update(lr=my_lr)   # {"loss", "norm", ...}: the optimizer step
+        t.validate()                     # eval loss
+        t.export("out/my-export")        # HF folder
+
+``train_step()`` runs grad_accumulation micro-steps and the update in one Ray call per worker (what
+``fit()`` uses, and the fast path: ``step()`` + ``update()`` cost one Ray round trip per micro-step).
+
+Ray: if Ray is already initialized (the caller's program, a Ray task or actor) the trainer joins that
+cluster; otherwise it calls ``ray.init(address=ray_address)`` (None: start or find a local one). It only
+ever shuts down a Ray it initialized itself. Workers are placed by ``actors/placement.py``; the
+coordinator actor runs on the caller's node, so logs and exports land on the caller's machine.
+
+Keyword arguments are ``TrainOptions`` fields (model math and schedule; same names as the CLI flags) plus
+the runtime arguments of ``__init__`` below.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.util
+import os
+import sys
+from typing import Optional
+
+from actors.failures import WorkerError, wrap_error
+from actors.spec import RuntimeSpec
+from llmq_ray.config import resolve_model
+from llmq_ray.errors import ConfigError, LLMQError
+from llmq_ray.options import TrainOptions
+
+__all__ = ["LLMQTrainer", "Result", "WorkerError"]
+
+_OPTION_FIELDS = {f.name for f in dataclasses.fields(TrainOptions)}
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Result:
+    """What ``fit()`` returns.
+
+    metrics: {"steps", "train_loss" (last step), "eval_loss" (final eval; None without eval file),
+              "tokens_per_s", "step_seconds", "worker_seconds" (mean over steps after the first)}
+    history: one dict per optimizer step {"step", "lr", "loss", "norm", "tokens", "seconds", "tokens_per_s",
+             "sol", "worker_seconds", "ray_overhead_seconds", ...}; evals: one dict per evaluation.
+    """
+
+    metrics: dict
+    history: list
+    evals: list
+    export_path: Optional[str]
+    checkpoint_paths: list
+    log_file: Optional[str]
+
+
+def fastest_backend(device: str) -> str:
+    """triton on CUDA when that backend is present in this install, else the torch reference."""
+    if device == "cuda" and importlib.util.find_spec("backends.triton") is not None:
+        return "triton"
+    return "torch"
+
+
+class LLMQTrainer:
+    """A training run over one Ray worker actor per GPU (or per CPU worker); see the module docstring."""
+
+    def __init__(self, options: Optional[TrainOptions] = None, *, train_file: Optional[str] = None,
+                 eval_file: Optional[str] = None, synthetic_data: bool = False, device: str = "auto",
+                 backend: str = "auto", gpus: int = 0, workers: Optional[int] = None,
+                 cpus_per_worker: Optional[int] = None, eval_every_n_steps: int = 0, eval_num_steps: int = 8,
+                 final_eval: bool = True, out_dir: str = "out", log_file: Optional[str] = None,
+                 export: bool = True, export_dtype: Optional[str] = None, checkpoint_dir: Optional[str] = None,
+                 ckpt_interval: int = 0, resume: bool = False, use_ray_data: bool = True,
+                 ray_address: Optional[str] = None, verbose: bool = True, collective_timeout_s: float = 300.0,
+                 call_timeout_s: float = 1800.0, fault: Optional[dict] = None, **option_fields):
+        unknown = set(option_fields) - _OPTION_FIELDS
+        if unknown:
+            raise ConfigError(f"LLMQTrainer got unknown argument(s) {sorted(unknown)}; run options are "
+                              f"{sorted(_OPTION_FIELDS)}.")
+        self.opts = dataclasses.replace(options or TrainOptions(), **option_fields).validate()
+        if resume or ckpt_interval:
+            flag = "--continue" if resume else f"--ckpt-interval={ckpt_interval}"
+            raise ConfigError(f"{flag}: checkpoints are not implemented yet in this version of llmq-ray "
+                              f"(they come with the checkpoint issue); run without it.")
+        self.checkpoint_dir = checkpoint_dir
+        self.runtime = dict(train_file=train_file, eval_file=eval_file, synthetic_data=synthetic_data,
+                            device=device, backend=backend, gpus=gpus, workers=workers,
+                            cpus_per_worker=cpus_per_worker, eval_every_n_steps=eval_every_n_steps,
+                            eval_num_steps=eval_num_steps, final_eval=final_eval, out_dir=out_dir,
+                            log_file=log_file, export=export, export_dtype=export_dtype,
+                            use_ray_data=use_ray_data, collective_timeout_s=collective_timeout_s,
+                            call_timeout_s=call_timeout_s, fault=fault)
+        self.ray_address = ray_address
+        self.verbose = verbose
+        self.spec: Optional[RuntimeSpec] = None
+        self.coordinator = None
+        self.info: Optional[dict] = None
+        self._started_ray = False
+        self._check_inputs()
+
+    # ------------------------------------------------------------------ validation before any Ray work
+    def _check_inputs(self) -> None:
+        o, r = self.opts, self.runtime
+        cfg, _ = resolve_model(o.model)
+        n = o.batch_size * o.seq_len
+        if n % o.lmhead_chunks:
+            raise ConfigError(f"--lmhead-chunks={o.lmhead_chunks} must divide --batch-size x --seq-len = {n}.")
+        if o.seq_len > cfg.max_position_embeddings:
+            raise ConfigError(f"--seq-len={o.seq_len} exceeds the model's max_position_embeddings "
+                              f"({cfg.max_position_embeddings}).")
+        if r["device"] not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"--device={r['device']!r} must be auto, cuda or cpu.")
+        for flag in ("eval_every_n_steps", "eval_num_steps", "gpus"):
+            if not isinstance(r[flag], int) or r[flag] < 0:
+                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0.")
+        if r["workers"] is not None and (not isinstance(r["workers"], int) or r["workers"] < 1):
+            raise ConfigError(f"--workers={r['workers']!r} must be an integer >= 1.")
+        if r["export_dtype"] not in (None, "fp32", "bf16"):
+            raise ConfigError(f"--export-dtype={r['export_dtype']!r} must be fp32 or bf16.")
+        if not r["synthetic_data"]:
+            if not r["train_file"]:
+                raise ConfigError("no --train-file given: pass a glob of token shards (see `python -m "
+                                  "data_pipeline.tokenize`), or --synthetic-data for random tokens.")
+            from data_pipeline.sources import resolve_files
+
+            resolve_files(r["train_file"])  # DataError naming the glob when it matches nothing
+            if r["eval_file"]:
+                resolve_files(r["eval_file"])
+
+    # ------------------------------------------------------------------ Ray and the actors
+    def _init_ray(self):
+        import ray
+
+        if not ray.is_initialized():
+            kwargs = {"address": self.ray_address, "log_to_driver": True}
+            if self.ray_address is None:
+                # a fresh local instance: declare more CPUs than the workers take (Ray Data needs spare ones)
+                kwargs.update(num_cpus=max(os.cpu_count() or 1, (self.runtime["workers"] or 1) + 2),
+                              dashboard_host="127.0.0.1")
+            ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+            self._started_ray = True
+        return ray
+
+    def _build_spec(self, ray) -> RuntimeSpec:
+        r = self.runtime
+        total = ray.cluster_resources()
+        gpus_in_cluster = int(total.get("GPU", 0))
+        device = r["device"]
+        if device == "auto":
+            device = "cuda" if gpus_in_cluster > 0 else "cpu"
+        if device == "cuda":
+            world = r["gpus"] or r["workers"] or gpus_in_cluster or 1
+            if r["gpus"] and r["workers"] and r["gpus"] != r["workers"]:
+                raise ConfigError(f"--gpus={r['gpus']} and --workers={r['workers']} disagree; on CUDA there is "
+                                  f"one worker per GPU, give only one of them.")
+        else:
+            if r["gpus"]:
+                raise ConfigError(f"--gpus={r['gpus']} with --device=cpu: use --workers for CPU workers.")
+            world = r["workers"] or 1
+        cpw = r["cpus_per_worker"]
+        if cpw is None:
+            if device == "cuda":
+                cpw = max(1, min(8, int(total.get("CPU", 1)) // max(world, 1) - 1))
+            else:
+                cpw = 1
+        backend = fastest_backend(device) if r["backend"] == "auto" else r["backend"]
+        if device == "cpu" and backend != "torch":
+            raise ConfigError(f"--backend={backend} needs a GPU; on --device=cpu use --backend=torch.")
+        return RuntimeSpec(opts=self.opts, train_file=r["train_file"], eval_file=r["eval_file"],
+                           synthetic_data=r["synthetic_data"], use_ray_data=r["use_ray_data"], device=device,
+                           backend=backend, world_size=world, cpus_per_worker=cpw,
+                           eval_every_n_steps=r["eval_every_n_steps"], eval_num_steps=r["eval_num_steps"],
+                           final_eval=r["final_eval"], out_dir=os.path.abspath(r["out_dir"]),
+                           export=r["export"], export_dtype=r["export_dtype"],
+                           log_file=os.path.abspath(r["log_file"]) if r["log_file"] else None,
+                           collective_timeout_s=r["collective_timeout_s"], call_timeout_s=r["call_timeout_s"],
+                           fault=r["fault"])
+
+    def start(self) -> dict:
+        """Join/start Ray, place the workers and build their engines (done lazily by every other call)."""
+        if self.coordinator is not None:
+            return self.info
+        ray = self._init_ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from actors.coordinator import Coordinator
+
+        self.spec = self._build_spec(ray)
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        here = ray.get_runtime_context().get_node_id()
+        self.coordinator = ray.remote(Coordinator).options(
+            num_cpus=0, max_restarts=0, runtime_env={"env_vars": env},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(self.spec)
+        try:
+            self.info = self._get(self.coordinator.start.remote(), "start-up")
+        except BaseException:
+            self.close()
+            raise
+        if self.verbose:
+            self._print_setup()
+        return self.info
+
+    def _print_setup(self) -> None:
+        s, i = self.spec, self.info
+        gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**26 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+        print(f"llmq-ray: {self.opts.model} on {s.world_size} x {i['gpu'] or 'cpu'} worker(s) "
+              f"(backend {s.backend}, ZeRO-{self.opts.effective_zero_level}), set-up {i['seconds']:.1f} s; "
+              f"log {i['log_file']}", flush=True)
+        mem = i["memory"]
+        print("memory per worker: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()), flush=True)
+
+    def _get(self, ref, what: str, timeout: Optional[float] = None):
+        """ray.get on a coordinator call; its errors become one LLMQError sentence."""
+        import ray
+        import ray.exceptions as rex
+
+        limit = timeout or (self.spec.call_timeout_s + 120.0 if self.spec else 3600.0)
+        try:
+            return ray.get(ref, timeout=limit)
+        except rex.GetTimeoutError:
+            raise WorkerError(f"the run did not finish {what} within {limit:.0f} s; it was stopped.") from None
+        except rex.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, LLMQError):
+                raise cause from None
+            raise wrap_error(exc, None, what) from None
+        except rex.RayActorError as exc:
+            raise wrap_error(exc, None, what) from None
+
+    # ------------------------------------------------------------------ whole run
+    def fit(self) -> Result:
+        """Train ``steps`` optimizer steps (evals as configured), final eval, export; returns a Result.
+        The workers are released at the end (also on error)."""
+        self.start()
+        try:
+            done = self._get(self.coordinator.summary.remote(), "summary")["steps"]
+            in_flight: collections.deque = collections.deque()
+            submitted = done
+            while done < self.opts.steps:
+                # keep one step queued behind the running one: the coordinator never waits for us
+                while len(in_flight) < 2 and submitted < self.opts.steps:
+                    in_flight.append(self.coordinator.train_step.remote())
+                    submitted += 1
+                out = self._get(in_flight.popleft(), f"step {done + 1}")
+                done += 1
+                self._print(out["lines"])
+            fin = self._get(self.coordinator.finish.remote(), "final eval and export")
+            self._print(fin["lines"])
+            hist = self._get(self.coordinator.get_history.remote(), "history")
+            summary = fin["summary"]
+            if self.verbose:
+                self._print_summary(summary)
+            return Result(metrics={k: summary[k] for k in ("steps", "train_loss", "eval_loss", "tokens_per_s",
+                                                            "step_seconds", "worker_seconds")},
+                          history=hist["steps"], evals=hist["evals"], export_path=summary["export_path"],
+                          checkpoint_paths=[], log_file=summary["log_file"])
+        finally:
+            self.close()
+
+    def _print(self, lines) -> None:
+        if self.verbose:
+            for line in lines:
+                print(line, flush=True)
+
+    def _print_summary(self, s: dict) -> None:
+        tps = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "-"
+        print(f"done: {s['steps']} steps, {tps} tokens/s, last train loss {s['train_loss']:.4f}"
+              + (f", eval loss {s['eval_loss']:.4f}" if s["eval_loss"] is not None else ""), flush=True)
+
+    # ------------------------------------------------------------------ step-level API
+    def step(self) -> None:
+        """One forward+backward over all workers (each on its own next batch); gradients accumulate."""
+        self.start()
+        self._get(self.coordinator.micro_step.remote(), "step")
+
+    def update(self, lr: Optional[float] = None) -> dict:
+        """The optimizer update after step() calls: {"loss", "norm", "lr", "tokens", "seconds", ...}."""
+        self.start()
+        return self._get(self.coordinator.update.remote(lr), "update")
+
+    def train_step(self) -> dict:
+        """grad_accumulation micro-steps + update in one Ray call per worker; prints the [T] line."""
+        self.start()
+        out = self._get(self.coordinator.train_step.remote(), "train_step")
+        self._print(out["lines"])
+        return out["record"]
+
+    def validate(self, full: bool = False) -> Optional[float]:
+        """Eval loss over eval_num_steps batches (``full``: the whole eval file); None without eval file."""
+        self.start()
+        rec = self._get(self.coordinator.validate.remote(full), "validate")
+        if rec is None:
+            return None
+        self._print([rec["line"]])
+        return rec["loss"]
+
+    def export(self, path: Optional[str] = None) -> str:
+        """Write the current weights as an HF folder (default out_dir/export); returns its path."""
+        self.start()
+        return self._get(self.coordinator.export.remote(os.path.abspath(path) if path else None), "export")
+
+    def weights(self):
+        """A CPU fp32 copy of the current flat weights [layout.numel] (from rank 0)."""
+        self.start()
+        return self._get(self.coordinator.flat_params.remote(), "weights")
+
+    def close(self) -> None:
+        """Release the workers, the placement group and the coordinator; shut Ray down only if we started it."""
+        import ray
+
+        if self.coordinator is not None:
+            try:
+                ray.get(self.coordinator.shutdown.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - best effort: it may be the thing that failed
+                pass
+            ray.kill(self.coordinator)
+            self.coordinator = None
+        if self._started_ray and ray.is_initialized():
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _main_guard() -> None:  # pragma: no cover - for `python -m llmq_ray.trainer` by mistake
+    print("use `python examples/train.py` or `llmq-train` to train from the command line", file=sys.stderr)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main_guard()
