@@ -1,0 +1,136 @@
+"""AdamW over flat shards in one launch, and stochastic rounding fp32 -> bf16.
+
+AdamW: every element is independent, so one element-wise kernel reads grad, m, v and the weight of record
+(master or param) once, does torch.optim.AdamW's math in fp32 in its operation order (the same fused
+multiply-adds torch's CPU kernels use for lerp and addcmul), and writes m, v, the record and, with a master,
+the model-dtype param: one pass over optimizer state instead of torch's ~10 element-wise passes. bf16
+storage of record is written with stochastic rounding; fp32 exactly; param (with a master) rounded to nearest.
+
+Random bits: the stochastic rounding takes 16 bits from Triton's counter-based Philox generator,
+``tl.randint(seed, element_index)`` with 64-bit element indices; each tensor has its own seed derived from the
+call's seed exactly as torch_ref_optim does (``derive_seed(seed, "m" | "v" | "p")``). The bits are therefore a
+pure function of (seed, tensor, index): reproducible on every run, independent of the launch geometry and
+of the device type (GPU and interpreter produce the same bits) - but *not* the bits of torch's generator, so
+bf16 results match the torch reference in distribution (unbiased rounding), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backends.torch_ref_optim import derive_seed
+from backends.triton._common import cast_to, elementwise_block, num_warps_for
+
+_SEED_MASK = (1 << 63) - 1
+
+
+@triton.jit
+def sr_bf16(x, seed, offs):
+    """Stochastically round fp32 x to bf16 with the 16 random bits of Philox(seed, offs). inf/nan pass
+    through, finite values saturate at +-max bf16 (see torch_ref_optim's docstring for why it is unbiased)."""
+    r = (tl.randint(seed, offs) & 0xFFFF).to(tl.int32)
+    bits = x.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    sign = bits ^ mag
+    finite = mag < 0x7F800000
+    mag = tl.where(finite, mag, 0)
+    rounded = tl.minimum(((mag + r) >> 16) << 16, 0x7F7F0000)
+    out = tl.where(finite, (sign | rounded).to(tl.float32, bitcast=True), x)
+    return cast_to(out, tl.bfloat16)  # exact for finite values (low bits zero); nan stays nan
+
+
+@triton.jit
+def _store_state(ptr, offs, mask, value, seed):
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr + offs, sr_bf16(value, seed, offs), mask=mask)
+    else:
+        tl.store(ptr + offs, value, mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, master_ptr, grad_scale_ptr, n, grad_scale,
+                  decay, beta2, one_minus_beta1, one_minus_beta2, bias_correction2_sqrt, neg_step_size, eps,
+                  seed_m, seed_v, seed_p, HAS_MASTER: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
+                  LERP_FROM_START: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALE_IS_TENSOR:
+        g = g * tl.load(grad_scale_ptr).to(tl.float32)
+    else:
+        g = g * grad_scale
+    if HAS_MASTER:
+        rec_ptr = master_ptr
+    else:
+        rec_ptr = param_ptr
+    p = tl.load(rec_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = p * decay
+    if LERP_FROM_START:  # torch.lerp: weight < 0.5 -> start + w (end - start), else end - (1 - w)(end - start)
+        m = tl.fma(one_minus_beta1, g - m, m)
+    else:
+        m = g - (g - m) * (1.0 - one_minus_beta1)
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p + tl.div_rn(neg_step_size * m, denom)
+    _store_state(m_ptr, offs, mask, m, seed_m)
+    _store_state(v_ptr, offs, mask, v, seed_v)
+    if rec_ptr.dtype.element_ty == tl.bfloat16:
+        stored = sr_bf16(p, seed_p, offs)
+    else:
+        stored = p
+    tl.store(rec_ptr + offs, stored, mask=mask)
+    if HAS_MASTER:
+        tl.store(param_ptr + offs, cast_to(stored.to(tl.float32), param_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _stochastic_round_kernel(out_ptr, x_ptr, n, seed, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, sr_bf16(x, seed, offs), mask=mask)
+
+
+def adamw_update(param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed):
+    """One AdamW step in place on flat [n] shards (see Backend.adamw_update); a single kernel launch."""
+    n = param.numel()
+    for name, t in (("grad", grad), ("m", m), ("v", v), ("master", master)):
+        if t is not None and (t.dim() != 1 or t.numel() != n):
+            raise ValueError(f"adamw_update: {name} has shape {tuple(t.shape)}, expected flat [{n}] like param")
+    for name, t in (("param", param), ("m", m), ("v", v), ("master", master)):
+        if t is not None and t.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"adamw_update: {name} must be fp32 or bf16, got {t.dtype}")
+    if param.dim() != 1:
+        raise ValueError(f"adamw_update: param must be a flat 1-D shard, got shape {tuple(param.shape)}")
+    if step < 1:
+        raise ValueError(f"adamw_update: step is 1-based, got {step}")
+    if n == 0:
+        return
+    scale_is_tensor = isinstance(grad_scale, torch.Tensor)
+    block = elementwise_block()
+    _adamw_kernel[(triton.cdiv(n, block),)](
+        param, grad, m, v, master if master is not None else param,
+        grad_scale if scale_is_tensor else grad, n, 0.0 if scale_is_tensor else float(grad_scale),
+        1.0 - lr * weight_decay, beta2, 1.0 - beta1, 1.0 - beta2, (1.0 - beta2 ** step) ** 0.5,
+        -(lr / (1.0 - beta1 ** step)), eps,
+        derive_seed(seed, "m"), derive_seed(seed, "v"), derive_seed(seed, "p"),
+        HAS_MASTER=master is not None, SCALE_IS_TENSOR=scale_is_tensor, LERP_FROM_START=(1.0 - beta1) < 0.5,
+        BLOCK=block, num_warps=num_warps_for(block))
+
+
+def stochastic_round(out, inp, seed: int) -> None:
+    """out (bf16) = inp (fp32) stochastically rounded with Philox(seed, index) bits; same shape, contiguous."""
+    if out.dtype != torch.bfloat16 or inp.dtype != torch.float32:
+        raise TypeError(f"stochastic_round: needs fp32 -> bf16, got {inp.dtype} -> {out.dtype}")
+    if out.shape != inp.shape:
+        raise ValueError(f"stochastic_round: shapes differ: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
+    n = inp.numel()
+    if n == 0:
+        return
+    block = elementwise_block()
+    _stochastic_round_kernel[(triton.cdiv(n, block),)](out.view(-1), inp.reshape(-1), n, int(seed) & _SEED_MASK,
+                                                       BLOCK=block, num_warps=num_warps_for(block))

@@ -1,0 +1,120 @@
+"""TritonBackend: Triton kernels for every non-GEMM, non-attention op of backends/base.py.
+
+GEMMs (``matmul``, ``matmul_fp8``, ``bias_backward``) and attention are inherited from TorchBackend: they go
+to cuBLAS(Lt) and the cuDNN / flash attention kernels through torch, as DESIGN §3 allows. Everything else is
+one (or, where a deterministic cross-program reduction is needed, two or three) Triton launches, with no host
+sync. On a machine without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set
+before triton is imported; backends/triton/__init__.py sets it when no GPU is visible) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.torch_ref import TorchBackend
+from backends.triton import adamw as _adamw
+from backends.triton import classifier as _classifier
+from backends.triton import embedding as _embedding
+from backends.triton import fp8 as _fp8
+from backends.triton import reduce as _reduce
+from backends.triton import rmsnorm as _rmsnorm
+from backends.triton import rope as _rope
+from backends.triton import swiglu as _swiglu
+from backends.triton._common import INTERPRET
+
+
+def _contiguous(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"triton backend: expected a contiguous tensor, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+
+
+class TritonBackend(TorchBackend):
+    """Triton kernels (CUDA, or CPU under the Triton interpreter); GEMMs and attention from TorchBackend."""
+
+    name = "triton"
+
+    def __init__(self, device="cpu"):
+        super().__init__(device)
+        if self.device.type == "cpu" and not INTERPRET:
+            raise RuntimeError("the triton backend on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                               "before anything imports triton (or run on a CUDA device).")
+        if self.device.type not in ("cpu", "cuda"):
+            raise RuntimeError(f"the triton backend runs on cuda (or cpu via the interpreter), not {self.device}")
+
+    # ------------------------------------------------------------------ embedding
+    def embedding_forward(self, out, tokens, table):
+        _contiguous(out, tokens, table)
+        _embedding.embedding_forward(out, tokens, table)
+
+    def embedding_backward(self, dtable, tokens, dout):
+        _contiguous(dtable, dout)
+        _embedding.embedding_backward(dtable, tokens, dout)
+
+    # ------------------------------------------------------------------ RMSNorm
+    def rmsnorm_forward(self, out, rstd, inp, weight, eps, absmax=None):
+        _contiguous(out, rstd, inp, weight)
+        _rmsnorm.rmsnorm_forward(out, rstd, inp, weight, eps, absmax)
+
+    def fused_residual_rmsnorm_forward(self, residual, out, rstd, inp1, inp2, weight, eps, absmax=None):
+        _contiguous(residual, out, rstd, inp1, inp2, weight)
+        _rmsnorm.rmsnorm_forward(out, rstd, inp1, weight, eps, absmax, inp2=inp2, residual=residual)
+
+    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None):
+        _contiguous(dinp, dweight, dout, inp, weight, rstd, dresidual)
+        _rmsnorm.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual)
+
+    # ------------------------------------------------------------------ RoPE
+    def rope_forward(self, qkv, cos, sin, n_q_heads, n_kv_heads):
+        _rope.rope(qkv, cos, sin, n_q_heads, n_kv_heads, inverse=False)
+
+    def rope_backward(self, dqkv, cos, sin, n_q_heads, n_kv_heads):
+        _rope.rope(dqkv, cos, sin, n_q_heads, n_kv_heads, inverse=True)
+
+    # ------------------------------------------------------------------ SwiGLU
+    def swiglu_forward(self, out, inp, absmax=None):
+        _contiguous(out, inp)
+        _swiglu.swiglu_forward(out, inp, absmax)
+
+    def swiglu_backward(self, dinp, dout, inp):
+        _contiguous(dinp, dout, inp)
+        _swiglu.swiglu_backward(dinp, dout, inp)
+
+    # ------------------------------------------------------------------ FP8 quantization
+    def absmax(self, out, inp):
+        _contiguous(inp)
+        _reduce.absmax(out, inp)
+
+    def quantize(self, out, descale, inp, absmax):
+        _contiguous(out, inp)
+        _fp8.quantize(out, descale, inp, absmax)
+
+    def quantize_transpose(self, out_t, descale, inp, absmax):
+        _contiguous(out_t, inp)
+        _fp8.quantize_transpose(out_t, descale, inp, absmax)
+
+    # ------------------------------------------------------------------ loss
+    def fused_classifier(self, logits, losses, targets, dloss=1.0, write_dlogits=True):
+        _contiguous(losses, targets)
+        _classifier.fused_classifier(logits, losses, targets, dloss, write_dlogits)
+
+    # ------------------------------------------------------------------ optimizer
+    def adamw_update(self, param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                     seed):
+        _contiguous(param, grad, m, v, master)
+        if isinstance(grad_scale, torch.Tensor) and grad_scale.device != param.device:
+            grad_scale = grad_scale.to(param.device, non_blocking=True)
+        _adamw.adamw_update(param, grad, m, v, master=master, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, seed=seed)
+
+    def global_norm_squared(self, out, tensor):
+        if out.dtype != torch.float32 or out.numel() != 1:
+            raise TypeError(f"global_norm_squared: out must be an fp32 scalar tensor, got {out.dtype} "
+                            f"{tuple(out.shape)}")
+        _contiguous(tensor)
+        _reduce.global_norm_squared(out, tensor)
+
+    def stochastic_round(self, out, inp, seed):
+        _contiguous(out, inp)
+        _adamw.stochastic_round(out, inp, seed)

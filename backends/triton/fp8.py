@@ -1,0 +1,81 @@
+"""FP8 (e4m3 / e5m2) per-tensor quantization: quantize and quantize+transpose, at the scale of a given absmax.
+
+s = fp8_max / absmax (1 when absmax is 0), q = saturate(x * s) with round-to-nearest-even, descale = 1/s
+(see the FP8 convention in backends/base.py). The scale is computed *inside* the kernel from the device-side
+absmax (IEEE reciprocal, then the multiply, as torch evaluates it), so no host sync and no separate scale kernel; program 0 writes the
+descale. One read of x and one write of q (a quarter/half of x's bytes): the whole quantization is one pass,
+with the absmax coming fused out of the kernel that produced x (rmsnorm, swiglu) or from reduce.absmax.
+quantize_transpose writes q^T through [BLOCK_M, BLOCK_K] tiles, so both the read and the write stay coalesced.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from backends.triton._common import (INTERPRET, cast_fp8, elementwise_block, fp8_max, fp8_params, fp8_store_view,
+                                     num_warps_for)
+
+
+@triton.jit
+def _scale(absmax_ptr, FP8_MAX: tl.constexpr):
+    amax = tl.load(absmax_ptr).to(tl.float32)
+    # fp8_max * (1 / amax), both IEEE-rounded: exactly how torch evaluates ``fp8_max / amax_tensor``
+    # (Tensor.__rtruediv__ is reciprocal-then-multiply), so scales and descales match the reference bit for bit
+    s = tl.where(amax > 0, FP8_MAX * tl.div_rn(tl.full([], 1.0, tl.float32), tl.where(amax > 0, amax, 1.0)), 1.0)
+    return s
+
+
+@triton.jit
+def _quantize_kernel(out_ptr, descale_ptr, x_ptr, absmax_ptr, n, FP8_MAX: tl.constexpr,
+                     FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    s = _scale(absmax_ptr, FP8_MAX)
+    if pid == 0:
+        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX)
+    tl.store(out_ptr + offs, cast_fp8(y, FP8_DTYPE, MAN, BIAS), mask=mask)
+
+
+@triton.jit
+def _quantize_t_kernel(out_ptr, descale_ptr, x_ptr, absmax_ptr, M, K, FP8_MAX: tl.constexpr,
+                       FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    s = _scale(absmax_ptr, FP8_MAX)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = cast_fp8(tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
+    tl.store(out_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], y, mask=mask)
+
+
+def _fp8_args(dtype):
+    man, bias = fp8_params(dtype)
+    fp8_dtype = tl.float8e4nv if man == 3 else tl.float8e5
+    return dict(FP8_MAX=fp8_max(dtype), FP8_DTYPE=fp8_dtype, MAN=man, BIAS=bias)
+
+
+def quantize(out, descale, inp, absmax) -> None:
+    """out (FP8, shape of inp) = saturate(inp * s), s = fp8_max / absmax (1 if 0); descale (fp32 0-d) = 1/s."""
+    n = inp.numel()
+    block = elementwise_block()
+    grid = (max(1, triton.cdiv(n, block)),)
+    _quantize_kernel[grid](fp8_store_view(out).reshape(-1), descale, inp.reshape(-1), absmax, n,
+                           BLOCK=block, num_warps=num_warps_for(block), **_fp8_args(out.dtype))
+
+
+def quantize_transpose(out_t, descale, inp, absmax) -> None:
+    """out_t[K, M] (FP8) = quantize(inp[M, K])^T; descale as in quantize."""
+    m, k = inp.shape
+    block_m, block_k = (128, 128) if INTERPRET else (64, 64)
+    grid = (max(1, triton.cdiv(m, block_m)), max(1, triton.cdiv(k, block_k)))
+    _quantize_t_kernel[grid](fp8_store_view(out_t), descale, inp, absmax, m, k, BLOCK_M=block_m, BLOCK_K=block_k,
+                             num_warps=4, **_fp8_args(out_t.dtype))
