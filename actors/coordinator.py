@@ -52,6 +52,7 @@ class Coordinator:
         self.evals: list[dict] = []
         self.export_path: str | None = None
         self._export_rank = 0
+        self.failed = False         # a worker call failed: shutdown() kills without asking them to close
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> dict:
@@ -61,9 +62,13 @@ class Coordinator:
         spec = self.spec
         t0 = time.perf_counter()
         self.pg, self.workers, nodes = create_workers(spec)
-        address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
-        infos = gather([w.setup.remote(address, nodes[r]["local_rank"]) for r, w in enumerate(self.workers)],
-                       max(spec.collective_timeout_s, 120.0) + 60.0, "set-up")
+        try:
+            address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
+            infos = gather([w.setup.remote(address, nodes[r]["local_rank"]) for r, w in enumerate(self.workers)],
+                           max(spec.collective_timeout_s, 120.0) + 60.0, "set-up")
+        except BaseException:
+            self.failed = True  # a rank that failed set-up leaves the others waiting in the rendezvous
+            raise
         here = ray.get_runtime_context().get_node_id()
         self._export_rank = next((r for r, n in enumerate(nodes) if n["node_id"] == here), 0)
         self.gpu_name = infos[0]["device_name"] if spec.device == "cuda" else None
@@ -91,7 +96,11 @@ class Coordinator:
 
     def _call(self, method: str, *args, what: str | None = None, timeout: float | None = None) -> list:
         refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return gather(refs, timeout or self.spec.call_timeout_s, what or method)
+        try:
+            return gather(refs, timeout or self.spec.call_timeout_s, what or method)
+        except BaseException:
+            self.failed = True  # the others may be stuck in a collective: never wait on them again
+            raise
 
     def _record_step(self, step: int, lr: float, results: list[dict], wall: float, tokens: int) -> dict:
         r0 = results[0]
@@ -217,14 +226,14 @@ class Coordinator:
                 self.log.flush()
             except OSError:
                 pass
-        if self.workers:
+        if self.workers and not self.failed:
             try:
                 gather([w.close.remote() for w in self.workers], 30.0, "close")
             except Exception:  # noqa: BLE001 - best effort; they are killed next
                 pass
-            for w in self.workers:
-                ray.kill(w)
-            self.workers = []
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None

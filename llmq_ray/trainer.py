@@ -197,6 +197,9 @@ class LLMQTrainer:
         from actors.coordinator import Coordinator
 
         self.spec = self._build_spec(ray)
+        from actors.placement import check_resources
+
+        check_resources(self.spec)  # --gpus above what exists: one sentence, before any actor starts
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         here = ray.get_runtime_context().get_node_id()
         self.coordinator = ray.remote(Coordinator).options(
