@@ -9,10 +9,11 @@ sync), cut the sorted positions into chunks of CHUNK, and
 1. ``_chunk_head_kernel``: every chunk sums, in registers, the rows of its *first* run (the positions
    holding the chunk's first token) -> head[chunk, C] fp32;
 2. ``_segment_kernel``: every chunk loads its [CHUNK, BLOCK_C] tile of dout rows once (gathered through the
-   sort permutation, all loads independent, so they overlap); for each token whose first occurrence in the
-   sorted order lies in this chunk it sums that token's rows of the tile, adds the heads of the following
-   chunks while they continue with the same token, and adds the total into dtable[token] (one read-modify-
-   write per distinct token, by exactly one program).
+   sort permutation, all loads independent, so they overlap), sums the rows of each of its tokens at once
+   (a 0/1 "same token" [CHUNK, CHUNK] matrix times the tile, one small fp32 dot), adds to the chunk's last
+   run the heads of the following chunks while they continue with the same token, and adds each token's
+   total into dtable[token] from the chunk holding its first occurrence (one read-modify-write per distinct
+   token, by exactly one program; no loop over positions).
 
 The order of every sum is fixed by the sorted order (ties broken by position, the sort is stable), so the
 result is bit-identical from run to run; a token repeated k times costs k/CHUNK serial steps, not k.
@@ -70,21 +71,28 @@ def _segment_kernel(dtable_ptr, head_ptr, sorted_ptr, perm_ptr, dout_ptr, N, C, 
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     toks, tile = _load_tile(sorted_ptr, perm_ptr, dout_ptr, chunk, N, C, cols, CHUNK)
-    for k in range(CHUNK):
-        pos = chunk * CHUNK + k
-        tok = tl.load(sorted_ptr + pos, mask=pos < N, other=-1)
-        prev = tl.load(sorted_ptr + pos - 1, mask=pos > 0, other=-1)
-        if (tok >= 0) & (tok != prev):  # first occurrence of tok: this program owns its row of dtable
-            acc = tl.sum(tl.where((toks == tok)[:, None], tile, 0.0), axis=0)
-            nxt_chunk = chunk + 1
-            nxt = tl.load(sorted_ptr + nxt_chunk * CHUNK, mask=nxt_chunk < num_chunks, other=-1)
-            while nxt == tok:  # the run continues into the next chunk(s): add their head sums in order
-                acc += tl.load(head_ptr + nxt_chunk.to(tl.int64) * C + cols, mask=cmask, other=0.0)
-                nxt_chunk += 1
-                nxt = tl.load(sorted_ptr + nxt_chunk * CHUNK, mask=nxt_chunk < num_chunks, other=-1)
-            row = dtable_ptr + tok.to(tl.int64) * C + cols
-            total = tl.load(row, mask=cmask, other=0.0).to(tl.float32) + acc
-            tl.store(row, cast_to(total, dtable_ptr.dtype.element_ty), mask=cmask)
+    pos = chunk * CHUNK + tl.arange(0, CHUNK)
+    prev = tl.load(sorted_ptr + pos - 1, mask=(pos > 0) & (pos < N), other=-1)
+    start = (toks >= 0) & (toks != prev)  # first occurrence of the token: this program owns its dtable row
+    # row k of sums = the sum of the chunk's rows holding toks[k]: a 0/1 [CHUNK, CHUNK] matrix times the tile
+    # (exact fp32 products, fixed summation order; "ieee" keeps the tensor cores out of TF32)
+    same = (toks[:, None] == toks[None, :]).to(tl.float32)
+    sums = tl.dot(same, tile, input_precision="ieee")
+    # the chunk's last run may continue into the next chunks: add their head sums, in order, if we own it
+    last = tl.load(sorted_ptr + tl.minimum(chunk * CHUNK + CHUNK, N) - 1)
+    owns_last = tl.sum((start & (toks == last)).to(tl.int32), axis=0) > 0
+    cont = tl.zeros([BLOCK_C], tl.float32)
+    nxt_chunk = chunk + 1
+    nxt = tl.load(sorted_ptr + nxt_chunk * CHUNK, mask=owns_last & (nxt_chunk < num_chunks), other=-1)
+    while nxt == last:
+        cont += tl.load(head_ptr + nxt_chunk.to(tl.int64) * C + cols, mask=cmask, other=0.0)
+        nxt_chunk += 1
+        nxt = tl.load(sorted_ptr + nxt_chunk * CHUNK, mask=nxt_chunk < num_chunks, other=-1)
+    sums += tl.where((toks == last)[:, None], cont[None, :], 0.0)
+    mask = start[:, None] & cmask[None, :]
+    rows = dtable_ptr + tl.maximum(toks, 0).to(tl.int64)[:, None] * C + cols[None, :]
+    total = tl.load(rows, mask=mask, other=0.0).to(tl.float32) + sums
+    tl.store(rows, cast_to(total, dtable_ptr.dtype.element_ty), mask=mask)
 
 
 def embedding_forward(out, tokens, table) -> None:
