@@ -1,0 +1,193 @@
+"""The Ray runtime on CPU workers over gloo: data-parallel equivalence, nesting, metrics, failures.
+
+All runs use the ``tiny`` preset (vocab 512) on a small synthetic shard, fp32, and the session Ray
+fixture. Worker calls carry short timeouts, so a bug shows up as a failure, not a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from actors.failures import WorkerError
+from llmq_ray.errors import ConfigError, DataError
+from llmq_ray.trainer import LLMQTrainer, Result
+
+FAST = dict(collective_timeout_s=60.0, call_timeout_s=120.0, use_ray_data=False, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """train.bin: 4,000 tokens of a noisy periodic sequence (learnable, so losses move); eval.bin: 1,200."""
+    from data_pipeline.shards import write_shard
+
+    folder = tmp_path_factory.mktemp("rt")
+    rng = np.random.default_rng(0)
+    toks = (np.arange(4000) * 7 % 512).astype(np.int32)
+    noise = rng.random(4000) < 0.1
+    toks[noise] = rng.integers(0, 512, noise.sum())
+    write_shard(str(folder / "train.bin"), toks, 512)
+    write_shard(str(folder / "eval.bin"), toks[:1200], 512)
+    return str(folder / "train.bin"), str(folder / "eval.bin"), folder
+
+
+def _run(shards, out, **kw) -> Result:
+    train, evalf, _ = shards
+    args = dict(model="tiny", train_file=train, eval_file=evalf, steps=20, batch_size=2, seq_len=16,
+                learning_rate=3e-3, warmup=2, device="cpu", out_dir=str(out), export_dtype="fp32", **FAST)
+    args.update(kw)
+    return LLMQTrainer(**args).fit()
+
+
+def _export_tensors(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_two_workers_match_one_worker(ray_cluster, shards, tmp_path, zero):
+    """2 gloo workers x grad_accumulation 2 == 1 worker x grad_accumulation 4, same B: per-step losses and
+    final weights within 1e-5 relative, for ZeRO-1 and ZeRO-2.
+
+    Why the data is the same: TokenStream's epoch order is one global permutation of windows; rank r of W
+    takes order[r::W]. After each rank consumed c windows the ranks together consumed exactly the positions
+    [0, c*W). So in optimizer step k, the two workers (2 micro-steps of B=2 each) read positions
+    [8k, 8k+8) between them, and the single worker (4 micro-steps of B=2) reads the same [8k, 8k+8). The
+    loss and the gradient are sums over those windows divided by the total target count, so both runs
+    compute the same step up to float summation order. 20 steps x 8 windows = 160 < 124 x 2 windows per
+    epoch for W=2 (and < 249 for W=1), so no run crosses an epoch boundary (where W changes the dropped tail).
+    The reference always runs ZeRO-1 on one worker, so ZeRO-2's per-micro-step reduce-scatter into a
+    shard accumulator is checked against the plain path.
+    """
+    ref = _run(shards, tmp_path / "ref", workers=1, grad_accumulation=4, zero_level=1)
+    dist = _run(shards, tmp_path / f"z{zero}", workers=2, grad_accumulation=2, zero_level=zero)
+    ref_losses = np.array([r["loss"] for r in ref.history])
+    dist_losses = np.array([r["loss"] for r in dist.history])
+    assert len(ref_losses) == len(dist_losses) == 20
+    assert ref_losses[-1] < ref_losses[0] - 0.3  # it trained
+    np.testing.assert_allclose(dist_losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose([r["norm"] for r in dist.history], [r["norm"] for r in ref.history], rtol=1e-4)
+    assert [r["targets"] for r in dist.history] == [r["targets"] for r in ref.history] == [8 * 16] * 20
+    a, b = _export_tensors(ref.export_path), _export_tensors(dist.export_path)
+    assert a.keys() == b.keys()
+    flat_a = torch.cat([a[k].flatten() for k in sorted(a)])
+    flat_b = torch.cat([b[k].flatten() for k in sorted(a)])
+    assert (flat_a - flat_b).norm() / flat_a.norm() < 1e-5
+    for name in a:
+        err = float((a[name] - b[name]).norm() / a[name].norm().clamp(min=1e-12))
+        # The key bias has a mathematically zero gradient (softmax is invariant to adding q.b_k to every
+        # score of a query), so what it gets is float rounding noise, which Adam normalizes into lr-sized
+        # steps: its values are noise-driven in *both* runs and only agree loosely.
+        limit = 1e-3 if name.endswith("k_proj.bias") else 1e-5
+        assert err < limit, (name, err)
+    assert abs(ref.metrics["eval_loss"] - dist.metrics["eval_loss"]) < 1e-5 * ref.metrics["eval_loss"]
+
+
+def test_fit_inside_a_ray_task(ray_cluster, shards, tmp_path):
+    """LLMQTrainer.fit() called from a task of another Ray program joins that cluster, returns a Result,
+    and leaves the cluster running. (This run reads its shards through Ray Data, the default path.)"""
+    ray = ray_cluster
+    train, evalf, _ = shards
+
+    @ray.remote(num_cpus=0)
+    def user_program(out):
+        from llmq_ray.trainer import LLMQTrainer
+
+        result = LLMQTrainer(model="tiny", train_file=train, eval_file=evalf, steps=3, batch_size=2, seq_len=16,
+                             device="cpu", workers=1, out_dir=out, collective_timeout_s=60.0,
+                             call_timeout_s=120.0, verbose=False).fit()
+        return result, ray.is_initialized()
+
+    result, still_up = ray.get(user_program.remote(str(tmp_path / "nested")), timeout=150)
+    assert isinstance(result, Result) and still_up
+    assert result.metrics["steps"] == 3 and len(result.history) == 3
+    assert np.isfinite(result.metrics["eval_loss"])
+    assert os.path.isfile(os.path.join(result.export_path, "config.json"))
+    import json
+
+    with open(result.log_file) as f:
+        kinds = {rec["log"] for rec in json.load(f)}
+    assert {"options", "gpu", "sol", "dataset", "allocator", "step", "eval"} <= kinds
+    assert ray.is_initialized() and ray.get(ray.put(7), timeout=10) == 7  # the caller's cluster is intact
+
+
+def _metrics_text(ray) -> str:
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def test_worker_metrics_visible_while_running(ray_cluster, shards, tmp_path):
+    """Workers publish ray.util.metrics; the node's metrics endpoint (what the dashboard scrapes) shows
+    rank 1's tokens/s while the run is still in progress (between two step-level calls)."""
+    ray = ray_cluster
+    train, evalf, _ = shards
+    with LLMQTrainer(model="tiny", train_file=train, steps=10, batch_size=2, seq_len=16, device="cpu", workers=2,
+                     out_dir=str(tmp_path), export=False, **FAST) as t:
+        rec = t.train_step()
+        assert np.isfinite(rec["loss"]) and rec["worker_seconds"] > 0
+        found = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and found is None:
+            t.train_step()
+            for line in _metrics_text(ray).splitlines():
+                if line.startswith("ray_llmq_worker_tokens_per_second{") and 'rank="1"' in line:
+                    found = float(line.rsplit(" ", 1)[1])
+            time.sleep(0.5)
+        assert found is not None and found > 0, "worker metric never reached the metrics endpoint"
+        # the run goes on after the metric was read: step-level calls still work
+        t.step()
+        stats = t.update(lr=1e-3)
+        assert stats["lr"] == 1e-3 and np.isfinite(stats["norm"])
+        w = t.weights()
+        assert w.dtype == torch.float32 and torch.isfinite(w).all()
+
+
+def test_worker_that_raises_names_its_rank(ray_cluster, shards, tmp_path):
+    """Rank 1 raises at step 2 while rank 0 waits in a collective: the error names rank 1 and the cause,
+    and it comes back fast (rank 0 is not waited for)."""
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 .*injected fault at step 2"):
+        _run(shards, tmp_path, workers=2, steps=5, fault={"rank": 1, "step": 2})
+    assert time.monotonic() - t0 < 60
+
+
+def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypatch):
+    train, _, folder = shards
+    with pytest.raises(DataError, match="nothing-here"):
+        LLMQTrainer(model="tiny", train_file=str(folder / "nothing-here-*.bin"), device="cpu", **FAST)
+    with pytest.raises(ConfigError, match="lmhead-chunks=3 must divide"):
+        LLMQTrainer(model="tiny", train_file=train, batch_size=2, seq_len=16, lmhead_chunks=3, **FAST)
+    with pytest.raises(ConfigError, match="checkpoints are not implemented yet"):
+        LLMQTrainer(model="tiny", train_file=train, resume=True, **FAST)
+    with pytest.raises(ConfigError, match="no GPUs"):
+        LLMQTrainer(model="tiny", train_file=train, device="cuda", gpus=2, **FAST).start()
+    with pytest.raises(ConfigError, match="needs 64 CPUs"):
+        LLMQTrainer(model="tiny", train_file=train, device="cpu", workers=64, **FAST).start()
+    # more GPUs asked for than the cluster has (the cluster's resources faked)
+    import ray
+
+    from actors.placement import check_resources
+    from actors.spec import RuntimeSpec
+    from llmq_ray.options import TrainOptions
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "CPU": 32.0})
+    with pytest.raises(ConfigError, match=r"--gpus=4 asks for more GPUs than the Ray cluster has \(2\)"):
+        check_resources(RuntimeSpec(opts=TrainOptions(), device="cuda", world_size=4))
+
+
+def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path):
+    """A user error raised inside the workers keeps its type and gets the rank in front (a shard whose ids
+    exceed the model's vocabulary: tiny-llama has 512 tokens, this shard claims ids up to 999)."""
+    from data_pipeline.shards import write_shard
+
+    bad = tmp_path / "big-vocab.bin"
+    write_shard(str(bad), np.arange(600, dtype=np.int32) + 399, 1000)
+    with pytest.raises(DataError, match=r"^rank \d: .*big-vocab\.bin"):
+        _run((str(bad), None, tmp_path), tmp_path / "o", workers=1, steps=2, eval_file=None)
