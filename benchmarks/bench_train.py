@@ -1,0 +1,110 @@
+"""Time training through the whole Ray runtime: a preset from scratch on random tokens (no data files).
+
+    python benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --seq-len 1024 --steps 30 --gpus 1
+    python benchmarks/bench_train.py --device cpu --model tiny --batch-size 4 --seq-len 128 --steps 10
+
+Prints, over the steps after ``--warmup-steps`` (the first ones allocate, compile and form NCCL rings):
+
+* tokens/s (all workers) and per GPU, step time (median), SOL / MFU when the GPU is in the peak table;
+* Ray's own overhead: the coordinator's wall time per step minus the time the slowest worker spent inside
+  ``train_step`` (that is the Ray call round trip, argument/result serialization and scheduling), in ms and
+  as a fraction of the step;
+* the time the workers waited for data (zero here: random tokens are generated on the host).
+
+With ``--json FILE`` the numbers are also written as one JSON record (command, GPU, date, results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="Qwen2.5-0.5B", help="preset (trained from scratch)")
+    p.add_argument("--batch-size", type=int, default=16, help="micro-batch rows per worker")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per row")
+    p.add_argument("--grad-accumulation", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps in total")
+    p.add_argument("--warmup-steps", type=int, default=5, help="steps left out of the statistics")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cuda: one worker per GPU")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (cuda) ...")
+    p.add_argument("--workers", type=int, default=None, help="... or CPU workers (cpu)")
+    p.add_argument("--backend", default="auto", help="torch, triton, cupy or auto (fastest available)")
+    p.add_argument("--model-dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--matmul-dtype", default=None, choices=["bf16", "e4m3"], help="default: the model dtype")
+    p.add_argument("--zero-level", type=int, default=1, choices=[1, 2], help="ZeRO level")
+    p.add_argument("--lmhead-chunks", type=int, default=1, help="LM head row chunks")
+    p.add_argument("--recompute-block", action="store_true", help="recompute whole blocks (less memory)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    a = p.parse_args(argv)
+    if a.warmup_steps >= a.steps:
+        p.error("--warmup-steps must be below --steps")
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    from llmq_ray.errors import LLMQError
+    from llmq_ray.trainer import LLMQTrainer
+
+    dtype = a.model_dtype or ("bf16" if a.device == "cuda" else "fp32")
+    kwargs = dict(model=a.model, from_scratch=True, batch_size=a.batch_size, seq_len=a.seq_len,
+                  grad_accumulation=a.grad_accumulation, steps=a.steps, learning_rate=3e-4, warmup=0,
+                  model_dtype=dtype, matmul_dtype=a.matmul_dtype if a.matmul_dtype != dtype else None,
+                  zero_level=a.zero_level, lmhead_chunks=a.lmhead_chunks, recompute_block=a.recompute_block)
+    runtime = dict(synthetic_data=True, device=a.device, backend=a.backend, export=False, final_eval=False,
+                   out_dir="/tmp/llmq-bench", verbose=False)
+    if a.device == "cuda":
+        runtime["gpus"] = a.gpus
+    else:
+        runtime["workers"] = a.workers or 1
+    records = []
+    try:
+        with LLMQTrainer(**kwargs, **runtime) as t:
+            info = t.start()
+            for _ in range(a.steps):
+                rec = t.train_step()
+                records.append(rec)
+                print(f"step {rec['step'] + 1:3d}: {1000 * rec['seconds']:8.1f} ms (worker {1000 * rec['worker_seconds']:8.1f} ms) "
+                      f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s", flush=True)
+            world = t.spec.world_size
+    except LLMQError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    steady = records[a.warmup_steps:]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    step_s = med([r["seconds"] for r in steady])
+    worker_s = med([r["worker_seconds"] for r in steady])
+    overhead = med([r["ray_overhead_seconds"] for r in steady])
+    tokens = steady[0]["tokens"]
+    tps = tokens / step_s
+    sols = [r["sol"] for r in steady if r["sol"] is not None]
+    res = {"tokens_per_s": tps, "tokens_per_s_per_gpu": tps / world, "step_ms": 1000 * step_s,
+           "worker_step_ms": 1000 * worker_s, "ray_overhead_ms": 1000 * overhead,
+           "ray_overhead_fraction": overhead / step_s, "sol": med(sols) if sols else None,
+           "data_wait_ms": 1000 * med([r["data_seconds"] for r in steady]),
+           "peak_memory_gib": max(max(r["memory"]) for r in steady) / 2**30}
+    print(f"\n{a.model} B={a.batch_size} T={a.seq_len} x{a.grad_accumulation} on {world} x {info['gpu'] or 'cpu'} "
+          f"({t.spec.backend}, {dtype}, ZeRO-{a.zero_level})")
+    sol_s = "-" if res["sol"] is None else f"{100 * res['sol']:.1f}%"
+    print(f"tokens/s {tps:,.0f} ({tps / world:,.0f} per GPU) | step {res['step_ms']:.1f} ms | "
+          f"inside train_step {res['worker_step_ms']:.1f} ms | Ray overhead {res['ray_overhead_ms']:.2f} ms "
+          f"({100 * res['ray_overhead_fraction']:.2f}%) | sol {sol_s} "
+          f"| peak memory {res['peak_memory_gib']:.2f} GiB")
+    if a.json:
+        rec = {"command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+               "date": datetime.datetime.now().isoformat(timespec="seconds"), "gpu": info["gpu"],
+               "world_size": world, "args": vars(a), **res}
+        with open(a.json, "w") as f:
+            json.dump(rec, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""The train CLI and the logging helpers, without starting Ray (fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from llmq_ray import cli
+from llmq_ray.metrics import peak_tflops, sol_fraction
+from llmq_ray.runlog import RunLog, atomic_write_json, eval_line, step_line
+
+LLM_Q_FLAGS = ["--model", "--from-scratch", "--train-file", "--eval-file", "--batch-size", "--seq-len",
+               "--grad-accumulation", "--steps", "--learning-rate", "--warmup", "--final-lr-fraction",
+               "--lr-schedule", "--beta-1", "--beta-2", "--weight-decay", "--grad-clip", "--eval-every-n-steps",
+               "--eval-num-steps", "--model-dtype", "--matmul-dtype", "--opt-m-dtype", "--opt-v-dtype",
+               "--recompute-swiglu", "--recompute-norm", "--recompute-ffn", "--recompute-qkv", "--recompute-att",
+               "--recompute-block", "--lmhead-chunks", "--gpus", "--zero-level", "--shard-gradients", "--out-dir",
+               "--checkpoint-dir", "--ckpt-interval", "--continue", "--log-file", "--seed", "--backend", "--device",
+               "--workers"]
+
+
+def test_every_flag_exists_with_help():
+    parser = cli.build_parser()
+    actions = {opt: a for a in parser._actions for opt in a.option_strings}
+    for flag in LLM_Q_FLAGS:
+        assert flag in actions, flag
+    for a in parser._actions:
+        if a.option_strings and a.dest != "help":
+            assert a.help and len(a.help) > 10, a.option_strings
+
+
+def test_cpu_auto_defaults_and_explicit_flags(tmp_path):
+    a = cli.build_parser().parse_args(["--device", "cpu", "--train-file", "x*.bin", "--synthetic-data"])
+    opts, rt = cli.resolve_args(a)
+    assert opts.model == "tiny-qwen" and opts.from_scratch and opts.model_dtype == "fp32"
+    assert rt["device"] == "cpu" and rt["synthetic_data"]
+    a = cli.build_parser().parse_args(["--device", "cpu", "--model", "tiny", "--batch-size", "3", "--seq-len", "32",
+                                       "--grad-accumulation", "2", "--zero-level", "2", "--lr", "1e-3",
+                                       "--recompute-block", "--train-file", "x.bin", "--eval-file", "e.bin"])
+    opts, rt = cli.resolve_args(a)
+    assert (opts.batch_size, opts.seq_len, opts.grad_accumulation, opts.zero_level) == (3, 32, 2, 2)
+    assert opts.learning_rate == 1e-3 and opts.recompute_block and opts.effective_zero_level == 2
+    assert rt["train_file"] == "x.bin" and rt["eval_file"] == "e.bin" and rt["eval_every_n_steps"] == 10
+
+
+@pytest.mark.parametrize("flags", [["--continue"], ["--ckpt-interval", "100"]])
+def test_checkpoint_flags_are_refused_clearly(flags, capsys):
+    assert cli.main(["--device", "cpu", "--synthetic-data"] + flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "checkpoints are not implemented yet" in err and err.count("\n") == 1
+
+
+def test_glob_that_matches_nothing(tmp_path, capsys):
+    assert cli.main(["--device", "cpu", "--train-file", str(tmp_path / "none-*.bin")]) == 2
+    err = capsys.readouterr().err
+    assert "none-*.bin" in err and err.count("\n") == 1
+
+
+def test_pydoc_fallback_when_no_shakespeare(tmp_path, monkeypatch, capsys):
+    """Without tiny-shakespeare and without a network, the default data is Python's pydoc topics."""
+    from data_pipeline import text_inputs
+    from llmq_ray import default_data
+    from llmq_ray.errors import DataError
+
+    def missing():
+        raise DataError("not here")
+
+    monkeypatch.setattr(text_inputs, "tiny_shakespeare_path", missing)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    train, evalf, desc = default_data.default_dataset(eval_tokens=4096)
+    out = capsys.readouterr().out
+    assert "pydoc_data.topics" in out and desc.startswith("pydoc-topics")
+    from data_pipeline.sources import resolve_files
+
+    assert resolve_files(train) and os.path.isfile(evalf)
+    with open(os.path.join(os.path.dirname(evalf), "meta.json")) as f:
+        assert json.load(f)["train_tokens"] > 50_000
+
+
+def test_console_lines_have_llmq_shape():
+    line = step_line(11, 100, 0.183, 1.2345, 6.1234, 44800.0, 0.451)
+    assert line.startswith("[T] step    12 [ 12.0%]")
+    for part in ("time:    183 ms", "norm   1.2345", "loss   6.1234", "tps   44.8k", "sol  45.1%"):
+        assert part in line
+    assert step_line(0, 1, 0.1, 1.0, 2.0, 10.0, None).endswith("sol     -")
+    assert "[V] step    50" in eval_line(50, 100, 1.2, 5.4321, 8) and "eval loss   5.4321" in eval_line(50, 100, 1.2, 5.4321, 8)
+
+
+def test_json_log_is_written_atomically(tmp_path):
+    path = tmp_path / "sub" / "log.json"
+    log = RunLog(str(path), flush_every=2)
+    log.add("options", model="tiny")
+    log.flush()
+    log.add("step", step=0, loss=1.0)
+    log.add("step", step=1, loss=float("nan"))  # second step record: auto flush
+    with open(path) as f:
+        recs = json.load(f)
+    assert [r["log"] for r in recs] == ["options", "step", "step"]
+    assert os.listdir(path.parent) == ["log.json"]  # no temporary left behind
+
+    class Boom:
+        def __repr__(self):
+            raise RuntimeError("cannot serialize")
+
+    with pytest.raises(RuntimeError):
+        atomic_write_json(str(path), {"x": Boom()})
+    with open(path) as f:
+        assert len(json.load(f)) == 3  # the old complete log is still there
+    assert os.listdir(path.parent) == ["log.json"]
+
+
+def test_sol_table():
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "e4m3") == 1979.0
+    assert peak_tflops("NVIDIA H200") == 989.0
+    assert peak_tflops("Some Future GPU") is None and peak_tflops(None) is None
+    assert sol_fraction(100_000, 3e9, 989.0) == pytest.approx(100_000 * 3e9 / 989e12)
+    assert sol_fraction(1.0, 1.0, None) is None
