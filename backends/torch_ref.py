@@ -214,6 +214,15 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------------ loss
     def fused_classifier(self, logits, losses, targets, dloss=1.0, write_dlogits=True):
+        # Rows in blocks of ~1M elements: the fp32 temporaries stay small (on CPU they are reused from the
+        # heap instead of being page-faulted afresh; on CUDA they stay far below the [n, V] size).
+        rows = max(1, (1 << 20) // logits.shape[1]) if logits.device.type == "cpu" else max(1, (1 << 27) // logits.shape[1])
+        for lo in range(0, logits.shape[0], rows):
+            hi = min(lo + rows, logits.shape[0])
+            self._classifier_rows(logits[lo:hi], losses[lo:hi], targets[lo:hi], dloss, write_dlogits)
+
+    @staticmethod
+    def _classifier_rows(logits, losses, targets, dloss, write_dlogits):
         x = logits.float()
         valid = targets != -100
         tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()

@@ -35,7 +35,14 @@ import hashlib
 
 import torch
 
-CHUNK = 1 << 24  # elements per chunk of the elementwise passes (fp32 temporaries of 64 MiB each)
+CHUNK = 1 << 24  # elements per chunk of the elementwise passes on CUDA (fp32 temporaries of 64 MiB each)
+# On CPU, 4 MiB temporaries stay under glibc's mmap threshold and are reused from the heap; 64 MiB ones are
+# mmapped and page-faulted afresh on every pass (measured: most of a tiny-qwen step went to page faults).
+CPU_CHUNK = 1 << 20
+
+
+def _chunk(t: torch.Tensor) -> int:
+    return CHUNK if t.device.type == "cuda" else CPU_CHUNK
 
 _BF16_MAX_BITS = 0x7F7F0000  # magnitude bits of the largest finite bf16, as an fp32 pattern
 _EXP_ALL_ONES = 0x7F800000  # magnitude bits >= this are inf / nan
@@ -102,8 +109,9 @@ def stochastic_round(out: torch.Tensor, inp: torch.Tensor, seed: int) -> None:
     flat_in = inp.reshape(-1)
     flat_out = out.view(-1)  # out must be contiguous (the Backend convention); view() fails loudly otherwise
     gen = _generator(out.device, seed)
-    for lo in range(0, flat_in.numel(), CHUNK):
-        hi = min(lo + CHUNK, flat_in.numel())
+    chunk = _chunk(flat_in)
+    for lo in range(0, flat_in.numel(), chunk):
+        hi = min(lo + chunk, flat_in.numel())
         flat_out[lo:hi].copy_(_round_chunk(flat_in[lo:hi], gen))
 
 
@@ -116,8 +124,9 @@ def global_norm_squared(out: torch.Tensor, tensor: torch.Tensor) -> None:
     if out.dtype != torch.float32 or out.numel() != 1:
         raise TypeError(f"global_norm_squared: out must be an fp32 scalar tensor, got {out.dtype} {tuple(out.shape)}")
     flat = tensor.reshape(-1)
-    for lo in range(0, flat.numel(), CHUNK):
-        out.add_(flat[lo:lo + CHUNK].float().square().sum())
+    chunk = _chunk(flat)
+    for lo in range(0, flat.numel(), chunk):
+        out.add_(flat[lo:lo + chunk].float().square().sum())
 
 
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
@@ -165,8 +174,9 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
     record = master if master is not None else param
     m_out, v_out = _Rounder(m, derive_seed(seed, "m")), _Rounder(v, derive_seed(seed, "v"))
     p_out = _Rounder(record, derive_seed(seed, "p"))
-    for lo in range(0, n, CHUNK):
-        hi = min(lo + CHUNK, n)
+    chunk = _chunk(param)
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
         g = grad[lo:hi].float() * grad_scale  # fp32 * (float | 0-d fp32 tensor): fp32, no sync
         # fp32 working copies (copy=True: for fp32 storage .float() would alias it); written back below,
         # exactly for fp32 storage and with stochastic rounding for bf16.

@@ -78,8 +78,6 @@ class TrainEngine:
     def __init__(self, cfg: ModelConfig, opts: TrainOptions, backend: Backend, comm: Communicator | None = None,
                  *, init_weights: bool = True):
         opts.validate()
-        if opts.matmul_dtype == "e4m3":
-            raise ConfigError("--matmul-dtype=e4m3 is not implemented yet in this version; use the model dtype.")
         if opts.effective_zero_level >= 3:
             raise ConfigError("--zero-level=3 is not implemented yet in this version; use 1 or 2.")
         self.cfg, self.opts, self.backend = cfg, opts, backend
@@ -93,7 +91,8 @@ class TrainEngine:
         grads = torch.zeros(padded, dtype=dtype, device=backend.device)
         self.model = LlamaModel(cfg, backend, batch_size=opts.batch_size, seq_len=opts.seq_len, dtype=dtype,
                                 recompute=opts.recompute, lmhead_chunks=opts.lmhead_chunks,
-                                params=params, grads=grads)
+                                params=params, grads=grads, matmul_dtype=opts.matmul_dtype,
+                                gradient_dtype=opts.gradient_dtype)
         self.params, self.grads = self.model.params, self.model.grads
         self.layout = self.model.layout
         if init_weights:

@@ -38,6 +38,7 @@ import torch
 from backends.base import Backend
 from llmq_ray.config import ModelConfig
 from llmq_ray.errors import ConfigError
+from llmq_ray.linear import BlockLinears
 from llmq_ray.params import ParamLayout
 
 
@@ -119,7 +120,8 @@ class LlamaModel:
 
     def __init__(self, cfg: ModelConfig, backend: Backend, *, batch_size: int, seq_len: int,
                  dtype: torch.dtype = torch.float32, recompute: RecomputeOptions | None = None,
-                 lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None):
+                 lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None,
+                 matmul_dtype: str | None = None, gradient_dtype: str | None = None):
         self.cfg, self.backend = cfg, backend
         self.device = backend.device
         self.dtype = dtype
@@ -164,6 +166,10 @@ class LlamaModel:
         self.d_up_gate = empty(n, 2 * cfg.intermediate_size)
         self.d_att = empty(batch_size, seq_len, cfg.num_heads, cfg.head_dim)
         self.d_qkv = empty(batch_size, seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        # FP8 (matmul_dtype="e4m3"): absmax of the four GEMM inputs of each layer [L, 4] = (ln1, att, ln2,
+        # swiglu), written by the producing kernels and kept for the wgrad's quantization in the backward.
+        self.lin = BlockLinears(backend, self.w, cfg.num_layers, n, matmul_dtype, gradient_dtype)
+        self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
 
@@ -171,6 +177,7 @@ class LlamaModel:
     def zero_grads(self) -> None:
         """Start a new optimizer step: zero gradients, the loss sum and the target count."""
         self.grads.zero_()
+        self.lin.invalidate_weights()  # the weights changed at the last update
         self.loss_sum.zero_()
         self.target_count.zero_()
 
@@ -178,6 +185,11 @@ class LlamaModel:
         """Bytes of saved activations: per layer, shared scratch, and total for the whole model."""
         return {"per_layer": self.acts.per_layer_bytes, "shared": self.acts.shared_bytes,
                 "total": self.acts.total_bytes(self.cfg.num_layers)}
+
+    def _amax(self, layer: int, which: int) -> torch.Tensor | None:
+        """Slot for the absmax of GEMM input ``which`` (0 ln1, 1 att, 2 ln2, 3 swiglu) of ``layer``; None
+        outside FP8, so the bf16 path spends nothing on it."""
+        return self.amax[layer, which] if self.lin.fp8 else None
 
     def _lm_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.tie_word_embeddings:
@@ -200,30 +212,34 @@ class LlamaModel:
         p = f"layers.{layer}."
         n = self.batch_size * self.seq_len
         ln1, qkv, att, lse = a.get("ln1", layer), a.get("qkv", layer), a.get("att", layer), a.get("lse", layer)
-        be.matmul(qkv.view(n, -1), ln1, w[p + "qkv_w"], transpose_b=True, bias=w.get(p + "qkv_b"))
+        lin = self.lin
+        lin.forward(qkv.view(n, -1), ln1, p + "qkv_w", self._amax(layer, 0), bias=w.get(p + "qkv_b"))
         be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         be.attention_forward(att, lse, qkv, cfg.num_heads, cfg.num_kv_heads)
-        be.matmul(self.scratch_nc, att.view(n, -1), w[p + "out_w"], transpose_b=True)
+        if lin.fp8:
+            be.absmax(self.amax[layer, 1], att)
+        lin.forward(self.scratch_nc, att.view(n, -1), p + "out_w", self._amax(layer, 1))
         mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
         be.fused_residual_rmsnorm_forward(mid, ln2, a.rstd2[layer], a.residual[layer], self.scratch_nc,
-                                          w[p + "ln2_w"], cfg.rms_norm_eps)
+                                          w[p + "ln2_w"], cfg.rms_norm_eps, absmax=self._amax(layer, 2))
         up_gate, swiglu = a.get("up_gate", layer), a.get("swiglu", layer)
-        be.matmul(up_gate, ln2, w[p + "up_gate_w"], transpose_b=True)
-        be.swiglu_forward(swiglu, up_gate)
-        be.matmul(self.scratch_nc, swiglu, w[p + "down_w"], transpose_b=True)
+        lin.forward(up_gate, ln2, p + "up_gate_w", self._amax(layer, 2))
+        be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
+        lin.forward(self.scratch_nc, swiglu, p + "down_w", self._amax(layer, 3))
         last = layer + 1 == cfg.num_layers
         next_ln = self.final_ln if last else a.get("ln1", layer + 1)
         next_rstd = self.final_rstd if last else a.rstd1[layer + 1]
         next_w = w["final_norm"] if last else w[f"layers.{layer + 1}.ln1_w"]
         be.fused_residual_rmsnorm_forward(a.residual[layer + 1], next_ln, next_rstd, mid, self.scratch_nc,
-                                          next_w, cfg.rms_norm_eps)
+                                          next_w, cfg.rms_norm_eps,
+                                          absmax=None if last else self._amax(layer + 1, 0))
 
     def _forward_trunk(self, tokens: torch.Tensor) -> None:
         """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
         be, a = self.backend, self.acts
         be.embedding_forward(a.residual[0], tokens, self.w["embed"])
         be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], self.w["layers.0.ln1_w"],
-                           self.cfg.rms_norm_eps)
+                           self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
         for layer in range(self.cfg.num_layers):
             self._block_forward(layer)
 
@@ -235,25 +251,29 @@ class LlamaModel:
         n = self.batch_size * self.seq_len
         eps = cfg.rms_norm_eps
         if rc.norm:
-            be.rmsnorm_forward(a.get("ln1", layer), a.rstd1[layer], a.residual[layer], w[p + "ln1_w"], eps)
-        qkv = a.get("qkv", layer)
+            be.rmsnorm_forward(a.get("ln1", layer), a.rstd1[layer], a.residual[layer], w[p + "ln1_w"], eps,
+                               absmax=self._amax(layer, 0))
+        qkv, lin = a.get("qkv", layer), self.lin
         if rc.qkv:
-            be.matmul(qkv.view(n, -1), a.get("ln1", layer), w[p + "qkv_w"], transpose_b=True,
-                      bias=w.get(p + "qkv_b"))
+            lin.forward(qkv.view(n, -1), a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0),
+                        bias=w.get(p + "qkv_b"))
             be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         if rc.att:
             be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads)
+            if lin.fp8:
+                be.absmax(self.amax[layer, 1], a.get("att", layer))
         if rc.block:
-            be.matmul(self.scratch_nc, a.get("att", layer).view(n, -1), w[p + "out_w"], transpose_b=True)
+            lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), p + "out_w", self._amax(layer, 1))
             be.fused_residual_rmsnorm_forward(a.get("residual_mid", layer), a.get("ln2", layer), a.rstd2[layer],
-                                              a.residual[layer], self.scratch_nc, w[p + "ln2_w"], eps)
+                                              a.residual[layer], self.scratch_nc, w[p + "ln2_w"], eps,
+                                              absmax=self._amax(layer, 2))
         elif rc.norm:
             be.rmsnorm_forward(a.get("ln2", layer), a.rstd2[layer], a.get("residual_mid", layer),
-                               w[p + "ln2_w"], eps)
+                               w[p + "ln2_w"], eps, absmax=self._amax(layer, 2))
         if rc.ffn:
-            be.matmul(a.get("up_gate", layer), a.get("ln2", layer), w[p + "up_gate_w"], transpose_b=True)
+            lin.forward(a.get("up_gate", layer), a.get("ln2", layer), p + "up_gate_w", self._amax(layer, 2))
         if rc.swiglu:
-            be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer))
+            be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer), absmax=self._amax(layer, 3))
 
     def _block_backward(self, layer: int) -> None:
         """Backward of one block. On entry d_residual = dL/dx_{l+1}; on exit dL/dx_l. Weight grads += ."""
@@ -263,23 +283,21 @@ class LlamaModel:
         self._recompute(layer)
         dres = self.d_residual
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
-        be.matmul(self.d_swiglu, dres, w[p + "down_w"])
-        be.matmul(g[p + "down_w"], dres, a.get("swiglu", layer), transpose_a=True, accumulate=True)
+        lin = self.lin
+        lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3))
         be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
-        be.matmul(self.d_ln, self.d_up_gate, w[p + "up_gate_w"])
-        be.matmul(g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), transpose_a=True, accumulate=True)
+        lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
+                     self._amax(layer, 2))
         be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
                             a.rstd2[layer], dresidual=dres)
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
         att = a.get("att", layer)
-        be.matmul(self.d_att.view(n, -1), dres, w[p + "out_w"])
-        be.matmul(g[p + "out_w"], dres, att.view(n, -1), transpose_a=True, accumulate=True)
+        lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1))
         be.attention_backward(self.d_qkv, self.d_att, att, a.get("lse", layer), a.get("qkv", layer),
                               cfg.num_heads, cfg.num_kv_heads)
         be.rope_backward(self.d_qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         d_qkv = self.d_qkv.view(n, -1)
-        be.matmul(self.d_ln, d_qkv, w[p + "qkv_w"])
-        be.matmul(g[p + "qkv_w"], d_qkv, a.get("ln1", layer), transpose_a=True, accumulate=True)
+        lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0))
         if cfg.qkv_bias:
             be.bias_backward(g[p + "qkv_b"], d_qkv)
         be.rmsnorm_backward(dres, g[p + "ln1_w"], self.d_ln, a.residual[layer], w[p + "ln1_w"],
@@ -321,6 +339,7 @@ class LlamaModel:
         """Evaluation: adds the summed loss and target count of a batch to loss_sum / target_count
         (call zero_grads() or reset them first); gradients untouched."""
         tokens, targets = self._check_batch(inputs, targets)
+        self.lin.invalidate_weights()  # eval may follow an update without a zero_grads() in between
         self._forward_trunk(tokens)
         self._lm_head_loss(targets, backward=False)
 
@@ -328,6 +347,7 @@ class LlamaModel:
     def logits_for(self, inputs: torch.Tensor) -> torch.Tensor:
         """Full logits [B, T, V] in fp32 for inputs [B, T] (tests, generation; allocates [N, V])."""
         tokens, _ = self._check_batch(inputs, None)
+        self.lin.invalidate_weights()
         self._forward_trunk(tokens)
         w_head, _ = self._lm_head()
         out = torch.empty(tokens.numel(), self.cfg.vocab_size, dtype=self.dtype, device=self.device)
