@@ -1,0 +1,91 @@
+"""Checkpoint <-> TrainEngine: what one rank writes, and how a rank is put back into the saved state.
+
+The storage of record of a rank is its optimizer shard (``engine.optimizer.state_tensors()``: "master",
+"m", "v" over the global flat range [engine.shard_start, engine.shard_end)). The full model-dtype
+``params`` buffer is derived state: after loading, each rank refreshes its own slice from the master
+(``ShardedAdamW.load_state_tensors``) and the ranks all-gather the slices, exactly like the end of an
+update. Nothing else of the engine needs saving: initialization and stochastic-rounding seeds are pure
+functions of (seed, step, flat offset), and the step number comes from the manifest.
+
+Single process (tests, notebooks)::
+
+    path = save_engine_checkpoint(ckpt_dir, step, engine, data_state=[stream.state()])
+    manifest = load_engine_checkpoint(path, engine2)           # or resolve_continue(...) first
+    stream2.restore(data_state_for_rank(manifest, 0, 1))
+    train_steps(engine2, batches, start_step=manifest["step"])
+
+Under Ray every worker calls ``engine_checkpoint_tensors`` + ``write_rank_shard`` (save), or
+``load_checkpoint`` + ``restore_engine`` (load; a collective: all ranks must call it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from llmq_ray.checkpoint import (STATE_NAMES, data_state_for_rank, load_checkpoint, restore_rng, rng_state,
+                                 save_checkpoint)
+from llmq_ray.engine import TrainEngine
+
+__all__ = ["engine_checkpoint_tensors", "restore_engine", "save_engine_checkpoint", "load_engine_checkpoint",
+           "data_state_for_rank"]
+
+
+def engine_checkpoint_tensors(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """This rank's state for ``write_rank_shard``: {"master", "m", "v"}, 1-D over
+    [engine.shard_start, engine.shard_end). These are the optimizer's live buffers (no copy): write them
+    before the next update."""
+    return dict(engine.optimizer.state_tensors())
+
+
+def restore_engine(engine: TrainEngine, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load a rank's saved {"master", "m", "v"} (for exactly its [shard_start, shard_end)) into ``engine``.
+
+    1. ``optimizer.load_state_tensors``: copies m, v and the master (converting fp32/bf16 if the dtypes
+       changed) and sets params[shard_start:shard_end] from the master (rounded to nearest, which is what
+       an update leaves there);
+    2. the weights of the whole flat buffer are refreshed by ``engine.comm.all_gather`` of every rank's
+       params shard. With one process that is a no-op (the shard is the whole buffer); with W ranks it is
+       a **collective**: every rank must call ``restore_engine`` at the same point.
+
+    Gradient accumulators are reset, so the next ``micro_step`` starts a fresh step."""
+    missing = [k for k in STATE_NAMES if k not in tensors]
+    if missing:
+        from llmq_ray.errors import CheckpointError
+
+        raise CheckpointError(f"restore_engine: the loaded state lacks {missing}.")
+    engine.optimizer.load_state_tensors({k: tensors[k] for k in STATE_NAMES})
+    rank, size = engine.comm.rank, engine.shard_size
+    engine.comm.all_gather(engine.params, engine.params[rank * size:(rank + 1) * size])
+    engine.micro_steps_done = 0
+    engine.grads.zero_()
+    if engine.grad_shard is not None:
+        engine.grad_shard.zero_()
+
+
+def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
+                           data_state: Sequence[Mapping | None] | None = None, extra: Mapping[str, Any] | None = None,
+                           keep_n: int | None = 2, major_every: int = 0) -> str:
+    """Single process (world size 1): write the checkpoint of ``step`` (updates completed) and apply
+    retention. ``data_state``: [stream.state()]. Returns the checkpoint folder."""
+    if engine.comm.world_size != 1:
+        raise RuntimeError("save_engine_checkpoint is for one process; under Ray each worker calls "
+                           "write_rank_shard and the coordinator finalize_checkpoint.")
+    shards = [(engine.shard_start, engine.shard_end, engine_checkpoint_tensors(engine))]
+    return save_checkpoint(ckpt_dir, step, shards, config=engine.cfg, options=engine.opts, data_state=data_state,
+                           rng=rng_state(engine.opts.seed), extra=extra, keep_n=keep_n, major_every=major_every)
+
+
+def load_engine_checkpoint(folder: str, engine: TrainEngine, *, restore_global_rng: bool = True) -> dict:
+    """Load ``folder`` into this rank's ``engine`` (any saved world size; collective when W > 1, see
+    ``restore_engine``) and return the manifest; the caller restores its data stream from
+    ``data_state_for_rank(manifest, rank, world_size)`` and continues at ``manifest["step"]``."""
+    tensors, manifest = load_checkpoint(folder, expected_config=engine.cfg, world_size=engine.comm.world_size,
+                                        rank=engine.comm.rank, shard_start=engine.shard_start,
+                                        shard_end=engine.shard_end, device=engine.params.device)
+    restore_engine(engine, tensors)
+    if restore_global_rng and manifest.get("rng"):
+        restore_rng(manifest["rng"])
+    return manifest
