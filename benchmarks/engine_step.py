@@ -26,6 +26,9 @@ def main():
     ap.add_argument("--grad-accumulation", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warmup steps)")
     ap.add_argument("--model-dtype", default="bf16")
+    ap.add_argument("--matmul-dtype", default=None, help="e4m3 for FP8 block GEMMs")
+    ap.add_argument("--gradient-dtype", default=None, help="e4m3 or e5m2 (with --matmul-dtype e4m3)")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one step (torch profiler)")
     ap.add_argument("--master-dtype", default="fp32")
     ap.add_argument("--opt-dtype", default="bf16", help="Adam m and v dtype")
     ap.add_argument("--recompute", default="", help="comma list: swiglu,norm,ffn,qkv,att,block")
@@ -36,7 +39,8 @@ def main():
     opts = TrainOptions(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                         grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,
                         master_dtype=args.master_dtype, opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype,
-                        lmhead_chunks=args.lmhead_chunks, **rec)
+                        lmhead_chunks=args.lmhead_chunks, matmul_dtype=args.matmul_dtype,
+                        gradient_dtype=args.gradient_dtype, **rec)
     cfg = PRESETS[args.model]
     engine = TrainEngine(cfg, opts, get_backend(args.backend, args.device))
     gen = torch.Generator().manual_seed(0)
@@ -54,12 +58,22 @@ def main():
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         print(f"step {step}: loss {stats.loss:.4f} norm {stats.grad_norm:.3f} {times[-1] * 1e3:.1f} ms", flush=True)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.grad_accumulation):
+                engine.micro_step(inputs, targets)
+            engine.update(1e-4, args.steps + 3)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total" if args.device == "cuda" else "cpu_time_total",
+                                        row_limit=25, max_name_column_width=60))
     step_time = sorted(times[2:])[len(times[2:]) // 2]
     tokens = args.batch_size * args.seq_len * args.grad_accumulation
     flops = cfg.flops_per_token(args.seq_len) * tokens / step_time
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     print(f"RESULT model={args.model} backend={args.backend} B={args.batch_size} T={args.seq_len} "
-          f"dtype={args.model_dtype} median_step_ms={step_time * 1e3:.1f} tokens_per_s={tokens / step_time:.0f} "
+          f"dtype={args.model_dtype} matmul={args.matmul_dtype or args.model_dtype} median_step_ms={step_time * 1e3:.1f} tokens_per_s={tokens / step_time:.0f} "
           f"TFLOPs={flops / 1e12:.1f} MFU_vs_989={flops / 989e12 * 100:.1f}% peak_mem_GiB={peak:.1f}")
 
 
