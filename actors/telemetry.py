@@ -46,9 +46,12 @@ def publish(values: dict, tags: dict) -> None:
     except ImportError:
         return
     described = {**WORKER_METRICS, **COORDINATOR_METRICS}
-    for name, value in values.items():
-        if name in described and value is not None:
-            _gauge(name, described[name], tuple(sorted(tags))).set(float(value), tags=tags)
+    try:
+        for name, value in values.items():
+            if name in described and value is not None:
+                _gauge(name, described[name], tuple(sorted(tags))).set(float(value), tags=tags)
+    except Exception:  # noqa: BLE001 - metrics are best effort (core-only Ray builds export none)
+        pass
 
 
 def memory_bytes(device) -> int:
