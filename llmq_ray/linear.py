@@ -52,7 +52,9 @@ class BlockLinears:
         self.xt_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
         self.dy_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
         self.dyt_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
-        self.scales = torch.ones(4, dtype=torch.float32, device=dev)  # descales: x, x^T, dy, dy^T
+        # Descales of x, x^T, dy, dy^T: separate 0-d tensors, not views of one [4] tensor, because cuBLASLt
+        # rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED, seen on H100).
+        self.scales = [torch.ones((), dtype=torch.float32, device=dev) for _ in range(4)]
         self.dy_amax = torch.zeros((), dtype=torch.float32, device=dev)
         self.w_amax = torch.zeros((), dtype=torch.float32, device=dev)
         self.w_q: dict[str, torch.Tensor] = {}
