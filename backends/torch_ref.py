@@ -181,8 +181,12 @@ class TorchBackend(Backend):
 
     def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
         if out.device.type == "cuda":
-            res = torch._scaled_mm(a, b.t(), scale_a=a_descale, scale_b=b_descale, out_dtype=out.dtype,
-                                   bias=None if accumulate else bias)
+            if not accumulate:  # straight into the output buffer: no temporary, no copy
+                torch._scaled_mm(a, b.t(), scale_a=a_descale, scale_b=b_descale, bias=bias, out_dtype=out.dtype,
+                                 out=out)
+                return
+            # torch exposes no beta=1 for FP8 GEMMs: compute, then add (one extra pass over out)
+            res = torch._scaled_mm(a, b.t(), scale_a=a_descale, scale_b=b_descale, out_dtype=out.dtype)
         else:  # exact emulation: FP8 values are exactly representable in fp32
             res = (a.float() * a_descale) @ (b.float() * b_descale).t()
             if bias is not None and not accumulate:
