@@ -102,12 +102,14 @@ class BlockLinears:
         self.be.matmul_fp8(out, xq, self.w_q[key], self.scales[0], self.w_descale[key], bias=bias)
 
     def backward(self, dx: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
-                 x_amax: torch.Tensor | None) -> None:
-        """dx[N, K] = dy[N, OC] W (overwritten); dw[OC, K] += dy^T x (accumulate)."""
+                 x_amax: torch.Tensor | None, accumulate: bool = True) -> None:
+        """dx[N, K] = dy[N, OC] W (overwritten); dw[OC, K] += dy^T x (accumulate), or dw = dy^T x when
+        ``accumulate`` is False (the caller knows dw is still zero: 0 + v == v, so the result is the same bits
+        while the GEMM skips reading dw, and the FP8 GEMM writes straight into it without a temporary)."""
         be = self.be
         if not self.fp8:
             be.matmul(dx, dy, self.w[key])
-            be.matmul(dw, dy, x, transpose_a=True, accumulate=True)
+            be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
             return
         if self._stale:
             self._quantize_weights()
@@ -121,4 +123,4 @@ class BlockLinears:
         be.quantize_transpose(dyt, self.scales[3], dy, self.dy_amax)
         xt = self.xt_q[:x.numel()].view(k, n)
         be.quantize_transpose(xt, self.scales[1], x, x_amax)
-        be.matmul_fp8(dw, dyt, xt, self.scales[3], self.scales[1], accumulate=True)
+        be.matmul_fp8(dw, dyt, xt, self.scales[3], self.scales[1], accumulate=accumulate)

@@ -170,6 +170,7 @@ class LlamaModel:
         # swiglu), written by the producing kernels and kept for the wgrad's quantization in the backward.
         self.lin = BlockLinears(backend, self.w, cfg.num_layers, n, matmul_dtype, gradient_dtype)
         self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
+        self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
 
@@ -177,6 +178,7 @@ class LlamaModel:
     def zero_grads(self) -> None:
         """Start a new optimizer step: zero gradients, the loss sum and the target count."""
         self.grads.zero_()
+        self._block_grads_zero = True  # the first backward may overwrite the block weight grads
         self.lin.invalidate_weights()  # the weights changed at the last update
         self.loss_sum.zero_()
         self.target_count.zero_()
@@ -283,21 +285,23 @@ class LlamaModel:
         self._recompute(layer)
         dres = self.d_residual
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
-        lin = self.lin
-        lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3))
+        lin, acc = self.lin, not self._block_grads_zero
+        lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3),
+                     acc)
         be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
         lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
-                     self._amax(layer, 2))
+                     self._amax(layer, 2), acc)
         be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
                             a.rstd2[layer], dresidual=dres)
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
         att = a.get("att", layer)
-        lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1))
+        lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1),
+                     acc)
         be.attention_backward(self.d_qkv, self.d_att, att, a.get("lse", layer), a.get("qkv", layer),
                               cfg.num_heads, cfg.num_kv_heads)
         be.rope_backward(self.d_qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         d_qkv = self.d_qkv.view(n, -1)
-        lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0))
+        lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0), acc)
         if cfg.qkv_bias:
             be.bias_backward(g[p + "qkv_b"], d_qkv)
         be.rmsnorm_backward(dres, g[p + "ln1_w"], self.d_ln, a.residual[layer], w[p + "ln1_w"],
@@ -334,6 +338,7 @@ class LlamaModel:
         for layer in reversed(range(self.cfg.num_layers)):
             self._block_backward(layer)
         self.backend.embedding_backward(self.g["embed"], tokens, self.d_residual)
+        self._block_grads_zero = False  # a second micro-step must accumulate
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Evaluation: adds the summed loss and target count of a batch to loss_sum / target_count

@@ -71,3 +71,23 @@ def test_fp8_recompute_is_bit_identical(flag):
     again = _run("e4m3", recompute=RecomputeOptions(**{flag: True}))
     assert torch.equal(base.loss_sum, again.loss_sum)
     assert torch.equal(base.grads, again.grads), f"--recompute-{flag} changed FP8 gradients"
+
+
+@pytest.mark.parametrize("matmul_dtype", [None, "e4m3"])
+def test_second_micro_step_accumulates(matmul_dtype):
+    """The first backward after zero_grads() overwrites the block weight gradients (no read of zeros); every
+    later micro-step must add to them: grads(A then B) == grads(A) + grads(B)."""
+    model = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.float32 if not matmul_dtype
+                       else torch.bfloat16, matmul_dtype=matmul_dtype)
+    init_params(model.layout, model.params, seed=7)
+    gen = torch.Generator().manual_seed(9)
+    a, b = (torch.randint(0, CFG.vocab_size, (B, T + 1), generator=gen) for _ in range(2))
+    grads = []
+    for batches in ([a], [b], [a, b]):
+        model.zero_grads()
+        for tokens in batches:
+            model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+        grads.append(model.grads.float().clone())
+    expected = grads[0] + grads[1]
+    err = ((grads[2] - expected).norm() / expected.norm()).item()
+    assert err < (1e-6 if matmul_dtype is None else 1e-2), err
