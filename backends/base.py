@@ -172,6 +172,14 @@ class Backend:
         """As quantize, but out_t[K, M] is the transpose of inp[M, K] (for wgrad / dgrad operands)."""
         raise NotImplementedError
 
+    def quantize_with_transpose(self, out: torch.Tensor, out_t: torch.Tensor, descale: torch.Tensor,
+                                inp: torch.Tensor, absmax: torch.Tensor) -> None:
+        """Both layouts of one quantization: out[M, K] = quantize(inp), out_t[K, M] = its transpose, same
+        scale (descale written once). A gradient dy is needed row-major for dgrad and transposed for wgrad;
+        a fused kernel reads it once instead of twice. This default composes the two kernels."""
+        self.quantize(out, descale, inp, absmax)
+        self.quantize_transpose(out_t, descale, inp, absmax)
+
     # ------------------------------------------------------------------ loss
     def fused_classifier(self, logits: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
                          dloss: float = 1.0, write_dlogits: bool = True) -> None:

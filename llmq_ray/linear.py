@@ -52,9 +52,9 @@ class BlockLinears:
         self.xt_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
         self.dy_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
         self.dyt_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
-        # Descales of x, x^T, dy, dy^T: separate 0-d tensors, not views of one [4] tensor, because cuBLASLt
+        # Descales of x, x^T, dy (and dy^T, same scale): separate 0-d tensors, not views of one [4] tensor, because cuBLASLt
         # rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED, seen on H100).
-        self.scales = [torch.ones((), dtype=torch.float32, device=dev) for _ in range(4)]
+        self.scales = [torch.ones((), dtype=torch.float32, device=dev) for _ in range(3)]
         self.dy_amax = torch.zeros((), dtype=torch.float32, device=dev)
         self.w_amax = torch.zeros((), dtype=torch.float32, device=dev)
         self.w_q: dict[str, torch.Tensor] = {}
@@ -84,8 +84,7 @@ class BlockLinears:
     def _quantize_weights(self) -> None:
         for key, w in ((k, self.w[k]) for k in self.w_q):
             self.be.absmax(self.w_amax, w)
-            self.be.quantize(self.w_q[key], self.w_descale[key], w, self.w_amax)
-            self.be.quantize_transpose(self.wt_q[key], self.w_descale[key], w, self.w_amax)
+            self.be.quantize_with_transpose(self.w_q[key], self.wt_q[key], self.w_descale[key], w, self.w_amax)
         self._stale = False
 
     # ------------------------------------------------------------------ the three GEMMs
@@ -117,10 +116,9 @@ class BlockLinears:
         k = x.shape[1]
         be.absmax(self.dy_amax, dy)
         dyq = self.dy_q[:dy.numel()].view(n, oc)
-        be.quantize(dyq, self.scales[2], dy, self.dy_amax)
-        be.matmul_fp8(dx, dyq, self.wt_q[key], self.scales[2], self.w_descale[key])
         dyt = self.dyt_q[:dy.numel()].view(oc, n)
-        be.quantize_transpose(dyt, self.scales[3], dy, self.dy_amax)
+        be.quantize_with_transpose(dyq, dyt, self.scales[2], dy, self.dy_amax)  # one read of dy, both layouts
+        be.matmul_fp8(dx, dyq, self.wt_q[key], self.scales[2], self.w_descale[key])
         xt = self.xt_q[:x.numel()].view(k, n)
         be.quantize_transpose(xt, self.scales[1], x, x_amax)
-        be.matmul_fp8(dw, dyt, xt, self.scales[3], self.scales[1], accumulate=accumulate)
+        be.matmul_fp8(dw, dyt, xt, self.scales[2], self.scales[1], accumulate=accumulate)

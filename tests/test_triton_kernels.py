@@ -397,3 +397,25 @@ def test_tiny_model_gradients_triton_vs_torch(dtype):
     assert cos >= (0.99999 if dtype == torch.float32 else 0.99), cos
     if dtype == torch.float32:
         assert_close(g, g_ref, 1e-4, "all gradients")
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_with_transpose_equals_the_two_kernels(fp8):
+    """The fused dual-layout quantization writes exactly what quantize and quantize_transpose write."""
+    from backends import get_backend
+
+    be = get_backend("triton", DEVICE)
+    gen = torch.Generator().manual_seed(21)
+    x = (torch.randn(72, 40, generator=gen) * 3 + 0.1).to(DEVICE).bfloat16()
+    amax = torch.zeros((), device=DEVICE)
+    be.absmax(amax, x)
+    q, qt = torch.empty(72, 40, dtype=fp8, device=DEVICE), torch.empty(40, 72, dtype=fp8, device=DEVICE)
+    d = torch.zeros((), device=DEVICE)
+    be.quantize_with_transpose(q, qt, d, x, amax)
+    q_ref, qt_ref = torch.empty_like(q), torch.empty_like(qt)
+    d_ref = torch.zeros((), device=DEVICE)
+    be.quantize(q_ref, d_ref, x, amax)
+    be.quantize_transpose(qt_ref, d_ref, x, amax)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8))
+    assert torch.equal(d, d_ref)

@@ -94,6 +94,10 @@ class TritonBackend(TorchBackend):
         _contiguous(out_t, inp)
         _fp8.quantize_transpose(out_t, descale, inp, absmax)
 
+    def quantize_with_transpose(self, out, out_t, descale, inp, absmax):
+        _contiguous(out, out_t, inp)
+        _fp8.quantize_with_transpose(out, out_t, descale, inp, absmax)
+
     # ------------------------------------------------------------------ loss
     def fused_classifier(self, logits, losses, targets, dloss=1.0, write_dlogits=True):
         _contiguous(losses, targets)
