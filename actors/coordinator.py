@@ -8,9 +8,21 @@ update's stats are the one host sync. The coordinator then:
 
 * logs the step (JSON record; the console line goes back to the caller, who prints it),
 * publishes Ray metrics (tokens/s, loss, norm, step time),
+* runs the spike guard (llmq_ray/spike_guard.py) and logs a "warning" record for every skipped update or
+  loss/grad-norm spike,
+* writes a checkpoint every ``ckpt_interval`` steps (actors/checkpointing.py),
 * evaluates every ``eval_every_n_steps`` steps on ``eval_num_steps`` batches, and at ``finish()`` over the
   whole eval file, then exports the weights as an HF folder (from a worker on the coordinator's node when
   there is one, so the export lands on the driver's machine).
+
+Fault tolerance: when a worker dies, hangs (a call or a collective times out) or fails with an unexpected
+exception, ``train_step`` tears the whole group down (kills every worker, releases the placement group),
+places a new group, loads the newest valid checkpoint this run wrote (or started from; from scratch when
+there is none yet), trains the lost steps again and then the step it was asked for -- up to
+``max_restarts`` times per run, with "failure" / "restart" / "resume" records in the log. This needs
+checkpoints (``ckpt_interval`` > 0); without them the first failure ends the run. User errors (config,
+data, a checkpoint that cannot be written) are never retried. The step-level calls (``micro_step`` /
+``update``) do not restart by themselves.
 
 Step-level calls for custom loops (``LLMQTrainer.step`` / ``update`` / ``validate`` / ``export``) map onto
 ``micro_step`` / ``update`` / ``validate`` / ``export`` here.
@@ -21,17 +33,20 @@ The trainer schedules this actor on the driver's node, so ``out_dir`` and the lo
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
 from actors import telemetry
-from actors.failures import gather
+from actors.checkpointing import load_group_checkpoint, restart_point, save_group_checkpoint
+from actors.failures import WorkerError, gather
 from actors.placement import create_workers
 from actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.metrics import sol_fraction, sol_record
 from llmq_ray.optim import learning_rate_at
-from llmq_ray.runlog import RunLog, eval_line, step_line
+from llmq_ray.runlog import RunLog, checkpoint_line, eval_line, step_line, warning_line
+from llmq_ray.spike_guard import SpikeGuard
 
 
 class Coordinator:
@@ -53,14 +68,46 @@ class Coordinator:
         self.export_path: str | None = None
         self._export_rank = 0
         self.failed = False         # a worker call failed: shutdown() kills without asking them to close
+        self.pids: list[int] = []
+        self.guard = SpikeGuard(spec.spike_window, spec.spike_threshold)
+        self.checkpoints: list[str] = []   # written by this run, oldest first
+        self.origin: str | None = None     # the checkpoint this run (or its last restart) started from
+        self.restarts = 0
+        self.skipped_steps = 0
+        self.warnings = 0
 
     # ------------------------------------------------------------------ set-up
-    def start(self) -> dict:
-        """Place the workers, form the process group, build the engines. Returns the set-up info."""
+    def start(self, notes: list | None = None) -> dict:
+        """Place the workers, form the process group, build the engines; with ``spec.resume_from`` load that
+        checkpoint. ``notes``: warnings the caller already printed (skipped checkpoints), logged here.
+        Returns the set-up info, with "step" (where the run goes on) and "lines" (console lines)."""
+        spec = self.spec
+        t0 = time.perf_counter()
+        infos, nodes = self._launch()
+        sol = sol_record(self.cfg, self.opts.seq_len, self.gpu_name, self.opts.matmul_dtype)
+        self.peak = sol["peak_tflops"]
+        self.log.add("options", **dataclasses.asdict(self.opts),
+                     **{k: v for k, v in dataclasses.asdict(spec).items() if k not in ("opts", "fault")})
+        for r, (info, node) in enumerate(zip(infos, nodes)):
+            self.log.add("gpu", rank=r, device=info["device"], name=info["device_name"], node_ip=node["ip"],
+                         local_rank=node["local_rank"], pid=node["pid"])
+        self.log.add("sol", **sol)
+        self.log.add("dataset", **infos[0]["dataset"])
+        self.log.add("allocator", rank=0, **infos[0]["memory"])
+        lines = [self._warn(None, "checkpoint", m) for m in notes or []]
+        if spec.resume_from:
+            lines.append(self._resume(spec.resume_from, "continue"))
+        self.log.flush()
+        return {"world_size": spec.world_size, "gpu": self.gpu_name, "device": infos[0]["device"],
+                "nodes": nodes, "memory": infos[0]["memory"], "dataset": infos[0]["dataset"],
+                "seconds": time.perf_counter() - t0, "log_file": self.log.path, "step": self.step, "lines": lines}
+
+    def _launch(self) -> tuple[list, list]:
+        """Place a new group of workers and set them up; returns (set-up infos, nodes) by rank."""
         import ray
 
         spec = self.spec
-        t0 = time.perf_counter()
+        self.failed = False
         self.pg, self.workers, nodes = create_workers(spec)
         try:
             address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
@@ -72,20 +119,27 @@ class Coordinator:
         here = ray.get_runtime_context().get_node_id()
         self._export_rank = next((r for r, n in enumerate(nodes) if n["node_id"] == here), 0)
         self.gpu_name = infos[0]["device_name"] if spec.device == "cuda" else None
-        sol = sol_record(self.cfg, self.opts.seq_len, self.gpu_name, self.opts.matmul_dtype)
-        self.peak = sol["peak_tflops"]
-        self.log.add("options", **dataclasses.asdict(self.opts),
-                     **{k: v for k, v in dataclasses.asdict(spec).items() if k not in ("opts", "fault")})
-        for r, (info, node) in enumerate(zip(infos, nodes)):
-            self.log.add("gpu", rank=r, device=info["device"], name=info["device_name"], node_ip=node["ip"],
-                         local_rank=node["local_rank"], pid=node["pid"])
-        self.log.add("sol", **sol)
-        self.log.add("dataset", **infos[0]["dataset"])
-        self.log.add("allocator", rank=0, **infos[0]["memory"])
+        self.pids = [n["pid"] for n in nodes]
+        return infos, nodes
+
+    def _resume(self, folder: str, reason: str) -> str:
+        """Load checkpoint ``folder`` into the current group and go on from its step; returns the [C] line."""
+        t0 = time.perf_counter()
+        try:
+            manifest = load_group_checkpoint(self.workers, folder, self.spec.call_timeout_s)
+        except BaseException:
+            self.failed = True
+            raise
+        self.step, self.micro_pending = int(manifest["step"]), 0
+        self.history = [r for r in self.history if r["step"] < self.step]
+        self.guard.load_state(manifest.get("spike_guard"))
+        self.origin = folder
+        seconds = time.perf_counter() - t0
+        self.log.add("resume", step=self.step, path=folder, reason=reason, saved_world_size=manifest["world_size"],
+                     world_size=self.spec.world_size, seconds=seconds)
         self.log.flush()
-        return {"world_size": spec.world_size, "gpu": self.gpu_name, "device": infos[0]["device"],
-                "nodes": nodes, "memory": infos[0]["memory"], "dataset": infos[0]["dataset"],
-                "seconds": time.perf_counter() - t0, "log_file": self.log.path}
+        return checkpoint_line(self.step, folder, seconds) + (
+            f" | resumed ({reason}), saved on {manifest['world_size']} worker(s), now {self.spec.world_size}")
 
     # ------------------------------------------------------------------ helpers
     def lr_at(self, step: int) -> float:
@@ -112,33 +166,135 @@ class Coordinator:
                "worker_seconds": worker_s, "ray_overhead_seconds": max(wall - worker_s, 0.0),
                "data_seconds": max(r.get("data_seconds", 0.0) for r in results),
                "memory": [r.get("memory", 0) for r in results]}
+        if r0.get("skip_reason"):
+            rec["skip_reason"] = r0["skip_reason"]
         self.history.append(rec)
         self.log.add("step", **rec)
         telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
                            "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})
+        rec["warnings"] = self._check_step(rec)
         return rec
+
+    def _warn(self, step: int | None, kind: str, message: str, **fields) -> str:
+        """Log a "warning" record (and count it); returns its console line."""
+        self.warnings += 1
+        self.log.add("warning", step=step, kind=kind, message=message, **fields)
+        return warning_line(step, message)
+
+    def _check_step(self, rec: dict) -> list[str]:
+        """Warnings of a finished step: a skipped update, a loss or grad-norm spike. Returns their lines."""
+        step, lines = rec["step"], []
+        reason = rec.get("skip_reason")
+        if rec["skipped"]:
+            self.skipped_steps += 1
+        if reason == "non-finite gradient norm" or (rec["skipped"] and not reason):
+            lines.append(self._warn(step, "nonfinite", f"update skipped: the gradient norm is {rec['norm']} "
+                                    f"(loss {rec['loss']}); the weights and optimizer state were left unchanged.",
+                                    loss=rec["loss"], norm=rec["norm"], skipped=True))
+        for name, z in self.guard.observe(rec["loss"], rec["norm"]):
+            value = rec["loss"] if name == "loss" else rec["norm"]
+            what = "loss" if name == "loss" else "grad-norm"
+            done = rec["skipped"] and reason == f"{what} spike"
+            lines.append(self._warn(step, f"{name}_spike", f"{what} spike: {value:.4g} is {z:.1f} standard "
+                                    f"deviations above the mean of the last {self.guard.window} steps"
+                                    + ("; update skipped." if done else "."),
+                                    value=value, zscore=z if math.isfinite(z) else str(z), skipped=done))
+        if lines:
+            self.log.flush()
+        return lines
 
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict:
-        """One optimizer step over all workers (+ a periodic eval when due).
+        """One optimizer step over all workers (+ a checkpoint and a periodic eval when due).
 
-        Returns {"record": step record, "lines": console lines, "eval": eval record or None}."""
+        A worker failure rebuilds the group from the last checkpoint and trains up to this step again (see
+        the module docstring). Returns {"record": step record, "lines": console lines, "eval": eval record
+        or None}."""
         if self.micro_pending:
             raise RuntimeError("train_step() after step() without update(): call update() first.")
+        target, lines = self.step, []
+        while True:
+            try:
+                while self.step < target:  # steps lost to a restart are trained again
+                    lines += self._one_step()["lines"]
+                out = self._one_step()
+                out["lines"] = lines + out["lines"]
+                return out
+            except WorkerError as exc:
+                lines += self._recover(exc)
+
+    def _one_step(self) -> dict:
         step, lr = self.step, self.lr_at(self.step)
+        limits = self.guard.limits() if self.spec.skip_update_on_spike else None
         t0 = time.perf_counter()
-        results = self._call("train_step", step, lr, what=f"train_step (step {step + 1})")
+        results = self._call("train_step", step, lr, limits, what=f"train_step (step {step + 1})")
         wall = time.perf_counter() - t0
         self.step += 1
         rec = self._record_step(step, lr, results, wall, self.spec.tokens_per_step)
         lines = [step_line(step, self.opts.steps, wall, rec["norm"], rec["loss"], rec["tokens_per_s"], rec["sol"],
-                           rec["skipped"])]
+                           rec.get("skip_reason") or rec["skipped"])] + rec.pop("warnings")
+        n = self.spec.ckpt_interval
+        if n > 0 and self.step % n == 0:
+            lines.append(self.save_checkpoint()["line"])
         ev = None
         n = self.spec.eval_every_n_steps
         if n > 0 and self.spec.eval_file and self.step % n == 0 and self.step < self.opts.steps:
             ev = self.validate(full=False)
             lines.append(ev["line"])
         return {"record": rec, "lines": lines, "eval": ev}
+
+    def save_checkpoint(self) -> dict:
+        """Checkpoint the current state (``self.step`` updates completed) into ckpt_dir/step_XXXXXXXX and
+        apply retention. Returns {"path", "seconds", "deleted", "line"}."""
+        if self.micro_pending:
+            raise RuntimeError("save_checkpoint() between step() and update(): call update() first.")
+        extra = {"spike_guard": self.guard.state(), "restarts": self.restarts}
+        try:
+            info = save_group_checkpoint(self.workers, self.spec, self.cfg, self.step, extra, self.spec.call_timeout_s)
+        except WorkerError:
+            self.failed = True
+            raise
+        self.checkpoints = [p for p in self.checkpoints if p != info["path"]] + [info["path"]]
+        self.log.add("checkpoint", step=self.step, path=info["path"], seconds=info["seconds"], deleted=info["deleted"])
+        for m in info["warnings"]:
+            self._warn(self.step, "checkpoint", m)
+        self.log.flush()
+        info["line"] = checkpoint_line(self.step, info["path"], info["seconds"])
+        return info
+
+    def _recover(self, exc: WorkerError) -> list[str]:
+        """After a worker failure: rebuild the group and load the restart point, or re-raise ``exc`` when
+        restarts are off or used up. Returns the console lines of what happened."""
+        failed_step = self.step
+        self.log.add("failure", step=failed_step, error=str(exc), restarts=self.restarts)
+        self._teardown()
+        limit = self.spec.max_restarts
+        if self.spec.ckpt_interval <= 0 or limit <= 0:
+            self.log.flush()
+            raise exc
+        if self.restarts >= limit:
+            self.log.flush()
+            raise WorkerError(f"{str(exc).rstrip('.')}; gave up after {self.restarts} automatic restart(s) "
+                              f"(--max-restarts={limit}).") from None
+        self.restarts += 1
+        self.spec = dataclasses.replace(self.spec, fault=None)  # a test hook fires in the first group only
+        folder, skipped = restart_point(self.checkpoints + ([self.origin] if self.origin else []), failed_step)
+        lines = [self._warn(failed_step, "failure", f"{exc} -- restart {self.restarts}/{limit} from "
+                            f"{folder or 'scratch (no checkpoint yet)'}")]
+        lines += [self._warn(None, "checkpoint", m) for m in skipped]
+        self.log.add("restart", attempt=self.restarts, failed_step=failed_step, checkpoint=folder)
+        self.log.flush()
+        t0 = time.perf_counter()
+        self._launch()
+        if folder:
+            lines.append(self._resume(folder, f"restart {self.restarts}"))
+        elif self.origin is None:
+            self.step, self.micro_pending, self.history = 0, 0, []
+            self.guard.load_state(None)
+        else:
+            raise exc  # unreachable: the run's origin checkpoint was valid when it started (kept by retention)
+        self.log.add("restarted", attempt=self.restarts, step=self.step, seconds=time.perf_counter() - t0)
+        return lines
 
     def micro_step(self) -> None:
         """One forward+backward on every worker (each on its own next batch), gradients accumulating."""
@@ -159,7 +315,9 @@ class Coordinator:
         tokens = o.batch_size * o.seq_len * self.micro_pending * self.spec.world_size
         self.micro_pending = 0
         self.step += 1
-        return self._record_step(step, lr, results, wall, tokens)
+        rec = self._record_step(step, lr, results, wall, tokens)
+        rec.pop("warnings")
+        return rec
 
     def validate(self, full: bool = False) -> dict | None:
         """Eval loss over eval_num_steps batches (or the whole eval file with ``full``); None without one."""
@@ -205,7 +363,9 @@ class Coordinator:
                 "tokens_per_s": toks / wall if wall > 0 else None,
                 "step_seconds": wall / len(steady) if steady else None,
                 "worker_seconds": (sum(r["worker_seconds"] for r in steady) / len(steady)) if steady else None,
-                "export_path": self.export_path, "log_file": self.log.path}
+                "export_path": self.export_path, "log_file": self.log.path, "restarts": self.restarts,
+                "skipped_steps": self.skipped_steps, "warnings": self.warnings,
+                "checkpoints": [p for p in self.checkpoints if os.path.isdir(p)]}
 
     def get_history(self) -> dict:
         return {"steps": list(self.history), "evals": [{k: v for k, v in e.items() if k != "line"} for e in self.evals]}
@@ -216,11 +376,30 @@ class Coordinator:
     def data_state(self) -> list:
         return self._call("data_state", timeout=60.0)
 
-    def shutdown(self) -> None:
-        """Close the workers (leave the process group), kill them and release the placement group."""
+    def worker_pids(self) -> list[int]:
+        """The process ids of the current workers, by rank."""
+        return list(self.pids)
+
+    def _teardown(self) -> None:
+        """Kill the workers (without waiting on them) and release the placement group."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.workers = []
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self.pg = None
+
+    def shutdown(self) -> None:
+        """Close the workers (leave the process group), kill them and release the placement group."""
         if self.log.records:
             try:
                 self.log.flush()
@@ -231,9 +410,4 @@ class Coordinator:
                 gather([w.close.remote() for w in self.workers], 30.0, "close")
             except Exception:  # noqa: BLE001 - best effort; they are killed next
                 pass
-        for w in self.workers:
-            ray.kill(w)
-        self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        self._teardown()

@@ -6,6 +6,8 @@ engine's ``.to(device, non_blocking=True)`` is an asynchronous copy.
 
 from __future__ import annotations
 
+import base64
+
 import torch
 
 from actors.spec import RuntimeSpec
@@ -19,6 +21,7 @@ class RandomTokenStream:
 
     def __init__(self, vocab_size: int, seq_len: int, batch_size: int, rank: int, seed: int):
         self.vocab, self.T, self.B = vocab_size, seq_len, batch_size
+        self.rank = rank
         self.gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
         self.pin = torch.cuda.is_available()
 
@@ -30,7 +33,16 @@ class RandomTokenStream:
         return inputs, targets
 
     def state(self) -> dict:
-        return {"random": True}
+        """The generator's state (base64), so a resumed run draws the same tokens."""
+        raw = self.gen.get_state().numpy().tobytes()
+        return {"random": True, "rank": self.rank, "generator": base64.b64encode(raw).decode("ascii")}
+
+    def restore(self, state: dict) -> None:
+        """Continue after ``state`` when it is this rank's (after a world-size change: rank 0's state is
+        handed to every rank, and the other ranks keep their own seeds rather than repeat rank 0's tokens)."""
+        if state.get("generator") and state.get("rank", 0) == self.rank:
+            raw = bytearray(base64.b64decode(state["generator"]))
+            self.gen.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
 
     def close(self) -> None:
         pass

@@ -36,11 +36,30 @@ class RuntimeSpec:
     export: bool = True                   # HF export into out_dir/export at the end
     export_dtype: Optional[str] = None    # None: the model dtype
     log_file: Optional[str] = None        # None: out_dir/log.json
+    # checkpoints (llmq_ray/checkpoint.py; the coordinator's side is actors/checkpointing.py)
+    checkpoint_dir: Optional[str] = None  # None: out_dir/ckpt
+    ckpt_interval: int = 0                # checkpoint every N optimizer steps (0: never)
+    ckpt_keep_n: int = 2                  # newest valid checkpoints kept
+    ckpt_major: int = 0                   # steps that are multiples of this are kept forever (0: none)
+    resume_from: Optional[str] = None     # checkpoint folder to start from (resolved by the trainer)
     # robustness
     collective_timeout_s: float = 300.0   # every torch.distributed collective
     call_timeout_s: float = 1800.0        # every ray.get on a worker call
-    # test hook: {"rank": r, "step": s} makes rank r raise at step s (0-based)
+    max_restarts: int = 3                 # automatic restarts from the last checkpoint after a worker failure
+    skip_update_on_spike: bool = False    # skip the update of a step whose loss or norm z-score is too high
+    spike_window: int = 128               # steps in the spike guard's z-score window
+    spike_threshold: float = 6.0          # z-score above which a step is a spike (always logged)
+    # test hook (actors/worker.py ``_fault``): {"rank": r, "step": s, "kind": k} -- k "raise" (default) makes
+    # rank r raise at 0-based step s, "kill" SIGKILLs its process, "nan" puts a NaN into its gradients,
+    # "save_kill" SIGKILLs it halfway through writing the checkpoint of step s (updates completed). A
+    # restarted group runs without it.
     fault: Optional[dict] = None
+
+    @property
+    def ckpt_dir(self) -> str:
+        import os
+
+        return self.checkpoint_dir or os.path.join(self.out_dir, "ckpt")
 
     @property
     def tokens_per_step(self) -> int:

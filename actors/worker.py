@@ -19,6 +19,7 @@ Method order: ``rendezvous_address`` (rank 0 only) -> ``setup`` (all ranks, conc
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -152,10 +153,17 @@ class GPUWorker:
         return table
 
     # ------------------------------------------------------------------ steps
-    def _check_fault(self, step: int) -> None:
+    def _fault(self, kind: str, step: int) -> bool:
+        """The test hook of ``spec.fault`` (see actors/spec.py): True when it names this rank, step and kind."""
         f = self.spec.fault
-        if f and int(f.get("rank", -1)) == self.rank and int(f.get("step", -1)) == step:
+        return bool(f) and int(f.get("rank", -1)) == self.rank and int(f.get("step", -1)) == step \
+            and f.get("kind", "raise") == kind
+
+    def _faults_before_step(self, step: int) -> None:
+        if self._fault("raise", step):
             raise RuntimeError(f"injected fault at step {step} (test hook)")
+        if self._fault("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)  # a real process death, as from the OOM killer
 
     def micro_step(self) -> float:
         """One forward+backward on this rank's next batch; returns seconds spent waiting for data."""
@@ -165,22 +173,28 @@ class GPUWorker:
         self.engine.micro_step(inputs, targets)
         return data_s
 
-    def update(self, step: int, lr: float) -> dict:
-        """The optimizer update number ``step + 1`` (0-based ``step``) at learning rate ``lr``."""
-        s = self.engine.update(lr, step + 1)
-        return {"loss": s.loss, "norm": s.grad_norm, "targets": s.tokens, "skipped": s.skipped}
+    def update(self, step: int, lr: float, limits: dict | None = None) -> dict:
+        """The optimizer update number ``step + 1`` (0-based ``step``) at learning rate ``lr``; ``limits``
+        ({"loss", "norm"}, from the spike guard) skip it when the step's loss or norm is above them."""
+        if self._fault("nan", step):  # test hook: a NaN gradient must never reach the weights
+            e = self.engine
+            (e.grad_shard if e.grad_shard is not None else e.grads)[0] = float("nan")
+        limits = limits or {}
+        s = self.engine.update(lr, step + 1, max_loss=limits.get("loss"), max_norm=limits.get("norm"))
+        return {"loss": s.loss, "norm": s.grad_norm, "targets": s.tokens, "skipped": s.skipped,
+                "skip_reason": s.skip_reason}
 
-    def train_step(self, step: int, lr: float) -> dict:
+    def train_step(self, step: int, lr: float, limits: dict | None = None) -> dict:
         """grad_accumulation micro-steps then the update: one whole optimizer step in one Ray call.
 
-        Returns {"loss", "norm", "targets", "skipped", "seconds" (inside this call), "data_seconds",
-        "memory"} -- loss/norm/targets are already reduced over all ranks."""
-        self._check_fault(step)
+        Returns {"loss", "norm", "targets", "skipped", "skip_reason", "seconds" (inside this call),
+        "data_seconds", "memory"} -- loss/norm/targets are already reduced over all ranks."""
+        self._faults_before_step(step)
         t0 = time.perf_counter()
         data_s = 0.0
         for _ in range(self.spec.opts.grad_accumulation):
             data_s += self.micro_step()
-        out = self.update(step, lr)  # reads the stats to the host: the step's one sync
+        out = self.update(step, lr, limits)  # reads the stats to the host: the step's one sync
         seconds = time.perf_counter() - t0
         o = self.spec.opts
         tokens = o.batch_size * o.seq_len * o.grad_accumulation
@@ -219,6 +233,44 @@ class GPUWorker:
 
     def data_state(self) -> dict:
         return self._train.state() if self._train is not None else {}
+
+    def pid(self) -> int:
+        """This actor's process id (tests kill it)."""
+        return os.getpid()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_shard(self, tmp_dir: str, step: int) -> tuple[dict, dict]:
+        """Write this rank's optimizer shard into the checkpoint being written at ``tmp_dir`` (``step`` =
+        updates completed). Returns (the write record for ``finalize_checkpoint``, this rank's data state).
+        A full disk raises the CheckpointError sentence of llmq_ray/checkpoint.py."""
+        from llmq_ray.checkpoint import rank_file_name, write_rank_shard
+        from llmq_ray.resume import engine_checkpoint_tensors
+
+        e = self.engine
+        if self._fault("save_kill", step):  # test hook: die halfway through the file, as a crash would
+            with open(os.path.join(tmp_dir, rank_file_name(self.rank)), "wb") as f:
+                f.write(b"\0" * 1000)
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        rec = write_rank_shard(tmp_dir, self.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
+        return rec, self.data_state()
+
+    def load_checkpoint(self, folder: str) -> int:
+        """Put this rank into the state of checkpoint ``folder`` (any saved world size): optimizer shard,
+        weights (a collective: every rank calls this together) and data position. Returns the step."""
+        from llmq_ray.checkpoint import data_state_for_rank, load_checkpoint
+        from llmq_ray.resume import restore_engine
+
+        e = self.engine
+        tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,
+                                            rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
+                                            device=e.params.device)
+        restore_engine(e, tensors)  # also resets the gradient accumulators (ZeRO-2's grad shard included)
+        state = data_state_for_rank(manifest, self.rank, self.world_size)
+        if state and self._train is not None:
+            self._train.restore(state)
+        return int(manifest["step"])
 
     def close(self) -> None:
         """Stop the data reader and leave the process group (the actor is killed afterwards)."""

@@ -66,6 +66,7 @@ class StepStats:
     grad_norm: float
     tokens: int
     skipped: bool = False
+    skip_reason: str | None = None   # "non-finite gradient norm", "loss spike", "grad-norm spike"
 
 
 class TrainEngine:
@@ -134,12 +135,14 @@ class TrainEngine:
                 self.grad_shard += self._grad_shard_tmp
         self.micro_steps_done += 1
 
-    def update(self, lr: float, step: int) -> StepStats:
+    def update(self, lr: float, step: int, *, max_loss: float | None = None,
+               max_norm: float | None = None) -> StepStats:
         """Reduce gradients, clip by the global norm, AdamW on the local shard, gather weights.
 
         ``step`` is the 1-based update number (Adam bias correction, rounding seeds). Returns host stats
         (the one host sync of the step). A non-finite gradient norm skips the update: the weights and the
-        optimizer state stay as they were.
+        optimizer state stay as they were. So does a loss above ``max_loss`` or a norm above ``max_norm``
+        (the spike guard's limits, see llmq_ray/spike_guard.py); ``StepStats.skip_reason`` says why.
         """
         if self.micro_steps_done == 0:
             raise RuntimeError("update() called before any micro_step()")
@@ -160,8 +163,16 @@ class TrainEngine:
         finite = torch.isfinite(coef)
         stats = torch.stack([totals[0].float() / count, norm, count, finite.float()]).tolist()
         self.micro_steps_done = 0
+        reason = None
         if not stats[3]:
-            return StepStats(loss=stats[0], grad_norm=stats[1], tokens=int(stats[2]), skipped=True)
+            reason = "non-finite gradient norm"
+        elif max_loss is not None and stats[0] > max_loss:
+            reason = "loss spike"
+        elif max_norm is not None and stats[1] > max_norm:
+            reason = "grad-norm spike"
+        if reason is not None:
+            return StepStats(loss=stats[0], grad_norm=stats[1], tokens=int(stats[2]), skipped=True,
+                             skip_reason=reason)
         self.optimizer.step(local, lr=lr, step=step, grad_scale=coef / count)
         params_shard = self.params[self.comm.rank * self.shard_size:(self.comm.rank + 1) * self.shard_size]
         comm.all_gather(self.params, params_shard)

@@ -8,7 +8,9 @@ Console (one line per optimizer step, one per eval)::
 JSON log: a list of records, each a dict with a "log" key naming its kind, in the order they happened:
 "options" (all run options), "gpu" (one per rank: device, name, memory table), "sol" (FLOPs/token,
 peaks), "dataset" (files, token counts), "allocator" (memory table of rank 0), "step" (per optimizer
-step), "eval". ``RunLog.flush()`` writes the whole list to a temporary file in the same folder and renames
+step), "eval", "checkpoint" (one per checkpoint written), "resume" (the checkpoint a run started from, or went
+back to after a restart), "warning" (a skipped update, a loss or grad-norm spike, a skipped checkpoint;
+with a "kind"), "failure" and "restart" (a worker died or hung and the group was rebuilt), "summary". ``RunLog.flush()`` writes the whole list to a temporary file in the same folder and renames
 it over the log, so a reader (or a crash) never sees a half-written file.
 """
 
@@ -35,11 +37,13 @@ def _tps(x: float) -> str:
 
 
 def step_line(step: int, total: int, seconds: float, norm: float, loss: float, tps: float,
-              sol: Optional[float], skipped: bool = False) -> str:
-    """``[T]`` line of 0-based ``step`` of ``total``; ``sol`` is a fraction or None."""
+              sol: Optional[float], skipped: "bool | str" = False) -> str:
+    """``[T]`` line of 0-based ``step`` of ``total``; ``sol`` is a fraction or None; ``skipped``: True or the
+    reason the update was skipped."""
     pct = 100.0 * (step + 1) / max(total, 1)
     sol_s = f"{100 * sol:5.1f}%" if sol is not None else "    -"
-    tail = " | SKIPPED (non-finite gradient)" if skipped else ""
+    reason = skipped if isinstance(skipped, str) else "non-finite gradient"
+    tail = f" | SKIPPED ({reason})" if skipped else ""
     return (f"[T] step {step + 1:5d} [{pct:5.1f}%] | time: {1000 * seconds:6.0f} ms | norm {_num(norm, 8, 4)} | "
             f"loss {_num(loss, 8, 4)} | tps {_tps(tps)} | sol {sol_s}{tail}")
 
@@ -49,6 +53,17 @@ def eval_line(step: int, total: int, seconds: float, loss: float, batches: int, 
     what = "final eval loss" if final else "eval loss"
     return (f"[V] step {step:5d} [{pct:5.1f}%] | time: {1000 * seconds:6.0f} ms | {what} {_num(loss, 8, 4)} | "
             f"batches {batches}")
+
+
+def warning_line(step: Optional[int], message: str) -> str:
+    """``[!]`` line of a warning (a skipped update, a spike, a skipped checkpoint, a restart)."""
+    where = f"step {step:5d}" if step is not None else "run"
+    return f"[!] {where} | {message}"
+
+
+def checkpoint_line(step: int, path: str, seconds: float) -> str:
+    """``[C]`` line of a checkpoint written (or loaded) at ``step`` (updates completed)."""
+    return f"[C] step {step:5d} | time: {1000 * seconds:6.0f} ms | checkpoint {path}"
 
 
 def atomic_write_json(path: str, obj) -> None:

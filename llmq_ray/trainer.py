@@ -22,6 +22,16 @@ cluster; otherwise it calls ``ray.init(address=ray_address)`` (None: start or fi
 ever shuts down a Ray it initialized itself. Workers are placed by ``actors/placement.py``; the
 coordinator actor runs on the caller's node, so logs and exports land on the caller's machine.
 
+Checkpoints and fault tolerance: ``ckpt_interval=N`` writes ``checkpoint_dir/step_XXXXXXXX`` (default
+``out_dir/ckpt``) every N steps, keeping the newest ``ckpt_keep_n`` (2) plus every multiple of
+``ckpt_major``; ``resume=True`` / "latest" / a step number / a folder continues from a checkpoint (checked
+before Ray starts: incomplete folders are skipped with a warning, another model is refused in one
+sentence), on any number of workers. With checkpoints on, a worker that dies or hangs makes the coordinator
+rebuild the group and continue from the last checkpoint, up to ``max_restarts`` (3) times.
+``skip_update_on_spike`` skips the update of a step whose loss or grad norm is ``spike_threshold``
+standard deviations above the mean of the last ``spike_window`` steps (such steps are always logged as
+warnings; a non-finite gradient norm always skips the update).
+
 Keyword arguments are ``TrainOptions`` fields (model math and schedule; same names as the CLI flags) plus
 the runtime arguments of ``__init__`` below.
 """
@@ -33,6 +43,7 @@ import dataclasses
 import importlib.util
 import os
 import sys
+import warnings
 from typing import Optional
 
 from actors.failures import WorkerError, wrap_error
@@ -52,7 +63,10 @@ class Result:
     """What ``fit()`` returns.
 
     metrics: {"steps", "train_loss" (last step), "eval_loss" (final eval; None without eval file),
-              "tokens_per_s", "step_seconds", "worker_seconds" (mean over steps after the first)}
+              "tokens_per_s", "step_seconds", "worker_seconds" (mean over steps after the first),
+              "restarts" (automatic restarts after a worker failure), "skipped_steps" (updates skipped: a
+              non-finite gradient, or a spike with skip_update_on_spike), "warnings" (warning records logged)}
+    checkpoint_paths: the checkpoints this run wrote that retention kept.
     history: one dict per optimizer step {"step", "lr", "loss", "norm", "tokens", "seconds", "tokens_per_s",
              "sol", "worker_seconds", "ray_overhead_seconds", ...}; evals: one dict per evaluation.
     """
@@ -81,20 +95,22 @@ class LLMQTrainer:
                  cpus_per_worker: Optional[int] = None, eval_every_n_steps: int = 0, eval_num_steps: int = 8,
                  final_eval: bool = True, out_dir: str = "out", log_file: Optional[str] = None,
                  export: bool = True, export_dtype: Optional[str] = None, checkpoint_dir: Optional[str] = None,
-                 ckpt_interval: int = 0, resume: bool = False, use_ray_data: bool = True,
-                 ray_address: Optional[str] = None, verbose: bool = True, collective_timeout_s: float = 300.0,
-                 call_timeout_s: float = 1800.0, fault: Optional[dict] = None, **option_fields):
+                 ckpt_interval: int = 0, ckpt_keep_n: int = 2, ckpt_major: int = 0, resume=False,
+                 max_restarts: int = 3, skip_update_on_spike: bool = False, spike_window: int = 128,
+                 spike_threshold: float = 6.0, use_ray_data: bool = True, ray_address: Optional[str] = None,
+                 verbose: bool = True, collective_timeout_s: float = 300.0, call_timeout_s: float = 1800.0,
+                 fault: Optional[dict] = None, **option_fields):
         unknown = set(option_fields) - _OPTION_FIELDS
         if unknown:
             raise ConfigError(f"LLMQTrainer got unknown argument(s) {sorted(unknown)}; run options are "
                               f"{sorted(_OPTION_FIELDS)}.")
         self.opts = dataclasses.replace(options or TrainOptions(), **option_fields).validate()
-        if resume or ckpt_interval:
-            flag = "--continue" if resume else f"--ckpt-interval={ckpt_interval}"
-            raise ConfigError(f"{flag}: checkpoints are not implemented yet in this version of llmq-ray "
-                              f"(they come with the checkpoint issue); run without it.")
-        self.checkpoint_dir = checkpoint_dir
-        self.runtime = dict(train_file=train_file, eval_file=eval_file, synthetic_data=synthetic_data,
+        self.checkpoint_dir = os.path.abspath(checkpoint_dir or os.path.join(out_dir, "ckpt"))
+        self.resume = resume
+        self.runtime = dict(checkpoint_dir=self.checkpoint_dir, ckpt_interval=ckpt_interval, ckpt_keep_n=ckpt_keep_n,
+                            ckpt_major=ckpt_major, max_restarts=max_restarts,
+                            skip_update_on_spike=skip_update_on_spike, spike_window=spike_window,
+                            spike_threshold=spike_threshold, train_file=train_file, eval_file=eval_file, synthetic_data=synthetic_data,
                             device=device, backend=backend, gpus=gpus, workers=workers,
                             cpus_per_worker=cpus_per_worker, eval_every_n_steps=eval_every_n_steps,
                             eval_num_steps=eval_num_steps, final_eval=final_eval, out_dir=out_dir,
@@ -107,7 +123,9 @@ class LLMQTrainer:
         self.coordinator = None
         self.info: Optional[dict] = None
         self._started_ray = False
+        self.notes: list[str] = []       # warnings found before start (skipped checkpoints), printed there
         self._check_inputs()
+        self.resume_from = self._resolve_resume()
 
     # ------------------------------------------------------------------ validation before any Ray work
     def _check_inputs(self) -> None:
@@ -126,6 +144,18 @@ class LLMQTrainer:
                 raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0.")
         if r["workers"] is not None and (not isinstance(r["workers"], int) or r["workers"] < 1):
             raise ConfigError(f"--workers={r['workers']!r} must be an integer >= 1.")
+        for flag in ("ckpt_interval", "ckpt_major", "max_restarts"):
+            if not isinstance(r[flag], int) or isinstance(r[flag], bool) or r[flag] < 0:
+                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0.")
+        if not isinstance(r["ckpt_keep_n"], int) or r["ckpt_keep_n"] < 1:
+            raise ConfigError(f"--ckpt-keep-n={r['ckpt_keep_n']!r} must be an integer >= 1 (default 2).")
+        if not isinstance(r["spike_window"], int) or r["spike_window"] < 2:
+            raise ConfigError(f"--spike-window={r['spike_window']!r} must be an integer >= 2.")
+        if not (isinstance(r["spike_threshold"], (int, float)) and r["spike_threshold"] > 0):
+            raise ConfigError(f"--spike-threshold={r['spike_threshold']!r} must be a number > 0.")
+        if r["ckpt_keep_n"] == 1:
+            self.notes.append("--ckpt-keep-n=1 keeps a single checkpoint: a crash while the next one is written "
+                              "can leave only that one, and a corrupt one leaves nothing to resume from.")
         if r["export_dtype"] not in (None, "fp32", "bf16"):
             raise ConfigError(f"--export-dtype={r['export_dtype']!r} must be fp32 or bf16.")
         if not r["synthetic_data"]:
@@ -137,6 +167,22 @@ class LLMQTrainer:
             resolve_files(r["train_file"])  # DataError naming the glob when it matches nothing
             if r["eval_file"]:
                 resolve_files(r["eval_file"])
+
+    def _resolve_resume(self) -> Optional[str]:
+        """The checkpoint folder ``resume`` names (None: start fresh). Checked here, before any Ray work:
+        the folder is complete, and of this model (CheckpointError, one sentence). Incomplete or corrupt
+        newer folders are skipped with a warning (in ``self.notes``)."""
+        if self.resume is False or self.resume is None:
+            return None
+        from llmq_ray.checkpoint import CheckpointWarning, check_config, read_manifest, resolve_continue
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            folder = resolve_continue(self.resume, self.checkpoint_dir)
+        self.notes += [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
+        cfg, _ = resolve_model(self.opts.model)
+        check_config(read_manifest(folder), cfg, folder)
+        return os.path.abspath(folder)
 
     # ------------------------------------------------------------------ Ray and the actors
     def _init_ray(self):
@@ -185,6 +231,10 @@ class LLMQTrainer:
                            export=r["export"], export_dtype=r["export_dtype"],
                            log_file=os.path.abspath(r["log_file"]) if r["log_file"] else None,
                            collective_timeout_s=r["collective_timeout_s"], call_timeout_s=r["call_timeout_s"],
+                           checkpoint_dir=r["checkpoint_dir"], ckpt_interval=r["ckpt_interval"],
+                           ckpt_keep_n=r["ckpt_keep_n"], ckpt_major=r["ckpt_major"], resume_from=self.resume_from,
+                           max_restarts=r["max_restarts"], skip_update_on_spike=r["skip_update_on_spike"],
+                           spike_window=r["spike_window"], spike_threshold=float(r["spike_threshold"]),
                            fault=r["fault"])
 
     def start(self) -> dict:
@@ -206,12 +256,15 @@ class LLMQTrainer:
             num_cpus=0, max_restarts=0, runtime_env={"env_vars": env},
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(self.spec)
         try:
-            self.info = self._get(self.coordinator.start.remote(), "start-up")
+            self.info = self._get(self.coordinator.start.remote(self.notes), "start-up")
         except BaseException:
             self.close()
             raise
         if self.verbose:
             self._print_setup()
+            for note in self.notes:
+                print(f"warning: {note}", file=sys.stderr, flush=True)
+        self._print(self.info["lines"])
         return self.info
 
     def _print_setup(self) -> None:
@@ -255,7 +308,7 @@ class LLMQTrainer:
                 while len(in_flight) < 2 and submitted < self.opts.steps:
                     in_flight.append(self.coordinator.train_step.remote())
                     submitted += 1
-                out = self._get(in_flight.popleft(), f"step {done + 1}")
+                out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout())
                 done += 1
                 self._print(out["lines"])
             fin = self._get(self.coordinator.finish.remote(), "final eval and export")
@@ -265,11 +318,18 @@ class LLMQTrainer:
             if self.verbose:
                 self._print_summary(summary)
             return Result(metrics={k: summary[k] for k in ("steps", "train_loss", "eval_loss", "tokens_per_s",
-                                                            "step_seconds", "worker_seconds")},
+                                                            "step_seconds", "worker_seconds", "restarts",
+                                                            "skipped_steps", "warnings")},
                           history=hist["steps"], evals=hist["evals"], export_path=summary["export_path"],
-                          checkpoint_paths=[], log_file=summary["log_file"])
+                          checkpoint_paths=summary["checkpoints"], log_file=summary["log_file"])
         finally:
             self.close()
+
+    def _step_timeout(self) -> float:
+        """How long one train_step call on the coordinator may take: a step, a checkpoint, and room for the
+        automatic restarts (set-up, loading, the lost steps trained again)."""
+        s = self.spec
+        return (s.call_timeout_s + 120.0) * (2 + 2 * s.max_restarts)
 
     def _print(self, lines) -> None:
         if self.verbose:
@@ -312,6 +372,13 @@ class LLMQTrainer:
         """Write the current weights as an HF folder (default out_dir/export); returns its path."""
         self.start()
         return self._get(self.coordinator.export.remote(os.path.abspath(path) if path else None), "export")
+
+    def save_checkpoint(self) -> str:
+        """Checkpoint the current state into checkpoint_dir/step_XXXXXXXX (after an update); returns its path."""
+        self.start()
+        info = self._get(self.coordinator.save_checkpoint.remote(), "checkpoint")
+        self._print([info["line"]])
+        return info["path"]
 
     def weights(self):
         """A CPU fp32 copy of the current flat weights [layout.numel] (from rank 0)."""

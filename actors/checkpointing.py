@@ -1,0 +1,87 @@
+"""The coordinator's side of checkpoints: save a running group's state, load it into a fresh group, and
+pick the checkpoint an automatic restart goes back to.
+
+Save (after the update of the step whose number of completed updates is ``step``)::
+
+    tmp = begin_checkpoint(ckpt_dir, step)                       # here
+    (record, data_state) = worker.save_shard(tmp, step)           # every worker, concurrently
+    build_manifest + finalize_checkpoint (manifest last, rename)  # here, once all returned
+    apply_retention(keep_n, major_every)
+
+A worker that cannot write (full disk) raises its CheckpointError sentence: ``abort_checkpoint`` removes
+the tmp folder and re-raises it (the previous checkpoint stays valid) -- that ends the run, since a restart
+would not free the disk. A worker that dies or hangs while writing raises WorkerError: the tmp folder is
+removed and the error goes on to the coordinator's restart logic. Either way nothing named ``step_*``
+appears unless the whole checkpoint is complete.
+
+Load: every worker calls ``load_checkpoint(folder)`` together (restoring the weights is a collective);
+the saved world size may differ from the group's (resharding is done by llmq_ray/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+from actors.failures import gather
+from actors.spec import RuntimeSpec
+from llmq_ray.checkpoint import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
+                                 build_manifest, discard_tmp, finalize_checkpoint, read_manifest, rng_state,
+                                 step_dir, step_of, validate_checkpoint)
+from llmq_ray.config import ModelConfig
+from llmq_ray.errors import CheckpointError
+
+
+def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict,
+                          timeout_s: float) -> dict:
+    """Write the checkpoint of ``step`` from ``workers`` (rank order) and apply retention.
+
+    Returns {"path", "seconds", "deleted" (paths retention removed), "warnings" (messages)}. Raises the
+    CheckpointError of a failed write, or the WorkerError of a worker that died or hung."""
+    t0 = time.perf_counter()
+    ckpt_dir = spec.ckpt_dir
+    tmp = begin_checkpoint(ckpt_dir, step)
+    try:
+        out = gather([w.save_shard.remote(tmp, step) for w in workers], timeout_s, f"checkpoint save (step {step})")
+    except CheckpointError as exc:
+        abort_checkpoint(tmp, step, exc)  # removes tmp, re-raises the worker's sentence
+        raise  # not reached: abort_checkpoint always raises
+    except BaseException:
+        discard_tmp(tmp)
+        raise
+    manifest = build_manifest(step, config=cfg, world_size=len(workers), options=spec.opts,
+                              data_state=[state for _, state in out], rng=rng_state(spec.opts.seed), extra=extra)
+    final = finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=[rec for rec, _ in out])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        deleted = apply_retention(ckpt_dir, keep_n=spec.ckpt_keep_n, major_every=spec.ckpt_major)
+    return {"path": final, "seconds": time.perf_counter() - t0, "deleted": deleted,
+            "warnings": [str(w.message) for w in caught]}
+
+
+def load_group_checkpoint(workers: list, folder: str, timeout_s: float) -> dict:
+    """Every worker loads ``folder`` (together); returns its manifest (read here, without the tensors)."""
+    manifest = read_manifest(folder)
+    steps = gather([w.load_checkpoint.remote(folder) for w in workers], timeout_s, f"loading checkpoint {folder}")
+    if len(set(steps)) != 1 or steps[0] != int(manifest["step"]):
+        raise CheckpointError(f"checkpoint {folder}: the workers loaded steps {sorted(set(steps))}, its manifest "
+                              f"says {manifest['step']}; it changed while being loaded.")
+    return manifest
+
+
+def restart_point(candidates: list[str], max_step: int) -> tuple[str | None, list[str]]:
+    """The newest valid checkpoint among ``candidates`` (folders this run wrote or started from) whose
+    step is at most ``max_step``; returns (folder or None, messages about the ones skipped)."""
+    skipped = []
+    ordered = sorted({os.path.abspath(c) for c in candidates}, key=lambda p: step_of(p) or -1, reverse=True)
+    for folder in ordered:
+        step = step_of(folder)
+        if step is None or step > max_step or not os.path.isdir(folder):
+            continue
+        try:
+            validate_checkpoint(folder)
+            return folder, skipped
+        except CheckpointError as exc:
+            skipped.append(f"skipping checkpoint {folder}: {exc}")
+    return None, skipped
