@@ -51,8 +51,8 @@ class RuntimeSpec:
     spike_threshold: float = 6.0          # z-score above which a step is a spike (always logged)
     # test hook (actors/worker.py ``_fault``): {"rank": r, "step": s, "kind": k} -- k "raise" (default) makes
     # rank r raise at 0-based step s, "kill" SIGKILLs its process, "nan" puts a NaN into its gradients,
-    # "save_kill" SIGKILLs it halfway through writing the checkpoint of step s (updates completed). A
-    # restarted group runs without it.
+    # "save_kill" SIGKILLs it halfway through writing the checkpoint of step s (updates completed),
+    # "save_full" makes that write fail as on a full disk. A restarted group runs without it.
     fault: Optional[dict] = None
 
     @property

@@ -247,6 +247,15 @@ class GPUWorker:
         from llmq_ray.resume import engine_checkpoint_tensors
 
         e = self.engine
+        if self._fault("save_full", step):  # test hook: this process's disk is full from now on
+            import errno
+
+            import llmq_ray.checkpoint as ck
+
+            def full_disk(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            ck._save_tensors = full_disk
         if self._fault("save_kill", step):  # test hook: die halfway through the file, as a crash would
             with open(os.path.join(tmp_dir, rank_file_name(self.rank)), "wb") as f:
                 f.write(b"\0" * 1000)

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Optional
 
-from llmq_ray.errors import ConfigError, LLMQError
+from llmq_ray.errors import LLMQError
 from llmq_ray.options import TrainOptions
 
 AUTO = "auto"
@@ -64,10 +64,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--export-dtype", default=None, choices=["fp32", "bf16"], help="dtype of the export (default: model dtype)")
     e.add_argument("--sample-tokens", type=int, default=48, help="tokens of the generated sample printed at the end (0: none)")
     e.add_argument("--prompt", default="\n", help="prompt of the sample at the end")
-    c = p.add_argument_group("checkpoints (not implemented yet: accepted, and refused with a message when used)")
+    c = p.add_argument_group("checkpoints and fault tolerance")
     c.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default: out-dir/ckpt)")
-    c.add_argument("--ckpt-interval", type=int, default=0, help="checkpoint every N steps (0: never)")
-    c.add_argument("--continue", dest="resume", action="store_true", help="resume from the newest valid checkpoint")
+    c.add_argument("--ckpt-interval", type=int, default=0, help="checkpoint every N optimizer steps (0: never)")
+    c.add_argument("--ckpt-keep-n", "--ckpt-keep", dest="ckpt_keep_n", type=int, default=2,
+                   help="keep the newest N valid checkpoints (1 is allowed but risky)")
+    c.add_argument("--ckpt-major", type=int, default=0, help="keep the checkpoints of steps that are multiples of N forever (0: none)")
+    c.add_argument("--continue", dest="resume", nargs="?", const="latest", default=None, metavar="STEP|DIR",
+                   help="resume from the newest valid checkpoint of --checkpoint-dir (incomplete ones are skipped "
+                   "with a warning), from that step, or from a checkpoint folder; any number of workers")
+    c.add_argument("--max-restarts", type=int, default=3, help="after a worker dies or hangs, rebuild the group and "
+                   "resume from the last checkpoint up to N times (needs --ckpt-interval)")
+    c.add_argument("--skip-update-on-spike", action="store_true", help="skip the update of a step whose loss or "
+                   "grad-norm z-score exceeds --spike-threshold (spikes are always logged as warnings)")
+    c.add_argument("--spike-window", type=int, default=128, help="steps in the spike guard's z-score window")
+    c.add_argument("--spike-threshold", type=float, default=6.0, help="z-score above which a step is a loss or grad-norm spike")
     n = p.add_argument_group("numerics and memory")
     n.add_argument("--model-dtype", default=AUTO, choices=[AUTO, "fp32", "bf16"], help="weights, activations, grads (auto: bf16 GPU / fp32 CPU)")
     n.add_argument("--matmul-dtype", default=None, choices=["fp32", "bf16", "e4m3"], help="dtype of the block GEMMs (default: model dtype)")
@@ -124,10 +135,6 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         shard_gradients=a.shard_gradients, seed=a.seed)
     if opts.matmul_dtype == opts.model_dtype:
         opts.matmul_dtype = None
-    if a.resume or a.ckpt_interval:
-        flag = "--continue" if a.resume else f"--ckpt-interval={a.ckpt_interval}"
-        raise ConfigError(f"{flag}: checkpoints are not implemented yet in this version of llmq-ray; "
-                          f"run without it (--checkpoint-dir is accepted but unused).")
     train_file, eval_file = a.train_file, a.eval_file
     if not a.synthetic_data and train_file is None:
         from llmq_ray.default_data import default_dataset
@@ -141,7 +148,10 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
                    eval_every_n_steps=pick(a.eval_every_n_steps, "eval_every_n_steps") if eval_file else 0,
                    eval_num_steps=pick(a.eval_num_steps, "eval_num_steps"), out_dir=a.out_dir,
                    log_file=a.log_file, export=not a.no_export, export_dtype=a.export_dtype,
-                   checkpoint_dir=a.checkpoint_dir, ray_address=a.ray_address)
+                   checkpoint_dir=a.checkpoint_dir, ckpt_interval=a.ckpt_interval, ckpt_keep_n=a.ckpt_keep_n,
+                   ckpt_major=a.ckpt_major, resume=a.resume if a.resume is not None else False,
+                   max_restarts=a.max_restarts, skip_update_on_spike=a.skip_update_on_spike,
+                   spike_window=a.spike_window, spike_threshold=a.spike_threshold, ray_address=a.ray_address)
     return opts, runtime
 
 
@@ -181,7 +191,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     m = result.metrics
     if m["eval_loss"] is not None:
         print(f"eval loss: {m['eval_loss']:.4f}")
-    print(f"outputs: export {result.export_path or '-'} | log {result.log_file}")
+    if m.get("restarts") or m.get("skipped_steps"):
+        print(f"robustness: {m['restarts']} automatic restart(s), {m['skipped_steps']} skipped update(s), "
+              f"{m['warnings']} warning(s) in the log")
+    ckpt = result.checkpoint_paths[-1] if result.checkpoint_paths else "-"
+    print(f"outputs: export {result.export_path or '-'} | checkpoint {ckpt} | log {result.log_file}")
     return 0
 
 

@@ -102,7 +102,7 @@ class RunLog:
         self.flush_every = flush_every
         self._since_flush = 0
 
-    def add(self, kind: str, **fields) -> dict:
+    def add(self, kind: str, /, **fields) -> dict:
         rec = {"log": kind, **fields}
         self.records.append(rec)
         self._since_flush += 1

@@ -124,8 +124,13 @@ class LLMQTrainer:
         self.info: Optional[dict] = None
         self._started_ray = False
         self.notes: list[str] = []       # warnings found before start (skipped checkpoints), printed there
-        self._check_inputs()
-        self.resume_from = self._resolve_resume()
+        try:
+            self._check_inputs()
+            self.resume_from = self._resolve_resume()
+        finally:
+            if self.verbose:
+                for note in self.notes:
+                    print(f"warning: {note}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ validation before any Ray work
     def _check_inputs(self) -> None:
@@ -262,8 +267,6 @@ class LLMQTrainer:
             raise
         if self.verbose:
             self._print_setup()
-            for note in self.notes:
-                print(f"warning: {note}", file=sys.stderr, flush=True)
         self._print(self.info["lines"])
         return self.info
 

@@ -45,11 +45,68 @@ def test_cpu_auto_defaults_and_explicit_flags(tmp_path):
     assert rt["train_file"] == "x.bin" and rt["eval_file"] == "e.bin" and rt["eval_every_n_steps"] == 10
 
 
-@pytest.mark.parametrize("flags", [["--continue"], ["--ckpt-interval", "100"]])
-def test_checkpoint_flags_are_refused_clearly(flags, capsys):
-    assert cli.main(["--device", "cpu", "--synthetic-data"] + flags) == 2
+def test_checkpoint_flags_reach_the_trainer():
+    base = ["--device", "cpu", "--synthetic-data"]
+    _, rt = cli.resolve_args(cli.build_parser().parse_args(base))
+    assert rt["resume"] is False and rt["ckpt_interval"] == 0 and rt["ckpt_keep_n"] == 2 and rt["max_restarts"] == 3
+    a = cli.build_parser().parse_args(base + ["--ckpt-interval", "100", "--ckpt-keep-n", "3", "--ckpt-major", "1000",
+                                              "--continue", "--max-restarts", "5", "--skip-update-on-spike",
+                                              "--spike-window", "16", "--spike-threshold", "4.5"])
+    _, rt = cli.resolve_args(a)
+    assert (rt["ckpt_interval"], rt["ckpt_keep_n"], rt["ckpt_major"], rt["resume"]) == (100, 3, 1000, "latest")
+    assert (rt["max_restarts"], rt["skip_update_on_spike"], rt["spike_window"], rt["spike_threshold"]) == (5, True, 16, 4.5)
+    for arg in ("12", "/some/ckpt/step_00000012"):
+        _, rt = cli.resolve_args(cli.build_parser().parse_args(base + ["--continue", arg]))
+        assert rt["resume"] == arg
+
+
+def _micro_checkpoint(ckpt_dir: str, step: int) -> str:
+    """A complete checkpoint of a model that is not the CLI's tiny preset (a 16-wide micro model)."""
+    import torch
+
+    from llmq_ray import checkpoint as ck
+    from llmq_ray.config import ModelConfig
+    from llmq_ray.params import ParamLayout
+
+    micro = ModelConfig("qwen2", 16, 32, 1, 2, 1, 64, tie_word_embeddings=True, qkv_bias=True, name="micro")
+    n = ParamLayout(micro).numel
+    state = {"master": torch.zeros(n), "m": torch.zeros(n), "v": torch.zeros(n)}
+    return ck.save_checkpoint(ckpt_dir, step, [(0, n, state)], config=micro, keep_n=None)
+
+
+def _cli_error(argv, capsys) -> str:
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "checkpoints are not implemented yet" in err and err.count("\n") == 1
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_checkpoint_errors_are_one_sentence(tmp_path, capsys):
+    """Checked before Ray starts: no checkpoint, a checkpoint of another model, a missing shard file; a
+    newer incomplete folder is skipped with a warning."""
+    base = ["--device", "cpu", "--model", "tiny", "--synthetic-data", "--out-dir", str(tmp_path)]
+    err = _cli_error(base + ["--continue"], capsys)
+    assert "--continue: no valid checkpoint in" in err and str(tmp_path / "ckpt") in err
+    err = _cli_error(base + ["--continue", "7"], capsys)
+    assert "there is no checkpoint step_00000007" in err
+
+    folder = _micro_checkpoint(str(tmp_path / "ckpt"), 4)
+    os.makedirs(tmp_path / "ckpt" / "step_00000009")  # incomplete (no manifest): skipped with a warning
+    assert cli.main(base + ["--continue"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: skipping checkpoint" in err and "step_00000009" in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and "checkpoint step_00000004 was written for hidden_size=16, this run has" in lines[0]
+
+    os.remove(os.path.join(folder, "rank_00000.safetensors"))
+    err = _cli_error(base + ["--continue", folder], capsys)
+    assert "is missing its shard file rank_00000.safetensors" in err
+
+    err = _cli_error(base + ["--ckpt-keep-n", "0"], capsys)
+    assert "--ckpt-keep-n=0 must be an integer >= 1" in err
+    err = _cli_error(base + ["--ckpt-interval", "-1"], capsys)
+    assert "--ckpt-interval=-1 must be an integer >= 0" in err
 
 
 def test_glob_that_matches_nothing(tmp_path, capsys):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from actors.failures import WorkerError
-from llmq_ray.errors import ConfigError, DataError
+from llmq_ray.errors import CheckpointError, ConfigError, DataError
 from llmq_ray.trainer import LLMQTrainer, Result
 
 FAST = dict(collective_timeout_s=60.0, call_timeout_s=120.0, use_ray_data=False, verbose=False)
@@ -164,8 +164,8 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
         LLMQTrainer(model="tiny", train_file=str(folder / "nothing-here-*.bin"), device="cpu", **FAST)
     with pytest.raises(ConfigError, match="lmhead-chunks=3 must divide"):
         LLMQTrainer(model="tiny", train_file=train, batch_size=2, seq_len=16, lmhead_chunks=3, **FAST)
-    with pytest.raises(ConfigError, match="checkpoints are not implemented yet"):
-        LLMQTrainer(model="tiny", train_file=train, resume=True, **FAST)
+    with pytest.raises(CheckpointError, match=r"^--continue: no valid checkpoint in .*nowhere"):
+        LLMQTrainer(model="tiny", train_file=train, resume=True, checkpoint_dir=str(tmp_path / "nowhere"), **FAST)
     with pytest.raises(ConfigError, match="no GPUs"):
         LLMQTrainer(model="tiny", train_file=train, device="cuda", gpus=2, **FAST).start()
     with pytest.raises(ConfigError, match="needs 64 CPUs"):

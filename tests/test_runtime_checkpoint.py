@@ -1,0 +1,203 @@
+"""Checkpoints, resume and fault tolerance through the Ray runtime (LLMQTrainer, CPU workers over gloo).
+
+Two uninterrupted reference runs (module fixture) train 12 steps of the tiny preset with the same global
+batch: 1 worker x grad_accumulation 2, and 2 workers x grad_accumulation 1 (which compute the same steps
+up to float summation order, see test_runtime.py), each writing checkpoints at steps 6 and 12. Then:
+
+* a run resumed from step 6 on the same world size reproduces steps 7-12 and the final weights bit for bit;
+* a run resumed on the other world size (1 -> 2, 2 -> 1) continues within 1e-5;
+* a worker SIGKILLed after the first checkpoint: the coordinator rebuilds the group by itself and the
+  final loss equals the uninterrupted run's;
+* a worker killed halfway through writing a checkpoint: no step_* folder for it, and --continue takes the
+  previous one (skipping a newer incomplete folder with a warning);
+* a NaN gradient is skipped and logged; the spike guard's skips agree across ranks;
+* a checksum mismatch and a full disk end in one CheckpointError sentence.
+
+Every trainer call runs with short timeouts, so a bug fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from actors.failures import WorkerError
+from llmq_ray.errors import CheckpointError
+from llmq_ray.trainer import LLMQTrainer, Result
+
+FAST = dict(collective_timeout_s=15.0, call_timeout_s=60.0, use_ray_data=False, verbose=False)
+BASE = dict(model="tiny", steps=12, batch_size=2, seq_len=16, learning_rate=3e-3, warmup=2, device="cpu",
+            export_dtype="fp32", final_eval=False, ckpt_interval=6)
+SHAPE = {1: dict(workers=1, grad_accumulation=2), 2: dict(workers=2, grad_accumulation=1)}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """train.bin: 4,000 tokens of a noisy periodic sequence (235 windows of 17: no epoch boundary is crossed)."""
+    from data_pipeline.shards import write_shard
+
+    folder = tmp_path_factory.mktemp("ckrt")
+    rng = np.random.default_rng(0)
+    toks = (np.arange(4000) * 7 % 512).astype(np.int32)
+    noise = rng.random(4000) < 0.1
+    toks[noise] = rng.integers(0, 512, noise.sum())
+    write_shard(str(folder / "train.bin"), toks, 512)
+    return str(folder / "train.bin")
+
+
+def _run(train: str, out, world: int, **kw) -> Result:
+    args = dict(BASE, train_file=train, out_dir=str(out), **SHAPE[world], **FAST)
+    args.update(kw)
+    return LLMQTrainer(**args).fit()
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, shards, tmp_path_factory):
+    """{world size: Result} of the uninterrupted runs (checkpoints in out_dir/ckpt at steps 6 and 12)."""
+    root = tmp_path_factory.mktemp("ref")
+    return {w: _run(shards, root / f"w{w}", w) for w in (1, 2)}
+
+
+def _ckpt(result: Result, step: int) -> str:
+    path = os.path.join(os.path.dirname(result.log_file), "ckpt", f"step_{step:08d}")
+    assert os.path.isfile(os.path.join(path, "manifest.json")), path
+    return path
+
+
+def _losses(result: Result) -> list[float]:
+    return [r["loss"] for r in result.history]
+
+
+def _weights(result: Result) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    t = load_file(os.path.join(result.export_path, "model.safetensors"))
+    return torch.cat([t[k].flatten() for k in sorted(t)])
+
+
+def _log(result: Result) -> list[dict]:
+    with open(result.log_file) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_is_bit_exact(reference, shards, tmp_path, world):
+    """Continue the reference run from its step-6 checkpoint on the same world size: steps 7-12 and the
+    final weights are bit-identical to the uninterrupted run."""
+    ref = reference[world]
+    assert [r["step"] for r in ref.history] == list(range(12))
+    assert ref.checkpoint_paths == [_ckpt(ref, 6), _ckpt(ref, 12)]
+    with open(os.path.join(_ckpt(ref, 6), "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["step"] == 6 and manifest["world_size"] == world and len(manifest["files"]) == world
+
+    res = _run(shards, tmp_path, world, resume=_ckpt(ref, 6))
+    assert [r["step"] for r in res.history] == list(range(6, 12))
+    assert _losses(res) == _losses(ref)[6:]  # exact float equality
+    assert [r["norm"] for r in res.history] == [r["norm"] for r in ref.history][6:]
+    assert torch.equal(_weights(res), _weights(ref))
+    resumed = [r for r in _log(res) if r["log"] == "resume"]
+    assert len(resumed) == 1 and resumed[0]["step"] == 6 and resumed[0]["path"] == _ckpt(ref, 6)
+
+
+@pytest.mark.parametrize("saved,now", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size(reference, shards, tmp_path, saved, now):
+    """A checkpoint of 2 workers resumed on 1 (and the reverse): the flat master/m/v shards are resharded,
+    the data position rescaled, and the losses continue within 1e-5 of the uninterrupted run."""
+    ref_losses = np.array(_losses(reference[now]))
+    np.testing.assert_allclose(_losses(reference[saved]), ref_losses, rtol=1e-5)  # same global batch
+    res = _run(shards, tmp_path, now, resume=_ckpt(reference[saved], 6))
+    assert [r["step"] for r in res.history] == list(range(6, 12))
+    np.testing.assert_allclose(_losses(res), ref_losses[6:], rtol=1e-5)
+    w, w_ref = _weights(res), _weights(reference[now])
+    assert float((w - w_ref).norm() / w_ref.norm()) < 1e-5
+    resumed = [r for r in _log(res) if r["log"] == "resume"][0]
+    assert (resumed["saved_world_size"], resumed["world_size"]) == (saved, now)
+
+
+def test_killed_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_path):
+    """Rank 1's process is SIGKILLed at step 9 (after the step-6 checkpoint) while rank 0 waits in a
+    collective. The coordinator notices, tears the group down, starts a new one, loads step 6, trains
+    7-12 again: the final loss equals the uninterrupted run's, and the log tells what happened."""
+    ref = reference[2]
+    res = _run(shards, tmp_path, 2, fault={"kind": "kill", "rank": 1, "step": 8})
+    assert res.metrics["restarts"] == 1
+    assert [r["step"] for r in res.history] == list(range(12))
+    assert res.metrics["train_loss"] == ref.metrics["train_loss"]
+    assert _losses(res) == _losses(ref)
+    log = _log(res)
+    kinds = [r["log"] for r in log]
+    failure = log[kinds.index("failure")]
+    assert failure["step"] == 8 and "rank" in failure["error"]
+    restart = log[kinds.index("restart")]
+    assert restart["attempt"] == 1 and restart["checkpoint"].endswith("step_00000006")
+    assert [r["reason"] for r in log if r["log"] == "resume"] == ["restart 1"]
+    old_pids = [r["pid"] for r in log if r["log"] == "gpu"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pids[1], 0)  # the killed worker is gone
+
+
+def test_crash_while_saving_then_continue(reference, shards, tmp_path):
+    """Rank 1 dies halfway through writing checkpoint 9 (no automatic restart): the run fails in one
+    sentence naming rank 1, no step_00000009 appears, and --continue resumes from step 6 -- skipping a newer
+    incomplete folder with a warning -- reproducing the uninterrupted run."""
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(WorkerError, match=r"^rank 1 died during checkpoint save \(step 9\)") as info:
+        _run(shards, tmp_path / "a", 2, ckpt_interval=3, checkpoint_dir=str(ckpt), max_restarts=0,
+             fault={"kind": "save_kill", "rank": 1, "step": 9})
+    assert "\n" not in str(info.value)
+    assert sorted(os.listdir(ckpt)) == ["step_00000003", "step_00000006"]  # no tmp left, nothing half-published
+    os.makedirs(ckpt / "step_00000010")  # e.g. a copy cut short: no manifest
+    res = _run(shards, tmp_path / "b", 2, ckpt_interval=3, checkpoint_dir=str(ckpt), resume=True)
+    assert [r["step"] for r in res.history] == list(range(6, 12))
+    assert _losses(res) == _losses(reference[2])[6:]
+    warned = [r for r in _log(res) if r["log"] == "warning" and r["kind"] == "checkpoint"]
+    assert len(warned) == 1 and "step_00000010" in warned[0]["message"] and "no manifest.json" in warned[0]["message"]
+
+
+def test_nan_gradient_is_skipped_and_spike_guard_agrees_across_ranks(ray_cluster, shards, tmp_path):
+    """A NaN put into rank 1's gradients at step 4 makes every rank skip that update; the run goes on with
+    finite weights and a warning record. With a tiny spike window and threshold, the spike guard skips
+    some updates too: both ranks take the same decisions (else their collectives would desynchronize), and
+    every skip is logged."""
+    res = _run(shards, tmp_path, 2, steps=14, ckpt_interval=0, skip_update_on_spike=True, spike_window=3,
+               spike_threshold=1.0, fault={"kind": "nan", "rank": 1, "step": 3})
+    hist = res.history
+    assert len(hist) == 14 and math.isnan(hist[3]["norm"]) and hist[3]["skip_reason"] == "non-finite gradient norm"
+    assert all(math.isfinite(r["norm"]) for i, r in enumerate(hist) if i != 3)
+    assert torch.isfinite(_weights(res)).all()
+    warnings = [r for r in _log(res) if r["log"] == "warning"]
+    nonfinite = [w for w in warnings if w["kind"] == "nonfinite"]
+    assert len(nonfinite) == 1 and nonfinite[0]["step"] == 3 and "update skipped" in nonfinite[0]["message"]
+    spikes_skipped = {w["step"] for w in warnings if w["kind"] in ("loss_spike", "norm_spike") and w["skipped"]}
+    skipped = {r["step"] for r in hist if r["skipped"]}
+    assert spikes_skipped, "the spike guard never skipped an update (threshold 1.0 over 3 steps)"
+    assert skipped == spikes_skipped | {3}
+    assert res.metrics["skipped_steps"] == len(skipped) and res.metrics["warnings"] >= len(skipped)
+
+
+def test_checksum_mismatch_and_full_disk_are_one_sentence(reference, shards, tmp_path):
+    """A shard whose bytes changed (same size) is refused by the worker that reads it; a disk that fills up
+    while a worker writes its shard ends the run, and the previous checkpoint stays valid."""
+    bad = tmp_path / "copy" / "step_00000006"
+    shutil.copytree(_ckpt(reference[1], 6), bad)
+    path = bad / "rank_00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors fails its sha256 checksum") as info:
+        _run(shards, tmp_path / "a", 1, resume=str(bad), export=False)
+    assert "\n" not in str(info.value)
+
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(CheckpointError, match=r"checkpoint step_00000006 could not be written to .*\(No space left "
+                                              r"on device\); the previous checkpoint step_00000003 is still valid\.$"):
+        _run(shards, tmp_path / "b", 1, steps=8, ckpt_interval=3, checkpoint_dir=str(ckpt), export=False,
+             fault={"kind": "save_full", "rank": 0, "step": 6})
+    assert sorted(os.listdir(ckpt)) == ["step_00000003"]
