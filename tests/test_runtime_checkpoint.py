@@ -201,3 +201,50 @@ def test_checksum_mismatch_and_full_disk_are_one_sentence(reference, shards, tmp
         _run(shards, tmp_path / "b", 1, steps=8, ckpt_interval=3, checkpoint_dir=str(ckpt), export=False,
              fault={"kind": "save_full", "rank": 0, "step": 6})
     assert sorted(os.listdir(ckpt)) == ["step_00000003"]
+
+
+# ---------------------------------------------------------------------------------------------------- no Ray
+def test_spike_guard_zscores_limits_and_state():
+    """z-scores over a full window only; limits = mean + threshold * std; NaN never enters a window; the
+    state round-trips (what the checkpoint manifest carries)."""
+    from llmq_ray.spike_guard import SpikeGuard
+
+    g = SpikeGuard(window=4, threshold=3.0)
+    for x in (1.0, 2.0, 1.0, 2.0):
+        assert g.limits() == {"loss": None, "norm": None}
+        assert g.observe(x, 10 * x) == []  # window not full yet: never a spike
+    lim = g.limits()  # mean 1.5, std 0.5
+    assert lim["loss"] == pytest.approx(3.0) and lim["norm"] == pytest.approx(30.0)
+    assert g.observe(float("nan"), float("inf")) == []  # not finite: no z-score, not added
+    assert list(g.loss.values) == [1.0, 2.0, 1.0, 2.0]
+    spikes = g.observe(3.5, 15.0)  # loss z = (3.5 - 1.5) / 0.5 = 4 > 3; norm z = 0
+    assert [name for name, _ in spikes] == ["loss"] and spikes[0][1] == pytest.approx(4.0)
+    assert list(g.loss.values) == [2.0, 1.0, 2.0, 3.5]  # spikes join the window (llm.c does the same)
+    h = SpikeGuard(window=4, threshold=3.0)
+    h.load_state(json.loads(json.dumps(g.state())))
+    assert h.limits() == g.limits() and h.observe(9.0, 1.0) == g.observe(9.0, 1.0)
+    with pytest.raises(ValueError, match="--spike-window=1"):
+        SpikeGuard(window=1)
+
+
+def test_engine_skips_an_update_above_the_limits():
+    """engine.update(max_loss=..., max_norm=...): a step above either limit leaves weights and optimizer
+    state untouched and says why; below them the update happens."""
+    from backends import get_backend
+    from llmq_ray.config import PRESETS
+    from llmq_ray.engine import TrainEngine
+    from llmq_ray.options import TrainOptions
+
+    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, steps=4, learning_rate=1e-2, model_dtype="fp32")
+    engine = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
+    g = torch.Generator().manual_seed(0)
+    batch = lambda: (torch.randint(0, 512, (2, 16), generator=g), torch.randint(0, 512, (2, 16), generator=g))  # noqa: E731
+    before = engine.params.clone()
+    for kw, reason in ((dict(max_loss=1.0), "loss spike"), (dict(max_norm=1e-3), "grad-norm spike")):
+        engine.micro_step(*batch())
+        s = engine.update(1e-2, 1, **kw)
+        assert s.skipped and s.skip_reason == reason and math.isfinite(s.loss)
+        assert torch.equal(engine.params, before) and engine.micro_steps_done == 0
+    engine.micro_step(*batch())
+    s = engine.update(1e-2, 1, max_loss=1e6, max_norm=1e6)
+    assert not s.skipped and s.skip_reason is None and not torch.equal(engine.params, before)
