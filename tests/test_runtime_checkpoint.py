@@ -146,15 +146,17 @@ def test_killed_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_p
 def test_crash_while_saving_then_continue(reference, shards, tmp_path):
     """Rank 1 dies halfway through writing checkpoint 9 (no automatic restart): the run fails in one
     sentence naming rank 1, no step_00000009 appears, and --continue resumes from step 6 -- skipping a newer
-    incomplete folder with a warning -- reproducing the uninterrupted run."""
+    incomplete folder with a warning -- reproducing the uninterrupted run. Both runs use ZeRO-2 (whose
+    gradient-shard accumulator the resume resets); with grad_accumulation 1 its math is the same as
+    ZeRO-1's reference, bit for bit."""
     ckpt = tmp_path / "ckpt"
     with pytest.raises(WorkerError, match=r"^rank 1 died during checkpoint save \(step 9\)") as info:
-        _run(shards, tmp_path / "a", 2, ckpt_interval=3, checkpoint_dir=str(ckpt), max_restarts=0,
+        _run(shards, tmp_path / "a", 2, ckpt_interval=3, checkpoint_dir=str(ckpt), max_restarts=0, zero_level=2,
              fault={"kind": "save_kill", "rank": 1, "step": 9})
     assert "\n" not in str(info.value)
     assert sorted(os.listdir(ckpt)) == ["step_00000003", "step_00000006"]  # no tmp left, nothing half-published
     os.makedirs(ckpt / "step_00000010")  # e.g. a copy cut short: no manifest
-    res = _run(shards, tmp_path / "b", 2, ckpt_interval=3, checkpoint_dir=str(ckpt), resume=True)
+    res = _run(shards, tmp_path / "b", 2, ckpt_interval=3, checkpoint_dir=str(ckpt), resume=True, zero_level=2)
     assert [r["step"] for r in res.history] == list(range(6, 12))
     assert _losses(res) == _losses(reference[2])[6:]
     warned = [r for r in _log(res) if r["log"] == "warning" and r["kind"] == "checkpoint"]
