@@ -101,6 +101,7 @@ class Activations:
         self.rstd1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
         self.rstd2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
         self.per_layer_bytes += n * c * dtype.itemsize + 2 * n * 4  # residual + two rstd
+        self.shared_bytes += n * c * dtype.itemsize  # the (L+1)-th residual: the last block's output
 
     def get(self, kind: str, layer: int) -> torch.Tensor:
         bufs = self._store[kind]
