@@ -293,7 +293,8 @@ class Coordinator:
             self.guard.load_state(None)
         else:
             raise exc  # unreachable: the run's origin checkpoint was valid when it started (kept by retention)
-        self.log.add("restarted", attempt=self.restarts, step=self.step, seconds=time.perf_counter() - t0)
+        self.log.add("restarted", attempt=self.restarts, step=self.step, pids=list(self.pids),
+                     seconds=time.perf_counter() - t0)
         return lines
 
     def micro_step(self) -> None:

@@ -139,6 +139,8 @@ def test_killed_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_p
     assert restart["attempt"] == 1 and restart["checkpoint"].endswith("step_00000006")
     assert [r["reason"] for r in log if r["log"] == "resume"] == ["restart 1"]
     old_pids = [r["pid"] for r in log if r["log"] == "gpu"]
+    new_pids = log[kinds.index("restarted")]["pids"]
+    assert len(new_pids) == 2 and not set(new_pids) & set(old_pids)  # the whole group was rebuilt
     with pytest.raises(ProcessLookupError):
         os.kill(old_pids[1], 0)  # the killed worker is gone
 
