@@ -57,6 +57,13 @@ class Coordinator:
         self.opts = spec.opts
         self.cfg, _ = resolve_model(spec.opts.model)
         self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.json"))
+        self.wandb = None
+        if spec.wandb_project:
+            from llmq_ray.wandb_logger import WandbLogger
+
+            self.wandb = WandbLogger(spec.wandb_project, spec.wandb_run_name, dataclasses.asdict(spec.opts),
+                                     dir=spec.out_dir)
+            self.log.listeners.append(self.wandb.log_record)
         self.step = 0               # optimizer steps done
         self.micro_pending = 0      # micro-steps done since the last update (step-level API)
         self.workers: list = []
@@ -93,13 +100,15 @@ class Coordinator:
                          local_rank=node["local_rank"], pid=node["pid"])
         self.log.add("sol", **sol)
         self.log.add("dataset", **infos[0]["dataset"])
-        self.log.add("allocator", rank=0, **infos[0]["memory"])
+        for r, info in enumerate(infos):
+            self.log.add("allocator", rank=r, **info["memory"])
         lines = [self._warn(None, "checkpoint", m) for m in notes or []]
         if spec.resume_from:
             lines.append(self._resume(spec.resume_from, "continue"))
         self.log.flush()
         return {"world_size": spec.world_size, "gpu": self.gpu_name, "device": infos[0]["device"],
-                "nodes": nodes, "memory": infos[0]["memory"], "dataset": infos[0]["dataset"],
+                "nodes": nodes, "memory": infos[0]["memory"], "memories": [i["memory"] for i in infos],
+                "dataset": infos[0]["dataset"],
                 "seconds": time.perf_counter() - t0, "log_file": self.log.path, "step": self.step, "lines": lines}
 
     def _launch(self) -> tuple[list, list]:
@@ -170,6 +179,9 @@ class Coordinator:
             rec["skip_reason"] = r0["skip_reason"]
         self.history.append(rec)
         self.log.add("step", **rec)
+        for r, res in enumerate(results):
+            if res.get("gpu_util"):
+                self.log.add("gpu_util", rank=r, **res["gpu_util"])
         telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
                            "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})
         rec["warnings"] = self._check_step(rec)
@@ -353,6 +365,8 @@ class Coordinator:
         summary = self.summary(final)
         self.log.add("summary", **summary)
         self.log.flush()
+        if self.wandb is not None:
+            self.wandb.finish()
         return {"summary": summary, "lines": [final["line"]] if final else []}
 
     def summary(self, final: dict | None = None) -> dict:
@@ -401,6 +415,8 @@ class Coordinator:
 
     def shutdown(self) -> None:
         """Close the workers (leave the process group), kill them and release the placement group."""
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=1 if self.failed else 0)  # safe after finish(): a no-op then
         if self.log.records:
             try:
                 self.log.flush()

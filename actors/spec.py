@@ -54,6 +54,10 @@ class RuntimeSpec:
     # "save_kill" SIGKILLs it halfway through writing the checkpoint of step s (updates completed),
     # "save_full" makes that write fail as on a full disk. A restarted group runs without it.
     fault: Optional[dict] = None
+    # observability
+    wandb_project: Optional[str] = None   # live W&B logging from the coordinator (WANDB_MODE honoured)
+    wandb_run_name: Optional[str] = None
+    log_gpu_util: int = 0                 # NVML sample (clocks, power, temperature, util) every N steps per worker
 
     @property
     def ckpt_dir(self) -> str:

@@ -120,6 +120,11 @@ class GPUWorker:
             load_hf_weights(weights, self.engine.layout, self.engine.params)
             self.engine.reset_optimizer_from_params()
         self._train = train_source(spec, cfg.vocab_size, self.rank)
+        self._gpu_util = None
+        if self.device.type == "cuda" and spec.log_gpu_util > 0:
+            from llmq_ray.gpu_stats import GpuUtilLogger
+
+            self._gpu_util = GpuUtilLogger(spec.log_gpu_util, device=self.device)
         if spec.eval_file:
             self._eval_periodic = eval_source(spec, cfg.vocab_size, self.rank, spec.eval_num_steps)
             self._eval_full = eval_source(spec, cfg.vocab_size, self.rank, None)
@@ -140,17 +145,11 @@ class GPUWorker:
         return info
 
     def memory_table(self) -> dict:
-        """Bytes of each part of the training state on this worker (weights, grads, optimizer, activations)."""
-        e = self.engine
-        nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
-        opt = e.optimizer
-        table = {"weights": nbytes(e.params), "grads": nbytes(e.grads) + nbytes(e.grad_shard),
-                 "master": nbytes(opt.master), "adam_m": nbytes(opt.m), "adam_v": nbytes(opt.v),
-                 "activations": e.model.activation_bytes()["total"]}
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            table.update(free=int(free), total=int(total))
-        return table
+        """Bytes of each part of the training state on this worker, measured from the tensors themselves
+        (weights, master, Adam m/v, grads, activations, FP8 copies, scratch; on CUDA also allocated/free)."""
+        from llmq_ray.memory_table import memory_dict, memory_table
+
+        return memory_dict(memory_table(self.engine))
 
     # ------------------------------------------------------------------ steps
     def _fault(self, kind: str, step: int) -> bool:
@@ -200,6 +199,9 @@ class GPUWorker:
         tokens = o.batch_size * o.seq_len * o.grad_accumulation
         mem = telemetry.memory_bytes(self.device)
         out.update(seconds=seconds, data_seconds=data_s, memory=mem)
+        sample = self._gpu_util.maybe_sample(step + 1) if getattr(self, "_gpu_util", None) else None
+        if sample:
+            out["gpu_util"] = sample
         telemetry.publish({"llmq_worker_tokens_per_second": tokens / max(seconds, 1e-9),
                            "llmq_worker_step_seconds": seconds, "llmq_worker_loss": out["loss"],
                            "llmq_worker_memory_bytes": mem}, {"rank": str(self.rank)})
@@ -224,7 +226,11 @@ class GPUWorker:
 
         e = self.engine
         torch_dtype = DTYPES[dtype] if dtype else e.params.dtype
-        return export_hf(out_dir, e.cfg, e.layout, e.params[:e.layout.numel].cpu(), dtype=torch_dtype)
+        from llmq_ray.tokenizer_files import tokenizer_source_for_export
+
+        _, weights = resolve_model(self.spec.opts.model)
+        return export_hf(out_dir, e.cfg, e.layout, e.params[:e.layout.numel].cpu(), dtype=torch_dtype,
+                         tokenizer_source=tokenizer_source_for_export(weights, e.cfg.vocab_size))
 
     def flat_params(self) -> torch.Tensor:
         """A CPU fp32 copy of the weights [layout.numel] (tests, small models)."""

@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-num-steps", type=int, default=None, help="batches per periodic eval (the final eval reads the whole eval file)")
     e.add_argument("--out-dir", default="out", help="folder of the export (out-dir/export) and the log")
     e.add_argument("--log-file", default=None, help="JSON log (default: out-dir/log.json), rewritten atomically")
+    e.add_argument("--wandb-project", default=None, help="log live to this W&B project (WANDB_MODE honoured)")
+    e.add_argument("--wandb-run-name", default=None, help="W&B run name (default: W&B's)")
+    e.add_argument("--log-gpu-util", type=int, default=0,
+                   help="sample GPU clocks/power/temperature/utilization every N steps into the log (0: off)")
+    e.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is off anyway when stdout is not a terminal)")
     e.add_argument("--no-export", action="store_true", help="do not write the HF export at the end")
     e.add_argument("--export-dtype", default=None, choices=["fp32", "bf16"], help="dtype of the export (default: model dtype)")
     e.add_argument("--sample-tokens", type=int, default=48, help="tokens of the generated sample printed at the end (0: none)")
@@ -151,7 +157,9 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
                    checkpoint_dir=a.checkpoint_dir, ckpt_interval=a.ckpt_interval, ckpt_keep_n=a.ckpt_keep_n,
                    ckpt_major=a.ckpt_major, resume=a.resume if a.resume is not None else False,
                    max_restarts=a.max_restarts, skip_update_on_spike=a.skip_update_on_spike,
-                   spike_window=a.spike_window, spike_threshold=a.spike_threshold, ray_address=a.ray_address)
+                   spike_window=a.spike_window, spike_threshold=a.spike_threshold, ray_address=a.ray_address,
+                   wandb_project=a.wandb_project, wandb_run_name=a.wandb_run_name, log_gpu_util=a.log_gpu_util,
+                   progress=not a.no_progress)
     return opts, runtime
 
 

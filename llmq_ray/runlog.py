@@ -101,10 +101,13 @@ class RunLog:
         self.records: list[dict] = []
         self.flush_every = flush_every
         self._since_flush = 0
+        self.listeners: list = []  # callables fed every new record (e.g. the live W&B logger)
 
     def add(self, kind: str, /, **fields) -> dict:
         rec = {"log": kind, **fields}
         self.records.append(rec)
+        for listener in self.listeners:
+            listener(rec)
         self._since_flush += 1
         if kind == "step" and self._since_flush >= self.flush_every:
             self.flush()

@@ -99,7 +99,9 @@ class LLMQTrainer:
                  max_restarts: int = 3, skip_update_on_spike: bool = False, spike_window: int = 128,
                  spike_threshold: float = 6.0, use_ray_data: bool = True, ray_address: Optional[str] = None,
                  verbose: bool = True, collective_timeout_s: float = 300.0, call_timeout_s: float = 1800.0,
-                 fault: Optional[dict] = None, **option_fields):
+                 fault: Optional[dict] = None, wandb_project: Optional[str] = None,
+                 wandb_run_name: Optional[str] = None, log_gpu_util: int = 0, progress: bool = True,
+                 **option_fields):
         unknown = set(option_fields) - _OPTION_FIELDS
         if unknown:
             raise ConfigError(f"LLMQTrainer got unknown argument(s) {sorted(unknown)}; run options are "
@@ -116,7 +118,9 @@ class LLMQTrainer:
                             eval_num_steps=eval_num_steps, final_eval=final_eval, out_dir=out_dir,
                             log_file=log_file, export=export, export_dtype=export_dtype,
                             use_ray_data=use_ray_data, collective_timeout_s=collective_timeout_s,
-                            call_timeout_s=call_timeout_s, fault=fault)
+                            call_timeout_s=call_timeout_s, fault=fault, wandb_project=wandb_project,
+                            wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util)
+        self.progress = progress
         self.ray_address = ray_address
         self.verbose = verbose
         self.spec: Optional[RuntimeSpec] = None
@@ -240,7 +244,8 @@ class LLMQTrainer:
                            ckpt_keep_n=r["ckpt_keep_n"], ckpt_major=r["ckpt_major"], resume_from=self.resume_from,
                            max_restarts=r["max_restarts"], skip_update_on_spike=r["skip_update_on_spike"],
                            spike_window=r["spike_window"], spike_threshold=float(r["spike_threshold"]),
-                           fault=r["fault"])
+                           fault=r["fault"], wandb_project=r["wandb_project"],
+                           wandb_run_name=r["wandb_run_name"], log_gpu_util=r["log_gpu_util"])
 
     def start(self) -> dict:
         """Join/start Ray, place the workers and build their engines (done lazily by every other call)."""
@@ -256,6 +261,7 @@ class LLMQTrainer:
 
         check_resources(self.spec)  # --gpus above what exists: one sentence, before any actor starts
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        env.update({k: v for k, v in os.environ.items() if k.startswith("WANDB_")})  # WANDB_MODE etc.
         here = ray.get_runtime_context().get_node_id()
         self.coordinator = ray.remote(Coordinator).options(
             num_cpus=0, max_restarts=0, runtime_env={"env_vars": env},
@@ -276,8 +282,13 @@ class LLMQTrainer:
         print(f"llmq-ray: {self.opts.model} on {s.world_size} x {i['gpu'] or 'cpu'} worker(s) "
               f"(backend {s.backend}, ZeRO-{self.opts.effective_zero_level}), set-up {i['seconds']:.1f} s; "
               f"log {i['log_file']}", flush=True)
-        mem = i["memory"]
-        print("memory per worker: " + ", ".join(f"{k} {gib(v)}" for k, v in mem.items()), flush=True)
+        from llmq_ray.memory_table import format_memory_table
+
+        mems = i.get("memories", [i["memory"]])
+        print(format_memory_table(list(mems[0].items()), title="memory (rank 0)"), flush=True)
+        for r, m in enumerate(mems[1:], 1):
+            if m != mems[0]:
+                print(format_memory_table(list(m.items()), title=f"memory (rank {r})"), flush=True)
 
     def _get(self, ref, what: str, timeout: Optional[float] = None):
         """ray.get on a coordinator call; its errors become one LLMQError sentence."""
@@ -306,6 +317,10 @@ class LLMQTrainer:
             done = self._get(self.coordinator.summary.remote(), "summary")["steps"]
             in_flight: collections.deque = collections.deque()
             submitted = done
+            from llmq_ray.progress import Progress
+
+            bar = Progress(self.opts.steps, "train", unit="step", stream=sys.stdout,
+                           enabled=self.verbose and self.progress, initial=done)
             while done < self.opts.steps:
                 # keep one step queued behind the running one: the coordinator never waits for us
                 while len(in_flight) < 2 and submitted < self.opts.steps:
@@ -313,7 +328,11 @@ class LLMQTrainer:
                     submitted += 1
                 out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout())
                 done += 1
-                self._print(out["lines"])
+                if self.verbose:
+                    for line in out["lines"]:
+                        bar.write(line)
+                bar.update(1, loss=f"{out['record']['loss']:.4f}" if out.get("record") else "")
+            bar.close()
             fin = self._get(self.coordinator.finish.remote(), "final eval and export")
             self._print(fin["lines"])
             hist = self._get(self.coordinator.get_history.remote(), "history")

@@ -191,3 +191,29 @@ def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path):
     write_shard(str(bad), np.arange(600, dtype=np.int32) + 399, 1000)
     with pytest.raises(DataError, match=r"^rank \d: .*big-vocab\.bin"):
         _run((str(bad), None, tmp_path), tmp_path / "o", workers=1, steps=2, eval_file=None)
+
+
+def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, shards, tmp_path, monkeypatch):
+    """--wandb-project logs the run live from the coordinator (WANDB_MODE=offline: a local run folder whose
+    .wandb file holds our keys), and every worker's measured memory table lands in the log."""
+    train, evalf, _ = shards
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    from llmq_ray.trainer import LLMQTrainer
+
+    out = tmp_path / "wb"
+    result = LLMQTrainer(model="tiny", train_file=train, eval_file=evalf, steps=3, batch_size=2, seq_len=16,
+                         device="cpu", workers=2, out_dir=str(out), export=False, collective_timeout_s=60.0,
+                         call_timeout_s=120.0, verbose=False, wandb_project="llmq-test", wandb_run_name="t",
+                         log_gpu_util=1).fit()
+    assert result.metrics["steps"] == 3
+    runs = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
+    assert len(runs) == 1
+    folder = out / "wandb" / runs[0]
+    blob = b"".join(open(folder / f, "rb").read() for f in os.listdir(folder) if f.endswith(".wandb"))
+    assert b"train/loss" in blob and b"eval/final_loss" in blob
+    import json
+
+    with open(result.log_file) as f:
+        allocators = [rec for rec in json.load(f) if rec["log"] == "allocator"]
+    assert sorted(r["rank"] for r in allocators) == [0, 1]
+    assert all(r["weights"] > 0 and r["activations"] > 0 for r in allocators)
