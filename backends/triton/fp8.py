@@ -41,9 +41,11 @@ def _quantize_kernel(out_ptr, descale_ptr, x_ptr, absmax_ptr, n, FP8_MAX: tl.con
 
 
 @triton.jit
-def _quantize_t_kernel(out_ptr, descale_ptr, x_ptr, absmax_ptr, M, K, FP8_MAX: tl.constexpr,
-                       FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _quantize_tiles_kernel(out_ptr, out_t_ptr, descale_ptr, x_ptr, absmax_ptr, M, K, FP8_MAX: tl.constexpr,
+                           FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_ROWMAJOR: tl.constexpr):
+    """One read of a [BLOCK_M, BLOCK_K] tile of x; writes q^T into out_t and, with WRITE_ROWMAJOR, q into out
+    as well (the dual layout a gradient needs for dgrad and wgrad)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     s = _scale(absmax_ptr, FP8_MAX)
@@ -54,25 +56,8 @@ def _quantize_t_kernel(out_ptr, descale_ptr, x_ptr, absmax_ptr, M, K, FP8_MAX: t
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = cast_fp8(tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
-    tl.store(out_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], y, mask=mask)
-
-
-@triton.jit
-def _quantize_dual_kernel(out_ptr, out_t_ptr, descale_ptr, x_ptr, absmax_ptr, M, K, FP8_MAX: tl.constexpr,
-                          FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One read of a [BLOCK_M, BLOCK_K] tile of x, two writes: q row-major into out and q^T into out_t."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    s = _scale(absmax_ptr, FP8_MAX)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = cast_fp8(tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
+    if WRITE_ROWMAJOR:
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
     tl.store(out_t_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], y, mask=mask)
 
 
@@ -93,19 +78,21 @@ def quantize(out, descale, inp, absmax) -> None:
 
 def quantize_transpose(out_t, descale, inp, absmax) -> None:
     """out_t[K, M] (FP8) = quantize(inp[M, K])^T; descale as in quantize."""
+    _launch_tiles(None, out_t, descale, inp, absmax)
+
+
+def _launch_tiles(out, out_t, descale, inp, absmax) -> None:
     m, k = inp.shape
     block_m, block_k = (128, 128) if INTERPRET else (64, 64)
     grid = (max(1, triton.cdiv(m, block_m)), max(1, triton.cdiv(k, block_k)))
-    _quantize_t_kernel[grid](fp8_store_view(out_t), descale, inp, absmax, m, k, BLOCK_M=block_m, BLOCK_K=block_k,
-                             num_warps=4, **_fp8_args(out_t.dtype))
+    out_t_view = fp8_store_view(out_t)
+    _quantize_tiles_kernel[grid](out_t_view if out is None else fp8_store_view(out), out_t_view, descale, inp,
+                                 absmax, m, k, BLOCK_M=block_m, BLOCK_K=block_k, WRITE_ROWMAJOR=out is not None,
+                                 num_warps=4, **_fp8_args(out_t.dtype))
 
 
 def quantize_with_transpose(out, out_t, descale, inp, absmax) -> None:
     """out[M, K] and out_t[K, M] (same FP8 dtype) = quantize(inp[M, K]) in both layouts, one read of inp."""
-    m, k = inp.shape
     if out.dtype != out_t.dtype:
         raise ValueError(f"quantize_with_transpose: out is {out.dtype} but out_t is {out_t.dtype}")
-    block_m, block_k = (128, 128) if INTERPRET else (64, 64)
-    grid = (max(1, triton.cdiv(m, block_m)), max(1, triton.cdiv(k, block_k)))
-    _quantize_dual_kernel[grid](fp8_store_view(out), fp8_store_view(out_t), descale, inp, absmax, m, k,
-                                BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4, **_fp8_args(out.dtype))
+    _launch_tiles(out, out_t, descale, inp, absmax)
