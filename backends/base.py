@@ -34,6 +34,9 @@ class Backend:
     """Abstract kernel set. Subclasses implement every method; ``name`` is the registry key."""
 
     name = "abstract"
+    # True when a micro-step's ops never sync with the host, so --use-cuda-graphs can capture them
+    # (the torch reference's embedding backward calls torch.unique, which does).
+    graph_capturable = False
 
     def __init__(self, device: torch.device | str = "cpu"):
         device = torch.device(device)

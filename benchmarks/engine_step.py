@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--opt-dtype", default="bf16", help="Adam m and v dtype")
     ap.add_argument("--recompute", default="", help="comma list: swiglu,norm,ffn,qkv,att,block")
     ap.add_argument("--lmhead-chunks", type=int, default=1)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay the micro-step from a CUDA graph")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
@@ -40,7 +41,7 @@ def main():
                         grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,
                         master_dtype=args.master_dtype, opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype,
                         lmhead_chunks=args.lmhead_chunks, matmul_dtype=args.matmul_dtype,
-                        gradient_dtype=args.gradient_dtype, **rec)
+                        gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs, **rec)
     cfg = PRESETS[args.model]
     engine = TrainEngine(cfg, opts, get_backend(args.backend, args.device))
     gen = torch.Generator().manual_seed(0)
@@ -73,7 +74,7 @@ def main():
     flops = cfg.flops_per_token(args.seq_len) * tokens / step_time
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
     print(f"RESULT model={args.model} backend={args.backend} B={args.batch_size} T={args.seq_len} "
-          f"dtype={args.model_dtype} matmul={args.matmul_dtype or args.model_dtype} median_step_ms={step_time * 1e3:.1f} tokens_per_s={tokens / step_time:.0f} "
+          f"dtype={args.model_dtype} matmul={args.matmul_dtype or args.model_dtype} graphs={int(args.cuda_graphs)} median_step_ms={step_time * 1e3:.1f} tokens_per_s={tokens / step_time:.0f} "
           f"TFLOPs={flops / 1e12:.1f} MFU_vs_989={flops / 989e12 * 100:.1f}% peak_mem_GiB={peak:.1f}")
 
 

@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("att", "attention (implies qkv)"), ("block", "the whole block (implies all)")):
         n.add_argument(f"--recompute-{name}", action="store_true", help=f"recompute {what} in the backward instead of storing it")
     n.add_argument("--lmhead-chunks", type=int, default=1, help="run the LM head + loss in N row chunks (less memory)")
+    n.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step's forward + backward from a CUDA graph (GPU only)")
     d = p.add_argument_group("devices and parallelism")
     d.add_argument("--device", default=AUTO, choices=[AUTO, "cuda", "cpu"], help="cuda: one worker per GPU (NCCL); cpu: CPU workers over gloo")
     d.add_argument("--backend", default=AUTO, choices=[AUTO, "torch", "triton", "cupy"], help="kernels (auto: fastest on GPU, torch on CPU)")
@@ -138,7 +139,7 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         opt_v_dtype=a.opt_v_dtype, recompute_swiglu=a.recompute_swiglu, recompute_norm=a.recompute_norm,
         recompute_ffn=a.recompute_ffn, recompute_qkv=a.recompute_qkv, recompute_att=a.recompute_att,
         recompute_block=a.recompute_block, lmhead_chunks=a.lmhead_chunks, zero_level=a.zero_level,
-        shard_gradients=a.shard_gradients, seed=a.seed)
+        shard_gradients=a.shard_gradients, use_cuda_graphs=a.use_cuda_graphs, seed=a.seed)
     if opts.matmul_dtype == opts.model_dtype:
         opts.matmul_dtype = None
     train_file, eval_file = a.train_file, a.eval_file

@@ -107,6 +107,11 @@ class TrainEngine:
         self.grad_shard = (torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
                            if opts.effective_zero_level >= 2 else None)
         self._grad_shard_tmp = torch.empty_like(self.grad_shard) if self.grad_shard is not None else None
+        # --use-cuda-graphs: the forward + backward of a micro-step replayed from a graph (llmq_ray/cuda_graphs.py)
+        self._forward_backward = self.model.forward_backward
+        if opts.use_cuda_graphs:
+            from llmq_ray.cuda_graphs import MicroStepGraphs
+            self._forward_backward = MicroStepGraphs(self.model).forward_backward
 
     def _make_optimizer(self) -> ShardedAdamW:
         o = self.opts
@@ -126,7 +131,7 @@ class TrainEngine:
             self.model.zero_grads()
         elif self.grad_shard is not None:
             self.grads.zero_()  # ZeRO-2: the previous micro-step's gradients already sit in grad_shard
-        self.model.forward_backward(inputs, targets)
+        self._forward_backward(inputs, targets)
         if self.grad_shard is not None:
             if self.micro_steps_done == 0:
                 self.comm.reduce_scatter_sum(self.grad_shard, self.grads)

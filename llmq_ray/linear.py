@@ -74,6 +74,11 @@ class BlockLinears:
         if self.fp8:
             self._stale = True
 
+    def ensure_quantized(self) -> None:
+        """Quantize the weights now if they changed (CUDA-graph replays only read the FP8 copies)."""
+        if self.fp8 and self._stale:
+            self._quantize_weights()
+
     def fp8_bytes(self) -> int:
         """Bytes of FP8 scratch and weight copies (0 in the model dtype)."""
         if not self.fp8:

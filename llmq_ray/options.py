@@ -55,6 +55,8 @@ class TrainOptions:
     # parallelism
     zero_level: int = 1
     shard_gradients: bool = False
+    # speed
+    use_cuda_graphs: bool = False     # replay each micro-step's forward + backward from a CUDA graph
     # misc
     seed: int = 42
 
