@@ -111,8 +111,13 @@ class Backend:
         """
         raise NotImplementedError
 
-    def swiglu_backward(self, dinp: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor) -> None:
-        """dinp[N, 2I] = [d up | d gate] for dout[N, I] and the forward input inp[N, 2I]."""
+    def swiglu_backward(self, dinp: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor,
+                        absmax: torch.Tensor | None = None) -> None:
+        """dinp[N, 2I] = [d up | d gate] for dout[N, I] and the forward input inp[N, 2I].
+
+        ``absmax`` (optional, fp32 0-d) overwritten with max|dinp| of the stored values: the scale of the
+        up+gate GEMM's FP8 backward, taken here so that no extra pass reads dinp.
+        """
         raise NotImplementedError
 
     # ------------------------------------------------------------------ attention

@@ -110,7 +110,7 @@ class TorchBackend(Backend):
         if absmax is not None:
             absmax.copy_(out.abs().amax().float())
 
-    def swiglu_backward(self, dinp, dout, inp):
+    def swiglu_backward(self, dinp, dout, inp, absmax=None):
         i = dout.shape[-1]
         up, gate = inp[:, :i].float(), inp[:, i:].float()
         g = dout.float()
@@ -118,6 +118,8 @@ class TorchBackend(Backend):
         silu = gate * sig
         dinp[:, :i] = (g * silu).to(dinp.dtype)
         dinp[:, i:] = (g * up * sig * (1.0 + gate * (1.0 - sig))).to(dinp.dtype)
+        if absmax is not None:
+            absmax.copy_(dinp.abs().amax().float())
 
     # ------------------------------------------------------------------ attention
     def attention_forward(self, out, lse, qkv, n_q_heads, n_kv_heads):

@@ -106,10 +106,11 @@ class BlockLinears:
         self.be.matmul_fp8(out, xq, self.w_q[key], self.scales[0], self.w_descale[key], bias=bias)
 
     def backward(self, dx: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
-                 x_amax: torch.Tensor | None, accumulate: bool = True) -> None:
+                 x_amax: torch.Tensor | None, accumulate: bool = True, dy_amax_ready: bool = False) -> None:
         """dx[N, K] = dy[N, OC] W (overwritten); dw[OC, K] += dy^T x (accumulate), or dw = dy^T x when
         ``accumulate`` is False (the caller knows dw is still zero: 0 + v == v, so the result is the same bits
-        while the GEMM skips reading dw, and the FP8 GEMM writes straight into it without a temporary)."""
+        while the GEMM skips reading dw, and the FP8 GEMM writes straight into it without a temporary).
+        ``dy_amax_ready``: the kernel that produced dy already wrote max|dy| into ``self.dy_amax``."""
         be = self.be
         if not self.fp8:
             be.matmul(dx, dy, self.w[key])
@@ -119,7 +120,8 @@ class BlockLinears:
             self._quantize_weights()
         n, oc = dy.shape
         k = x.shape[1]
-        be.absmax(self.dy_amax, dy)
+        if not dy_amax_ready:
+            be.absmax(self.dy_amax, dy)
         dyq = self.dy_q[:dy.numel()].view(n, oc)
         dyt = self.dyt_q[:dy.numel()].view(oc, n)
         be.quantize_with_transpose(dyq, dyt, self.scales[2], dy, self.dy_amax)  # one read of dy, both layouts

@@ -289,9 +289,10 @@ class LlamaModel:
         lin, acc = self.lin, not self._block_grads_zero
         lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3),
                      acc)
-        be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
+        be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer),
+                           absmax=lin.dy_amax if lin.fp8 else None)  # FP8: the up+gate GEMM's dy scale
         lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
-                     self._amax(layer, 2), acc)
+                     self._amax(layer, 2), acc, dy_amax_ready=True)
         be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
                             a.rstd2[layer], dresidual=dres)
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T

@@ -114,10 +114,12 @@ def test_swiglu(tri, ref, dtype):
         out, amax = torch.empty(N, I, dtype=dtype, device=DEV), torch.empty((), device=DEV)
         be.swiglu_forward(out, inp, absmax=amax)
         dinp = torch.empty(N, 2 * I, dtype=dtype, device=DEV)
-        be.swiglu_backward(dinp, dout, inp)
-        res[name] = (out, amax, dinp)
+        damax = torch.empty((), device=DEV)
+        be.swiglu_backward(dinp, dout, inp, absmax=damax)
+        res[name] = (out, amax, dinp, damax)
     assert_close(res["tri"][0], res["ref"][0], TOL[dtype], "swiglu out")
     assert res["tri"][1].item() == res["tri"][0].float().abs().max().item()
+    assert res["tri"][3].item() == res["tri"][2].float().abs().max().item() > 0  # fused absmax of dinp, exact
     assert_close(res["tri"][2], res["ref"][2], TOL[dtype], "swiglu dinp")
 
 

@@ -154,10 +154,12 @@ def test_swiglu_forward_backward(tri, ref, dtype):
         amax = torch.empty((), device=DEVICE)
         be.swiglu_forward(out, inp, absmax=amax)
         dinp = torch.empty(n, 2 * i, dtype=dtype, device=DEVICE)
-        be.swiglu_backward(dinp, dout, inp)
-        res[name] = (out, amax, dinp)
+        damax = torch.empty((), device=DEVICE)
+        be.swiglu_backward(dinp, dout, inp, absmax=damax)
+        res[name] = (out, amax, dinp, damax)
     assert_close(res["tri"][0], res["ref"][0], TOL[dtype], "out")
     assert res["tri"][1].item() == res["tri"][0].float().abs().max().item()
+    assert res["tri"][3].item() == res["tri"][2].float().abs().max().item() > 0  # fused absmax of dinp, exact
     assert_close(res["tri"][2][:, :i], res["ref"][2][:, :i], TOL[dtype], "d up")
     assert_close(res["tri"][2][:, i:], res["ref"][2][:, i:], TOL[dtype], "d gate")
 

@@ -78,9 +78,9 @@ class TritonBackend(TorchBackend):
         _contiguous(out, inp)
         _swiglu.swiglu_forward(out, inp, absmax)
 
-    def swiglu_backward(self, dinp, dout, inp):
+    def swiglu_backward(self, dinp, dout, inp, absmax=None):
         _contiguous(dinp, dout, inp)
-        _swiglu.swiglu_backward(dinp, dout, inp)
+        _swiglu.swiglu_backward(dinp, dout, inp, absmax)
 
     # ------------------------------------------------------------------ FP8 quantization
     def absmax(self, out, inp):

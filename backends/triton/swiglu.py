@@ -3,7 +3,8 @@
 inp[N, 2I] = [up | gate]; out[N, I] = up * silu(gate). Element-wise over [BLOCK_R, BLOCK_I] tiles: each
 input read once, each output written once (the forward never materialises silu(gate); the backward recomputes
 sigmoid(gate) instead of saving it). The forward's max|out| leaves one partial per program (finished by one
-tiny kernel), so quantizing ``out`` for the down-projection's FP8 GEMM needs no extra pass over memory.
+tiny kernel), so quantizing ``out`` for the down-projection's FP8 GEMM needs no extra pass over memory; the
+backward does the same for max|dinp|, the scale of the up+gate GEMM's FP8 gradient.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, N, I, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.constexpr,
+                       BLOCK_I: tl.constexpr, ABSMAX: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < N)[:, None] & (cols < I)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     up_offs = r64 * (2 * I) + cols[None, :]
@@ -47,8 +51,14 @@ def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, N, I, BLOCK_R: tl.constexpr,
     sig = 1.0 / (1.0 + tl.exp(-gate))
     dup = g * (gate * sig)
     dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
-    tl.store(dinp_ptr + up_offs, cast_to(dup, dinp_ptr.dtype.element_ty), mask=mask)
-    tl.store(dinp_ptr + up_offs + I, cast_to(dgate, dinp_ptr.dtype.element_ty), mask=mask)
+    dup = cast_to(dup, dinp_ptr.dtype.element_ty)
+    dgate = cast_to(dgate, dinp_ptr.dtype.element_ty)
+    tl.store(dinp_ptr + up_offs, dup, mask=mask)
+    tl.store(dinp_ptr + up_offs + I, dgate, mask=mask)
+    if ABSMAX:  # of the stored values: dinp is the FP8 up+gate GEMM's dy (masked lanes hold 0)
+        both = tl.maximum(tl.abs(dup.to(tl.float32)), tl.abs(dgate.to(tl.float32)))
+        part = tl.max(tl.max(both, axis=1), axis=0)
+        tl.store(amax_part_ptr + pid_r * tl.num_programs(1) + pid_c, part)
 
 
 def _tiles(n: int, i: int) -> tuple[int, int]:
@@ -70,10 +80,14 @@ def swiglu_forward(out, inp, absmax=None) -> None:
         _reduce.finish(absmax, part, sum_=False, accumulate=False)
 
 
-def swiglu_backward(dinp, dout, inp) -> None:
-    """dinp[N, 2I] = [dout * silu(gate) | dout * up * silu'(gate)]."""
+def swiglu_backward(dinp, dout, inp, absmax=None) -> None:
+    """dinp[N, 2I] = [dout * silu(gate) | dout * up * silu'(gate)]; absmax (fp32 0-d) = max|dinp| when given
+    (the FP8 backward's dy scale, without another pass over the 2I-wide gradient)."""
     n, i = dout.shape
     block_r, block_i = _tiles(n, i)
     grid = (triton.cdiv(n, block_r), triton.cdiv(i, block_i))
-    _swiglu_bwd_kernel[grid](dinp, dout, inp, n, i, BLOCK_R=block_r, BLOCK_I=block_i,
-                             num_warps=num_warps_for(block_r * block_i))
+    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dinp.device) if absmax is not None else dinp
+    _swiglu_bwd_kernel[grid](dinp, dout, inp, part, n, i, BLOCK_R=block_r, BLOCK_I=block_i,
+                             ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_i))
+    if absmax is not None:
+        _reduce.finish(absmax, part, sum_=False, accumulate=False)
