@@ -79,12 +79,13 @@ class Backend:
 
     def rmsnorm_backward(self, dinp: torch.Tensor, dweight: torch.Tensor, dout: torch.Tensor,
                          inp: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                         dresidual: torch.Tensor | None = None) -> None:
+                         dresidual: torch.Tensor | None = None, absmax: torch.Tensor | None = None) -> None:
         """Backward of rmsnorm_forward.
 
         dinp[N, C] = d(out)/d(inp)^T dout  (+ dresidual when given: the residual stream's gradient,
         fused here so the block backward needs no separate add; dinp may alias dresidual);
-        dweight[C] += sum_n dout * inp * rstd (accumulate). Internals in fp32.
+        dweight[C] += sum_n dout * inp * rstd (accumulate). Internals in fp32. ``absmax`` (optional, fp32
+        0-d) overwritten with max|dinp| of the stored values: dinp is the FP8 dy of the projection below.
         """
         raise NotImplementedError
 

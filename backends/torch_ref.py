@@ -69,7 +69,7 @@ class TorchBackend(Backend):
         torch.add(inp1, inp2, out=residual)
         self.rmsnorm_forward(out, rstd, residual, weight, eps, absmax)
 
-    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None):
+    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None):
         x = inp.float()
         r = rstd.float()[:, None]
         xhat = x * r
@@ -80,6 +80,8 @@ class TorchBackend(Backend):
         if dresidual is not None:
             dx = dx + dresidual.float()
         dinp.copy_(dx)
+        if absmax is not None:
+            absmax.copy_(dinp.abs().amax().float())
 
     # ------------------------------------------------------------------ RoPE
     @staticmethod

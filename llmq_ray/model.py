@@ -194,6 +194,11 @@ class LlamaModel:
         outside FP8, so the bf16 path spends nothing on it."""
         return self.amax[layer, which] if self.lin.fp8 else None
 
+    def _dy_amax(self) -> torch.Tensor | None:
+        """FP8: where the kernel producing a block GEMM's output gradient writes max|dy| (read by the GEMM's
+        backward right after, ``BlockLinears.backward(dy_amax_ready=True)``); None outside FP8."""
+        return self.lin.dy_amax if self.lin.fp8 else None
+
     def _lm_head(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.tie_word_embeddings:
             return self.w["embed"], self.g["embed"]
@@ -287,18 +292,19 @@ class LlamaModel:
         dres = self.d_residual
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
         lin, acc = self.lin, not self._block_grads_zero
+        # dres and max|dres| (in lin.dy_amax under FP8) come from the RMSNorm backward above this block
         lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3),
-                     acc)
+                     acc, dy_amax_ready=True)
         be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer),
-                           absmax=lin.dy_amax if lin.fp8 else None)  # FP8: the up+gate GEMM's dy scale
+                           absmax=self._dy_amax())  # FP8: the up+gate GEMM's dy scale
         lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
                      self._amax(layer, 2), acc, dy_amax_ready=True)
         be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
-                            a.rstd2[layer], dresidual=dres)
+                            a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
         att = a.get("att", layer)
         lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1),
-                     acc)
+                     acc, dy_amax_ready=True)
         be.attention_backward(self.d_qkv, self.d_att, att, a.get("lse", layer), a.get("qkv", layer),
                               cfg.num_heads, cfg.num_kv_heads)
         be.rope_backward(self.d_qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
@@ -307,7 +313,8 @@ class LlamaModel:
         if cfg.qkv_bias:
             be.bias_backward(g[p + "qkv_b"], d_qkv)
         be.rmsnorm_backward(dres, g[p + "ln1_w"], self.d_ln, a.residual[layer], w[p + "ln1_w"],
-                            a.rstd1[layer], dresidual=dres)
+                            a.rstd1[layer], dresidual=dres,
+                            absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
 
     # ------------------------------------------------------------------ public steps
     def _lm_head_loss(self, targets: torch.Tensor, backward: bool) -> None:
@@ -336,7 +343,7 @@ class LlamaModel:
         self._lm_head_loss(targets, backward=True)
         a = self.acts
         self.backend.rmsnorm_backward(self.d_residual, self.g["final_norm"], self.d_ln, a.residual[-1],
-                                      self.w["final_norm"], self.final_rstd)
+                                      self.w["final_norm"], self.final_rstd, absmax=self._dy_amax())
         for layer in reversed(range(self.cfg.num_layers)):
             self._block_backward(layer)
         self.backend.embedding_backward(self.g["embed"], tokens, self.d_residual)

@@ -79,8 +79,10 @@ def test_rmsnorm_fused_and_backward(tri, ref, dtype):
     for name, be in (("tri", tri), ("ref", ref)):
         dres = randn(N, C, seed=5, dtype=dtype)
         dw = torch.zeros(C, dtype=dtype, device=DEV)
-        be.rmsnorm_backward(dres, dw, dout, res, w, rstd, dresidual=dres)
+        damax = torch.empty((), device=DEV)
+        be.rmsnorm_backward(dres, dw, dout, res, w, rstd, dresidual=dres, absmax=damax)
         grads[name] = (dres, dw)
+        assert damax.item() == dres.float().abs().max().item() > 0, f"{name}: fused max|dinp|"
     assert_close(grads["tri"][0], grads["ref"][0], TOL[dtype], "rmsnorm dinp")
     assert_close(grads["tri"][1], grads["ref"][1], TOL[dtype], "rmsnorm dweight")
     dw_again = torch.zeros(C, dtype=dtype, device=DEV)

@@ -114,9 +114,12 @@ def test_rmsnorm_backward(tri, ref, dtype, with_dresidual):
         dres = randn(n, c, seed=10, dtype=dtype) if with_dresidual else None
         dinp = dres if with_dresidual else torch.empty(n, c, dtype=dtype, device=DEVICE)  # aliasing allowed
         dw = dw0.clone()
-        be.rmsnorm_backward(dinp, dw, dout, inp, w, rstd, dresidual=dres)
-        results[name] = (dinp, dw)
+        amax = torch.empty((), device=DEVICE)
+        be.rmsnorm_backward(dinp, dw, dout, inp, w, rstd, dresidual=dres, absmax=amax)
+        results[name] = (dinp, dw, amax)
     assert_close(results["tri"][0], results["ref"][0], TOL[dtype], "dinp")
+    for name in results:  # the fused max|dinp| is exactly the max of the stored values
+        assert results[name][2].item() == results[name][0].float().abs().max().item() > 0
     assert_close(results["tri"][1] - dw0.float(), results["ref"][1] - dw0.float(), TOL[dtype], "dweight")
     assert not torch.equal(results["tri"][1], dw0)
 

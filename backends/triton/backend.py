@@ -62,9 +62,9 @@ class TritonBackend(TorchBackend):
         _contiguous(residual, out, rstd, inp1, inp2, weight)
         _rmsnorm.rmsnorm_forward(out, rstd, inp1, weight, eps, absmax, inp2=inp2, residual=residual)
 
-    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None):
+    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None):
         _contiguous(dinp, dweight, dout, inp, weight, rstd, dresidual)
-        _rmsnorm.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual)
+        _rmsnorm.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual, absmax)
 
     # ------------------------------------------------------------------ RoPE
     def rope_forward(self, qkv, cos, sin, n_q_heads, n_kv_heads):

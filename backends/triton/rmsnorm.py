@@ -11,7 +11,7 @@ Backward: again whole rows per program; dinp (+ dresidual, fused: the residual s
 where it is produced, dinp may alias dresidual) and, for dweight, each program accumulates sum_n dout*xhat of
 its rows in fp32 registers and writes one partial row [P, C]; a second kernel sums the P partials per column
 in a fixed order and adds them into dweight. No atomics: deterministic, and the [N, C] products never touch
-memory.
+memory. With ``absmax`` each program also keeps max|dinp| of its rows (the FP8 backward's dy scale).
 """
 
 from __future__ import annotations
@@ -54,13 +54,15 @@ def _rmsnorm_fwd_kernel(out_ptr, rstd_ptr, x_ptr, x2_ptr, res_ptr, w_ptr, amax_p
 
 
 @triton.jit
-def _rmsnorm_bwd_kernel(dx_ptr, dw_part_ptr, dy_ptr, x_ptr, w_ptr, rstd_ptr, dres_ptr, N, C, rows_per_prog,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, DRESIDUAL: tl.constexpr):
+def _rmsnorm_bwd_kernel(dx_ptr, dw_part_ptr, dy_ptr, x_ptr, w_ptr, rstd_ptr, dres_ptr, amax_part_ptr, N, C,
+                        rows_per_prog, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, DRESIDUAL: tl.constexpr,
+                        ABSMAX: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_C)
     cmask = cols < C
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    amax = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
     row0 = pid * rows_per_prog
     for r in range(0, rows_per_prog, BLOCK_R):
         rows = row0 + r + tl.arange(0, BLOCK_R)
@@ -77,8 +79,13 @@ def _rmsnorm_bwd_kernel(dx_ptr, dw_part_ptr, dy_ptr, x_ptr, w_ptr, rstd_ptr, dre
         dx = rstd[:, None] * (gw - xhat * dot[:, None])
         if DRESIDUAL:
             dx += tl.load(dres_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + offs, cast_to(dx, dx_ptr.dtype.element_ty), mask=mask)
+        dx = cast_to(dx, dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + offs, dx, mask=mask)
+        if ABSMAX:  # masked lanes hold 0
+            amax = tl.maximum(amax, tl.abs(dx.to(tl.float32)))
     tl.store(dw_part_ptr + pid * C + cols, tl.sum(dw, axis=0), mask=cmask)
+    if ABSMAX:
+        tl.store(amax_part_ptr + pid, tl.max(tl.max(amax, axis=1), axis=0))
 
 
 @triton.jit
@@ -116,8 +123,9 @@ def rmsnorm_forward(out, rstd, inp, weight, eps, absmax=None, *, inp2=None, resi
         _reduce.finish(absmax, part, sum_=False, accumulate=False)
 
 
-def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None) -> None:
-    """dinp[N, C] = rmsnorm'(inp)^T dout (+ dresidual); dweight[C] += sum_n dout * inp * rstd."""
+def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None) -> None:
+    """dinp[N, C] = rmsnorm'(inp)^T dout (+ dresidual); dweight[C] += sum_n dout * inp * rstd; absmax (fp32
+    0-d) = max|dinp| when given (one partial per program, finished by one tiny kernel)."""
     n, c = inp.shape
     block_c = next_pow2(c)
     block_r = tile_rows(block_c, interpret_elems=16384, gpu_elems=2048)
@@ -126,11 +134,14 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None) -> 
     rows_per_prog = triton.cdiv(row_blocks, programs) * block_r
     programs = triton.cdiv(n, rows_per_prog)
     part = torch.empty(programs, c, dtype=torch.float32, device=inp.device)
+    amax_part = torch.empty(programs, dtype=torch.float32, device=inp.device) if absmax is not None else part
     _rmsnorm_bwd_kernel[(programs,)](
-        dinp, part, dout, inp, weight, rstd, dresidual if dresidual is not None else dinp, n, c, rows_per_prog,
-        BLOCK_R=block_r, BLOCK_C=block_c, DRESIDUAL=dresidual is not None,
-        num_warps=num_warps_for(block_r * block_c))
+        dinp, part, dout, inp, weight, rstd, dresidual if dresidual is not None else dinp, amax_part, n, c,
+        rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c, DRESIDUAL=dresidual is not None,
+        ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
     col_block = min(block_c, 256)
     block_p = min(next_pow2(programs), 16 if not INTERPRET else 64)
     _column_sum_kernel[(triton.cdiv(c, col_block),)](dweight, part, programs, c, BLOCK_P=block_p,
                                                      BLOCK_C=col_block, num_warps=4)
+    if absmax is not None:
+        _reduce.finish(absmax, amax_part, sum_=False, accumulate=False)
