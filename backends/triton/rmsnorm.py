@@ -139,7 +139,9 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, abs
         dinp, part, dout, inp, weight, rstd, dresidual if dresidual is not None else dinp, amax_part, n, c,
         rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c, DRESIDUAL=dresidual is not None,
         ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
-    col_block = min(block_c, 256)
+    # Narrow column blocks: C/32 programs (28 for C=896) instead of C/256 (4), which left the GPU idle for
+    # ~35 us per call (1.7 ms per 0.5B step, H100 profile); the reduction order per column is unchanged.
+    col_block = min(block_c, 256 if INTERPRET else 32)
     block_p = min(next_pow2(programs), 16 if not INTERPRET else 64)
     _column_sum_kernel[(triton.cdiv(c, col_block),)](dweight, part, programs, c, BLOCK_P=block_p,
                                                      BLOCK_C=col_block, num_warps=4)
