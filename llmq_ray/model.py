@@ -169,7 +169,10 @@ class LlamaModel:
         self.d_qkv = empty(batch_size, seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         # FP8 (matmul_dtype="e4m3"): absmax of the four GEMM inputs of each layer [L, 4] = (ln1, att, ln2,
         # swiglu), written by the producing kernels and kept for the wgrad's quantization in the backward.
-        self.lin = BlockLinears(backend, self.w, cfg.num_layers, n, matmul_dtype, gradient_dtype)
+        rc = self.recompute
+        recomputes = rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu
+        self.lin = BlockLinears(backend, self.w, cfg.num_layers, n, matmul_dtype, gradient_dtype,
+                                store_xt=not recomputes)  # recompute = the user asked for less memory
         self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
