@@ -1,6 +1,7 @@
 """Time the single-process TrainEngine (no Ray) on random tokens: tokens/s, step time, peak memory.
 
-    python benchmarks/engine_step.py --model Qwen2.5-0.5B --backend torch --batch-size 16 --seq-len 1024
+    python benchmarks/engine_step.py --model Qwen2.5-0.5B --backend triton --batch-size 16 --seq-len 1024
+    python benchmarks/engine_step.py --model Qwen2.5-0.5B --backend cupy --matmul-dtype e4m3
 
 This isolates the model + optimizer from the Ray runtime (benchmarks/bench_train.py measures the whole
 trainer); the difference between the two is Ray's own cost.
@@ -20,7 +21,8 @@ from llmq_ray.options import TrainOptions
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen2.5-0.5B")
-    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--backend", default="torch", choices=["torch", "triton", "cupy"],
+                    help="kernels: torch reference, triton, or cupy (CUDA C++ through CuPy/NVRTC)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--grad-accumulation", type=int, default=1)

@@ -1,0 +1,367 @@
+"""CupyBackend: hand-written CUDA C++ kernels (``kernels/*.cu``, compiled by NVRTC through CuPy) for every
+non-GEMM, non-attention op of backends/base.py.
+
+GEMMs (``matmul``, ``matmul_fp8``, ``bias_backward``) and attention are inherited from TorchBackend, exactly as
+the Triton backend does: they go to cuBLAS(Lt) and cuDNN / flash attention through torch (DESIGN §3). Each
+method here checks shapes and picks a launch geometry on the host, then launches one kernel (two or three
+where a deterministic cross-block reduction is needed) on torch's current stream, on the tensors' own memory,
+with no host sync. Each kernel has a 16-byte-vector variant and a scalar one (VEC = 1) for rows or pointers
+that are not 16-byte multiples; model dtypes are fp32 and bf16 (anything else falls back to the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.cupy import _runtime as rt
+from backends.cupy._runtime import T_NAME, VEC, aligned, cdiv, f32, i32, i64, ptr, u64
+from backends.torch_ref import TorchBackend
+from backends.torch_ref_optim import derive_seed
+
+MODEL_DTYPES = (torch.float32, torch.bfloat16)
+BWD_MAX_BLOCKS = 1024   # partial dweight rows of rmsnorm_backward: fixed, so the sum order depends on N only
+REDUCE_BLOCKS = 1024    # partials of global_norm_squared: likewise a function of the size only
+SMEM_FLOATS = 12288     # 48 KiB of dynamic shared memory for rmsnorm_backward's per-block dweight rows
+EMB_CHUNK = 32          # sorted positions per block of embedding_backward (CHUNK in embedding.cu)
+
+
+def _contiguous(*tensors: torch.Tensor | None) -> None:
+    for t in tensors:
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"cupy backend: expected a contiguous tensor, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+
+
+def _round32(n: int) -> int:
+    return max(32, cdiv(n, 32) * 32)
+
+
+def _vec(dtype: torch.dtype, n: int, *tensors: torch.Tensor | None) -> int:
+    """VEC (16 bytes of ``dtype``) when rows of ``n`` elements and every pointer allow it, else 1."""
+    v = VEC[dtype]
+    return v if n % v == 0 and aligned(*tensors) else 1
+
+
+def _row_layout(nvec: int, vec: int, prefer_small_k: bool) -> tuple[int, int]:
+    """(K, TX): K vectors per thread, TX threads per row (multiple of 32, <= 1024), fewest idle lanes.
+    Ties go to the larger K in the forward (a warp per row, no shared-memory step) and to the smaller K in the
+    backward (fewer registers: it keeps x, dy, w and the dweight partial of its columns)."""
+    best = None
+    for k in rt.row_ks(vec):
+        tx = _round32(cdiv(nvec, k))
+        if tx > 1024:
+            continue
+        key = (tx * k - nvec, k if prefer_small_k else -k)
+        if best is None or key < best[0]:
+            best = (key, k, tx)
+    if best is None:
+        raise ValueError(f"cupy backend: rows of {nvec * vec} elements are too long for the rmsnorm kernels")
+    return best[1], best[2]
+
+
+class CupyBackend(TorchBackend):
+    """Raw CUDA kernels through CuPy (CUDA only); GEMMs and attention from TorchBackend."""
+
+    name = "cupy"
+    graph_capturable = True  # launches on torch's current stream, no host sync inside a step
+
+    def __init__(self, device="cuda"):
+        cupy = rt.require_cupy(torch.device(device))  # before anything touches CUDA: one clear sentence if absent
+        super().__init__(device)
+        self.k = rt.Kernels(cupy, self.device)
+
+    def compile_all(self) -> float:
+        """Compile (or load from CuPy's disk cache) every kernel now instead of at first use; returns seconds."""
+        return self.k.compile_all()
+
+    def _launch(self, module, name, grid, block, args, shared_mem=0):
+        self.k.launch(module, name, grid, block, args, shared_mem)
+
+    # ------------------------------------------------------------------ embedding
+    def embedding_forward(self, out, tokens, table):
+        _contiguous(out, table)
+        if table.dtype != out.dtype or out.dtype.itemsize not in (2, 4):
+            return super().embedding_forward(out, tokens, table)
+        tokens = self._token_ids(tokens)
+        n, c = tokens.numel(), table.shape[1]
+        row_bytes = c * table.element_size()
+        word = 16 if row_bytes % 16 == 0 and aligned(out, table) else 4 if row_bytes % 4 == 0 else 2
+        w_name = {16: "uint4", 4: "unsigned int", 2: "unsigned short"}[word]
+        row_words = row_bytes // word
+        total = n * row_words
+        if total == 0:
+            return
+        name = f"emb_fwd<{w_name}, {self._ti(tokens)}>"
+        self._launch("embedding", name, self.k.grid_for(total, 256), 256,
+                     (ptr(out), ptr(tokens), ptr(table), i64(total), i32(row_words)))
+
+    def embedding_backward(self, dtable, tokens, dout):
+        _contiguous(dtable, dout)
+        if dtable.dtype not in MODEL_DTYPES or dout.dtype != dtable.dtype:
+            return super().embedding_backward(dtable, tokens, dout)
+        n, c = tokens.numel(), dtable.shape[1]
+        if n == 0:
+            return
+        sorted_tok, perm = torch.sort(tokens.reshape(-1).long(), stable=True)
+        chunks = cdiv(n, EMB_CHUNK)
+        head = torch.empty(chunks, c, dtype=torch.float32, device=dout.device)
+        vec = _vec(dtable.dtype, c, dtable, dout)
+        threads = min(256, _round32(cdiv(c, vec)))
+        t = T_NAME[dtable.dtype]
+        self._launch("embedding", f"emb_bwd_head<{t}, {vec}>", chunks, threads,
+                     (ptr(head), ptr(sorted_tok), ptr(perm), ptr(dout), i32(n), i32(c)))
+        self._launch("embedding", f"emb_bwd_segments<{t}, {vec}>", chunks, threads,
+                     (ptr(dtable), ptr(head), ptr(sorted_tok), ptr(perm), ptr(dout), i32(n), i32(c), i32(chunks)))
+
+    @staticmethod
+    def _token_ids(tokens):
+        tokens = tokens.reshape(-1)
+        if tokens.dtype not in (torch.int32, torch.int64):
+            tokens = tokens.long()
+        return tokens.contiguous()
+
+    @staticmethod
+    def _ti(tokens) -> str:
+        return "int" if tokens.dtype == torch.int32 else "long long"
+
+    # ------------------------------------------------------------------ RMSNorm
+    def rmsnorm_forward(self, out, rstd, inp, weight, eps, absmax=None):
+        self._rmsnorm_forward(out, rstd, inp, None, None, weight, eps, absmax)
+
+    def fused_residual_rmsnorm_forward(self, residual, out, rstd, inp1, inp2, weight, eps, absmax=None):
+        self._rmsnorm_forward(out, rstd, inp1, inp2, residual, weight, eps, absmax)
+
+    def _rmsnorm_forward(self, out, rstd, inp, inp2, residual, weight, eps, absmax):
+        _contiguous(out, rstd, inp, inp2, residual, weight)
+        dtype = inp.dtype
+        if dtype not in MODEL_DTYPES or any(t is not None and t.dtype != dtype for t in (out, inp2, residual, weight)):
+            if residual is None:
+                return super().rmsnorm_forward(out, rstd, inp, weight, eps, absmax)
+            return super().fused_residual_rmsnorm_forward(residual, out, rstd, inp, inp2, weight, eps, absmax)
+        n, c = inp.shape
+        vec = _vec(dtype, c, out, inp, inp2, residual, weight)
+        k, tx = _row_layout(c // vec, vec, prefer_small_k=False)
+        ty = max(1, 256 // tx)
+        if absmax is not None:
+            self.k.zero_u32(absmax)
+        if n == 0:
+            return
+        self._launch("rmsnorm", f"rmsnorm_fwd<{T_NAME[dtype]}, {vec}, {k}>", cdiv(n, ty), (tx, ty),
+                     (ptr(out), ptr(rstd), ptr(inp), ptr(inp2), ptr(residual), ptr(weight), ptr(absmax), i32(n),
+                      i32(c), f32(eps)))
+
+    def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None):
+        _contiguous(dinp, dweight, dout, inp, weight, rstd, dresidual)
+        dtype = inp.dtype
+        if dtype not in MODEL_DTYPES or any(t is not None and t.dtype != dtype
+                                            for t in (dinp, dweight, dout, weight, dresidual)):
+            return super().rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual, absmax)
+        n, c = inp.shape
+        if absmax is not None:
+            self.k.zero_u32(absmax)
+        if n == 0:
+            return
+        vec = _vec(dtype, c, dinp, dout, inp, weight, dresidual)
+        k, tx = _row_layout(c // vec, vec, prefer_small_k=True)
+        ty = max(1, min(256 // tx, SMEM_FLOATS // c))
+        blocks = min(cdiv(n, ty), BWD_MAX_BLOCKS)
+        rows_per_block = cdiv(n, blocks)
+        blocks = cdiv(n, rows_per_block)
+        part = torch.empty(blocks, c, dtype=torch.float32, device=inp.device)
+        smem = ty * c * 4 if ty > 1 else 0
+        t = T_NAME[dtype]
+        self._launch("rmsnorm", f"rmsnorm_bwd<{t}, {vec}, {k}>", blocks, (tx, ty),
+                     (ptr(dinp), ptr(part), ptr(dout), ptr(inp), ptr(weight), ptr(rstd), ptr(dresidual), ptr(absmax),
+                      i32(n), i32(c), i32(rows_per_block)), shared_mem=smem)
+        self._launch("rmsnorm", f"column_sum<{t}>", cdiv(c, 32), (32, 32), (ptr(dweight), ptr(part), i32(blocks), i32(c)))
+
+    # ------------------------------------------------------------------ RoPE
+    def rope_forward(self, qkv, cos, sin, n_q_heads, n_kv_heads):
+        self._rope(qkv, cos, sin, n_q_heads, n_kv_heads, inverse=False)
+
+    def rope_backward(self, dqkv, cos, sin, n_q_heads, n_kv_heads):
+        self._rope(dqkv, cos, sin, n_q_heads, n_kv_heads, inverse=True)
+
+    def _rope(self, qkv, cos, sin, n_q, n_kv, inverse):
+        b, t, h, d = qkv.shape
+        if qkv.stride(3) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+            raise ValueError("rope: qkv's head dim and cos/sin rows must be contiguous")
+        if d % 2 or h != n_q + 2 * n_kv:
+            raise ValueError(f"rope: qkv {tuple(qkv.shape)} does not match Hq={n_q}, Hkv={n_kv}")
+        if qkv.dtype not in MODEL_DTYPES or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            return (super().rope_backward if inverse else super().rope_forward)(qkv, cos, sin, n_q, n_kv)
+        half = d // 2
+        esize = qkv.element_size()
+        vec = VEC[qkv.dtype]
+        strides_ok = all((s * esize) % 16 == 0 for s in qkv.stride()[:3]) and cos.stride(0) % 4 == 0
+        if half % vec or not strides_ok or not aligned(qkv, cos, sin):
+            vec = 1
+        n_heads = n_q + n_kv
+        total = b * t * n_heads * (half // vec)
+        if total == 0:
+            return
+        sb, st, sh, _ = qkv.stride()
+        self._launch("rope", f"rope<{T_NAME[qkv.dtype]}, {vec}>", self.k.grid_for(total, 256), 256,
+                     (ptr(qkv), ptr(cos), ptr(sin), i32(t), i32(n_heads), i32(half), i64(sb), i64(st), i64(sh),
+                      i64(cos.stride(0)), i64(total), i32(1 if inverse else 0)))
+
+    # ------------------------------------------------------------------ SwiGLU
+    def swiglu_forward(self, out, inp, absmax=None):
+        _contiguous(out, inp)
+        n, i = out.shape
+        if out.dtype not in MODEL_DTYPES or inp.dtype != out.dtype or tuple(inp.shape) != (n, 2 * i):
+            return super().swiglu_forward(out, inp, absmax)
+        vec = _vec(out.dtype, i, out, inp)
+        total = n * (i // vec)
+        if absmax is not None:
+            self.k.zero_u32(absmax)
+        if total == 0:
+            return
+        self._launch("swiglu", f"swiglu_fwd<{T_NAME[out.dtype]}, {vec}>", self.k.grid_for(total, 256), 256,
+                     (ptr(out), ptr(inp), ptr(absmax), i64(n), i32(i)))
+
+    def swiglu_backward(self, dinp, dout, inp, absmax=None):
+        _contiguous(dinp, dout, inp)
+        n, i = dout.shape
+        if dout.dtype not in MODEL_DTYPES or inp.dtype != dout.dtype or dinp.dtype != dout.dtype:
+            return super().swiglu_backward(dinp, dout, inp, absmax)
+        vec = _vec(dout.dtype, i, dinp, dout, inp)
+        total = n * (i // vec)
+        if absmax is not None:
+            self.k.zero_u32(absmax)
+        if total == 0:
+            return
+        self._launch("swiglu", f"swiglu_bwd<{T_NAME[dout.dtype]}, {vec}>", self.k.grid_for(total, 256), 256,
+                     (ptr(dinp), ptr(dout), ptr(inp), ptr(absmax), i64(n), i32(i)))
+
+    # ------------------------------------------------------------------ FP8 quantization
+    def absmax(self, out, inp):
+        _contiguous(inp)
+        if inp.dtype not in MODEL_DTYPES or out.dtype != torch.float32:
+            return super().absmax(out, inp)
+        n = inp.numel()
+        vec = VEC[inp.dtype] if aligned(inp) else 1
+        self.k.zero_u32(out)
+        if n == 0:
+            return
+        self._launch("reduce", f"absmax_kernel<{T_NAME[inp.dtype]}, {vec}>", self.k.grid_for(n // vec + 1, 256), 256,
+                     (ptr(out), ptr(inp), i64(n)))
+
+    def _fp8_ok(self, q, inp) -> bool:
+        return q.dtype in rt.FP8_FMT and inp.dtype in MODEL_DTYPES
+
+    def quantize(self, out, descale, inp, absmax):
+        _contiguous(out, inp)
+        if not self._fp8_ok(out, inp) or out.shape != inp.shape:
+            return super().quantize(out, descale, inp, absmax)
+        n = inp.numel()
+        vec = VEC[inp.dtype] if aligned(inp) and aligned(out, to=VEC[inp.dtype]) else 1
+        name = f"quantize_flat<{T_NAME[inp.dtype]}, {vec}, {rt.FP8_FMT[out.dtype]}>"
+        self._launch("fp8", name, self.k.grid_for(n // vec + 1, 256), 256,
+                     (ptr(out), ptr(descale), ptr(inp), ptr(absmax), i64(n)))
+
+    def quantize_transpose(self, out_t, descale, inp, absmax):
+        _contiguous(out_t, inp)
+        if not self._fp8_ok(out_t, inp) or inp.dim() != 2:
+            return super().quantize_transpose(out_t, descale, inp, absmax)
+        self._quantize_tiles(None, out_t, descale, inp, absmax)
+
+    def quantize_with_transpose(self, out, out_t, descale, inp, absmax):
+        _contiguous(out, out_t, inp)
+        if out.dtype != out_t.dtype:
+            raise ValueError(f"quantize_with_transpose: out is {out.dtype} but out_t is {out_t.dtype}")
+        if not self._fp8_ok(out_t, inp) or inp.dim() != 2:
+            return super().quantize_with_transpose(out, out_t, descale, inp, absmax)
+        self._quantize_tiles(out, out_t, descale, inp, absmax)
+
+    def _quantize_tiles(self, out, out_t, descale, inp, absmax):
+        m, k = inp.shape
+        if tuple(out_t.shape) != (k, m) or (out is not None and out.shape != inp.shape):
+            raise ValueError(f"quantize_transpose: out_t {tuple(out_t.shape)} must be the transpose of inp "
+                             f"{tuple(inp.shape)}")
+        v = VEC[inp.dtype]
+        vec = v if k % v == 0 and aligned(inp) and aligned(out, to=v) else 1
+        vec_store = int(m % 16 == 0 and aligned(out_t))
+        name = f"quantize_tiles<{T_NAME[inp.dtype]}, {vec}, {rt.FP8_FMT[out_t.dtype]}>"
+        self._launch("fp8", name, (max(1, cdiv(m, 64)), max(1, cdiv(k, 64))), 256,
+                     (ptr(out), ptr(out_t), ptr(descale), ptr(inp), ptr(absmax), i32(m), i32(k), i32(vec_store)))
+
+    # ------------------------------------------------------------------ loss
+    def fused_classifier(self, logits, losses, targets, dloss=1.0, write_dlogits=True):
+        _contiguous(losses)
+        n, v = logits.shape
+        if logits.stride(1) != 1:
+            raise ValueError("fused_classifier: logits rows must be contiguous")
+        if logits.dtype not in MODEL_DTYPES or losses.dtype != torch.float32:
+            return super().fused_classifier(logits, losses, targets, dloss, write_dlogits)
+        if n == 0:
+            return
+        targets = self._token_ids(targets)
+        vec = VEC[logits.dtype]
+        if v % vec or (logits.stride(0) * logits.element_size()) % 16 or not aligned(logits):
+            vec = 1
+        threads = min(1024, _round32(v // vec))
+        name = f"classifier<{T_NAME[logits.dtype]}, {vec}, {self._ti(targets)}>"
+        self._launch("classifier", name, n, threads,
+                     (ptr(logits), ptr(losses), ptr(targets), i32(v), i64(logits.stride(0)), f32(dloss),
+                      i32(1 if write_dlogits else 0)))
+
+    # ------------------------------------------------------------------ optimizer
+    def adamw_update(self, param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                     seed):
+        _contiguous(param, grad, m, v, master)
+        n = param.numel()
+        for name, t in (("grad", grad), ("m", m), ("v", v), ("master", master)):
+            if t is not None and (t.dim() != 1 or t.numel() != n):
+                raise ValueError(f"adamw_update: {name} has shape {tuple(t.shape)}, expected flat [{n}] like param")
+        for name, t in (("param", param), ("grad", grad), ("m", m), ("v", v), ("master", master)):
+            if t is not None and t.dtype not in MODEL_DTYPES:
+                raise TypeError(f"adamw_update: {name} must be fp32 or bf16, got {t.dtype}")
+        if param.dim() != 1:
+            raise ValueError(f"adamw_update: param must be a flat 1-D shard, got shape {tuple(param.shape)}")
+        if step < 1:
+            raise ValueError(f"adamw_update: step is 1-based, got {step}")
+        if n == 0:
+            return
+        scale_t = None
+        if isinstance(grad_scale, torch.Tensor):
+            scale_t = grad_scale.to(param.device, torch.float32, non_blocking=True).reshape(())
+        tensors = (param, grad, m, v, master)
+        vec = 4 if all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors) else 1
+        bf = [i32(0 if t is None or t.dtype == torch.float32 else 1) for t in tensors]
+        args = (ptr(param), ptr(grad), ptr(m), ptr(v), ptr(master), *bf, ptr(scale_t),
+                f32(0.0 if scale_t is not None else float(grad_scale)), i64(n), f32(1.0 - lr * weight_decay),
+                f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32((1.0 - beta2 ** step) ** 0.5),
+                f32(-(lr / (1.0 - beta1 ** step))), f32(eps), u64(derive_seed(seed, "m")),
+                u64(derive_seed(seed, "v")), u64(derive_seed(seed, "p")), i32(1 if (1.0 - beta1) < 0.5 else 0))
+        self._launch("adamw", f"adamw<{vec}>", self.k.grid_for(cdiv(n, vec), 256), 256, args)
+
+    def global_norm_squared(self, out, tensor):
+        if out.dtype != torch.float32 or out.numel() != 1:
+            raise TypeError(f"global_norm_squared: out must be an fp32 scalar tensor, got {out.dtype} "
+                            f"{tuple(out.shape)}")
+        _contiguous(tensor)
+        if tensor.dtype not in MODEL_DTYPES:
+            return super().global_norm_squared(out, tensor)
+        n = tensor.numel()
+        if n == 0:
+            return
+        vec = VEC[tensor.dtype] if aligned(tensor) else 1
+        blocks = max(1, min(cdiv(n, 256 * 8), REDUCE_BLOCKS))  # a function of n only: same bits every run
+        part = torch.empty(blocks, dtype=torch.float32, device=tensor.device)
+        t = T_NAME[tensor.dtype]
+        self._launch("reduce", f"sumsq_partial<{t}, {vec}>", blocks, 256, (ptr(part), ptr(tensor), i64(n)))
+        self._launch("reduce", "finish_sum", 1, 1024, (ptr(out), ptr(part), i32(blocks)))
+
+    def stochastic_round(self, out, inp, seed):
+        _contiguous(out, inp)
+        if out.dtype != torch.bfloat16 or inp.dtype != torch.float32:
+            raise TypeError(f"stochastic_round: needs fp32 -> bf16, got {inp.dtype} -> {out.dtype}")
+        if out.shape != inp.shape:
+            raise ValueError(f"stochastic_round: shapes differ: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
+        n = inp.numel()
+        if n == 0:
+            return
+        vec = 4 if aligned(inp) and aligned(out, to=8) else 1
+        self._launch("adamw", f"stochastic_round<{vec}>", self.k.grid_for(cdiv(n, vec), 256), 256,
+                     (ptr(out), ptr(inp), i64(n), u64(int(seed) & ((1 << 63) - 1))))

@@ -1,0 +1,325 @@
+"""Checks shared by the GPU tests of the fast backends (test_triton_gpu.py, test_cupy_gpu.py, test_fp8_gpu.py).
+
+Each ``check_*`` runs one kernel family of a fast backend against the torch reference at realistic shapes
+(Qwen2.5-0.5B-like: N = 16k rows, C = 896, I = 4864, V = 151936, 14/2 heads of 64) and asserts the common
+contract: fp32 outputs within 1e-5 of the reference (relative to the tensor's max magnitude), bf16 within
+1e-2, FP8 bytes equal to torch's casts at the same scale, deterministic reductions bit-identical run to run.
+Not a test module itself (no ``test_`` prefix): the test files call these with their backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+DEV = "cuda"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.bfloat16]
+N, C, I, V = 16 * 1024, 896, 4864, 151936
+HQ, HKV, D = 14, 2, 64
+
+
+def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(*shape, generator=g, device=DEV) * scale
+    x = torch.where(x.abs() < 1e-3, torch.full_like(x, 1e-3), x)
+    return x.to(dtype)
+
+
+def assert_close(got, want, tol, what=""):
+    got, want = got.double(), want.double()
+    err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    print(f"  {what}: max error {err:.2e} (relative to max |ref|)")
+    assert err <= tol, f"{what}: max error {err:.3e} exceeds {tol:.0e}"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+def check_rmsnorm_fused_and_backward(fast, ref, dtype):
+    a, b = randn(N, C, seed=1, dtype=dtype), randn(N, C, seed=2, dtype=dtype)
+    w = (1 + 0.2 * randn(C, seed=3)).to(dtype)
+    outs = {}
+    for name, be in (("fast", fast), ("ref", ref)):
+        res, out = torch.empty(N, C, dtype=dtype, device=DEV), torch.empty(N, C, dtype=dtype, device=DEV)
+        rstd, amax = torch.empty(N, device=DEV), torch.empty((), device=DEV)
+        be.fused_residual_rmsnorm_forward(res, out, rstd, a, b, w, 1e-6, absmax=amax)
+        outs[name] = (res, out, rstd, amax)
+    res, out, rstd, amax = outs["fast"]
+    assert torch.equal(res, outs["ref"][0])
+    assert_close(out, outs["ref"][1], TOL[dtype], "rmsnorm out")
+    assert_close(rstd, outs["ref"][2], 1e-5, "rstd")
+    assert amax.item() == out.float().abs().max().item()
+    out2, rstd2, amax2 = torch.empty_like(out), torch.empty_like(rstd), torch.empty_like(amax)
+    fast.rmsnorm_forward(out2, rstd2, res, w, 1e-6, absmax=amax2)
+    assert torch.equal(out2, out) and torch.equal(rstd2, rstd) and torch.equal(amax2, amax), \
+        "rmsnorm_forward(residual) must reproduce the fused kernel bit for bit (recompute)"
+    dout = randn(N, C, seed=4, dtype=dtype)
+    grads = {}
+    for name, be in (("fast", fast), ("ref", ref)):
+        dres = randn(N, C, seed=5, dtype=dtype)
+        dw = torch.zeros(C, dtype=dtype, device=DEV)
+        damax = torch.empty((), device=DEV)
+        be.rmsnorm_backward(dres, dw, dout, res, w, rstd, dresidual=dres, absmax=damax)
+        grads[name] = (dres, dw)
+        assert damax.item() == dres.float().abs().max().item() > 0, f"{name}: fused max|dinp|"
+    assert_close(grads["fast"][0], grads["ref"][0], TOL[dtype], "rmsnorm dinp")
+    assert_close(grads["fast"][1], grads["ref"][1], TOL[dtype], "rmsnorm dweight")
+    dw_again = torch.zeros(C, dtype=dtype, device=DEV)
+    fast.rmsnorm_backward(torch.empty_like(dout), dw_again, dout, res, w, rstd)
+    dw_twice = dw_again.clone()
+    fast.rmsnorm_backward(torch.empty_like(dout), dw_twice, dout, res, w, rstd)
+    assert torch.equal(dw_twice, (dw_again.float() * 2).to(dtype)) or dtype == torch.bfloat16
+
+
+def check_rope(fast, ref, dtype):
+    b, t = 16, 1024
+    qkv = randn(b, t, HQ + 2 * HKV, D, seed=6, dtype=dtype)
+    inv = 1e6 ** (-torch.arange(0, D // 2, dtype=torch.float32) / (D // 2))
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    for op in ("rope_forward", "rope_backward"):
+        x, y = qkv.clone(), qkv.clone()
+        getattr(fast, op)(x, cos, sin, HQ, HKV)
+        getattr(ref, op)(y, cos, sin, HQ, HKV)
+        assert_close(x, y, TOL[dtype], op)
+        assert torch.equal(x[:, :, HQ + HKV:], qkv[:, :, HQ + HKV:])
+
+
+def check_swiglu(fast, ref, dtype):
+    inp = randn(N, 2 * I, seed=7, dtype=dtype, scale=2.0)
+    dout = randn(N, I, seed=8, dtype=dtype)
+    res = {}
+    for name, be in (("fast", fast), ("ref", ref)):
+        out, amax = torch.empty(N, I, dtype=dtype, device=DEV), torch.empty((), device=DEV)
+        be.swiglu_forward(out, inp, absmax=amax)
+        dinp = torch.empty(N, 2 * I, dtype=dtype, device=DEV)
+        damax = torch.empty((), device=DEV)
+        be.swiglu_backward(dinp, dout, inp, absmax=damax)
+        res[name] = (out, amax, dinp, damax)
+    assert_close(res["fast"][0], res["ref"][0], TOL[dtype], "swiglu out")
+    assert res["fast"][1].item() == res["fast"][0].float().abs().max().item()
+    assert res["fast"][3].item() == res["fast"][2].float().abs().max().item() > 0  # fused max|dinp|, exact
+    assert_close(res["fast"][2], res["ref"][2], TOL[dtype], "swiglu dinp")
+
+
+def check_fused_classifier_full_vocab(fast, ref, dtype):
+    n = 1024
+    logits = randn(n, V, seed=9, dtype=dtype, scale=4.0)
+    targets = torch.randint(0, V, (n,), device=DEV)
+    targets[::7] = -100
+    res = {}
+    for name, be in (("fast", fast), ("ref", ref)):
+        lg, losses = logits.clone(), torch.empty(n, device=DEV)
+        be.fused_classifier(lg, losses, targets, dloss=1.0 / 900, write_dlogits=True)
+        res[name] = (lg, losses)
+    assert_close(res["fast"][1], res["ref"][1], 1e-5, "losses")
+    assert_close(res["fast"][0], res["ref"][0], TOL[dtype], "dlogits")
+    assert (res["fast"][0][::7] == 0).all() and (res["fast"][1][::7] == 0).all()
+
+
+def check_embedding_backward_deterministic(fast, ref, dtype):
+    # Zipf-like token frequencies: a few tokens repeat thousands of times, as in real text
+    g = torch.Generator(device="cpu").manual_seed(10)
+    ranks = torch.multinomial(1.0 / torch.arange(1, 5001, dtype=torch.float64), N, replacement=True, generator=g)
+    tokens = (ranks * 29 % V).to(DEV)
+    table = randn(V, C, seed=11, dtype=dtype)
+    out, out_ref = torch.empty(N, C, dtype=dtype, device=DEV), torch.empty(N, C, dtype=dtype, device=DEV)
+    fast.embedding_forward(out, tokens, table)
+    ref.embedding_forward(out_ref, tokens, table)
+    assert torch.equal(out, out_ref)
+    dout = randn(N, C, seed=12, dtype=dtype)
+    d1, d2, dr = (torch.zeros(V, C, dtype=dtype, device=DEV) for _ in range(3))
+    fast.embedding_backward(d1, tokens, dout)
+    fast.embedding_backward(d2, tokens, dout)
+    ref.embedding_backward(dr, tokens, dout)
+    assert torch.equal(d1, d2)
+    assert_close(d1, dr, TOL[dtype], "embedding dtable")
+
+
+def fp8_test_input(dtype, m=N, k=C, seed=13):
+    """Values over ~20 binades (so FP8 subnormals, normals and saturation all occur at the scales used)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(m, k, generator=g, device=DEV)
+            * torch.exp2(torch.randint(-16, 4, (m, k), generator=g, device=DEV).float())).to(dtype)
+
+
+def check_fp8_quantize_bit_exact(fast, ref, fp8, dtype, m=N, k=C):
+    x = fp8_test_input(dtype, m, k)
+    amax, amax_ref = torch.empty((), device=DEV), torch.empty((), device=DEV)
+    fast.absmax(amax, x)
+    ref.absmax(amax_ref, x)
+    assert torch.equal(amax, amax_ref)
+    for a in (amax, amax * 53.0):
+        q, qr = torch.empty(m, k, dtype=fp8, device=DEV), torch.empty(m, k, dtype=fp8, device=DEV)
+        ds, dsr = torch.empty((), device=DEV), torch.empty((), device=DEV)
+        fast.quantize(q, ds, x, a)
+        ref.quantize(qr, dsr, x, a)
+        assert torch.equal(ds, dsr)
+        bad = (q.view(torch.uint8) != qr.view(torch.uint8)).sum().item()
+        assert bad == 0, f"{bad} FP8 values differ from torch's cast"
+        qt, qtr = torch.empty(k, m, dtype=fp8, device=DEV), torch.empty(k, m, dtype=fp8, device=DEV)
+        fast.quantize_transpose(qt, ds, x, a)
+        ref.quantize_transpose(qtr, dsr, x, a)
+        assert torch.equal(qt.view(torch.uint8), qtr.view(torch.uint8))
+        q2, qt2 = torch.empty_like(q), torch.empty_like(qt)
+        fast.quantize_with_transpose(q2, qt2, ds, x, a)
+        assert torch.equal(q2.view(torch.uint8), qr.view(torch.uint8))
+        assert torch.equal(qt2.view(torch.uint8), qtr.view(torch.uint8))
+
+
+def check_adamw_and_norm(fast, ref):
+    n = 10_000_019
+    p, gr = randn(n, seed=14, scale=0.05), randn(n, seed=15, scale=1e-3)
+    m, v = randn(n, seed=16, scale=1e-4), randn(n, seed=17, scale=1e-3) ** 2
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3, seed=5)
+    out = {}
+    for name, be in (("fast", fast), ("ref", ref)):
+        s = [t.clone() for t in (p, gr, m, v)]
+        be.adamw_update(s[0], s[1], s[2], s[3], master=None, grad_scale=torch.tensor(0.5, device=DEV), **kw)
+        out[name] = s
+    for i, what in ((0, "param"), (2, "m"), (3, "v")):
+        assert_close(out["fast"][i], out["ref"][i], 1e-6, f"adamw fp32 {what}")
+    # bf16 m/v/param with fp32 master: reproducible, master close to the reference
+    runs = []
+    for _ in range(2):
+        s = dict(param=p.to(torch.bfloat16), m=m.to(torch.bfloat16), v=v.to(torch.bfloat16), master=p.clone())
+        fast.adamw_update(s["param"], gr.to(torch.bfloat16), s["m"], s["v"], master=s["master"], grad_scale=0.5,
+                          **kw)
+        runs.append(s)
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs[1][k]), k
+    nrm, nrm_ref = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
+    fast.global_norm_squared(nrm, gr)
+    ref.global_norm_squared(nrm_ref, gr)
+    assert_close(nrm, nrm_ref, 1e-5, "global norm^2")
+
+
+def check_stochastic_round_unbiased(fast):
+    n = 1 << 22
+    x = randn(n, seed=18) * 5
+    out = torch.empty(n, dtype=torch.bfloat16, device=DEV)
+    fast.stochastic_round(out, x, seed=1)
+    bias = (out.double() - x.double()).mean().item()
+    spread = (out.double() - x.double()).abs().mean().item()
+    assert abs(bias) < 0.01 * spread, (bias, spread)
+    again = torch.empty_like(out)
+    fast.stochastic_round(again, x, seed=1)
+    assert torch.equal(out, again)
+
+
+# ---------------------------------------------------------------------------------------------- whole model
+def model_grads(cfg, backend_name, b, t, dtype):
+    from backends import get_backend
+    from llmq_ray.model import LlamaModel
+    from llmq_ray.params import init_params
+
+    be = get_backend(backend_name, DEV)
+    model = LlamaModel(cfg, be, batch_size=b, seq_len=t, dtype=dtype)
+    flat = torch.zeros(model.layout.numel, dtype=torch.float32)
+    init_params(model.layout, flat, seed=3)
+    views = model.layout.views(flat)
+    gen = torch.Generator().manual_seed(4)
+    for name, view in views.items():
+        if name.endswith(("ln1_w", "ln2_w", "final_norm")):
+            view.add_(0.1 * torch.randn(view.shape, generator=gen))
+    model.params[:model.layout.numel].copy_(flat.to(dtype))
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=g)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    targets[0, :5] = -100
+    model.zero_grads()
+    model.forward_backward(inputs.to(DEV), targets.to(DEV))
+    torch.cuda.synchronize()
+    loss = (model.loss_sum / model.target_count).item()
+    return loss, {k: v.float().clone() for k, v in model.layout.views(model.grads).items()}
+
+
+def model_configs():
+    from llmq_ray.config import PRESETS
+
+    mid = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
+    return [("tiny", PRESETS["tiny"], 4, 128), ("mid", mid, 4, 512)]
+
+
+def check_whole_model_gradients_bf16(backend_name, which):
+    """bf16 loss within 1% and every parameter's gradient with cosine >= 0.99 against the torch backend's."""
+    name, cfg, b, t = next(c for c in model_configs() if c[0] == which)
+    loss_t, g_t = model_grads(cfg, backend_name, b, t, torch.bfloat16)
+    loss_r, g_r = model_grads(cfg, "torch", b, t, torch.bfloat16)
+    assert abs(loss_t - loss_r) / loss_r < 1e-2, (loss_t, loss_r)
+    worst = 1.0
+    for k, ref in g_r.items():
+        a, r = g_t[k].double().flatten(), ref.double().flatten()
+        cos = (a @ r / (a.norm() * r.norm()).clamp_min(1e-30)).item()
+        worst = min(worst, cos)
+        assert cos >= 0.99, f"{which}: {k} gradient cosine {cos:.5f}"
+    print(f"  {which}: loss {backend_name} {loss_t:.5f} torch {loss_r:.5f}, worst gradient cosine {worst:.6f}")
+
+
+# ---------------------------------------------------------------------------------------------- FP8 model
+def fp8_model_config():
+    from llmq_ray.config import ModelConfig
+
+    # FP8 GEMMs need every dimension a multiple of 16.
+    return ModelConfig("qwen2", 512, 1408, 4, 8, 2, 4096, tie_word_embeddings=True, qkv_bias=True, name="fp8-gpu")
+
+
+FP8_B, FP8_T = 4, 512
+
+
+def _perturb_norms_and_biases(model):
+    """Trained models have non-zero QKV biases and norm weights away from 1; init has neither, which would hide
+    a bias applied at the wrong scale inside the FP8 GEMM."""
+    gen = torch.Generator().manual_seed(123)
+    for slot in model.layout:
+        if slot.name.endswith(("qkv_b", "ln1_w", "ln2_w", "final_norm")):
+            view = model.params[slot.offset:slot.end]
+            noise = torch.randn(view.shape, generator=gen).to(view.device)
+            view.add_((0.5 * noise).to(view.dtype))
+
+
+def fp8_run(backend, matmul_dtype=None, gradient_dtype=None):
+    """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8."""
+    from backends import get_backend
+    from llmq_ray.model import LlamaModel
+    from llmq_ray.params import init_params
+
+    cfg = fp8_model_config()
+    model = LlamaModel(cfg, get_backend(backend, "cuda"), batch_size=FP8_B, seq_len=FP8_T, dtype=torch.bfloat16,
+                       matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype)
+    init_params(model.layout, model.params, seed=11)
+    _perturb_norms_and_biases(model)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, cfg.vocab_size, (FP8_B, FP8_T + 1), generator=gen)
+    model.zero_grads()
+    model.forward_backward(tokens[:, :-1], tokens[:, 1:])
+    torch.cuda.synchronize()
+    return model.loss_sum.item(), model.grads.float()
+
+
+def cosine(a, b):
+    a, b = a.double(), b.double()
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def check_fp8_first_step_loss_within_one_percent_of_bf16(backend, gradient_dtype):
+    loss16, g16 = fp8_run(backend)
+    loss8, g8 = fp8_run(backend, "e4m3", gradient_dtype)
+    assert abs(loss8 - loss16) / loss16 < 0.01, (loss8, loss16)
+    cos = cosine(g8, g16)
+    print(f"{backend} grad={gradient_dtype or 'e4m3'}: loss bf16 {loss16:.3f} fp8 {loss8:.3f}, grad cosine {cos:.5f}")
+    assert cos >= 0.98
+
+
+# ---------------------------------------------------------------------------------------------- timings
+def time_cuda(fn, reps=20):
+    """Mean milliseconds of ``fn`` over ``reps`` back-to-back calls (after one warm-up call)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps

@@ -1,0 +1,194 @@
+"""The CuPy backend on a CPU machine: what can be checked without a GPU, in a few seconds.
+
+* ``get_backend("cupy")`` without CuPy, or without a usable GPU, ends in one ConfigError sentence that says
+  what to install;
+* every kernel source compiles with NVRTC (a library that needs no GPU) with all its template
+  instantiations, and the inline PTX assembles for sm_90 (skipped when libnvrtc cannot be loaded);
+* the host side of every backend method, run on CPU tensors with a recording launcher instead of the GPU,
+  launches only instantiations that exist, with arguments whose number and C types match the kernel's
+  parameters, and with legal launch geometry;
+* the .cu files ship as package data.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from backends import get_backend
+from backends.cupy import _runtime as rt
+from backends.cupy.backend import CupyBackend
+from backends.torch_ref import TorchBackend
+from llmq_ray.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _one_sentence(msg: str) -> bool:
+    return "\n" not in msg and msg.endswith(".") and ". " not in msg
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_without_cupy_get_backend_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
+    with pytest.raises(ConfigError) as err:
+        get_backend("cupy", "cuda")
+    msg = str(err.value)
+    assert "pip install 'llmq-ray[cupy13]'" in msg and "'llmq-ray[cupy12]'" in msg, msg
+    assert _one_sentence(msg), msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_without_a_gpu_get_backend_is_one_clear_sentence(device):
+    pytest.importorskip("cupy")
+    with pytest.raises(ConfigError) as err:
+        get_backend("cupy", device)
+    msg = str(err.value)
+    assert "needs an NVIDIA GPU" in msg and "--backend=torch" in msg and "llmq-ray[cupy13]" in msg, msg
+    assert _one_sentence(msg), msg
+
+
+# ---------------------------------------------------------------------------------------------- NVRTC
+def test_every_kernel_source_compiles_with_nvrtc():
+    from backends.cupy import nvrtc_check
+
+    try:
+        nvrtc_check.load_nvrtc()
+    except nvrtc_check.NvrtcUnavailable as exc:
+        pytest.skip(str(exc))
+    for module in rt.MODULES:
+        assert b".entry" in nvrtc_check.compile_module(module, "compute_90"), module
+    # inline PTX (cvt bf16 / e4m3x2 / e5m2x2, mul.rn, div.rn, redux) through ptxas for a real architecture
+    assert nvrtc_check.compile_asm_probe("sm_90")
+    # the fallbacks: software FP8 conversion, and pre-sm_80 bf16 rounding / shuffle max
+    nvrtc_check.compile_module("fp8", "compute_90", defines=("LLMQ_SOFT_FP8",))
+    nvrtc_check.compile_module("reduce", "compute_75")
+
+
+def test_every_kernel_file_is_a_module_and_package_data():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    files = {p.name for p in rt.KERNEL_DIR.iterdir()}
+    assert files == {f"{m}.cu" for m in rt.MODULES} | {rt.COMMON_HEADER}
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["backends.cupy"]
+    for f in files:
+        assert any(fnmatch.fnmatch(f"kernels/{f}", p) for p in patterns), f
+
+
+# ---------------------------------------------------------------------------------------------- host side
+_PARAM_TYPES = {"float": np.float32, "int": np.int32, "i64": np.int64, "u64": np.uint64}
+
+
+def _kernel_signatures() -> dict[str, list[type]]:
+    """kernel name -> numpy type of each parameter, parsed from the .cu sources (pointers -> uint64)."""
+    sigs = {}
+    for module in rt.MODULES:
+        src = rt.kernel_source(module)
+        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?(\w+)\s*\(([^)]*)\)", src):
+            types = []
+            for param in m.group(2).split(","):
+                param = param.strip()
+                if "*" in param:
+                    types.append(np.uint64)
+                else:
+                    types.append(_PARAM_TYPES[param.split()[-2]])
+            sigs[m.group(1)] = types
+    return sigs
+
+
+class RecordingKernels(rt.Kernels):
+    """Stands in for the GPU: checks and records each launch instead of running it."""
+
+    def __init__(self):  # no CuPy, no device
+        self.sm_count = 132
+        self.launches = []
+        self.sigs = _kernel_signatures()
+
+    def launch(self, module, name, grid, block, args, shared_mem=0):
+        assert name in rt.MODULES[module], f"{name} is not instantiated in {module}.cu"
+        want = self.sigs[name.split("<")[0]]
+        got = [type(a) for a in args]
+        assert got == want, f"{name}: argument types {got} do not match the kernel's parameters {want}"
+        grid = grid if isinstance(grid, tuple) else (grid,)
+        block = block if isinstance(block, tuple) else (block,)
+        threads = int(np.prod(block))
+        assert 32 <= threads <= 1024 and threads % 32 == 0 and block[0] % 32 == 0, (name, block)
+        assert all(g >= 1 for g in grid) and all(g <= 65535 for g in grid[1:]), (name, grid)
+        assert shared_mem <= 48 * 1024, (name, shared_mem)
+        self.launches.append(name)
+
+    def zero_u32(self, t):
+        assert t.dtype == torch.float32 and t.numel() == 1
+
+
+@pytest.fixture()
+def rec():
+    be = CupyBackend.__new__(CupyBackend)
+    TorchBackend.__init__(be, "cpu")
+    be.k = RecordingKernels()
+    return be
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,c,i,v,d", [(64, 896, 4864, 1024, 64), (37, 100, 99, 1001, 20)])
+def test_host_side_launches_match_the_kernels(rec, dtype, n, c, i, v, d):
+    def t(*shape, dt=dtype):
+        return torch.randn(*shape).to(dt)
+
+    x, w = t(n, c), t(c)
+    rstd, amax = torch.empty(n), torch.empty(())
+    rec.rmsnorm_forward(t(n, c), rstd, x, w, 1e-6, absmax=amax)
+    rec.fused_residual_rmsnorm_forward(t(n, c), t(n, c), rstd, x, t(n, c), w, 1e-6)
+    rec.rmsnorm_backward(t(n, c), t(c), t(n, c), x, w, rstd, dresidual=t(n, c))
+    qkv = t(2, 8, 6 + 2 * 2, d)
+    cos, sin = torch.rand(8, d // 2), torch.rand(8, d // 2)
+    rec.rope_forward(qkv, cos, sin, 6, 2)
+    rec.rope_backward(qkv, cos, sin, 6, 2)
+    rec.swiglu_forward(t(n, i), t(n, 2 * i), absmax=amax)
+    rec.swiglu_backward(t(n, 2 * i), t(n, i), t(n, 2 * i))
+    for tokens in (torch.randint(0, v, (n,)), torch.randint(0, v, (n,), dtype=torch.int32)):
+        rec.embedding_forward(t(n, c), tokens, t(v, c))
+        rec.embedding_backward(t(v, c), tokens, t(n, c))
+        rec.fused_classifier(t(n, v), torch.empty(n), tokens)
+    rec.absmax(amax, x)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        rec.quantize(torch.empty(n, c, dtype=fp8), torch.empty(()), x, amax)
+        rec.quantize_transpose(torch.empty(c, n, dtype=fp8), torch.empty(()), x, amax)
+        rec.quantize_with_transpose(torch.empty(n, c, dtype=fp8), torch.empty(c, n, dtype=fp8), torch.empty(()), x,
+                                    amax)
+    flat = t(1003)
+    rec.global_norm_squared(torch.zeros(()), flat)
+    rec.global_norm_squared(torch.zeros(()), flat[1:])
+    rec.stochastic_round(torch.empty(1003, dtype=torch.bfloat16), torch.randn(1003), seed=1)
+    for master in (None, torch.randn(1003)):
+        rec.adamw_update(t(1003), t(1003), t(1003), torch.rand(1003).to(dtype), master=master, lr=1e-3, beta1=0.9,
+                         beta2=0.95, eps=1e-8, weight_decay=0.1, step=2, grad_scale=torch.tensor(0.5), seed=1)
+    names = {name.split("<")[0] for name in rec.k.launches}
+    assert names == {"rmsnorm_fwd", "rmsnorm_bwd", "column_sum", "rope", "swiglu_fwd", "swiglu_bwd", "emb_fwd",
+                     "emb_bwd_head", "emb_bwd_segments", "classifier", "absmax_kernel", "quantize_flat",
+                     "quantize_tiles", "sumsq_partial", "finish_sum", "stochastic_round", "adamw"}
+    vec = rt.VEC[dtype]
+    aligned_shape = c % vec == 0
+    assert (f"rmsnorm_fwd<{rt.T_NAME[dtype]}, {vec}, " in " ".join(rec.k.launches)) == aligned_shape
+
+
+def test_row_layout_for_real_hidden_sizes():
+    from backends.cupy.backend import _row_layout
+
+    # Qwen2.5-0.5B bf16: 112 vectors of 8 -> a warp per row with 4 vectors each in the forward
+    assert _row_layout(896 // 8, 8, prefer_small_k=False) == (4, 32)
+    assert _row_layout(896 // 8, 8, prefer_small_k=True) == (1, 128)
+    for c in (896, 1536, 2048, 3584, 4096, 5120, 8192):
+        for vec in (8, 4):
+            k, tx = _row_layout(c // vec, vec, prefer_small_k=False)
+            assert tx * k >= c // vec and tx % 32 == 0 and tx <= 1024
+    assert _row_layout(8191, 1, prefer_small_k=False) == (8, 1024)
+    with pytest.raises(ValueError, match="too long"):
+        _row_layout(8193, 1, prefer_small_k=False)
