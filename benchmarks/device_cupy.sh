@@ -6,6 +6,7 @@
 #   3. the per-kernel timing table, triton vs cupy, at 0.5B shapes (benchmarks/kernel_timing.py);
 #   4. full-step tokens/s of Qwen2.5-0.5B from scratch, B=16, T=1024, triton vs cupy in bf16 and e4m3;
 #   5. a short check that the Triton GPU tests still pass on the shared checks (tests/kernel_checks.py).
+# 5. the full Triton GPU tests (they share tests/kernel_checks.py with the CuPy ones).
 # Logs go to $OUT; the summary table is printed last.
 #   bash benchmarks/device_cupy.sh
 set -u
@@ -51,10 +52,11 @@ step triton_bf16 --backend triton
 step cupy_bf16 --backend cupy
 step triton_e4m3 --backend triton --matmul-dtype e4m3
 step cupy_e4m3 --backend cupy --matmul-dtype e4m3
+step cupy_e4m3_graphs --backend cupy --matmul-dtype e4m3 --cuda-graphs
 
 echo "== 5. Triton GPU tests on the shared checks (subset)"
 timeout 240 python3 -m pytest -m gpu tests/test_triton_gpu.py tests/test_fp8_gpu.py -q -p no:cacheprovider -rfE \
-  -k "quantize or rope or first_step_loss and triton" > "$OUT/triton_gpu_tests.log" 2>&1; tail -3 "$OUT/triton_gpu_tests.log"
+  > "$OUT/triton_gpu_tests.log" 2>&1; tail -3 "$OUT/triton_gpu_tests.log"
 
 echo "== summary"
 cat "$OUT/gpu.txt"
@@ -63,7 +65,7 @@ echo "cupy GPU tests:   $(tail -1 "$OUT/cupy_gpu_tests.log")"
 echo "triton GPU tests: $(tail -1 "$OUT/triton_gpu_tests.log")"
 grep -h "sum" "$OUT/kernel_timing.md" | sed 's/^/kernel time sum (ms, triton | cupy): /'
 printf "| %-6s | %-5s | %10s | %9s | %7s |\n" backend dtype "tokens/s" "step ms" "MFU"
-for f in triton_bf16 cupy_bf16 triton_e4m3 cupy_e4m3; do
+for f in triton_bf16 cupy_bf16 triton_e4m3 cupy_e4m3 cupy_e4m3_graphs; do
   line=$(grep -h RESULT "$OUT/$f.log" 2>/dev/null)
   tps=$(echo "$line" | sed -n 's/.*tokens_per_s=\([0-9]*\).*/\1/p'); ms=$(echo "$line" | sed -n 's/.*median_step_ms=\([0-9.]*\).*/\1/p')
   mfu=$(echo "$line" | sed -n 's/.*MFU_vs_989=\([0-9.%]*\).*/\1/p')
