@@ -125,6 +125,19 @@ class TorchDistCommunicator(Communicator):
         _all_gather(full, src)
 
 
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        """Async, in place: tensor = rank ``src``'s (ZeRO-3's weight gathers); returns the handle."""
+        if self.world_size == 1:
+            return super().broadcast(tensor, src)
+        return dist.broadcast(tensor, src=src, async_op=True)
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int):
+        """Async, in place: on ``dst`` tensor = sum over ranks (ZeRO-3's gradient reduces); returns the handle."""
+        if self.world_size == 1:
+            return super().reduce_sum(tensor, dst)
+        return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True)
+
+
 def set_worker_threads(num_threads: int) -> None:
     """CPU threads of this process: OMP_NUM_THREADS for libraries started later, torch's pool right now."""
     os.environ["OMP_NUM_THREADS"] = str(num_threads)

@@ -354,6 +354,10 @@ class Coordinator:
     def export(self, path: str | None = None) -> str:
         """HF export of the current weights into ``path`` (default out_dir/export), written atomically."""
         path = os.path.abspath(path or os.path.join(self.spec.out_dir, "export"))
+        if self.opts.effective_zero_level >= 3:  # gathering the sharded weights needs every rank
+            refs = [w.export.remote(path, self.spec.export_dtype, r == self._export_rank)
+                    for r, w in enumerate(self.workers)]
+            return gather(refs, self.spec.call_timeout_s, "export")[self._export_rank]
         w = self.workers[self._export_rank]
         return gather([w.export.remote(path, self.spec.export_dtype)], self.spec.call_timeout_s, "export")[0]
 
@@ -386,6 +390,8 @@ class Coordinator:
         return {"steps": list(self.history), "evals": [{k: v for k, v in e.items() if k != "line"} for e in self.evals]}
 
     def flat_params(self, rank: int = 0):
+        if self.opts.effective_zero_level >= 3:  # a collective: every rank takes part
+            return gather([w.flat_params.remote() for w in self.workers], self.spec.call_timeout_s, "flat_params")[rank]
         return gather([self.workers[rank].flat_params.remote()], self.spec.call_timeout_s, "flat_params")[0]
 
     def data_state(self) -> list:

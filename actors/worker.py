@@ -117,7 +117,12 @@ class GPUWorker:
                                   f"pass an HF model folder.")
             from llmq_ray.hf_io import load_hf_weights
 
-            load_hf_weights(weights, self.engine.layout, self.engine.params)
+            if self.engine.params is not None:
+                load_hf_weights(weights, self.engine.layout, self.engine.params)
+            else:  # ZeRO-3: read the whole model on the host, keep this rank's shard
+                flat = torch.empty(self.engine.layout.numel, dtype=o.torch_dtype)
+                load_hf_weights(weights, self.engine.layout, flat)
+                self.engine.load_full_params(flat)
             self.engine.reset_optimizer_from_params()
         self._train = train_source(spec, cfg.vocab_size, self.rank)
         self._gpu_util = None
@@ -219,23 +224,26 @@ class GPUWorker:
                 "batches": len(stream)}
 
     # ------------------------------------------------------------------ outputs
-    def export(self, out_dir: str, dtype: str | None) -> str:
-        """Write the (replicated) weights as an HF folder, atomically; returns its absolute path."""
+    def export(self, out_dir: str, dtype: str | None, write: bool = True) -> str | None:
+        """Write the weights as an HF folder, atomically; returns its absolute path. Under ZeRO-3 gathering
+        them is a collective: every rank calls this, and only the one with ``write`` writes (others: None)."""
         from llmq_ray.hf_io import export_hf
         from llmq_ray.options import DTYPES
 
         e = self.engine
-        torch_dtype = DTYPES[dtype] if dtype else e.params.dtype
+        flat = e.full_params()
+        if not write:
+            return None
+        torch_dtype = DTYPES[dtype] if dtype else flat.dtype
         from llmq_ray.tokenizer_files import tokenizer_source_for_export
 
         _, weights = resolve_model(self.spec.opts.model)
-        return export_hf(out_dir, e.cfg, e.layout, e.params[:e.layout.numel].cpu(), dtype=torch_dtype,
+        return export_hf(out_dir, e.cfg, e.layout, flat.cpu(), dtype=torch_dtype,
                          tokenizer_source=tokenizer_source_for_export(weights, e.cfg.vocab_size))
 
     def flat_params(self) -> torch.Tensor:
-        """A CPU fp32 copy of the weights [layout.numel] (tests, small models)."""
-        e = self.engine
-        return e.params[:e.layout.numel].detach().float().cpu().clone()
+        """A CPU fp32 copy of the weights [layout.numel] (tests, small models; a collective under ZeRO-3)."""
+        return self.engine.full_params().detach().float().cpu().clone()
 
     def data_state(self) -> dict:
         return self._train.state() if self._train is not None else {}
@@ -280,7 +288,7 @@ class GPUWorker:
         e = self.engine
         tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,
                                             rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
-                                            device=e.params.device)
+                                            device=e.device)
         restore_engine(e, tensors)  # also resets the gradient accumulators (ZeRO-2's grad shard included)
         state = data_state_for_rank(manifest, self.rank, self.world_size)
         if state and self._train is not None:

@@ -40,9 +40,18 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", help="torch, triton, cupy or auto (fastest available)")
     p.add_argument("--model-dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--matmul-dtype", default=None, choices=["bf16", "e4m3"], help="default: the model dtype")
-    p.add_argument("--zero-level", type=int, default=1, choices=[1, 2], help="ZeRO level")
+    p.add_argument("--zero-level", type=int, default=1, choices=[1, 2, 3], help="ZeRO level")
     p.add_argument("--lmhead-chunks", type=int, default=1, help="LM head row chunks")
-    p.add_argument("--recompute-block", action="store_true", help="recompute whole blocks (less memory)")
+    p.add_argument("--attn-bwd-chunks", type=int, default=1, help="attention backward batch chunks")
+    for what in ("block", "ffn", "swiglu", "norm", "qkv", "att"):
+        p.add_argument(f"--recompute-{what}", action="store_true", help=f"recompute {what} in the backward (less memory)")
+    for what in ("master", "opt-m", "opt-v", "gradients", "residual"):
+        p.add_argument(f"--offload-{what}", action="store_true", help=f"keep {what} in pinned host memory")
+    p.add_argument("--use-zero-copy", action="store_true", help="optimizer kernel reads the offloaded host state directly")
+    p.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"], help="master weights dtype")
+    p.add_argument("--opt-m-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam m dtype")
+    p.add_argument("--opt-v-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam v dtype")
+    p.add_argument("--memory-table", action="store_true", help="print rank 0's memory table after set-up")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = p.parse_args(argv)
     if a.warmup_steps >= a.steps:
@@ -57,7 +66,11 @@ def main(argv=None) -> int:
     kwargs = dict(model=a.model, from_scratch=True, batch_size=a.batch_size, seq_len=a.seq_len,
                   grad_accumulation=a.grad_accumulation, steps=a.steps, learning_rate=3e-4, warmup=0,
                   model_dtype=dtype, matmul_dtype=a.matmul_dtype if a.matmul_dtype != dtype else None,
-                  zero_level=a.zero_level, lmhead_chunks=a.lmhead_chunks, recompute_block=a.recompute_block)
+                  zero_level=a.zero_level, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
+                  master_dtype=a.master_dtype if dtype == "bf16" else "fp32", opt_m_dtype=a.opt_m_dtype,
+                  opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy,
+                  **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
+                  **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})
     runtime = dict(synthetic_data=True, device=a.device, backend=a.backend, export=False, final_eval=False,
                    out_dir="/tmp/llmq-bench", verbose=False)
     if a.device == "cuda":
@@ -68,6 +81,10 @@ def main(argv=None) -> int:
     try:
         with LLMQTrainer(**kwargs, **runtime) as t:
             info = t.start()
+            if a.memory_table:
+                from llmq_ray.memory_table import format_memory_table
+
+                print(format_memory_table(list(info["memory"].items()), title="memory (rank 0)"), flush=True)
             for _ in range(a.steps):
                 rec = t.train_step()
                 records.append(rec)

@@ -98,14 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
         n.add_argument(f"--recompute-{name}", action="store_true", help=f"recompute {what} in the backward instead of storing it")
     n.add_argument("--lmhead-chunks", type=int, default=1, help="run the LM head + loss in N row chunks (less memory)")
     n.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step's forward + backward from a CUDA graph (GPU only)")
+    n.add_argument("--attn-bwd-chunks", type=int, default=1,
+                   help="run the attention backward over the batch in N chunks (less scratch memory; same result)")
+    o = p.add_argument_group("host offloading (pinned host memory; the state streams through the GPU double-buffered)")
+    o.add_argument("--offload-master", action="store_true", help="keep the master weights in host memory")
+    o.add_argument("--offload-opt-m", action="store_true", help="keep Adam's first moment in host memory")
+    o.add_argument("--offload-opt-v", action="store_true", help="keep Adam's second moment in host memory")
+    o.add_argument("--offload-gradients", action="store_true",
+                   help="keep the sharded gradient accumulator in host memory (needs --zero-level 2 or 3)")
+    o.add_argument("--offload-residual", action="store_true",
+                   help="keep the per-layer residual stream saved for the backward in host memory")
+    o.add_argument("--use-zero-copy", action="store_true",
+                   help="the optimizer kernel reads/writes the offloaded host state directly instead of streaming "
+                   "it (CUDA: triton backend)")
+    o.add_argument("--opt-chunk-size", type=int, default=1 << 25,
+                   help="elements per optimizer chunk: the unit offloaded state streams in (and of the "
+                   "stochastic-rounding seeds)")
     d = p.add_argument_group("devices and parallelism")
     d.add_argument("--device", default=AUTO, choices=[AUTO, "cuda", "cpu"], help="cuda: one worker per GPU (NCCL); cpu: CPU workers over gloo")
     d.add_argument("--backend", default=AUTO, choices=[AUTO, "torch", "triton", "cupy"], help="kernels (auto: fastest on GPU, torch on CPU)")
     d.add_argument("--gpus", type=int, default=0, help="GPUs to train on (0: all GPUs of the Ray cluster)")
     d.add_argument("--workers", type=int, default=None, help="worker actors (CPU runs; on GPU the same as --gpus)")
     d.add_argument("--cpus-per-worker", type=int, default=None, help="CPU cores reserved per worker (auto)")
-    d.add_argument("--zero-level", type=int, default=1, choices=[1, 2, 3], help="1: shard optimizer state; 2: + gradients")
+    d.add_argument("--zero-level", type=int, default=1, choices=[1, 2, 3],
+                   help="1: shard optimizer state; 2: + gradients; 3: + weights (gathered per layer, one ahead)")
     d.add_argument("--shard-gradients", action="store_true", help="shard gradients too (same as --zero-level 2)")
+    d.add_argument("--shard-weights", action="store_true", help="shard weights too (same as --zero-level 3)")
     d.add_argument("--ray-address", default=None, help="address of a running Ray cluster (default: join or start a local one)")
     return p
 
@@ -138,8 +156,11 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         gradient_dtype=a.gradient_dtype, master_dtype=a.master_dtype, opt_m_dtype=a.opt_m_dtype,
         opt_v_dtype=a.opt_v_dtype, recompute_swiglu=a.recompute_swiglu, recompute_norm=a.recompute_norm,
         recompute_ffn=a.recompute_ffn, recompute_qkv=a.recompute_qkv, recompute_att=a.recompute_att,
-        recompute_block=a.recompute_block, lmhead_chunks=a.lmhead_chunks, zero_level=a.zero_level,
-        shard_gradients=a.shard_gradients, use_cuda_graphs=a.use_cuda_graphs, seed=a.seed)
+        recompute_block=a.recompute_block, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
+        offload_master=a.offload_master, offload_opt_m=a.offload_opt_m, offload_opt_v=a.offload_opt_v,
+        offload_gradients=a.offload_gradients, offload_residual=a.offload_residual, use_zero_copy=a.use_zero_copy,
+        opt_chunk_size=a.opt_chunk_size, zero_level=a.zero_level, shard_gradients=a.shard_gradients,
+        shard_weights=a.shard_weights, use_cuda_graphs=a.use_cuda_graphs, seed=a.seed)
     if opts.matmul_dtype == opts.model_dtype:
         opts.matmul_dtype = None
     train_file, eval_file = a.train_file, a.eval_file

@@ -16,7 +16,15 @@ ZeRO-2 (``--zero-level=2`` or ``--shard-gradients``): the full gradient buffer i
 *every* micro-step and added into a shard-sized accumulator ``grad_shard`` (model dtype, [S]); the full
 buffer is then zeroed for the next micro-step, and the update uses the accumulator directly. The
 accumulated gradients that persist across micro-steps are thus sharded; the full buffer is still the
-backward's scratch (a per-layer reduce-scatter during the backward would shrink it too; not done yet).
+backward's scratch.
+
+ZeRO-3 (``--zero-level=3`` or ``--shard-weights``): no full buffers at all. The rank keeps its shard of the
+weights; the model gathers each layer one layer ahead and its gradients are reduced onto their owners as
+the backward produces them, straight into ``grad_shard`` (see llmq_ray/zero3.py). The optimizer shard, and
+so the checkpoint format, is the same as under ZeRO-1/2.
+
+Host offloading (``--offload-*``, llmq_ray/offload.py): the optimizer state and ``grad_shard`` may live in
+pinned host memory; the optimizer and the accumulation stream them through the device in chunks.
 
 Everything stays on the device until ``update`` returns its small stats tensor: the one host sync per step.
 """
@@ -31,9 +39,11 @@ from backends.base import Backend
 from llmq_ray.config import ModelConfig
 from llmq_ray.errors import ConfigError
 from llmq_ray.model import LlamaModel
-from llmq_ray.optim import ShardedAdamW, clip_coefficient, global_grad_norm_squared
+from llmq_ray.offload import StagedChunks, fixed_chunks, host_zeros
+from llmq_ray.optim import ShardedAdamW, clip_coefficient
 from llmq_ray.options import DTYPES, TrainOptions
 from llmq_ray.params import ParamLayout, init_params
+from llmq_ray.zero3 import ShardedWeights
 
 
 class Communicator:
@@ -57,6 +67,26 @@ class Communicator:
         if shard.data_ptr() != full[self.rank * size:].data_ptr():
             full[self.rank * size:(self.rank + 1) * size].copy_(shard)
 
+    # ZeRO-3's per-piece collectives: asynchronous, they return a handle whose ``wait()`` orders later work
+    # after them. In place; any sizes (pieces of a layer are uneven).
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        """tensor = rank ``src``'s tensor, on every rank."""
+        return _DONE
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int):
+        """On rank ``dst``: tensor = sum over ranks (other ranks' tensors are left undefined)."""
+        return _DONE
+
+
+class _Done:
+    """The handle of a collective that is already complete."""
+
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
 
 @dataclasses.dataclass
 class StepStats:
@@ -79,34 +109,54 @@ class TrainEngine:
     def __init__(self, cfg: ModelConfig, opts: TrainOptions, backend: Backend, comm: Communicator | None = None,
                  *, init_weights: bool = True):
         opts.validate()
-        if opts.effective_zero_level >= 3:
-            raise ConfigError("--zero-level=3 is not implemented yet in this version; use 1 or 2.")
         self.cfg, self.opts, self.backend = cfg, opts, backend
         self.comm = comm or Communicator()
+        if opts.use_zero_copy and backend.device.type == "cuda" and backend.name != "triton":
+            raise ConfigError(f"--use-zero-copy needs --backend triton on CUDA (the {backend.name} backend's "
+                              f"kernels cannot read host memory); drop --use-zero-copy to stream instead.")
         dtype = opts.torch_dtype
-        world = self.comm.world_size
-        layout_numel = ParamLayout(cfg).numel
-        self.shard_size = -(-layout_numel // world)
-        padded = self.shard_size * world  # flat buffers padded so that every rank's shard has equal size
-        params = torch.zeros(padded, dtype=dtype, device=backend.device)
-        grads = torch.zeros(padded, dtype=dtype, device=backend.device)
-        self.model = LlamaModel(cfg, backend, batch_size=opts.batch_size, seq_len=opts.seq_len, dtype=dtype,
-                                recompute=opts.recompute, lmhead_chunks=opts.lmhead_chunks,
-                                params=params, grads=grads, matmul_dtype=opts.matmul_dtype,
-                                gradient_dtype=opts.gradient_dtype)
-        self.params, self.grads = self.model.params, self.model.grads
+        self.device = backend.device
+        world, rank = self.comm.world_size, self.comm.rank
+        layout = ParamLayout(cfg)
+        self.shard_size = -(-layout.numel // world)
+        self.shard_start = min(rank * self.shard_size, layout.numel)
+        self.shard_end = min((rank + 1) * self.shard_size, layout.numel)
+        self.zero3 = opts.effective_zero_level >= 3
+        model_kw = dict(batch_size=opts.batch_size, seq_len=opts.seq_len, dtype=dtype, recompute=opts.recompute,
+                        lmhead_chunks=opts.lmhead_chunks, matmul_dtype=opts.matmul_dtype,
+                        gradient_dtype=opts.gradient_dtype, offload_residual=opts.offload_residual,
+                        attn_bwd_chunks=opts.attn_bwd_chunks)
+        if self.zero3:  # only this rank's shard of the weights (llmq_ray/zero3.py)
+            self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
+                                        sink=self._add_grad_piece)
+            self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
+            self.params = self.grads = None
+            if init_weights:
+                init_params(layout, self.store.params_shard, opts.seed, start=rank * self.shard_size)
+                self.store.after_update()
+        else:  # the full flat buffers, padded so that every rank's shard has equal size
+            self.store = None
+            padded = self.shard_size * world
+            params = torch.zeros(padded, dtype=dtype, device=backend.device)
+            grads = torch.zeros(padded, dtype=dtype, device=backend.device)
+            self.model = LlamaModel(cfg, backend, params=params, grads=grads, **model_kw)
+            self.params, self.grads = self.model.params, self.model.grads
+            if init_weights:
+                init_params(layout, self.params, opts.seed)
         self.layout = self.model.layout
-        if init_weights:
-            init_params(self.layout, self.params, opts.seed)
-        rank = self.comm.rank
-        self.shard_start = min(rank * self.shard_size, layout_numel)
-        self.shard_end = min((rank + 1) * self.shard_size, layout_numel)
         self.optimizer = self._make_optimizer()
         self.micro_steps_done = 0
-        # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step.
-        self.grad_shard = (torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
-                           if opts.effective_zero_level >= 2 else None)
-        self._grad_shard_tmp = torch.empty_like(self.grad_shard) if self.grad_shard is not None else None
+        # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
+        # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
+        self.grad_shard = self._grad_shard_tmp = self._grad_staging = None
+        if opts.effective_zero_level >= 2:
+            if opts.offload_gradients:
+                self.grad_shard = host_zeros(self.shard_size, dtype, backend.device)
+                self._grad_staging = StagedChunks(backend.device, {"acc": dtype},
+                                                  min(opts.opt_chunk_size, self.shard_size))
+            else:
+                self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
+                self._grad_shard_tmp = torch.empty_like(self.grad_shard)
         # --use-cuda-graphs: the forward + backward of a micro-step replayed from a graph (llmq_ray/cuda_graphs.py)
         self._forward_backward = self.model.forward_backward
         if opts.use_cuda_graphs:
@@ -115,10 +165,76 @@ class TrainEngine:
 
     def _make_optimizer(self) -> ShardedAdamW:
         o = self.opts
-        return ShardedAdamW(self.backend, self.layout, self.params, self.shard_start, self.shard_end,
+        offload = [k for k, on in (("master", o.offload_master), ("m", o.offload_opt_m), ("v", o.offload_opt_v))
+                   if on]
+        params, offset = ((self.store.params_shard, self.shard_start) if self.zero3 else (self.params, 0))
+        return ShardedAdamW(self.backend, self.layout, params, self.shard_start, self.shard_end, params_offset=offset,
                             master_dtype=DTYPES[o.master_dtype], m_dtype=DTYPES[o.opt_m_dtype],
                             v_dtype=DTYPES[o.opt_v_dtype], beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_eps,
-                            weight_decay=o.weight_decay, seed=o.seed)
+                            weight_decay=o.weight_decay, seed=o.seed, chunk=o.opt_chunk_size, offload=offload,
+                            zero_copy=o.use_zero_copy, grads_on_host=o.offload_gradients)
+
+    # ------------------------------------------------------------------ weights, whatever the ZeRO level
+    def full_params(self) -> torch.Tensor:
+        """All weights [layout.numel] (model dtype): a view of the flat device buffer under ZeRO-1/2; under
+        ZeRO-3 a new CPU tensor gathered from every rank (a collective: all ranks must call it)."""
+        if self.zero3:
+            return self.store.full_params()
+        return self.params[:self.layout.numel]
+
+    def load_full_params(self, flat: torch.Tensor) -> None:
+        """Set the weights from a full flat tensor [layout.numel] (any device/float dtype; e.g. HF weights),
+        then call ``reset_optimizer_from_params`` to rebuild the master from them. Collective under ZeRO-3."""
+        if self.zero3:
+            self.store.params_shard[:self.shard_end - self.shard_start].copy_(flat[self.shard_start:self.shard_end])
+            self.store.after_update()
+        else:
+            self.params[:self.layout.numel].copy_(flat[:self.layout.numel])
+            self.model.lin.invalidate_weights()
+
+    def sync_weights(self) -> None:
+        """After this rank's shard of the weights changed (update, checkpoint load): make every rank's
+        working copy current -- all-gather the flat buffer (ZeRO-1/2), or re-broadcast the replicated
+        norms/biases and drop gathered layers (ZeRO-3). A collective."""
+        if self.zero3:
+            self.store.after_update()
+            return
+        size = self.shard_size
+        self.comm.all_gather(self.params, self.params[self.comm.rank * size:(self.comm.rank + 1) * size])
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """The device buffers that hold weights (memory table)."""
+        return self.store.tensors()["weights"] if self.zero3 else [self.params]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The device buffers that hold gradients (memory table); offloaded ones are listed by host_tensors."""
+        out = self.store.tensors()["grads"] if self.zero3 else [self.grads]
+        return out + [t for t in (self.grad_shard, self._grad_shard_tmp) if t is not None]
+
+    def _add_grad_piece(self, offset: int, piece: torch.Tensor) -> None:
+        """ZeRO-3's sink: grad_shard[offset : offset + len] (+)= a reduced gradient piece of this rank's shard
+        (copied on a step's first micro-step, added afterwards; streamed when the accumulator is on the host)."""
+        first = self.micro_steps_done == 0
+        if self._grad_staging is None:
+            dst = self.grad_shard[offset:offset + piece.numel()]
+            dst.copy_(piece) if first else dst.add_(piece)
+            return
+        ranges = fixed_chunks(offset, offset + piece.numel(), self._grad_staging.chunk)
+
+        def accumulate(i: int, staged: dict[str, torch.Tensor]) -> None:
+            lo, hi = ranges[i]
+            src = piece[lo - offset:hi - offset]
+            staged["acc"].copy_(src) if first else staged["acc"].add_(src)
+
+        self._grad_staging.run(ranges, {} if first else {"acc": self.grad_shard}, {"acc": self.grad_shard},
+                               accumulate)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Everything this engine keeps in host memory because of an --offload-* flag (memory table)."""
+        out = self.optimizer.host_tensors() + self.model.acts.residual.host_tensors()
+        if self.opts.offload_gradients and self.grad_shard is not None:
+            out.append(self.grad_shard)
+        return out
 
     def reset_optimizer_from_params(self) -> None:
         """Re-create the optimizer state after the weights were replaced (e.g. loaded from HF safetensors)."""
@@ -129,16 +245,40 @@ class TrainEngine:
         """Forward + backward of one micro-batch [B, T]; the first of a step zeroes the gradients."""
         if self.micro_steps_done == 0:
             self.model.zero_grads()
-        elif self.grad_shard is not None:
+        elif self.grads is not None and self.grad_shard is not None:
             self.grads.zero_()  # ZeRO-2: the previous micro-step's gradients already sit in grad_shard
         self._forward_backward(inputs, targets)
-        if self.grad_shard is not None:
-            if self.micro_steps_done == 0:
+        if self.zero3:  # the layers' gradients were reduced into grad_shard during the backward
+            self.store.finish_micro_step()
+        elif self.grad_shard is not None:
+            self._accumulate_grad_shard(first=self.micro_steps_done == 0)
+        self.micro_steps_done += 1
+
+    def _accumulate_grad_shard(self, first: bool) -> None:
+        """ZeRO-2: grad_shard (+)= this micro-step's gradients reduce-scattered over the ranks."""
+        if self._grad_staging is None:
+            if first:
                 self.comm.reduce_scatter_sum(self.grad_shard, self.grads)
             else:
                 self.comm.reduce_scatter_sum(self._grad_shard_tmp, self.grads)
                 self.grad_shard += self._grad_shard_tmp
-        self.micro_steps_done += 1
+            return
+        # --offload-gradients: reduce into this rank's own slice of the full buffer, then stream it into the
+        # host accumulator chunk by chunk (copy on the first micro-step, add afterwards: same bits as above).
+        size = self.shard_size
+        own = self.grads[self.comm.rank * size:(self.comm.rank + 1) * size]
+        self.comm.reduce_scatter_sum(own, self.grads)
+        ranges = fixed_chunks(0, size, self._grad_staging.chunk)
+
+        def accumulate(i: int, staged: dict[str, torch.Tensor]) -> None:
+            lo, hi = ranges[i]
+            if first:
+                staged["acc"].copy_(own[lo:hi])
+            else:
+                staged["acc"].add_(own[lo:hi])
+
+        load = {} if first else {"acc": self.grad_shard}
+        self._grad_staging.run(ranges, load, {"acc": self.grad_shard}, accumulate)
 
     def update(self, lr: float, step: int, *, max_loss: float | None = None,
                max_norm: float | None = None) -> StepStats:
@@ -160,7 +300,7 @@ class TrainEngine:
             shard = self.grads[self.comm.rank * self.shard_size:(self.comm.rank + 1) * self.shard_size]
             comm.reduce_scatter_sum(shard, self.grads)
         local = shard[:self.shard_end - self.shard_start]
-        norm_sq = global_grad_norm_squared(self.backend, local)
+        norm_sq = self.optimizer.grad_norm_squared(local)
         comm.all_reduce_sum(norm_sq)
         count = totals[1].clamp(min=1.0).float()
         norm = norm_sq.sqrt() / count
@@ -179,8 +319,7 @@ class TrainEngine:
             return StepStats(loss=stats[0], grad_norm=stats[1], tokens=int(stats[2]), skipped=True,
                              skip_reason=reason)
         self.optimizer.step(local, lr=lr, step=step, grad_scale=coef / count)
-        params_shard = self.params[self.comm.rank * self.shard_size:(self.comm.rank + 1) * self.shard_size]
-        comm.all_gather(self.params, params_shard)
+        self.sync_weights()
         return StepStats(loss=stats[0], grad_norm=stats[1], tokens=int(stats[2]))
 
     @torch.no_grad()

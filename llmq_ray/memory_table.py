@@ -15,6 +15,12 @@ storages:
     scratch       the model's other buffers: logits chunk, losses, final norm, backward buffers, RoPE tables...
     other         anything else reachable from the engine (e.g. backend workspaces); usually 0
 
+With an ``--offload-*`` flag, the state it moves lives in host memory (pinned on CUDA): it leaves the
+device rows above and appears in host rows instead (``host_master``, ``host_adam_m``, ``host_adam_v``,
+``host_grads``, ``host_activations``; listed only when something is offloaded), which are not part of the
+device sum. The optimizer's and the gradient accumulator's double-buffered staging slots stay on the device
+(in ``other``).
+
 On CUDA three device rows follow (not part of the tensor sum): ``cuda_allocated``
 (``torch.cuda.memory_allocated``, everything torch's allocator handed out in this process), ``free`` and
 ``total`` (``torch.cuda.mem_get_info``: the whole device, other processes included).
@@ -28,11 +34,14 @@ import torch
 
 TENSOR_ROWS = ("weights", "master", "adam_m", "adam_v", "grads", "activations", "fp8", "scratch", "other")
 DEVICE_ROWS = ("cuda_allocated", "free", "total")
+HOST_ROWS = ("host_master", "host_adam_m", "host_adam_v", "host_grads", "host_activations")
 
 LABELS = {"weights": "weights", "master": "master weights", "adam_m": "Adam m", "adam_v": "Adam v",
           "grads": "gradients", "activations": "activations", "fp8": "FP8 copies + scratch",
           "scratch": "other model scratch", "other": "other (backend, ...)",
-          "cuda_allocated": "torch allocated (CUDA)", "free": "free on device", "total": "device total"}
+          "cuda_allocated": "torch allocated (CUDA)", "free": "free on device", "total": "device total",
+          "host_master": "host: master weights", "host_adam_m": "host: Adam m", "host_adam_v": "host: Adam v",
+          "host_grads": "host: gradients", "host_activations": "host: activations"}
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None))
 
@@ -81,14 +90,17 @@ def _storage_bytes(t: torch.Tensor) -> int:
 class _Counter:
     """Claims storages for roles: the first role to see a storage owns its bytes."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, host: Iterable[torch.Tensor] = ()):
         self.device = device
         self.claimed: set[tuple] = set()
+        self.host = {_storage_key(t) for t in host}  # offloaded storages: never device bytes
 
     def claim(self, tensors: Iterable[torch.Tensor | None]) -> int:
         total = 0
         for t in tensors:
             if t is None or not isinstance(t, torch.Tensor) or t.device != self.device:
+                continue
+            if _storage_key(t) in self.host:
                 continue
             if t.untyped_storage().nbytes() == 0:
                 continue
@@ -106,21 +118,31 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
 
     ``engine``: a ``TrainEngine`` (uses ``params``, ``grads``, ``grad_shard``, ``optimizer.master/m/v``,
     ``model.acts``, ``model.lin``, and walks everything else reachable from it)."""
-    device = engine.params.device
-    c = _Counter(device)
+    device = engine.device
+    host = list(engine.host_tensors()) if hasattr(engine, "host_tensors") else []
+    c = _Counter(device, host)
     opt, model = engine.optimizer, engine.model
+    weights = engine.weight_tensors() if hasattr(engine, "weight_tensors") else [engine.params]
     rows = [
-        ("weights", c.claim([engine.params])),
+        ("weights", c.claim(weights)),
         ("master", c.claim([getattr(opt, "master", None)])),
         ("adam_m", c.claim([getattr(opt, "m", None)])),
         ("adam_v", c.claim([getattr(opt, "v", None)])),
-        ("grads", c.claim([engine.grads, getattr(engine, "grad_shard", None),
-                           getattr(engine, "_grad_shard_tmp", None)])),
+        ("grads", c.claim(engine.grad_tensors() if hasattr(engine, "grad_tensors") else
+                          [engine.grads, getattr(engine, "grad_shard", None), getattr(engine, "_grad_shard_tmp", None)])),
         ("activations", c.claim(iter_tensors(model.acts))),
         ("fp8", c.claim(iter_tensors(model.lin))),
         ("scratch", c.claim(iter_tensors(model))),
         ("other", c.claim(iter_tensors(engine))),
     ]
+    if host:
+        offloaded = set(getattr(opt, "offloaded", ()))
+        opt_host = lambda name: [getattr(opt, name)] if name in offloaded else []  # noqa: E731
+        grads_host = [engine.grad_shard] if getattr(engine.opts, "offload_gradients", False) else []
+        h = _Counter(torch.device("cpu"))
+        rows += [("host_master", h.claim(opt_host("master"))), ("host_adam_m", h.claim(opt_host("m"))),
+                 ("host_adam_v", h.claim(opt_host("v"))), ("host_grads", h.claim(grads_host)),
+                 ("host_activations", h.claim(model.acts.residual.host_tensors()))]
     if device_rows and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         rows += [("cuda_allocated", int(torch.cuda.memory_allocated(device))), ("free", int(free)),
@@ -129,8 +151,13 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
 
 
 def tensor_bytes(rows: list[tuple[str, int]]) -> int:
-    """Sum of the tensor rows (what the engine holds), leaving out the device rows."""
-    return sum(b for name, b in rows if name not in DEVICE_ROWS)
+    """Sum of the device tensor rows (what the engine holds on its device), leaving out device and host rows."""
+    return sum(b for name, b in rows if name not in DEVICE_ROWS and name not in HOST_ROWS)
+
+
+def host_bytes(rows: list[tuple[str, int]]) -> int:
+    """Sum of the host rows (offloaded state)."""
+    return sum(b for name, b in rows if name in HOST_ROWS)
 
 
 def memory_dict(rows: list[tuple[str, int]]) -> dict[str, int]:
@@ -155,14 +182,19 @@ def format_memory_table(rows: list[tuple[str, int]], title: str | None = "memory
           free on device             70.12 GiB
     """
     total = tensor_bytes(rows)
-    width = max(len(LABELS.get(n, n)) for n, _ in rows + [("sum of tensors", 0)])
+    width = max(len(LABELS.get(n, n)) for n, _ in rows + [("sum of tensors", 0), ("host: sum (pinned)", 0)])
     out = [title] if title else []
     line = lambda label, b, pct: f"  {label:<{width}} {_human(b)}" + (f" {pct:6.1f}%" if pct is not None else "")  # noqa: E731
     for name, b in rows:
-        if name not in DEVICE_ROWS:
+        if name not in DEVICE_ROWS and name not in HOST_ROWS:
             out.append(line(LABELS.get(name, name), b, 100.0 * b / total if total else 0.0))
     out.append(line("sum of tensors", total, 100.0 if total else 0.0))
     for name, b in rows:
         if name in DEVICE_ROWS:
             out.append(line(LABELS.get(name, name), b, None))
+    if any(name in HOST_ROWS for name, _ in rows):
+        for name, b in rows:
+            if name in HOST_ROWS and b:
+                out.append(line(LABELS.get(name, name), b, None))
+        out.append(line("host: sum (pinned)", host_bytes(rows), None))
     return "\n".join(out)

@@ -66,15 +66,123 @@ _RECOMPUTED_BY = {"ln1": "norm", "qkv": "qkv", "att": "att", "lse": "att", "resi
                   "ln2": "norm", "up_gate": "ffn", "swiglu": "swiglu"}
 
 
+class ResidualStream:
+    """The residual stream x_0 .. x_L [N, C] (model dtype) that the forward saves for the backward; ``res[l]``.
+
+    Resident: L+1 device buffers. Offloaded (``--offload-residual``): x_0 .. x_{L-1} live in host memory
+    (pinned on CUDA), the device holds two slots (x_l in slot l % 2) and the final x_L. The model announces
+    each block with ``forward_layer(l)`` / ``backward_layer(l)``, and this class moves the data one layer
+    ahead on a side stream:
+
+    * forward, block l: x_l (already in its slot) starts copying to the host; x_{l+1} will be written into
+      the other slot, once x_{l-1}'s copy out of it (started one block earlier) has finished;
+    * backward, block l: x_l must be in its slot (the forward left x_{L-1} and x_{L-2} there; older ones were
+      fetched one block ahead); x_{l-1} starts copying in, into the slot block l+1 just finished with.
+
+    Indexing a layer that is not on the device raises (a scheduling bug must not read stale data). On a CPU
+    device the copies are synchronous and the same slots are used, so CPU tests check the bookkeeping.
+    """
+
+    def __init__(self, num_layers: int, n: int, c: int, dtype: torch.dtype, device: torch.device, offload: bool):
+        self.num_layers, self.offload = num_layers, offload
+        empty = lambda: torch.empty(n, c, dtype=dtype, device=device)  # noqa: E731
+        if not offload:
+            self.bufs = [empty() for _ in range(num_layers + 1)]
+            return
+        from llmq_ray.offload import host_zeros
+
+        self.host = [host_zeros(n * c, dtype, device).view(n, c) for _ in range(num_layers)]
+        self.slots = [empty(), empty()]
+        self.final = empty()
+        self.holder: list[int | None] = [None, None]   # which x_l each slot holds
+        self.cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copied_out: list = [None, None]            # event: the slot's x_l has reached the host
+        self.copied_in: list = [None, None]             # event: the slot's x_l has arrived from the host
+
+    def __iter__(self):
+        """The device buffers (all L+1 resident ones, or the two slots and the final one)."""
+        return iter(self.bufs if not self.offload else [*self.slots, self.final])
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return self.host if self.offload else []
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if not self.offload:
+            return self.bufs[layer]
+        layer %= self.num_layers + 1
+        if layer == self.num_layers:
+            return self.final
+        if self.holder[layer % 2] != layer:
+            raise RuntimeError(f"offloaded residual {layer} is not on the device "
+                               f"(slot {layer % 2} holds {self.holder[layer % 2]})")
+        return self.slots[layer % 2]
+
+    def _on_side(self):
+        """Context: the side stream, after everything queued so far on the current stream."""
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        return torch.cuda.stream(side)
+
+    def begin_forward(self) -> None:
+        """Before the embedding writes x_0 into slot 0: earlier copies are finished, the slots are free."""
+        if not self.offload:
+            return
+        if self.cuda:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+        self.holder = [0, None]
+        self.copied_out = [None, None]
+        self.copied_in = [None, None]
+
+    def forward_layer(self, layer: int) -> None:
+        if not self.offload:
+            return
+        nxt = layer + 1
+        if nxt < self.num_layers:
+            event = self.copied_out[nxt % 2]
+            if event is not None:
+                torch.cuda.current_stream(self.stream.device).wait_event(event)
+            self.holder[nxt % 2] = nxt
+        src, dst = self.slots[layer % 2], self.host[layer]
+        if self.cuda:
+            with self._on_side():
+                dst.copy_(src, non_blocking=True)
+                self.copied_out[layer % 2] = self.stream.record_event()
+        else:
+            dst.copy_(src)
+
+    def backward_layer(self, layer: int) -> None:
+        if not self.offload:
+            return
+        slot = layer % 2
+        if self.holder[slot] != layer:  # not prefetched (cannot happen in forward_backward's order)
+            self._fetch(layer)
+        if self.copied_in[slot] is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.copied_in[slot])
+            self.copied_in[slot] = None
+        if layer >= 1 and self.holder[(layer - 1) % 2] != layer - 1:
+            self._fetch(layer - 1)
+
+    def _fetch(self, layer: int) -> None:
+        slot = layer % 2
+        if self.cuda:
+            with self._on_side():
+                self.slots[slot].copy_(self.host[layer], non_blocking=True)
+                self.copied_in[slot] = self.stream.record_event()
+        else:
+            self.slots[slot].copy_(self.host[layer])
+        self.holder[slot] = layer
+
+
 class Activations:
     """The forward's saved tensors: per layer where kept, one shared buffer where recomputed.
 
-    Always per layer: ``residual`` (L+1 entries: the input of each block and the final residual) and the
-    fp32 ``rstd1``/``rstd2`` of both norms (N floats each).
+    Always per layer: ``residual`` (L+1 entries: the input of each block and the final residual; see
+    ``ResidualStream`` for where they live) and the fp32 ``rstd1``/``rstd2`` of both norms (N floats each).
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
-                 recompute: RecomputeOptions):
+                 recompute: RecomputeOptions, offload_residual: bool = False):
         n, c, L = batch * seq, cfg.hidden_size, cfg.num_layers
         shapes = {
             "ln1": (n, c), "qkv": (batch, seq, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim),
@@ -97,11 +205,18 @@ class Activations:
                 self.shared_bytes += nbytes
             else:
                 self.per_layer_bytes += nbytes
-        self.residual = [torch.empty(n, c, dtype=dtype, device=device) for _ in range(L + 1)]
+        self.residual = ResidualStream(L, n, c, dtype, device, offload_residual)
         self.rstd1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
         self.rstd2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
-        self.per_layer_bytes += n * c * dtype.itemsize + 2 * n * 4  # residual + two rstd
-        self.shared_bytes += n * c * dtype.itemsize  # the (L+1)-th residual: the last block's output
+        self.per_layer_bytes += 2 * n * 4  # two rstd
+        res_bytes = n * c * dtype.itemsize
+        if offload_residual:  # two device slots + the final residual; x_0..x_{L-1} on the host
+            self.shared_bytes += 3 * res_bytes
+            self.host_bytes = L * res_bytes
+        else:  # x_0..x_{L-1} per layer, plus the (L+1)-th: the last block's output
+            self.per_layer_bytes += res_bytes
+            self.shared_bytes += res_bytes
+            self.host_bytes = 0
 
     def get(self, kind: str, layer: int) -> torch.Tensor:
         bufs = self._store[kind]
@@ -111,18 +226,57 @@ class Activations:
         return self.per_layer_bytes * num_layers + self.shared_bytes
 
 
+class ResidentWeights:
+    """Where the model reads weights and writes gradients: by default one full flat buffer of each (ZeRO-1/2).
+
+    The model touches weights and gradients only through the name mappings ``w[name]`` / ``g[name]``, and
+    brackets every use with ``begin(unit, backward)`` / ``end(unit, backward)``, where ``unit`` is a layer
+    index, ``"embed"`` (the embedding lookup; its backward is the scatter-add at the very end) or ``"head"``
+    (the LM head, forward and backward in the loss phase; the embedding itself when tied). Here those hooks do
+    nothing; a sharded store (ZeRO-3, ``llmq_ray/zero3.py``) gathers a unit's weights in ``begin`` and
+    reduces its gradients after the backward's ``end``.
+
+    ``params`` / ``grads``: flat [>= layout.numel] model dtype (may be longer, e.g. padded for ZeRO).
+    """
+
+    # True when every layer's block-weight gradients start from zero at each micro-step (a fresh per-layer
+    # buffer), so the block GEMMs may always overwrite them instead of accumulating.
+    layer_grads_fresh = False
+
+    def __init__(self, layout: ParamLayout, params: torch.Tensor, grads: torch.Tensor):
+        self.params, self.grads = params, grads
+        self.w = layout.views(params)
+        self.g = layout.views(grads)
+
+    def begin(self, unit, backward: bool = False) -> None:
+        """``unit``'s weights (and, in the backward, its gradient buffers) are about to be used."""
+
+    def end(self, unit, backward: bool = False) -> None:
+        """The model is done with ``unit`` (in the backward: its gradients are complete for this micro-step)."""
+
+    def zero_grads(self) -> None:
+        self.grads.zero_()
+
+
 class LlamaModel:
     """Explicit forward/backward of a Llama-family decoder for fixed micro-batch shape [B, T].
 
     ``params`` and ``grads`` are flat buffers in ``ParamLayout`` order (model dtype; they may be longer than
     the layout, e.g. padded for ZeRO). Gradients accumulate (+=) into ``grads`` until ``zero_grads()``.
-    ``loss_sum`` (fp32) and ``target_count`` (int64) accumulate on the device alongside them.
+    Instead of the two buffers a ``weights`` store may be given (see ``ResidentWeights``; ZeRO-3's keeps
+    only this rank's shard). ``loss_sum`` (fp32) and ``target_count`` (int64) accumulate on the device
+    alongside them.
+
+    Memory options: ``offload_residual`` keeps the saved residual stream on the host (``ResidualStream``);
+    ``attn_bwd_chunks`` runs the attention backward over the batch in that many pieces (the kernel's
+    scratch, e.g. the reference's [B, H, T, T] probabilities, shrinks by that factor; results are the same).
     """
 
     def __init__(self, cfg: ModelConfig, backend: Backend, *, batch_size: int, seq_len: int,
                  dtype: torch.dtype = torch.float32, recompute: RecomputeOptions | None = None,
                  lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None,
-                 matmul_dtype: str | None = None, gradient_dtype: str | None = None):
+                 matmul_dtype: str | None = None, gradient_dtype: str | None = None,
+                 weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1):
         self.cfg, self.backend = cfg, backend
         self.device = backend.device
         self.dtype = dtype
@@ -134,18 +288,24 @@ class LlamaModel:
         if seq_len > cfg.max_position_embeddings:
             raise ConfigError(f"--seq-len={seq_len} exceeds the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}).")
+        if attn_bwd_chunks < 1 or batch_size % attn_bwd_chunks:
+            raise ConfigError(f"--attn-bwd-chunks={attn_bwd_chunks} must be >= 1 and divide --batch-size={batch_size}.")
         self.lmhead_chunks = lmhead_chunks
+        self.attn_bwd_chunks = attn_bwd_chunks
         self.layout = ParamLayout(cfg)
-        self.params = params if params is not None else torch.zeros(self.layout.numel, dtype=dtype,
-                                                                     device=self.device)
-        self.grads = grads if grads is not None else torch.zeros(self.layout.numel, dtype=dtype,
-                                                                  device=self.device)
-        for what, buf in (("params", self.params), ("grads", self.grads)):
-            if buf.dtype != dtype or buf.numel() < self.layout.numel or buf.device != self.device:
-                raise ValueError(f"{what} buffer must be {dtype} on {self.device} with >= {self.layout.numel} "
-                                 f"elements, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
-        self.w = self.layout.views(self.params)
-        self.g = self.layout.views(self.grads)
+        if weights is None:
+            params = params if params is not None else torch.zeros(self.layout.numel, dtype=dtype, device=self.device)
+            grads = grads if grads is not None else torch.zeros(self.layout.numel, dtype=dtype, device=self.device)
+            for what, buf in (("params", params), ("grads", grads)):
+                if buf.dtype != dtype or buf.numel() < self.layout.numel or buf.device != self.device:
+                    raise ValueError(f"{what} buffer must be {dtype} on {self.device} with >= {self.layout.numel} "
+                                     f"elements, got {buf.dtype} {tuple(buf.shape)} on {buf.device}")
+            weights = ResidentWeights(self.layout, params, grads)
+        elif params is not None or grads is not None:
+            raise ValueError("LlamaModel: pass either params/grads buffers or a weights store, not both")
+        self.store = weights
+        self.params, self.grads = getattr(weights, "params", None), getattr(weights, "grads", None)
+        self.w, self.g = weights.w, weights.g
 
         positions = torch.arange(seq_len, dtype=torch.float32)
         angles = positions[:, None] * cfg.rope_inv_freq()[None, :]
@@ -153,7 +313,7 @@ class LlamaModel:
         self.rope_sin = angles.sin().to(self.device)
 
         dev, c = self.device, cfg.hidden_size
-        self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute)
+        self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute, offload_residual)
         empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
         self.final_ln = empty(n, c)
         self.final_rstd = empty(n, dt=torch.float32)
@@ -181,16 +341,17 @@ class LlamaModel:
     # ------------------------------------------------------------------ bookkeeping
     def zero_grads(self) -> None:
         """Start a new optimizer step: zero gradients, the loss sum and the target count."""
-        self.grads.zero_()
+        self.store.zero_grads()
         self._block_grads_zero = True  # the first backward may overwrite the block weight grads
         self.lin.invalidate_weights()  # the weights changed at the last update
         self.loss_sum.zero_()
         self.target_count.zero_()
 
     def activation_bytes(self) -> dict[str, int]:
-        """Bytes of saved activations: per layer, shared scratch, and total for the whole model."""
+        """Bytes of saved activations on the device: per layer, shared scratch, total for the whole model; and
+        "host": the residual stream kept in host memory with --offload-residual (0 otherwise)."""
         return {"per_layer": self.acts.per_layer_bytes, "shared": self.acts.shared_bytes,
-                "total": self.acts.total_bytes(self.cfg.num_layers)}
+                "total": self.acts.total_bytes(self.cfg.num_layers), "host": self.acts.host_bytes}
 
     def _amax(self, layer: int, which: int) -> torch.Tensor | None:
         """Slot for the absmax of GEMM input ``which`` (0 ln1, 1 att, 2 ln2, 3 swiglu) of ``layer``; None
@@ -202,10 +363,9 @@ class LlamaModel:
         backward right after, ``BlockLinears.backward(dy_amax_ready=True)``); None outside FP8."""
         return self.lin.dy_amax if self.lin.fp8 else None
 
-    def _lm_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cfg.tie_word_embeddings:
-            return self.w["embed"], self.g["embed"]
-        return self.w["lm_head"], self.g["lm_head"]
+    def _lm_head(self, backward: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
+        return self.w[name], self.g[name] if backward else None
 
     def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         shape = (self.batch_size, self.seq_len)
@@ -247,12 +407,18 @@ class LlamaModel:
 
     def _forward_trunk(self, tokens: torch.Tensor) -> None:
         """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
-        be, a = self.backend, self.acts
+        be, a, store = self.backend, self.acts, self.store
+        a.residual.begin_forward()
+        store.begin("embed")
         be.embedding_forward(a.residual[0], tokens, self.w["embed"])
+        store.end("embed")
         be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], self.w["layers.0.ln1_w"],
                            self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
         for layer in range(self.cfg.num_layers):
+            store.begin(layer)
+            a.residual.forward_layer(layer)
             self._block_forward(layer)
+            store.end(layer)
 
     # ------------------------------------------------------------------ backward
     def _recompute(self, layer: int) -> None:
@@ -294,7 +460,7 @@ class LlamaModel:
         self._recompute(layer)
         dres = self.d_residual
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
-        lin, acc = self.lin, not self._block_grads_zero
+        lin, acc = self.lin, not (self._block_grads_zero or self.store.layer_grads_fresh)
         # dres and max|dres| (in lin.dy_amax under FP8) come from the RMSNorm backward above this block
         lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3),
                      acc, dy_amax_ready=True)
@@ -308,8 +474,7 @@ class LlamaModel:
         att = a.get("att", layer)
         lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1),
                      acc, dy_amax_ready=True)
-        be.attention_backward(self.d_qkv, self.d_att, att, a.get("lse", layer), a.get("qkv", layer),
-                              cfg.num_heads, cfg.num_kv_heads)
+        self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))
         be.rope_backward(self.d_qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         d_qkv = self.d_qkv.view(n, -1)
         lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0), acc)
@@ -319,12 +484,22 @@ class LlamaModel:
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
 
+    def _attention_backward(self, att: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor) -> None:
+        """d_qkv from d_att, in ``attn_bwd_chunks`` slices of the batch (rows of a batch are independent, and
+        slices along B of these contiguous [B, ...] buffers are contiguous)."""
+        cfg, step = self.cfg, self.batch_size // self.attn_bwd_chunks
+        for lo in range(0, self.batch_size, step):
+            sl = slice(lo, lo + step)
+            self.backend.attention_backward(self.d_qkv[sl], self.d_att[sl], att[sl], lse[sl], qkv[sl],
+                                            cfg.num_heads, cfg.num_kv_heads)
+
     # ------------------------------------------------------------------ public steps
     def _lm_head_loss(self, targets: torch.Tensor, backward: bool) -> None:
         """Chunked LM head + fused cross-entropy; with ``backward``, also dL/d final_ln into d_ln and the
         LM-head weight gradient. Adds the chunk losses to ``loss_sum``."""
         be = self.backend
-        w_head, g_head = self._lm_head()
+        self.store.begin("head", backward)
+        w_head, g_head = self._lm_head(backward)
         rows = self.logits.shape[0]
         for chunk in range(self.lmhead_chunks):
             sl = slice(chunk * rows, (chunk + 1) * rows)
@@ -334,6 +509,7 @@ class LlamaModel:
             if backward:
                 be.matmul(self.d_ln[sl], self.logits, w_head)
                 be.matmul(g_head, self.logits, x, transpose_a=True, accumulate=True)
+        self.store.end("head", backward)
         self.loss_sum += self.losses.sum()
         self.target_count += (targets != -100).sum()
 
@@ -344,12 +520,17 @@ class LlamaModel:
         tokens, targets = self._check_batch(inputs, targets)
         self._forward_trunk(tokens)
         self._lm_head_loss(targets, backward=True)
-        a = self.acts
+        a, store = self.acts, self.store
         self.backend.rmsnorm_backward(self.d_residual, self.g["final_norm"], self.d_ln, a.residual[-1],
                                       self.w["final_norm"], self.final_rstd, absmax=self._dy_amax())
         for layer in reversed(range(self.cfg.num_layers)):
+            store.begin(layer, backward=True)
+            a.residual.backward_layer(layer)
             self._block_backward(layer)
+            store.end(layer, backward=True)
+        store.begin("embed", backward=True)
         self.backend.embedding_backward(self.g["embed"], tokens, self.d_residual)
+        store.end("embed", backward=True)
         self._block_grads_zero = False  # a second micro-step must accumulate
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -366,7 +547,9 @@ class LlamaModel:
         tokens, _ = self._check_batch(inputs, None)
         self.lin.invalidate_weights()
         self._forward_trunk(tokens)
-        w_head, _ = self._lm_head()
+        self.store.begin("head")
+        w_head, _ = self._lm_head(backward=False)
         out = torch.empty(tokens.numel(), self.cfg.vocab_size, dtype=self.dtype, device=self.device)
         self.backend.matmul(out, self.final_ln, w_head, transpose_b=True)
+        self.store.end("head")
         return out.float().view(self.batch_size, self.seq_len, -1)

@@ -18,9 +18,13 @@ from collections.abc import Iterable
 import torch
 
 from llmq_ray.errors import CheckpointError, ConfigError
+from llmq_ray.offload import StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.params import ParamLayout
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
+# Elements per optimizer chunk (--opt-chunk-size): the unit of the offloaded state's trips through the GPU, and
+# of the AdamW kernel calls and their rounding seeds (offloaded or not). 2^25 fp32 elements = 128 MiB a slot.
+DEFAULT_CHUNK = 1 << 25
 
 
 # ---------------------------------------------------------------------------------------------------- schedule
@@ -143,6 +147,9 @@ class ShardedAdamW:
 
     * ``m`` (m_dtype), ``v`` (v_dtype): Adam moments, zero-initialized; fp32 or bf16 (bf16 written with
       stochastic rounding by the backend).
+    * any of master/m/v named in ``offload`` lives in host memory (pinned on CUDA) instead; ``step`` streams
+      it through two chunk-sized device slots per tensor (``staging``), or, with ``zero_copy``, hands the
+      host tensors to the kernel directly (CUDA with the triton backend: it reads pinned memory over PCIe).
     * ``master`` (master_dtype): a separate copy of params[start:end], only when master_dtype differs from the
       params' dtype (typically fp32 master for bf16 weights); otherwise None and the params themselves are
       the storage of record.
@@ -159,7 +166,8 @@ class ShardedAdamW:
     def __init__(self, backend, layout: ParamLayout, params_flat: torch.Tensor, start: int, end: int, *,
                  master_dtype: torch.dtype, m_dtype: torch.dtype, v_dtype: torch.dtype, beta1: float = 0.9,
                  beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, seed: int = 0,
-                 params_offset: int = 0):
+                 params_offset: int = 0, chunk: int = DEFAULT_CHUNK, offload: Iterable[str] = (),
+                 zero_copy: bool = False, grads_on_host: bool = False):
         for flag, dt in (("--master-dtype", master_dtype), ("--opt-m-dtype", m_dtype), ("--opt-v-dtype", v_dtype)):
             if dt not in _DTYPES:
                 raise ConfigError(f"{flag}: optimizer state must be fp32 or bf16, got {dt}.")
@@ -178,13 +186,45 @@ class ShardedAdamW:
         self.start, self.end = start, end
         self.beta1, self.beta2, self.eps, self.weight_decay = beta1, beta2, eps, weight_decay
         self.seed = seed
+        offload = set(offload)
+        if offload - {"master", "m", "v"}:
+            raise ValueError(f"ShardedAdamW: offload names must be master, m or v, got {sorted(offload)}")
+        if chunk < 1:
+            raise ConfigError(f"--opt-chunk-size={chunk} must be >= 1.")
         self.params = params_flat[start - params_offset:end - params_offset]  # view: updated in place
         n = end - start
         device = params_flat.device
-        self.master = None if master_dtype == params_flat.dtype else self.params.to(master_dtype, copy=True)
-        self.m = torch.zeros(n, dtype=m_dtype, device=device)
-        self.v = torch.zeros(n, dtype=v_dtype, device=device)
+        self.device = device
+        self.chunk = int(chunk)
+        self.zero_copy = bool(zero_copy)
+
+        def state(name: str, dtype: torch.dtype) -> torch.Tensor:
+            if name in offload:
+                return host_zeros(n, dtype, device)
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        self.master = None
+        if master_dtype != params_flat.dtype:
+            self.master = state("master", master_dtype)
+            for lo, hi in fixed_chunks(0, n, self.chunk):  # chunk by chunk: no full-size device temporary
+                self.master[lo:hi].copy_(self.params[lo:hi])
+        self.m = state("m", m_dtype)
+        self.v = state("v", v_dtype)
+        self.offloaded = {k for k in ("master", "m", "v") if k in offload and getattr(self, k) is not None}
+        if self.master is None and "master" in offload:
+            raise ConfigError("--offload-master needs a separate master copy: set --master-dtype different from "
+                              "--model-dtype (e.g. --model-dtype bf16 --master-dtype fp32).")
+        # [(global lo, global hi, decay)]: the decay runs cut at global multiples of ``chunk``. Every kernel
+        # call (and every stochastic-rounding seed) is per chunk, offloaded or not, so both give the same bits.
         self.runs = layout.decay_runs(start, end)
+        self.chunks = [(lo, hi, decay) for rs, re_, decay in self.runs for lo, hi in fixed_chunks(rs, re_, self.chunk)]
+        self.grads_on_host = bool(grads_on_host)
+        streamed = {k: getattr(self, k).dtype for k in self.offloaded}
+        if self.grads_on_host:
+            streamed["grad"] = params_flat.dtype
+        self.staging = None
+        if streamed and not self.zero_copy and n > 0:
+            self.staging = StagedChunks(device, streamed, min(self.chunk, n))
 
     @property
     def numel(self) -> int:
@@ -195,21 +235,63 @@ class ShardedAdamW:
 
         grads_shard: [end - start] (model or fp32 dtype), the reduced gradient of exactly this shard, not yet
         scaled. grad_scale (float or 0-d fp32 device tensor) multiplies it inside the kernel: typically
-        1/num_target_tokens times the clip coefficient. step: 1-based update count. One backend call per decay
-        run: weight_decay on embeddings/matrices, 0 on norms/biases. Seeds depend on (seed, step, run start)
-        only, so a resumed run draws the same rounding bits as the uninterrupted one.
+        1/num_target_tokens times the clip coefficient. step: 1-based update count. One backend call per chunk
+        (``self.chunks``): weight_decay on embeddings/matrices, 0 on norms/biases. Seeds depend on (seed, step,
+        global chunk start) only, so a resumed run draws the same rounding bits as the uninterrupted one, and
+        an offloaded state the same bits as a resident one. With offloaded state the chunks stream through the
+        device double-buffered (llmq_ray/offload.py); ``grads_shard`` may itself be a host tensor
+        (``grads_on_host``, --offload-gradients).
         """
         if grads_shard.dim() != 1 or grads_shard.numel() != self.numel:
             raise ValueError(f"ShardedAdamW.step: grads_shard has shape {tuple(grads_shard.shape)}, "
                              f"expected [{self.numel}] for shard [{self.start}, {self.end})")
-        for run_start, run_end, decay in self.runs:
-            lo, hi = run_start - self.start, run_end - self.start
-            self.backend.adamw_update(
-                self.params[lo:hi], grads_shard[lo:hi], self.m[lo:hi], self.v[lo:hi],
-                master=None if self.master is None else self.master[lo:hi],
-                lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                weight_decay=self.weight_decay if decay else 0.0, step=step, grad_scale=grad_scale,
-                seed=_step_seed(self.seed, step, run_start))
+        host = {k: getattr(self, k) for k in self.offloaded}
+        if self.grads_on_host:
+            host["grad"] = grads_shard
+        store = {k: host[k] for k in self.offloaded}
+        hyper = dict(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=step, grad_scale=grad_scale)
+
+        def update(i: int, staged: dict[str, torch.Tensor]) -> None:
+            g_lo, g_hi, decay = self.chunks[i]
+            lo, hi = g_lo - self.start, g_hi - self.start
+            part = {k: staged[k] if k in staged else t[lo:hi] for k, t in (
+                ("grad", grads_shard), ("m", self.m), ("v", self.v), ("master", self.master)) if t is not None}
+            self.backend.adamw_update(self.params[lo:hi], part["grad"], part["m"], part["v"],
+                                      master=part.get("master"), weight_decay=self.weight_decay if decay else 0.0,
+                                      seed=_step_seed(self.seed, step, g_lo), **hyper)
+
+        self._run(host, store, update)
+
+    def _run(self, host: dict[str, torch.Tensor], store: dict[str, torch.Tensor], fn) -> None:
+        """Call ``fn(i, staged)`` for every chunk i: through the staging slots when some state is on the host
+        (``staged`` holds the device copies of ``host``'s chunk, ``store``'s written back), directly on the
+        tensors otherwise (also with --use-zero-copy, where the kernel reads the pinned host memory)."""
+        if self.staging is None or not host:
+            for i in range(len(self.chunks)):
+                fn(i, {})
+            return
+        ranges = [(lo - self.start, hi - self.start) for lo, hi, _ in self.chunks]
+        self.staging.run(ranges, host, store, fn)
+
+    def grad_norm_squared(self, grads_shard: torch.Tensor) -> torch.Tensor:
+        """sum(g^2) over this shard's gradient [end - start] as a new fp32 0-d device tensor, one backend call
+        per optimizer chunk (so a host-resident gradient, streamed, gives the same bits as a resident one)."""
+        out = torch.zeros((), dtype=torch.float32, device=self.device)
+        host = {"grad": grads_shard} if self.grads_on_host else {}
+
+        def norm(i: int, staged: dict[str, torch.Tensor]) -> None:
+            lo, hi = self.chunks[i][0] - self.start, self.chunks[i][1] - self.start
+            self.backend.global_norm_squared(out, staged["grad"] if staged else grads_shard[lo:hi])
+
+        self._run(host, {}, norm)
+        return out
+
+    def sync(self) -> None:
+        """Wait until the host copies of the state are current (before host code reads or writes them)."""
+        if self.staging is not None:
+            self.staging.sync()
+        elif self.offloaded and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # zero-copy kernels write host memory
 
     # ------------------------------------------------------------------ checkpoints
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -219,6 +301,7 @@ class ShardedAdamW:
         else a view of params[start:end]. These are the optimizer's own buffers (no copies): write them out
         before the next step.
         """
+        self.sync()
         return {"master": self.master if self.master is not None else self.params, "m": self.m, "v": self.v}
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
@@ -230,6 +313,7 @@ class ShardedAdamW:
         missing = {"master", "m", "v"} - set(state)
         if missing:
             raise CheckpointError(f"optimizer state of shard [{self.start}, {self.end}) lacks {sorted(missing)}")
+        self.sync()
         for name, dest in self.state_tensors().items():
             src = state[name]
             if src.numel() != dest.numel():
@@ -237,9 +321,16 @@ class ShardedAdamW:
                                       f"[{self.start}, {self.end}) needs {dest.numel()} (another model or world size?)")
             dest.copy_(src.reshape(-1))
         if self.master is not None:
-            self.params.copy_(self.master)
+            for lo, hi in fixed_chunks(0, self.numel, self.chunk):
+                self.params[lo:hi].copy_(self.master[lo:hi])
 
     def memory_bytes(self) -> int:
-        """Bytes of optimizer-owned state on the device: m, v and the separate master (if any)."""
-        tensors = [self.m, self.v] + ([self.master] if self.master is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of optimizer-owned state on the device: m, v and the separate master (if any) unless offloaded,
+        plus the staging slots."""
+        tensors = [getattr(self, k) for k in ("master", "m", "v") if k not in self.offloaded]
+        staging = self.staging.nbytes() if self.staging is not None else 0
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + staging
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The state kept in host memory (--offload-master/--offload-opt-m/--offload-opt-v)."""
+        return [getattr(self, k) for k in sorted(self.offloaded)]

@@ -52,9 +52,19 @@ class TrainOptions:
     recompute_att: bool = False
     recompute_block: bool = False
     lmhead_chunks: int = 1
+    attn_bwd_chunks: int = 1          # attention backward over the batch in N pieces (less scratch)
+    # host offloading (pinned host memory on CUDA; see llmq_ray/offload.py)
+    offload_master: bool = False      # fp32 master weights
+    offload_opt_m: bool = False       # Adam m
+    offload_opt_v: bool = False       # Adam v
+    offload_gradients: bool = False   # the sharded gradient accumulator (ZeRO-2/3)
+    offload_residual: bool = False    # the per-layer residual stream saved for the backward
+    use_zero_copy: bool = False       # the optimizer kernel reads/writes the pinned host state directly
+    opt_chunk_size: int = 1 << 25     # elements per optimizer chunk (streaming unit; rounding-seed unit)
     # parallelism
     zero_level: int = 1
     shard_gradients: bool = False
+    shard_weights: bool = False       # same as --zero-level 3
     # speed
     use_cuda_graphs: bool = False     # replay each micro-step's forward + backward from a CUDA graph
     # misc
@@ -71,14 +81,18 @@ class TrainOptions:
 
     @property
     def effective_zero_level(self) -> int:
-        return max(self.zero_level, 2 if self.shard_gradients else 0)
+        return max(self.zero_level, 2 if self.shard_gradients else 0, 3 if self.shard_weights else 0)
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_master or self.offload_opt_m or self.offload_opt_v
 
     def validate(self) -> "TrainOptions":
         def need(cond: bool, msg: str):
             if not cond:
                 raise ConfigError(msg)
 
-        for flag in ("batch_size", "grad_accumulation", "steps", "lmhead_chunks"):
+        for flag in ("batch_size", "grad_accumulation", "steps", "lmhead_chunks", "attn_bwd_chunks", "opt_chunk_size"):
             value = getattr(self, flag)
             need(isinstance(value, int) and value >= 1, f"--{flag.replace('_', '-')}={value!r} must be an integer >= 1.")
         need(self.seq_len >= 2, f"--seq-len={self.seq_len} must be at least 2.")
@@ -104,4 +118,21 @@ class TrainOptions:
         need(self.matmul_dtype != "e4m3" or self.model_dtype == "bf16",
              "--matmul-dtype=e4m3 needs --model-dtype=bf16.")
         need(self.zero_level in (1, 2, 3), f"--zero-level={self.zero_level} must be 1, 2 or 3.")
+        need(self.batch_size % self.attn_bwd_chunks == 0,
+             f"--attn-bwd-chunks={self.attn_bwd_chunks} must divide --batch-size={self.batch_size}.")
+        need(not self.offload_master or self.master_dtype != self.model_dtype,
+             f"--offload-master needs a separate master copy, but --master-dtype={self.master_dtype} equals "
+             f"--model-dtype (the weights are the master); use --model-dtype bf16 --master-dtype fp32.")
+        need(not self.offload_gradients or self.effective_zero_level >= 2,
+             "--offload-gradients needs --zero-level 2 or 3: under ZeRO-1 the gradient buffer is the backward's "
+             "scratch and stays on the device.")
+        need(not self.use_zero_copy or self.offloads_optimizer or self.offload_gradients,
+             "--use-zero-copy only applies with --offload-master, --offload-opt-m, --offload-opt-v or "
+             "--offload-gradients (it lets the optimizer kernel read that host memory directly).")
+        need(self.effective_zero_level < 3 or self.matmul_dtype != "e4m3",
+             "--zero-level 3 with --matmul-dtype e4m3 is not implemented yet (the FP8 weight copies are made for "
+             "all layers at once); use --zero-level 2 or bf16 matmuls.")
+        need(not self.use_cuda_graphs or (self.effective_zero_level < 3 and not self.offload_residual),
+             "--use-cuda-graphs cannot capture --zero-level 3 or --offload-residual (their per-layer copies and "
+             "collectives run on side streams); drop one of them.")
         return self

@@ -103,8 +103,12 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int) -> None:
+def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int, start: int = 0) -> None:
     """Fill ``flat`` with a from-scratch initialization, identical for any device and number of workers.
+
+    ``flat`` holds the global elements [start, start + flat.numel()) of the layout (the whole buffer by
+    default; under ZeRO-3 one rank's shard): only the tensors overlapping that range are drawn, and each
+    is drawn whole, so a shard gets exactly the values the full buffer would have there.
 
     Scheme (GPT-2 / llm.c style): embeddings and matrices ~ N(0, 0.02); the two projections that write into
     the residual stream (``out_w``, ``down_w``) ~ N(0, 0.02 / sqrt(2 * num_layers)) so that the residual's
@@ -114,9 +118,12 @@ def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int) -> None:
     """
     std = 0.02
     residual_std = std / math.sqrt(2 * layout.cfg.num_layers)
-    views = layout.views(flat)
+    end = start + flat.numel()
     for slot in layout:
-        view = views[slot.name]
+        lo, hi = max(slot.offset, start), min(slot.end, end)
+        if lo >= hi:
+            continue
+        view = flat[lo - start:hi - start]
         leaf = slot.name.rsplit(".", 1)[-1]
         if leaf in ("ln1_w", "ln2_w", "final_norm"):
             view.fill_(1.0)
@@ -126,4 +133,4 @@ def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int) -> None:
             gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, slot.name))
             scale = residual_std if leaf in ("out_w", "down_w") else std
             values = torch.empty(slot.shape, dtype=torch.float32).normal_(0.0, scale, generator=gen)
-            view.copy_(values)
+            view.copy_(values.view(-1)[lo - slot.offset:hi - slot.offset])

@@ -46,9 +46,10 @@ def restore_engine(engine: TrainEngine, tensors: Mapping[str, torch.Tensor]) -> 
     1. ``optimizer.load_state_tensors``: copies m, v and the master (converting fp32/bf16 if the dtypes
        changed) and sets params[shard_start:shard_end] from the master (rounded to nearest, which is what
        an update leaves there);
-    2. the weights of the whole flat buffer are refreshed by ``engine.comm.all_gather`` of every rank's
-       params shard. With one process that is a no-op (the shard is the whole buffer); with W ranks it is
-       a **collective**: every rank must call ``restore_engine`` at the same point.
+    2. every rank's working copy of the weights is refreshed by ``engine.sync_weights()`` (the all-gather
+       of the params shards; under ZeRO-3 the replicated norms/biases). With one process that is a no-op
+       (the shard is the whole buffer); with W ranks it is a **collective**: every rank must call
+       ``restore_engine`` at the same point.
 
     Gradient accumulators are reset, so the next ``micro_step`` starts a fresh step."""
     missing = [k for k in STATE_NAMES if k not in tensors]
@@ -57,10 +58,10 @@ def restore_engine(engine: TrainEngine, tensors: Mapping[str, torch.Tensor]) -> 
 
         raise CheckpointError(f"restore_engine: the loaded state lacks {missing}.")
     engine.optimizer.load_state_tensors({k: tensors[k] for k in STATE_NAMES})
-    rank, size = engine.comm.rank, engine.shard_size
-    engine.comm.all_gather(engine.params, engine.params[rank * size:(rank + 1) * size])
+    engine.sync_weights()
     engine.micro_steps_done = 0
-    engine.grads.zero_()
+    if engine.grads is not None:
+        engine.grads.zero_()
     if engine.grad_shard is not None:
         engine.grad_shard.zero_()
 
@@ -84,7 +85,7 @@ def load_engine_checkpoint(folder: str, engine: TrainEngine, *, restore_global_r
     ``data_state_for_rank(manifest, rank, world_size)`` and continues at ``manifest["step"]``."""
     tensors, manifest = load_checkpoint(folder, expected_config=engine.cfg, world_size=engine.comm.world_size,
                                         rank=engine.comm.rank, shard_start=engine.shard_start,
-                                        shard_end=engine.shard_end, device=engine.params.device)
+                                        shard_end=engine.shard_end, device=engine.device)
     restore_engine(engine, tensors)
     if restore_global_rng and manifest.get("rng"):
         restore_rng(manifest["rng"])

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call on nvidia-h200-x2 (carry .whl and runs/shake = tiny-shakespeare tokenized with
+# `python -m data_pipeline.tokenize --input tinyshakespeare.txt --out runs/shake`):
+# 1) ZeRO-3 on 2 GPUs (grad-accumulation 1) against ZeRO-1 on 1 GPU (grad-accumulation 2): the same global batch
+#    and data order, so the loss curves must agree to bf16 noise; 2) ZeRO-3 speed on 2 GPUs vs ZeRO-1, random tokens.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name --format=csv,noheader
+COMMON="--model Qwen2.5-0.5B --from-scratch --train-file runs/shake/train-*.bin --eval-file runs/shake/eval.bin --batch-size 16 --seq-len 1024 --steps 30 --backend triton --model-dtype bf16 --eval-every-n-steps 0 --no-export --sample-tokens 0"
+run() { name=$1; shift; timeout 200 python3 "$@" > "$OUT/$name.log" 2>&1; echo "== $name (rc $?)"; tail -${TAILN:-6} "$OUT/$name.log"; }
+TAILN=20 run curve_1gpu examples/train.py $COMMON --gpus 1 --grad-accumulation 2 --out-dir "$OUT/g1" --log-file "$OUT/curve_1gpu.json"
+TAILN=20 run curve_2gpu_zero3 examples/train.py $COMMON --gpus 2 --grad-accumulation 1 --zero-level 3 --out-dir "$OUT/g2" --log-file "$OUT/curve_2gpu.json"
+TAILN=3 run speed_2gpu_zero1 benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --steps 15 --gpus 2 --backend triton --json "$OUT/speed_zero1.json"
+TAILN=3 run speed_2gpu_zero3 benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --steps 15 --gpus 2 --backend triton --zero-level 3 --json "$OUT/speed_zero3.json"
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+def losses(name):
+    try:
+        log = json.load(open(f"{out}/{name}.json"))
+    except Exception:
+        return None
+    return [r["loss"] for r in log if r.get("log") == "step"]
+a, b = losses("curve_1gpu"), losses("curve_2gpu")
+if a and b:
+    n = min(len(a), len(b))
+    diffs = [abs(x - y) / abs(x) for x, y in zip(a[:n], b[:n])]
+    print("step  1gpu ZeRO-1   2gpu ZeRO-3")
+    for i in range(0, n, 3):
+        print(f"{i:4d} {a[i]:.4f}        {b[i]:.4f}")
+    print(f"max relative loss difference over {n} steps: {max(diffs):.2e}")
+PY

@@ -1,0 +1,158 @@
+"""Host offloading (llmq_ray/offload.py) and --attn-bwd-chunks: every flag changes where state lives or how a
+kernel is split, never the numbers.
+
+Each flag is compared against the same run without it, single process, bf16 weights with an fp32 master and
+bf16 Adam moments (so the stochastic-rounding seeds must line up chunk for chunk), ZeRO-2 (so the gradient
+accumulator exists), 3 steps x 2 micro-steps, and a small --opt-chunk-size so the optimizer's shard streams
+through the two staging slots in many chunks: per-step losses, final weights and the whole optimizer state
+must be bit-identical (``torch.equal``). On a CPU device "host" memory is ordinary memory and copies are
+synchronous, but the code path (slots, chunk boundaries, write-backs, residual prefetch) is the one CUDA runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends import get_backend
+from llmq_ray.config import PRESETS
+from llmq_ray.engine import TrainEngine
+from llmq_ray.errors import ConfigError
+from llmq_ray.offload import StagedChunks, fixed_chunks
+from llmq_ray.options import TrainOptions
+
+BASE = dict(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, model_dtype="bf16", master_dtype="fp32",
+            opt_m_dtype="bf16", opt_v_dtype="bf16", opt_chunk_size=5000, zero_level=2, learning_rate=1e-3)
+STEPS = 3
+
+
+def _train(backend: str = "torch", device: str = "cpu", **flags):
+    opts = TrainOptions(**{**BASE, **flags})
+    engine = TrainEngine(PRESETS["tiny"], opts, get_backend(backend, device))
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(STEPS):
+        for _ in range(opts.grad_accumulation):
+            x = torch.randint(0, PRESETS["tiny"].vocab_size, (opts.batch_size, opts.seq_len + 1), generator=gen)
+            engine.micro_step(x[:, :-1], x[:, 1:])
+        losses.append(engine.update(1e-3, step + 1).loss)
+    return losses, engine
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _train()
+
+
+FLAGS = [dict(offload_master=True), dict(offload_opt_m=True), dict(offload_opt_v=True),
+         dict(offload_gradients=True), dict(offload_residual=True), dict(attn_bwd_chunks=2),
+         dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True, use_zero_copy=True),
+         dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True,
+              offload_residual=True, zero_level=3)]
+
+
+@pytest.mark.parametrize("flags", FLAGS, ids=["-".join(f) for f in FLAGS])
+def test_offload_flag_is_bit_identical(reference, flags):
+    ref_losses, ref = reference
+    losses, e = _train(**flags)
+    assert losses == ref_losses
+    assert ref_losses[-1] != ref_losses[0]  # the weights moved
+    assert torch.equal(e.full_params(), ref.full_params())
+    for name, t in e.optimizer.state_tensors().items():
+        assert torch.equal(t, ref.optimizer.state_tensors()[name]), name
+    opt = e.optimizer
+    assert len(opt.chunks) > 4  # the shard really went through many chunks
+    expected_host = {k for k, f in (("master", "offload_master"), ("m", "offload_opt_m"), ("v", "offload_opt_v"))
+                     if flags.get(f)}
+    assert opt.offloaded == expected_host
+    if flags.get("use_zero_copy"):
+        assert opt.staging is None  # the kernel works on the host tensors themselves
+    else:
+        assert (opt.staging is not None) == bool(expected_host or flags.get("offload_gradients"))
+    if flags.get("offload_residual"):
+        res, ref_res = e.model.acts.residual, ref.model.acts.residual
+        assert len(res.host) == PRESETS["tiny"].num_layers
+        for layer in range(PRESETS["tiny"].num_layers):  # the host copies hold the last micro-step's x_l
+            assert torch.equal(res.host[layer], ref_res[layer]), layer
+
+
+def test_staged_chunks_round_trip():
+    """StagedChunks: load -> compute -> store over uneven chunks, read-modify-write and write-only names."""
+    host = torch.arange(23, dtype=torch.float32)
+    out = torch.full((23,), -1.0)
+    ranges = fixed_chunks(0, 23, 5)
+    assert ranges == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 23)]
+    assert fixed_chunks(7, 12, 5) == [(7, 10), (10, 12)]
+    staging = StagedChunks(torch.device("cpu"), {"x": torch.float32, "y": torch.float32}, 5)
+    seen = []
+
+    def compute(i, staged):
+        seen.append((i, staged["x"].clone()))
+        staged["y"].copy_(staged["x"] * 2)
+        staged["x"].add_(100)
+
+    staging.run(ranges, {"x": host}, {"x": host, "y": out}, compute)
+    assert torch.equal(out, torch.arange(23, dtype=torch.float32) * 2)
+    assert torch.equal(host, torch.arange(23, dtype=torch.float32) + 100)
+    assert [i for i, _ in seen] == list(range(5)) and torch.equal(seen[4][1], torch.tensor([20.0, 21.0, 22.0]))
+
+
+def test_memory_table_moves_offloaded_state_to_host_rows():
+    from llmq_ray.memory_table import HOST_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
+
+    opts = dict(batch_size=2, seq_len=16, model_dtype="bf16", master_dtype="fp32", zero_level=2, opt_chunk_size=4096)
+    base = TrainEngine(PRESETS["tiny"], TrainOptions(**opts), get_backend("torch"))
+    off = TrainEngine(PRESETS["tiny"], TrainOptions(**opts, offload_master=True, offload_opt_m=True,
+                                                    offload_opt_v=True, offload_gradients=True,
+                                                    offload_residual=True), get_backend("torch"))
+    a, b = memory_dict(memory_table(base)), memory_dict(memory_table(off))
+    assert not set(HOST_ROWS) & set(a)
+    nb = lambda t: t.numel() * t.element_size()  # noqa: E731
+    o = off.optimizer
+    assert (b["host_master"], b["host_adam_m"], b["host_adam_v"]) == (nb(o.master), nb(o.m), nb(o.v))
+    assert b["master"] == b["adam_m"] == b["adam_v"] == 0 < a["master"]
+    assert b["host_grads"] == nb(off.grad_shard) and b["grads"] == a["grads"] - 2 * nb(base.grad_shard)
+    n, c, L = 32, PRESETS["tiny"].hidden_size, PRESETS["tiny"].num_layers
+    assert b["host_activations"] == L * n * c * 2
+    assert b["activations"] == a["activations"] - (L - 2) * n * c * 2  # L+1 residuals -> 2 slots + the final one
+    staging = o.staging.nbytes() + off._grad_staging.nbytes()
+    assert b["other"] == a["other"] + staging
+    assert tensor_bytes(memory_table(off)) < tensor_bytes(memory_table(base))
+    text = format_memory_table(memory_table(off))
+    assert "host: master weights" in text and "host: sum (pinned)" in text
+
+
+BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-master"),
+       (dict(offload_gradients=True), "--offload-gradients needs --zero-level 2 or 3"),
+       (dict(offload_master=True), "--offload-master needs a separate master copy"),
+       (dict(attn_bwd_chunks=3, batch_size=4), "--attn-bwd-chunks=3 must divide --batch-size=4"),
+       (dict(opt_chunk_size=0), "--opt-chunk-size=0"),
+       (dict(shard_weights=True, model_dtype="bf16", matmul_dtype="e4m3"), "--zero-level 3 with --matmul-dtype e4m3")]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
+def test_nonsense_offload_flags(kwargs, message):
+    with pytest.raises(ConfigError) as info:
+        TrainOptions(**kwargs).validate()
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_offload_on_cuda_is_bit_identical(backend):
+    """On a GPU: pinned host state, side-stream copies and (triton) zero-copy kernels on pinned memory give
+    the same bits as the resident run."""
+    ref_losses, ref = _train(backend, "cuda")
+    everything = dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True,
+                      offload_residual=True)
+    runs = [everything, dict(everything, zero_level=3)]
+    if backend == "triton":
+        runs.append(dict(everything, use_zero_copy=True))
+    for flags in runs:
+        losses, e = _train(backend, "cuda", **flags)
+        assert e.optimizer.m.is_pinned() and e.grad_shard.is_pinned(), flags
+        assert losses == ref_losses, flags
+        assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
+        for name, t in e.optimizer.state_tensors().items():
+            assert torch.equal(t.cpu(), ref.optimizer.state_tensors()[name].cpu()), (flags, name)
