@@ -111,8 +111,10 @@ class TrainEngine:
         opts.validate()
         self.cfg, self.opts, self.backend = cfg, opts, backend
         self.comm = comm or Communicator()
-        if opts.use_zero_copy and backend.device.type == "cuda" and backend.name != "triton":
-            raise ConfigError(f"--use-zero-copy needs --backend triton on CUDA (the {backend.name} backend's "
+        if opts.use_zero_copy and backend.device.type == "cuda" and backend.name != "cupy":
+            # Triton 3.6 refuses pinned host pointers at launch ("cannot be accessed from Triton", seen on the
+            # H100); the CuPy kernels take raw pointers, which pinned memory provides under unified addressing.
+            raise ConfigError(f"--use-zero-copy needs --backend cupy on CUDA (the {backend.name} backend's "
                               f"kernels cannot read host memory); drop --use-zero-copy to stream instead.")
         dtype = opts.torch_dtype
         self.device = backend.device

@@ -139,15 +139,17 @@ def test_nonsense_offload_flags(kwargs, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cupy"])
 def test_offload_on_cuda_is_bit_identical(backend):
-    """On a GPU: pinned host state, side-stream copies and (triton) zero-copy kernels on pinned memory give
+    """On a GPU: pinned host state, side-stream copies and (cupy) zero-copy kernels on pinned memory give
     the same bits as the resident run."""
+    if backend == "cupy":
+        pytest.importorskip("cupy")
     ref_losses, ref = _train(backend, "cuda")
     everything = dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True,
                       offload_residual=True)
     runs = [everything, dict(everything, zero_level=3)]
-    if backend == "triton":
+    if backend == "cupy":
         runs.append(dict(everything, use_zero_copy=True))
     for flags in runs:
         losses, e = _train(backend, "cuda", **flags)
