@@ -4,6 +4,7 @@ Run on the device with `pytest -m gpu`."""
 import pytest
 import torch
 
+from _helpers import perturb_norms_and_biases
 from backends import get_backend
 from llmq_ray.config import ModelConfig
 from llmq_ray.model import LlamaModel
@@ -18,22 +19,11 @@ CFG = ModelConfig("qwen2", 512, 1408, 4, 8, 2, 4096, tie_word_embeddings=True, q
 B, T = 4, 512
 
 
-def _perturb_norms_and_biases(model):
-    """Trained models have non-zero QKV biases and norm weights away from 1; init has neither, which would hide
-    a bias applied at the wrong scale inside the FP8 GEMM."""
-    gen = torch.Generator().manual_seed(123)
-    for slot in model.layout:
-        if slot.name.endswith(("qkv_b", "ln1_w", "ln2_w", "final_norm")):
-            view = model.params[slot.offset:slot.end]
-            noise = torch.randn(view.shape, generator=gen).to(view.device)
-            view.add_((0.5 * noise).to(view.dtype))
-
-
 def _run(backend, matmul_dtype=None, gradient_dtype=None):
     model = LlamaModel(CFG, get_backend(backend, "cuda"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
                        matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype)
     init_params(model.layout, model.params, seed=11)
-    _perturb_norms_and_biases(model)
+    perturb_norms_and_biases(model)
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, CFG.vocab_size, (B, T + 1), generator=gen)
     model.zero_grads()
