@@ -21,21 +21,6 @@ from llmq_ray.trainer import LLMQTrainer, Result
 FAST = dict(collective_timeout_s=60.0, call_timeout_s=120.0, use_ray_data=False, verbose=False)
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """train.bin: 4,000 tokens of a noisy periodic sequence (learnable, so losses move); eval.bin: 1,200."""
-    from data_pipeline.shards import write_shard
-
-    folder = tmp_path_factory.mktemp("rt")
-    rng = np.random.default_rng(0)
-    toks = (np.arange(4000) * 7 % 512).astype(np.int32)
-    noise = rng.random(4000) < 0.1
-    toks[noise] = rng.integers(0, 512, noise.sum())
-    write_shard(str(folder / "train.bin"), toks, 512)
-    write_shard(str(folder / "eval.bin"), toks[:1200], 512)
-    return str(folder / "train.bin"), str(folder / "eval.bin"), folder
-
-
 def _run(shards, out, **kw) -> Result:
     train, evalf, _ = shards
     args = dict(model="tiny", train_file=train, eval_file=evalf, steps=20, batch_size=2, seq_len=16,

@@ -37,22 +37,8 @@ BASE = dict(model="tiny", steps=12, batch_size=2, seq_len=16, learning_rate=3e-3
 SHAPE = {1: dict(workers=1, grad_accumulation=2), 2: dict(workers=2, grad_accumulation=1)}
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """train.bin: 4,000 tokens of a noisy periodic sequence (235 windows of 17: no epoch boundary is crossed)."""
-    from data_pipeline.shards import write_shard
-
-    folder = tmp_path_factory.mktemp("ckrt")
-    rng = np.random.default_rng(0)
-    toks = (np.arange(4000) * 7 % 512).astype(np.int32)
-    noise = rng.random(4000) < 0.1
-    toks[noise] = rng.integers(0, 512, noise.sum())
-    write_shard(str(folder / "train.bin"), toks, 512)
-    return str(folder / "train.bin")
-
-
-def _run(train: str, out, world: int, **kw) -> Result:
-    args = dict(BASE, train_file=train, out_dir=str(out), **SHAPE[world], **FAST)
+def _run(shards, out, world: int, **kw) -> Result:
+    args = dict(BASE, train_file=shards.train, out_dir=str(out), **SHAPE[world], **FAST)
     args.update(kw)
     return LLMQTrainer(**args).fit()
 
