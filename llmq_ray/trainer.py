@@ -27,7 +27,8 @@ Checkpoints and fault tolerance: ``ckpt_interval=N`` writes ``checkpoint_dir/ste
 ``ckpt_major``; ``resume=True`` / "latest" / a step number / a folder continues from a checkpoint (checked
 before Ray starts: incomplete folders are skipped with a warning, another model is refused in one
 sentence), on any number of workers. With checkpoints on, a worker that dies or hangs makes the coordinator
-rebuild the group and continue from the last checkpoint, up to ``max_restarts`` (3) times.
+rebuild the group and continue from the last checkpoint, up to ``max_restarts`` (3) times; a step that
+takes longer than ``step_timeout_s`` (1800 s, like Ray Train's process-group timeout) counts as a hang.
 ``skip_update_on_spike`` skips the update of a step whose loss or grad norm is ``spike_threshold``
 standard deviations above the mean of the last ``spike_window`` steps (such steps are always logged as
 warnings; a non-finite gradient norm always skips the update).
@@ -99,6 +100,7 @@ class LLMQTrainer:
                  max_restarts: int = 3, skip_update_on_spike: bool = False, spike_window: int = 128,
                  spike_threshold: float = 6.0, use_ray_data: bool = True, ray_address: Optional[str] = None,
                  verbose: bool = True, collective_timeout_s: float = 300.0, call_timeout_s: float = 1800.0,
+                 step_timeout_s: float = 1800.0,
                  fault: Optional[dict] = None, wandb_project: Optional[str] = None,
                  wandb_run_name: Optional[str] = None, log_gpu_util: int = 0, progress: bool = True,
                  **option_fields):
@@ -118,7 +120,7 @@ class LLMQTrainer:
                             eval_num_steps=eval_num_steps, final_eval=final_eval, out_dir=out_dir,
                             log_file=log_file, export=export, export_dtype=export_dtype,
                             use_ray_data=use_ray_data, collective_timeout_s=collective_timeout_s,
-                            call_timeout_s=call_timeout_s, fault=fault, wandb_project=wandb_project,
+                            call_timeout_s=call_timeout_s, step_timeout_s=step_timeout_s, fault=fault, wandb_project=wandb_project,
                             wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util)
         self.progress = progress
         self.ray_address = ray_address
@@ -160,6 +162,10 @@ class LLMQTrainer:
             raise ConfigError(f"--ckpt-keep-n={r['ckpt_keep_n']!r} must be an integer >= 1 (default 2).")
         if not isinstance(r["spike_window"], int) or r["spike_window"] < 2:
             raise ConfigError(f"--spike-window={r['spike_window']!r} must be an integer >= 2.")
+        t = r["step_timeout_s"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ConfigError(f"--step-timeout-s={t!r} must be a number of seconds > 0 (default 1800: a step "
+                              f"that takes longer counts as a hung worker).")
         if not (isinstance(r["spike_threshold"], (int, float)) and r["spike_threshold"] > 0):
             raise ConfigError(f"--spike-threshold={r['spike_threshold']!r} must be a number > 0.")
         if r["ckpt_keep_n"] == 1:
@@ -240,6 +246,7 @@ class LLMQTrainer:
                            export=r["export"], export_dtype=r["export_dtype"],
                            log_file=os.path.abspath(r["log_file"]) if r["log_file"] else None,
                            collective_timeout_s=r["collective_timeout_s"], call_timeout_s=r["call_timeout_s"],
+                           step_timeout_s=float(r["step_timeout_s"]),
                            checkpoint_dir=r["checkpoint_dir"], ckpt_interval=r["ckpt_interval"],
                            ckpt_keep_n=r["ckpt_keep_n"], ckpt_major=r["ckpt_major"], resume_from=self.resume_from,
                            max_restarts=r["max_restarts"], skip_update_on_spike=r["skip_update_on_spike"],
@@ -349,9 +356,10 @@ class LLMQTrainer:
 
     def _step_timeout(self) -> float:
         """How long one train_step call on the coordinator may take: a step, a checkpoint, and room for the
-        automatic restarts (set-up, loading, the lost steps trained again)."""
+        automatic restarts (set-up, loading, the lost steps trained again). A backstop only: the
+        coordinator bounds every worker call itself."""
         s = self.spec
-        return (s.call_timeout_s + 120.0) * (2 + 2 * s.max_restarts)
+        return (s.step_timeout_s + s.call_timeout_s + 120.0) * (2 + 2 * s.max_restarts)
 
     def _print(self, lines) -> None:
         if self.verbose:

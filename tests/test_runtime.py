@@ -149,6 +149,9 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
         LLMQTrainer(model="tiny", train_file=str(folder / "nothing-here-*.bin"), device="cpu", **FAST)
     with pytest.raises(ConfigError, match="lmhead-chunks=3 must divide"):
         LLMQTrainer(model="tiny", train_file=train, batch_size=2, seq_len=16, lmhead_chunks=3, **FAST)
+    for bad in (0, -5.0, float("nan"), "60"):
+        with pytest.raises(ConfigError, match=rf"^--step-timeout-s={bad!r} must be a number of seconds > 0"):
+            LLMQTrainer(model="tiny", train_file=train, step_timeout_s=bad, **FAST)
     with pytest.raises(CheckpointError, match=r"^--continue: no valid checkpoint in .*nowhere"):
         LLMQTrainer(model="tiny", train_file=train, resume=True, checkpoint_dir=str(tmp_path / "nowhere"), **FAST)
     with pytest.raises(ConfigError, match="no GPUs"):
