@@ -85,6 +85,8 @@ class Coordinator:
         self.restarts = 0
         self.skipped_steps = 0
         self.warnings = 0
+        self.eval_count = 0                # evals started (their tag, for progress())
+        self._eval_running: dict | None = None
 
     # ------------------------------------------------------------------ set-up
     def start(self, notes: list | None = None) -> dict:
@@ -369,7 +371,12 @@ class Coordinator:
         if not self.spec.eval_file:
             return None
         t0 = time.perf_counter()
-        results = self._call("evaluate", full, what="evaluate")
+        self.eval_count += 1
+        self._eval_running = {"full": full, "tag": self.eval_count}
+        try:
+            results = self._call("evaluate", full, self.eval_count, what="evaluate")
+        finally:
+            self._eval_running = None
         wall = time.perf_counter() - t0
         loss_sum, count = results[0]["loss_sum"], results[0]["targets"]
         loss = loss_sum / max(count, 1)
@@ -381,6 +388,18 @@ class Coordinator:
         self.log.flush()
         telemetry.publish({"llmq_eval_loss": loss}, {"role": "coordinator"})
         return rec
+
+    def progress(self) -> dict | None:
+        """The eval running now as {"done", "total", "full"} (batches done on rank 0), or None; for the
+        driver's eval bar. Runs in the actor's probe concurrency group, beside train_step / validate /
+        finish (which run the evals)."""
+        ev, workers = self._eval_running, self.workers
+        if ev is None or not workers:
+            return None
+        a = probe_activities(workers, [0], timeout_s=2.0).get(0)
+        if not a or a.get("eval_tag") != ev["tag"]:
+            return None  # rank 0 has not started this eval yet
+        return {"done": a["at"], "total": a["eval_total"], "full": ev["full"]}
 
     # ------------------------------------------------------------------ outputs
     def export(self, path: str | None = None) -> str:

@@ -54,7 +54,8 @@ class RuntimeSpec:
     # rank r raise at 0-based step s, "kill" SIGKILLs its process, "nan" puts a NaN into its gradients,
     # "save_kill" SIGKILLs it halfway through writing the checkpoint of step s (updates completed),
     # "save_full" makes that write fail as on a full disk, "hang" blocks rank r forever at the start of step
-    # s. A restarted group runs without it, unless the dict has "every_group": True.
+    # s, "slow_eval" makes rank r sleep "seconds" before each eval batch (any step). A restarted group runs
+    # without it, unless the dict has "every_group": True.
     fault: Optional[dict] = None
     # observability
     wandb_project: Optional[str] = None   # live W&B logging from the coordinator (WANDB_MODE honoured)

@@ -176,10 +176,11 @@ class GPUWorker:
         if self._fault("hang", step):
             threading.Event().wait()  # blocks forever without holding the GIL, as a stuck read would
 
-    def _mark(self, step: int | None, at: int, what: str) -> None:
+    def _mark(self, step: int | None, at: int, what: str, **extra) -> None:
         """Record where this rank is inside train_step: ``at`` orders the points of one step (-1 its start,
-        2k / 2k+1 reading / forward+backward of micro-batch k, 2 x grad_accumulation the update)."""
-        self._activity = {"step": step, "at": at, "what": what, "since": time.monotonic()}
+        2k / 2k+1 reading / forward+backward of micro-batch k, 2 x grad_accumulation the update). In
+        ``evaluate``: ``at`` = eval batches done, with ``eval_total`` and ``eval_tag`` in ``extra``."""
+        self._activity = {"step": step, "at": at, "what": what, "since": time.monotonic(), **extra}
 
     def activity(self) -> dict:
         """Where this rank is (see ``_mark``) and for how many seconds: {"step", "at", "what", "seconds"}.
@@ -237,16 +238,29 @@ class GPUWorker:
                            "llmq_worker_memory_bytes": mem}, {"rank": str(self.rank)})
         return out
 
-    def evaluate(self, full: bool) -> dict:
+    def evaluate(self, full: bool, tag: int | None = None) -> dict:
         """Summed loss and target count over the eval file (all of it, or eval_num_steps batches), reduced
-        over ranks: {"loss_sum", "targets", "seconds"}."""
+        over ranks: {"loss_sum", "targets", "seconds"}. ``activity`` counts the batches done (for the eval
+        bar), under ``tag`` (the coordinator's number of this eval)."""
         stream = self._eval_full if full else self._eval_periodic
         if stream is None:
             return {"loss_sum": 0.0, "targets": 0, "seconds": 0.0}
         t0 = time.perf_counter()
-        loss_sum, count = self.engine.evaluate(stream)
+        loss_sum, count = self.engine.evaluate(self._counted(stream, tag))
         return {"loss_sum": loss_sum, "targets": count, "seconds": time.perf_counter() - t0,
                 "batches": len(stream)}
+
+    def _counted(self, stream, tag: int | None):
+        """``stream``'s batches, marking in ``activity`` how many were done before each."""
+        n = len(stream)
+        f = self.spec.fault or {}
+        delay = float(f.get("seconds", 0.0)) if f.get("kind") == "slow_eval" and f.get("rank") == self.rank else 0.0
+        for k, batch in enumerate(stream):
+            self._mark(None, k, f"in eval batch {k + 1} of {n}", eval_total=n, eval_tag=tag)
+            if delay:
+                time.sleep(delay)  # test hook: an eval long enough to watch its bar
+            yield batch
+        self._mark(None, n, "done with the eval batches", eval_total=n, eval_tag=tag)
 
     # ------------------------------------------------------------------ outputs
     def export(self, out_dir: str, dtype: str | None) -> str:

@@ -262,6 +262,7 @@ class LLMQTrainer:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from actors.coordinator import Coordinator
+        from actors.worker import PROBE_GROUP
 
         self.spec = self._build_spec(ray)
         from actors.placement import check_resources
@@ -270,7 +271,8 @@ class LLMQTrainer:
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         env.update({k: v for k, v in os.environ.items() if k.startswith("WANDB_")})  # WANDB_MODE etc.
         here = ray.get_runtime_context().get_node_id()
-        self.coordinator = ray.remote(Coordinator).options(
+        # the probe group runs Coordinator.progress beside a running call (the eval bar polls it)
+        self.coordinator = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Coordinator).options(
             num_cpus=0, max_restarts=0, runtime_env={"env_vars": env},
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(self.spec)
         try:
@@ -297,14 +299,24 @@ class LLMQTrainer:
             if m != mems[0]:
                 print(format_memory_table(list(m.items()), title=f"memory (rank {r})"), flush=True)
 
-    def _get(self, ref, what: str, timeout: Optional[float] = None):
-        """ray.get on a coordinator call; its errors become one LLMQError sentence."""
+    def _get(self, ref, what: str, timeout: Optional[float] = None, bar=None):
+        """ray.get on a coordinator call; its errors become one LLMQError sentence. ``bar``: an ``EvalBar``
+        fed with the coordinator's eval progress while the call runs (polled every 0.25 s)."""
+        import time
+
         import ray
         import ray.exceptions as rex
 
         limit = timeout or (self.spec.call_timeout_s + 120.0 if self.spec else 3600.0)
+        deadline = time.monotonic() + limit
         try:
-            return ray.get(ref, timeout=limit)
+            if bar is not None and bar.enabled:
+                while not ray.wait([ref], timeout=max(min(0.25, deadline - time.monotonic()), 0.0))[0]:
+                    if time.monotonic() >= deadline:
+                        break
+                    bar.show(self._eval_progress())
+                bar.end()
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
         except rex.GetTimeoutError:
             raise WorkerError(f"the run did not finish {what} within {limit:.0f} s; it was stopped.") from None
         except rex.RayTaskError as exc:
@@ -314,6 +326,24 @@ class LLMQTrainer:
             raise wrap_error(exc, None, what) from None
         except rex.RayActorError as exc:
             raise wrap_error(exc, None, what) from None
+
+    def _eval_progress(self) -> Optional[dict]:
+        """The coordinator's report on the eval running now (see ``Coordinator.progress``); None if none,
+        or if it does not answer within 2 s."""
+        import ray
+
+        from actors.worker import PROBE_GROUP
+
+        try:
+            return ray.get(self.coordinator.progress.options(concurrency_group=PROBE_GROUP).remote(), timeout=2.0)
+        except Exception:  # noqa: BLE001 - a bar is never worth an error
+            return None
+
+    def _eval_bar(self, under=None):
+        """An ``EvalBar`` on stdout (off with --no-progress, verbose=False, or when stdout is no terminal)."""
+        from llmq_ray.progress import EvalBar
+
+        return EvalBar(sys.stdout, enabled=self.verbose and self.progress, under=under)
 
     # ------------------------------------------------------------------ whole run
     def fit(self) -> Result:
@@ -328,19 +358,20 @@ class LLMQTrainer:
 
             bar = Progress(self.opts.steps, "train", unit="step", stream=sys.stdout,
                            enabled=self.verbose and self.progress, initial=done)
+            evals = self._eval_bar(under=bar)  # periodic evals run inside train_step
             while done < self.opts.steps:
                 # keep one step queued behind the running one: the coordinator never waits for us
                 while len(in_flight) < 2 and submitted < self.opts.steps:
                     in_flight.append(self.coordinator.train_step.remote())
                     submitted += 1
-                out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout())
+                out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout(), bar=evals)
                 done += 1
                 if self.verbose:
                     for line in out["lines"]:
                         bar.write(line)
                 bar.update(1, loss=f"{out['record']['loss']:.4f}" if out.get("record") else "")
             bar.close()
-            fin = self._get(self.coordinator.finish.remote(), "final eval and export")
+            fin = self._get(self.coordinator.finish.remote(), "final eval and export", bar=self._eval_bar())
             self._print(fin["lines"])
             hist = self._get(self.coordinator.get_history.remote(), "history")
             summary = fin["summary"]
@@ -385,14 +416,14 @@ class LLMQTrainer:
     def train_step(self) -> dict:
         """grad_accumulation micro-steps + update in one Ray call per worker; prints the [T] line."""
         self.start()
-        out = self._get(self.coordinator.train_step.remote(), "train_step")
+        out = self._get(self.coordinator.train_step.remote(), "train_step", bar=self._eval_bar())
         self._print(out["lines"])
         return out["record"]
 
     def validate(self, full: bool = False) -> Optional[float]:
         """Eval loss over eval_num_steps batches (``full``: the whole eval file); None without eval file."""
         self.start()
-        rec = self._get(self.coordinator.validate.remote(full), "validate")
+        rec = self._get(self.coordinator.validate.remote(full), "validate", bar=self._eval_bar())
         if rec is None:
             return None
         self._print([rec["line"]])

@@ -1,7 +1,16 @@
 """Small helpers shared by several test modules (imported as ``from _helpers import ...``: pytest puts tests/
 on sys.path, since tests/ is not a package)."""
 
+import io
+
 import torch
+
+
+class FakeTTY(io.StringIO):
+    """A text stream that says it is a terminal, so progress bars draw on it."""
+
+    def isatty(self):
+        return True
 
 
 def perturb_norms_and_biases(model) -> None:

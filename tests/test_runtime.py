@@ -7,6 +7,7 @@ fixture. Worker calls carry short timeouts, so a bug shows up as a failure, not 
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.request
 
@@ -205,3 +206,26 @@ def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, sh
         allocators = [rec for rec in json.load(f) if rec["log"] == "allocator"]
     assert sorted(r["rank"] for r in allocators) == [0, 1]
     assert all(r["weights"] > 0 and r["activations"] > 0 for r in allocators)
+
+
+def test_eval_progress_bar_follows_the_workers(ray_cluster, shards, tmp_path, monkeypatch):
+    """On a terminal, fit() draws an eval bar over the eval batches while the workers evaluate -- the
+    periodic eval inside a train step (10 batches) and the final eval (37 batches: 74 windows of 17 in
+    eval.bin, B=2) -- from rank 0's progress, polled through the coordinator, and erases it afterwards.
+    Rank 0 sleeps 0.1 s per eval batch (test hook) so that the polls see the evals running."""
+    from _helpers import FakeTTY
+
+    monkeypatch.delenv("LLMQ_NO_PROGRESS", raising=False)
+    tty = FakeTTY()
+    monkeypatch.setattr("sys.stdout", tty)
+    res = _run(shards, tmp_path, workers=1, steps=3, eval_every_n_steps=2, eval_num_steps=10, export=False,
+               verbose=True, fault={"kind": "slow_eval", "rank": 0, "step": -1, "seconds": 0.1})
+    assert [e["batches"] for e in res.evals] == [10, 37]
+    out = tty.getvalue()
+    periodic = re.findall(r"\reval \[[#-]+\] +(\d+)/10 ", out)
+    final = re.findall(r"\rfinal eval \[[#-]+\] +(\d+)/37 ", out)
+    assert periodic and final, out
+    assert [int(n) for n in final] == sorted(int(n) for n in final) and int(final[-1]) > int(final[0])
+    tail = out.rsplit("final eval [", 1)[1]
+    assert re.match(r"[^\r\n]*\r +\r", tail)  # erased, not left on screen
+    assert "[V]" in out and "train [" in out
