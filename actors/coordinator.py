@@ -15,14 +15,17 @@ update's stats are the one host sync. The coordinator then:
   whole eval file, then exports the weights as an HF folder (from a worker on the coordinator's node when
   there is one, so the export lands on the driver's machine).
 
-Fault tolerance: when a worker dies, hangs (a call or a collective times out) or fails with an unexpected
-exception, ``train_step`` tears the whole group down (kills every worker, releases the placement group),
-places a new group, loads the newest valid checkpoint this run wrote (or started from; from scratch when
-there is none yet), trains the lost steps again and then the step it was asked for -- up to
+Fault tolerance: when a worker dies, hangs (a step takes longer than ``step_timeout_s``, or a peer's
+collective times out waiting for it) or fails with an unexpected exception, ``train_step`` tears the whole
+group down (kills every worker, releases the placement group), places a new group, loads the newest
+valid checkpoint this run wrote (or started from; from scratch when there is none yet), trains the lost
+steps again and then the step it was asked for -- up to
 ``max_restarts`` times per run, with "failure" / "restart" / "resume" records in the log. This needs
 checkpoints (``ckpt_interval`` > 0); without them the first failure ends the run. User errors (config,
 data, a checkpoint that cannot be written) are never retried. The step-level calls (``micro_step`` /
-``update``) do not restart by themselves.
+``update``) do not restart by themselves. A hang is pinned on the rank that hung, not on the peers that
+wait for it in a collective (actors/failures.py, ``find_hung_ranks``); when the restarts are used up, the
+run ends with one sentence naming that rank and the timeout.
 
 Step-level calls for custom loops (``LLMQTrainer.step`` / ``update`` / ``validate`` / ``export``) map onto
 ``micro_step`` / ``update`` / ``validate`` / ``export`` here.
@@ -39,7 +42,7 @@ import time
 
 from actors import telemetry
 from actors.checkpointing import load_group_checkpoint, restart_point, save_group_checkpoint
-from actors.failures import WorkerError, gather
+from actors.failures import WorkerError, find_hung_ranks, gather, probe_activities
 from actors.placement import create_workers
 from actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
@@ -82,6 +85,8 @@ class Coordinator:
         self.restarts = 0
         self.skipped_steps = 0
         self.warnings = 0
+        self.eval_count = 0                # evals started (their tag, for progress())
+        self._eval_running: dict | None = None
 
     # ------------------------------------------------------------------ set-up
     def start(self, notes: list | None = None) -> dict:
@@ -157,13 +162,40 @@ class Coordinator:
                                 schedule=o.lr_schedule, final_lr_fraction=o.final_lr_fraction,
                                 cooldown_fraction=o.cooldown_fraction)
 
-    def _call(self, method: str, *args, what: str | None = None, timeout: float | None = None) -> list:
+    def _call(self, method: str, *args, what: str | None = None, timeout: float | None = None,
+              explain=None) -> list:
         refs = [getattr(w, method).remote(*args) for w in self.workers]
         try:
-            return gather(refs, timeout or self.spec.call_timeout_s, what or method)
+            return gather(refs, timeout or self.spec.call_timeout_s, what or method, explain)
         except BaseException:
             self.failed = True  # the others may be stuck in a collective: never wait on them again
             raise
+
+    def _explain_hang(self, pending: list[int], failed: int | None, error) -> WorkerError | None:
+        """``gather``'s ``explain`` for train_step: the error naming the rank(s) that hung (see
+        ``find_hung_ranks``), or None when the error that came back is the cause itself."""
+        activities = probe_activities(self.workers, pending + ([failed] if failed is not None else []))
+        hung = find_hung_ranks(activities, pending, failed)
+        if not hung:
+            return None
+
+        def ranks(rs):
+            return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
+
+        who, waiting = ranks(hung), [r for r in pending if r not in hung]
+        known = [activities[r] for r in hung if activities[r] is not None]
+        if known:
+            a = known[0]
+            step = a["step"] if a["step"] is not None else self.step
+            where = f"step {step + 1}, {a['what']}, with no progress for {a['seconds']:.0f} s"
+        else:
+            where = f"step {self.step + 1}, not even answering a status probe (a frozen process?)"
+        if failed is not None:
+            return WorkerError(f"{who} hung in {where}, and rank {failed} gave up waiting for it: "
+                               f"{str(error).rstrip('.')}.")
+        also = f" while {ranks(waiting)} waited for it" if waiting else ""
+        return WorkerError(f"{who} hung in {where}{also}: the step did not finish within "
+                           f"--step-timeout-s={self.spec.step_timeout_s:g}.")
 
     def _record_step(self, step: int, lr: float, results: list[dict], wall: float, tokens: int) -> dict:
         r0 = results[0]
@@ -239,7 +271,8 @@ class Coordinator:
         step, lr = self.step, self.lr_at(self.step)
         limits = self.guard.limits() if self.spec.skip_update_on_spike else None
         t0 = time.perf_counter()
-        results = self._call("train_step", step, lr, limits, what=f"train_step (step {step + 1})")
+        results = self._call("train_step", step, lr, limits, what=f"train_step (step {step + 1})",
+                             timeout=self.spec.step_timeout_s, explain=self._explain_hang)
         wall = time.perf_counter() - t0
         self.step += 1
         rec = self._record_step(step, lr, results, wall, self.spec.tokens_per_step)
@@ -289,7 +322,8 @@ class Coordinator:
             raise WorkerError(f"{str(exc).rstrip('.')}; gave up after {self.restarts} automatic restart(s) "
                               f"(--max-restarts={limit}).") from None
         self.restarts += 1
-        self.spec = dataclasses.replace(self.spec, fault=None)  # a test hook fires in the first group only
+        if not (self.spec.fault or {}).get("every_group"):
+            self.spec = dataclasses.replace(self.spec, fault=None)  # a test hook fires in the first group only
         folder, skipped = restart_point(self.checkpoints + ([self.origin] if self.origin else []), failed_step)
         lines = [self._warn(failed_step, "failure", f"{exc} -- restart {self.restarts}/{limit} from "
                             f"{folder or 'scratch (no checkpoint yet)'}")]
@@ -311,7 +345,7 @@ class Coordinator:
 
     def micro_step(self) -> None:
         """One forward+backward on every worker (each on its own next batch), gradients accumulating."""
-        self._call("micro_step", what=f"micro_step (step {self.step + 1})")
+        self._call("micro_step", what=f"micro_step (step {self.step + 1})", timeout=self.spec.step_timeout_s)
         self.micro_pending += 1
 
     def update(self, lr: float | None = None) -> dict:
@@ -322,7 +356,7 @@ class Coordinator:
         step = self.step
         lr = self.lr_at(step) if lr is None else float(lr)
         t0 = time.perf_counter()
-        results = self._call("update", step, lr, what=f"update (step {step + 1})")
+        results = self._call("update", step, lr, what=f"update (step {step + 1})", timeout=self.spec.step_timeout_s)
         wall = time.perf_counter() - t0
         o = self.opts
         tokens = o.batch_size * o.seq_len * self.micro_pending * self.spec.world_size
@@ -337,7 +371,12 @@ class Coordinator:
         if not self.spec.eval_file:
             return None
         t0 = time.perf_counter()
-        results = self._call("evaluate", full, what="evaluate")
+        self.eval_count += 1
+        self._eval_running = {"full": full, "tag": self.eval_count}
+        try:
+            results = self._call("evaluate", full, self.eval_count, what="evaluate")
+        finally:
+            self._eval_running = None
         wall = time.perf_counter() - t0
         loss_sum, count = results[0]["loss_sum"], results[0]["targets"]
         loss = loss_sum / max(count, 1)
@@ -349,6 +388,18 @@ class Coordinator:
         self.log.flush()
         telemetry.publish({"llmq_eval_loss": loss}, {"role": "coordinator"})
         return rec
+
+    def progress(self) -> dict | None:
+        """The eval running now as {"done", "total", "full"} (batches done on rank 0), or None; for the
+        driver's eval bar. Runs in the actor's probe concurrency group, beside train_step / validate /
+        finish (which run the evals)."""
+        ev, workers = self._eval_running, self.workers
+        if ev is None or not workers:
+            return None
+        a = probe_activities(workers, [0], timeout_s=2.0).get(0)
+        if not a or a.get("eval_tag") != ev["tag"]:
+            return None  # rank 0 has not started this eval yet
+        return {"done": a["at"], "total": a["eval_total"], "full": ev["full"]}
 
     # ------------------------------------------------------------------ outputs
     def export(self, path: str | None = None) -> str:

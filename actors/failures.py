@@ -7,11 +7,19 @@ collective waiting for it, so waiting for all of them would hang until the colle
 Errors are re-raised as ``WorkerError`` (an ``LLMQError``) naming the rank and the last line of the
 original error; a user error raised inside a worker (``ConfigError``, ``DataError``, ``CheckpointError``)
 keeps its type, with "rank r: " in front of its message.
+
+Hangs. When one rank hangs, its peers block in the next collective waiting for it, so "which ranks have
+not answered" names them all, and the first error to come back is a peer's collective timeout. Before
+giving up on a step, ``gather`` can therefore ``explain`` the failure: the coordinator asks every rank
+still running, and the rank that failed, where it is inside the step (``GPUWorker.activity``, which runs
+concurrently with the step), and ``find_hung_ranks`` picks the rank(s) stuck *behind* the others (or not
+answering at all) -- the one that hung, not the ones waiting for it.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable, Optional
 
 from llmq_ray.errors import LLMQError
 
@@ -49,24 +57,75 @@ def wrap_error(exc: BaseException, rank: int | None, what: str) -> LLMQError:
     return WorkerError(f"{where} failed in {what}: {type(cause).__name__}: {_last_line(str(cause))}")
 
 
-def gather(refs: list, timeout_s: float, what: str) -> list:
-    """ray.get of one ref per rank (index = rank), failing fast on the first error, bounded by timeout_s."""
+def gather(refs: list, timeout_s: float, what: str, explain: Optional[Callable] = None) -> list:
+    """ray.get of one ref per rank (index = rank), failing fast on the first error, bounded by timeout_s.
+
+    ``explain(pending, failed, error)``, when given, is asked before raising while some ranks are still
+    running: ``pending`` their ranks, ``failed`` the rank whose error came back (None on the timeout),
+    ``error`` the LLMQError about to be raised; it returns a better one to raise, or None."""
     import ray
 
     index = {ref: rank for rank, ref in enumerate(refs)}
     results: dict = {}
     pending = list(refs)
     deadline = time.monotonic() + timeout_s
+
+    def fail(error: LLMQError, failed: Optional[int]):
+        still = sorted(index[r] for r in pending if index[r] != failed)
+        better = explain(still, failed, error) if explain is not None and still else None
+        return better or error
+
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
             ranks = sorted(index[r] for r in pending)
-            raise WorkerError(f"rank(s) {ranks} did not finish {what} within {timeout_s:.0f} s "
-                              f"(a hung collective or a dead node?); the run was stopped.")
+            raise fail(WorkerError(f"rank(s) {ranks} did not finish {what} within {timeout_s:.0f} s "
+                                   f"(a hung collective or a dead node?); the run was stopped."), None)
         ready, pending = ray.wait(pending, num_returns=1, timeout=min(left, 5.0))
         for ref in ready:
             try:
                 results[index[ref]] = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - everything is wrapped into one sentence
-                raise wrap_error(exc, index[ref], what) from None
+                raise fail(wrap_error(exc, index[ref], what), index[ref]) from None
     return [results[r] for r in range(len(refs))]
+
+
+def probe_activities(workers: list, ranks: list[int], timeout_s: float = 10.0) -> dict:
+    """{rank: its ``GPUWorker.activity()`` dict, or None when it did not answer within timeout_s}."""
+    import ray
+
+    from actors.worker import PROBE_GROUP
+
+    refs = {r: workers[r].activity.options(concurrency_group=PROBE_GROUP).remote() for r in ranks}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    out: dict = {}
+    for r, ref in refs.items():
+        try:
+            out[r] = ray.get(ref, timeout=0) if ref in ready else None
+        except Exception:  # noqa: BLE001 - a dead rank does not answer either
+            out[r] = None
+    return out
+
+
+def find_hung_ranks(activities: dict, pending: list[int], failed: Optional[int]) -> list[int]:
+    """The ranks to blame for a step that failed or did not finish, from ``probe_activities``.
+
+    A pending rank that did not answer the probe has hung (a frozen process). Otherwise the blame goes to
+    the pending ranks furthest behind -- with ``failed`` (a peer's error came back first, typically its
+    collective timeout) only those behind the failed rank; without (the step timed out) the ones behind
+    the other pending ranks, or all pending ranks when they all stand at the same point (a collective
+    that hangs as a whole). [] when no pending rank is behind the failed one: its own error is the cause."""
+    def position(a):
+        return (a["step"] if a["step"] is not None else -1, a["at"])
+
+    silent = [r for r in pending if activities.get(r) is None]
+    answered = {r: position(activities[r]) for r in pending if activities.get(r) is not None}
+    if failed is not None:
+        ref = activities.get(failed)
+        if ref is None:
+            return silent
+        return sorted(silent + [r for r, p in answered.items() if p < position(ref)])
+    if silent or not answered:
+        return silent
+    low = min(answered.values())
+    return sorted(r for r, p in answered.items() if p == low)

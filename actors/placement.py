@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from actors.failures import WorkerError, gather
 from actors.spec import RuntimeSpec
-from actors.worker import GPUWorker, worker_env
+from actors.worker import PROBE_GROUP, GPUWorker, worker_env
 from llmq_ray.errors import ConfigError
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -67,7 +67,7 @@ def create_workers(spec: RuntimeSpec):
         remove_placement_group(pg)
         raise ConfigError(f"Ray could not reserve {n} bundle(s) of {bundle} ({strategy}) within "
                           f"{PLACEMENT_TIMEOUT_S:.0f} s; other jobs may hold those resources.")
-    remote_cls = ray.remote(GPUWorker)
+    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker)
     workers = []
     for rank in range(n):
         opts = dict(num_cpus=k, num_gpus=1 if spec.device == "cuda" else 0, max_restarts=0,

@@ -44,7 +44,8 @@ class RuntimeSpec:
     resume_from: Optional[str] = None     # checkpoint folder to start from (resolved by the trainer)
     # robustness
     collective_timeout_s: float = 300.0   # every torch.distributed collective
-    call_timeout_s: float = 1800.0        # every ray.get on a worker call
+    call_timeout_s: float = 1800.0        # every ray.get on a worker call but the steps (set-up, eval, checkpoints)
+    step_timeout_s: float = 1800.0        # one optimizer step on every worker; longer counts as a hang
     max_restarts: int = 3                 # automatic restarts from the last checkpoint after a worker failure
     skip_update_on_spike: bool = False    # skip the update of a step whose loss or norm z-score is too high
     spike_window: int = 128               # steps in the spike guard's z-score window
@@ -52,7 +53,9 @@ class RuntimeSpec:
     # test hook (actors/worker.py ``_fault``): {"rank": r, "step": s, "kind": k} -- k "raise" (default) makes
     # rank r raise at 0-based step s, "kill" SIGKILLs its process, "nan" puts a NaN into its gradients,
     # "save_kill" SIGKILLs it halfway through writing the checkpoint of step s (updates completed),
-    # "save_full" makes that write fail as on a full disk. A restarted group runs without it.
+    # "save_full" makes that write fail as on a full disk, "hang" blocks rank r forever at the start of step
+    # s, "slow_eval" makes rank r sleep "seconds" before each eval batch (any step). A restarted group runs
+    # without it, unless the dict has "every_group": True.
     fault: Optional[dict] = None
     # observability
     wandb_project: Optional[str] = None   # live W&B logging from the coordinator (WANDB_MODE honoured)

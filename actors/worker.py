@@ -14,12 +14,19 @@ then picks its own GPU: the one Ray assigned to its bundle when Ray reports it, 
 
 Method order: ``rendezvous_address`` (rank 0 only) -> ``setup`` (all ranks, concurrently) -> any of
 ``train_step`` / ``micro_step`` + ``update`` / ``evaluate`` / ``export`` -> ``close``.
+
+``activity`` is the exception: it runs in the actor's second concurrency group (``PROBE_GROUP``, one
+thread; placement.py declares it), so the coordinator can ask a worker what it is doing *while* a
+``train_step`` call is still running there -- which is how a step that does not finish in time is pinned
+on the rank that hung rather than on the peers waiting for it in a collective (actors/failures.py). The
+other methods keep running one at a time, in order, on one thread of their own.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -31,6 +38,8 @@ from actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.engine import TrainEngine
 from llmq_ray.errors import ConfigError
+
+PROBE_GROUP = "probe"  # the concurrency group of ``GPUWorker.activity``
 
 
 def worker_env(cpus_per_worker: int) -> dict:
@@ -81,6 +90,7 @@ class GPUWorker:
         self.engine: TrainEngine | None = None
         self.device: torch.device | None = None
         self._train = self._eval_periodic = self._eval_full = None
+        self._activity = {"step": None, "at": -2, "what": "idle", "since": time.monotonic()}
         set_worker_threads(spec.cpus_per_worker)
 
     # ------------------------------------------------------------------ set-up
@@ -168,12 +178,30 @@ class GPUWorker:
             raise RuntimeError(f"injected fault at step {step} (test hook)")
         if self._fault("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)  # a real process death, as from the OOM killer
+        if self._fault("hang", step):
+            threading.Event().wait()  # blocks forever without holding the GIL, as a stuck read would
 
-    def micro_step(self) -> float:
-        """One forward+backward on this rank's next batch; returns seconds spent waiting for data."""
+    def _mark(self, step: int | None, at: int, what: str, **extra) -> None:
+        """Record where this rank is inside train_step: ``at`` orders the points of one step (-1 its start,
+        2k / 2k+1 reading / forward+backward of micro-batch k, 2 x grad_accumulation the update). In
+        ``evaluate``: ``at`` = eval batches done, with ``eval_total`` and ``eval_tag`` in ``extra``."""
+        self._activity = {"step": step, "at": at, "what": what, "since": time.monotonic(), **extra}
+
+    def activity(self) -> dict:
+        """Where this rank is (see ``_mark``) and for how many seconds: {"step", "at", "what", "seconds"}.
+        Runs in ``PROBE_GROUP``, concurrently with a running call."""
+        a = dict(self._activity)
+        a["seconds"] = time.monotonic() - a.pop("since")
+        return a
+
+    def micro_step(self, step: int | None = None, index: int = 0) -> float:
+        """One forward+backward on this rank's next batch; returns seconds spent waiting for data.
+        ``step`` / ``index``: which step and micro-batch this is (train_step's), for ``activity``."""
+        self._mark(step, 2 * index, f"reading micro-batch {index}")
         t0 = time.perf_counter()
         inputs, targets = self._train.next_batch()
         data_s = time.perf_counter() - t0
+        self._mark(step, 2 * index + 1, f"in the forward/backward of micro-batch {index}")
         self.engine.micro_step(inputs, targets)
         return data_s
 
@@ -193,14 +221,17 @@ class GPUWorker:
 
         Returns {"loss", "norm", "targets", "skipped", "skip_reason", "seconds" (inside this call),
         "data_seconds", "memory"} -- loss/norm/targets are already reduced over all ranks."""
+        o = self.spec.opts
+        self._mark(step, -1, "at the start of the step")
         self._faults_before_step(step)
         t0 = time.perf_counter()
         data_s = 0.0
-        for _ in range(self.spec.opts.grad_accumulation):
-            data_s += self.micro_step()
+        for k in range(o.grad_accumulation):
+            data_s += self.micro_step(step, k)
+        self._mark(step, 2 * o.grad_accumulation, "in the update")
         out = self.update(step, lr, limits)  # reads the stats to the host: the step's one sync
+        self._mark(step, 2 * o.grad_accumulation + 1, "done with the step")
         seconds = time.perf_counter() - t0
-        o = self.spec.opts
         tokens = o.batch_size * o.seq_len * o.grad_accumulation
         mem = telemetry.memory_bytes(self.device)
         out.update(seconds=seconds, data_seconds=data_s, memory=mem)
@@ -212,16 +243,29 @@ class GPUWorker:
                            "llmq_worker_memory_bytes": mem}, {"rank": str(self.rank)})
         return out
 
-    def evaluate(self, full: bool) -> dict:
+    def evaluate(self, full: bool, tag: int | None = None) -> dict:
         """Summed loss and target count over the eval file (all of it, or eval_num_steps batches), reduced
-        over ranks: {"loss_sum", "targets", "seconds"}."""
+        over ranks: {"loss_sum", "targets", "seconds"}. ``activity`` counts the batches done (for the eval
+        bar), under ``tag`` (the coordinator's number of this eval)."""
         stream = self._eval_full if full else self._eval_periodic
         if stream is None:
             return {"loss_sum": 0.0, "targets": 0, "seconds": 0.0}
         t0 = time.perf_counter()
-        loss_sum, count = self.engine.evaluate(stream)
+        loss_sum, count = self.engine.evaluate(self._counted(stream, tag))
         return {"loss_sum": loss_sum, "targets": count, "seconds": time.perf_counter() - t0,
                 "batches": len(stream)}
+
+    def _counted(self, stream, tag: int | None):
+        """``stream``'s batches, marking in ``activity`` how many were done before each."""
+        n = len(stream)
+        f = self.spec.fault or {}
+        delay = float(f.get("seconds", 0.0)) if f.get("kind") == "slow_eval" and f.get("rank") == self.rank else 0.0
+        for k, batch in enumerate(stream):
+            self._mark(None, k, f"in eval batch {k + 1} of {n}", eval_total=n, eval_tag=tag)
+            if delay:
+                time.sleep(delay)  # test hook: an eval long enough to watch its bar
+            yield batch
+        self._mark(None, n, "done with the eval batches", eval_total=n, eval_tag=tag)
 
     # ------------------------------------------------------------------ outputs
     def export(self, out_dir: str, dtype: str | None, write: bool = True) -> str | None:

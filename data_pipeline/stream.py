@@ -70,26 +70,22 @@ class _Prefetcher:
     def _run(self):
         try:
             for item in self._gen:
-                while not self._stop.is_set():
-                    try:
-                        self._q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item):
                     return
         except BaseException as e:  # handed to the consumer
-            self._put_final(e)
+            self._put(e)
             return
-        self._put_final(self._DONE)
+        self._put(self._DONE)
 
-    def _put_final(self, item):
+    def _put(self, item) -> bool:
+        """Queue ``item``, waiting while the queue is full; False (item dropped) once close() was called."""
         while not self._stop.is_set():
             try:
                 self._q.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def get(self):
         item = self._q.get()

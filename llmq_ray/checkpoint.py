@@ -115,31 +115,27 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_and_hash(path: str) -> tuple[int, str]:
-    """fsync a just-written file and return (size, sha256 hex) of its bytes (read back in chunks)."""
+def _size_and_sha256(f) -> tuple[int, str]:
+    """(size, sha256 hex) of the bytes of the open binary file ``f`` from where it stands, read in chunks."""
     h = hashlib.sha256()
     size = 0
+    for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+        h.update(chunk)
+        size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _fsync_and_hash(path: str) -> tuple[int, str]:
+    """fsync a just-written file and return (size, sha256 hex) of its bytes (read back in chunks)."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-        while True:
-            chunk = f.read(_HASH_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
+        return _size_and_sha256(f)
 
 
 def file_sha256(path: str) -> str:
     """sha256 (hex) of a file's bytes."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            chunk = f.read(_HASH_CHUNK)
-            if not chunk:
-                break
-            h.update(chunk)
-    return h.hexdigest()
+        return _size_and_sha256(f)[1]
 
 
 def _save_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "with a warning), from that step, or from a checkpoint folder; any number of workers")
     c.add_argument("--max-restarts", type=int, default=3, help="after a worker dies or hangs, rebuild the group and "
                    "resume from the last checkpoint up to N times (needs --ckpt-interval)")
+    c.add_argument("--step-timeout-s", type=float, default=1800.0,
+                   help="a step that takes longer than this (seconds) counts as a hung worker: the group is "
+                        "rebuilt from the last checkpoint (default 1800, Ray Train's process-group timeout)")
     c.add_argument("--skip-update-on-spike", action="store_true", help="skip the update of a step whose loss or "
                    "grad-norm z-score exceeds --spike-threshold (spikes are always logged as warnings)")
     c.add_argument("--spike-window", type=int, default=128, help="steps in the spike guard's z-score window")
@@ -178,7 +181,7 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
                    log_file=a.log_file, export=not a.no_export, export_dtype=a.export_dtype,
                    checkpoint_dir=a.checkpoint_dir, ckpt_interval=a.ckpt_interval, ckpt_keep_n=a.ckpt_keep_n,
                    ckpt_major=a.ckpt_major, resume=a.resume if a.resume is not None else False,
-                   max_restarts=a.max_restarts, skip_update_on_spike=a.skip_update_on_spike,
+                   max_restarts=a.max_restarts, step_timeout_s=a.step_timeout_s, skip_update_on_spike=a.skip_update_on_spike,
                    spike_window=a.spike_window, spike_threshold=a.spike_threshold, ray_address=a.ray_address,
                    wandb_project=a.wandb_project, wandb_run_name=a.wandb_run_name, log_gpu_util=a.log_gpu_util,
                    progress=not a.no_progress)

@@ -11,6 +11,10 @@ One line, redrawn in place with ``\\r`` at most every ``min_interval`` seconds (
 
     train [##########--------------------]  340/1000  34.0% | 2.91 step/s | ETA 3:47 | loss=3.412
 
+``EvalBar`` follows an evaluation that runs inside the workers: fed the coordinator's reports (batches
+done on rank 0, polled by the trainer while it waits), it draws ``eval`` (or ``final eval``) over the eval
+batches in place of the training bar, and erases itself when the eval is over (its ``[V]`` line follows).
+
 The bar is *off* -- every call is a no-op, except ``write`` which just prints the line -- when disabled
 (``enabled=False``, e.g. from ``--no-progress``), when the environment sets ``LLMQ_NO_PROGRESS`` to a
 non-empty value other than "0", or when the stream is not a terminal (``stream.isatty()`` false: logs
@@ -110,7 +114,8 @@ class Progress:
         self._drawn_len = len(text)
         self._last_draw = now
 
-    def _clear(self) -> None:
+    def clear(self) -> None:
+        """Erase the drawn line (the bar stays open: the next update or write draws it again)."""
         if self._drawn_len:
             self.stream.write("\r" + " " * self._drawn_len + "\r")
             self._drawn_len = 0
@@ -130,20 +135,23 @@ class Progress:
     def write(self, line: str) -> None:
         """Print ``line`` (a log line) above the bar; with the bar off, just print it to the stream."""
         if self.enabled and not self.closed:
-            self._clear()
+            self.clear()
             self.stream.write(line + "\n")
             self._draw(force=True)
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
 
-    def close(self) -> None:
-        """Draw the final state and end the line (idempotent)."""
+    def close(self, leave: bool = True) -> None:
+        """Draw the final state and end the line; ``leave=False``: erase the bar instead (idempotent)."""
         if self.closed:
             return
         if self.enabled:
-            self._draw(force=True)
-            self.stream.write("\n")
+            if leave:
+                self._draw(force=True)
+                self.stream.write("\n")
+            else:
+                self.clear()
             self.stream.flush()
         self.closed = True
 
@@ -153,3 +161,39 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class EvalBar:
+    """The bar of an evaluation running in the workers, fed by ``show(report)`` each time the trainer polls
+    the coordinator: ``report`` is {"done", "total", "full"} (eval batches done on rank 0, of ``total``;
+    ``full``: the final eval over the whole file) while an eval runs, None otherwise. While an eval runs
+    it hides ``under`` (the training bar, drawn again by its next write) and draws its own line; when the
+    eval is over it erases that line. Off exactly when a ``Progress`` on ``stream`` would be."""
+
+    def __init__(self, stream: Optional[TextIO] = None, enabled: bool = True, under: Optional[Progress] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.stream = sys.stderr if stream is None else stream
+        self.enabled = progress_enabled(self.stream, enabled)
+        self.under, self.clock = under, clock
+        self.bar: Optional[Progress] = None
+
+    def show(self, report: Optional[dict]) -> None:
+        if not self.enabled:
+            return
+        if report is None:
+            self.end()
+            return
+        if self.bar is not None and (self.bar.total != report["total"] or report["done"] < self.bar.n):
+            self.end()  # another eval began between two polls
+        if self.bar is None:
+            if self.under is not None:
+                self.under.clear()
+            self.bar = Progress(report["total"], "final eval" if report.get("full") else "eval", unit="batch",
+                                stream=self.stream, clock=self.clock)
+        self.bar.update(report["done"] - self.bar.n)
+
+    def end(self) -> None:
+        """The eval is over: erase its bar (idempotent)."""
+        if self.bar is not None:
+            self.bar.close(leave=False)
+            self.bar = None

@@ -27,7 +27,8 @@ Checkpoints and fault tolerance: ``ckpt_interval=N`` writes ``checkpoint_dir/ste
 ``ckpt_major``; ``resume=True`` / "latest" / a step number / a folder continues from a checkpoint (checked
 before Ray starts: incomplete folders are skipped with a warning, another model is refused in one
 sentence), on any number of workers. With checkpoints on, a worker that dies or hangs makes the coordinator
-rebuild the group and continue from the last checkpoint, up to ``max_restarts`` (3) times.
+rebuild the group and continue from the last checkpoint, up to ``max_restarts`` (3) times; a step that
+takes longer than ``step_timeout_s`` (1800 s, like Ray Train's process-group timeout) counts as a hang.
 ``skip_update_on_spike`` skips the update of a step whose loss or grad norm is ``spike_threshold``
 standard deviations above the mean of the last ``spike_window`` steps (such steps are always logged as
 warnings; a non-finite gradient norm always skips the update).
@@ -99,6 +100,7 @@ class LLMQTrainer:
                  max_restarts: int = 3, skip_update_on_spike: bool = False, spike_window: int = 128,
                  spike_threshold: float = 6.0, use_ray_data: bool = True, ray_address: Optional[str] = None,
                  verbose: bool = True, collective_timeout_s: float = 300.0, call_timeout_s: float = 1800.0,
+                 step_timeout_s: float = 1800.0,
                  fault: Optional[dict] = None, wandb_project: Optional[str] = None,
                  wandb_run_name: Optional[str] = None, log_gpu_util: int = 0, progress: bool = True,
                  **option_fields):
@@ -118,7 +120,7 @@ class LLMQTrainer:
                             eval_num_steps=eval_num_steps, final_eval=final_eval, out_dir=out_dir,
                             log_file=log_file, export=export, export_dtype=export_dtype,
                             use_ray_data=use_ray_data, collective_timeout_s=collective_timeout_s,
-                            call_timeout_s=call_timeout_s, fault=fault, wandb_project=wandb_project,
+                            call_timeout_s=call_timeout_s, step_timeout_s=step_timeout_s, fault=fault, wandb_project=wandb_project,
                             wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util)
         self.progress = progress
         self.ray_address = ray_address
@@ -160,6 +162,10 @@ class LLMQTrainer:
             raise ConfigError(f"--ckpt-keep-n={r['ckpt_keep_n']!r} must be an integer >= 1 (default 2).")
         if not isinstance(r["spike_window"], int) or r["spike_window"] < 2:
             raise ConfigError(f"--spike-window={r['spike_window']!r} must be an integer >= 2.")
+        t = r["step_timeout_s"]
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+            raise ConfigError(f"--step-timeout-s={t!r} must be a number of seconds > 0 (default 1800: a step "
+                              f"that takes longer counts as a hung worker).")
         if not (isinstance(r["spike_threshold"], (int, float)) and r["spike_threshold"] > 0):
             raise ConfigError(f"--spike-threshold={r['spike_threshold']!r} must be a number > 0.")
         if r["ckpt_keep_n"] == 1:
@@ -242,6 +248,7 @@ class LLMQTrainer:
                            export=r["export"], export_dtype=r["export_dtype"],
                            log_file=os.path.abspath(r["log_file"]) if r["log_file"] else None,
                            collective_timeout_s=r["collective_timeout_s"], call_timeout_s=r["call_timeout_s"],
+                           step_timeout_s=float(r["step_timeout_s"]),
                            checkpoint_dir=r["checkpoint_dir"], ckpt_interval=r["ckpt_interval"],
                            ckpt_keep_n=r["ckpt_keep_n"], ckpt_major=r["ckpt_major"], resume_from=self.resume_from,
                            max_restarts=r["max_restarts"], skip_update_on_spike=r["skip_update_on_spike"],
@@ -257,6 +264,7 @@ class LLMQTrainer:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from actors.coordinator import Coordinator
+        from actors.worker import PROBE_GROUP
 
         self.spec = self._build_spec(ray)
         from actors.placement import check_resources
@@ -265,7 +273,8 @@ class LLMQTrainer:
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         env.update({k: v for k, v in os.environ.items() if k.startswith("WANDB_")})  # WANDB_MODE etc.
         here = ray.get_runtime_context().get_node_id()
-        self.coordinator = ray.remote(Coordinator).options(
+        # the probe group runs Coordinator.progress beside a running call (the eval bar polls it)
+        self.coordinator = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Coordinator).options(
             num_cpus=0, max_restarts=0, runtime_env={"env_vars": env},
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(self.spec)
         try:
@@ -292,14 +301,24 @@ class LLMQTrainer:
             if m != mems[0]:
                 print(format_memory_table(list(m.items()), title=f"memory (rank {r})"), flush=True)
 
-    def _get(self, ref, what: str, timeout: Optional[float] = None):
-        """ray.get on a coordinator call; its errors become one LLMQError sentence."""
+    def _get(self, ref, what: str, timeout: Optional[float] = None, bar=None):
+        """ray.get on a coordinator call; its errors become one LLMQError sentence. ``bar``: an ``EvalBar``
+        fed with the coordinator's eval progress while the call runs (polled every 0.25 s)."""
+        import time
+
         import ray
         import ray.exceptions as rex
 
         limit = timeout or (self.spec.call_timeout_s + 120.0 if self.spec else 3600.0)
+        deadline = time.monotonic() + limit
         try:
-            return ray.get(ref, timeout=limit)
+            if bar is not None and bar.enabled:
+                while not ray.wait([ref], timeout=max(min(0.25, deadline - time.monotonic()), 0.0))[0]:
+                    if time.monotonic() >= deadline:
+                        break
+                    bar.show(self._eval_progress())
+                bar.end()
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
         except rex.GetTimeoutError:
             raise WorkerError(f"the run did not finish {what} within {limit:.0f} s; it was stopped.") from None
         except rex.RayTaskError as exc:
@@ -309,6 +328,24 @@ class LLMQTrainer:
             raise wrap_error(exc, None, what) from None
         except rex.RayActorError as exc:
             raise wrap_error(exc, None, what) from None
+
+    def _eval_progress(self) -> Optional[dict]:
+        """The coordinator's report on the eval running now (see ``Coordinator.progress``); None if none,
+        or if it does not answer within 2 s."""
+        import ray
+
+        from actors.worker import PROBE_GROUP
+
+        try:
+            return ray.get(self.coordinator.progress.options(concurrency_group=PROBE_GROUP).remote(), timeout=2.0)
+        except Exception:  # noqa: BLE001 - a bar is never worth an error
+            return None
+
+    def _eval_bar(self, under=None):
+        """An ``EvalBar`` on stdout (off with --no-progress, verbose=False, or when stdout is no terminal)."""
+        from llmq_ray.progress import EvalBar
+
+        return EvalBar(sys.stdout, enabled=self.verbose and self.progress, under=under)
 
     # ------------------------------------------------------------------ whole run
     def fit(self) -> Result:
@@ -323,19 +360,20 @@ class LLMQTrainer:
 
             bar = Progress(self.opts.steps, "train", unit="step", stream=sys.stdout,
                            enabled=self.verbose and self.progress, initial=done)
+            evals = self._eval_bar(under=bar)  # periodic evals run inside train_step
             while done < self.opts.steps:
                 # keep one step queued behind the running one: the coordinator never waits for us
                 while len(in_flight) < 2 and submitted < self.opts.steps:
                     in_flight.append(self.coordinator.train_step.remote())
                     submitted += 1
-                out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout())
+                out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout(), bar=evals)
                 done += 1
                 if self.verbose:
                     for line in out["lines"]:
                         bar.write(line)
                 bar.update(1, loss=f"{out['record']['loss']:.4f}" if out.get("record") else "")
             bar.close()
-            fin = self._get(self.coordinator.finish.remote(), "final eval and export")
+            fin = self._get(self.coordinator.finish.remote(), "final eval and export", bar=self._eval_bar())
             self._print(fin["lines"])
             hist = self._get(self.coordinator.get_history.remote(), "history")
             summary = fin["summary"]
@@ -351,9 +389,10 @@ class LLMQTrainer:
 
     def _step_timeout(self) -> float:
         """How long one train_step call on the coordinator may take: a step, a checkpoint, and room for the
-        automatic restarts (set-up, loading, the lost steps trained again)."""
+        automatic restarts (set-up, loading, the lost steps trained again). A backstop only: the
+        coordinator bounds every worker call itself."""
         s = self.spec
-        return (s.call_timeout_s + 120.0) * (2 + 2 * s.max_restarts)
+        return (s.step_timeout_s + s.call_timeout_s + 120.0) * (2 + 2 * s.max_restarts)
 
     def _print(self, lines) -> None:
         if self.verbose:
@@ -379,14 +418,14 @@ class LLMQTrainer:
     def train_step(self) -> dict:
         """grad_accumulation micro-steps + update in one Ray call per worker; prints the [T] line."""
         self.start()
-        out = self._get(self.coordinator.train_step.remote(), "train_step")
+        out = self._get(self.coordinator.train_step.remote(), "train_step", bar=self._eval_bar())
         self._print(out["lines"])
         return out["record"]
 
     def validate(self, full: bool = False) -> Optional[float]:
         """Eval loss over eval_num_steps batches (``full``: the whole eval file); None without eval file."""
         self.start()
-        rec = self._get(self.coordinator.validate.remote(full), "validate")
+        rec = self._get(self.coordinator.validate.remote(full), "validate", bar=self._eval_bar())
         if rec is None:
             return None
         self._print([rec["line"]])

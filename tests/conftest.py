@@ -18,10 +18,14 @@ Usage::
     def test_something(ray_cluster):
         import ray
         assert ray.is_initialized()
+
+``shards`` (session scope): the small token files the runtime tests train on (see its docstring).
 """
 
 import os
+import pathlib
 import shutil
+from typing import NamedTuple
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -64,3 +68,27 @@ def ray_cluster():
         if started:
             ray.shutdown()
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+class RuntimeShards(NamedTuple):
+    train: str   # path of train.bin
+    eval: str    # path of eval.bin
+    folder: pathlib.Path  # the folder holding both
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory) -> RuntimeShards:
+    """train.bin: 4,000 tokens (vocab 512) of a noisy periodic sequence -- learnable, so losses move; 235
+    windows of 17 (seq_len 16), so short runs cross no epoch boundary. eval.bin: its first 1,200 tokens."""
+    import numpy as np
+
+    from data_pipeline.shards import write_shard
+
+    folder = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    toks = (np.arange(4000) * 7 % 512).astype(np.int32)
+    noise = rng.random(4000) < 0.1
+    toks[noise] = rng.integers(0, 512, noise.sum())
+    write_shard(str(folder / "train.bin"), toks, 512)
+    write_shard(str(folder / "eval.bin"), toks[:1200], 512)
+    return RuntimeShards(str(folder / "train.bin"), str(folder / "eval.bin"), folder)

@@ -13,6 +13,8 @@ import dataclasses
 
 import torch
 
+from _helpers import perturb_norms_and_biases
+
 DEV = "cuda"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -267,17 +269,6 @@ def fp8_model_config():
 FP8_B, FP8_T = 4, 512
 
 
-def _perturb_norms_and_biases(model):
-    """Trained models have non-zero QKV biases and norm weights away from 1; init has neither, which would hide
-    a bias applied at the wrong scale inside the FP8 GEMM."""
-    gen = torch.Generator().manual_seed(123)
-    for slot in model.layout:
-        if slot.name.endswith(("qkv_b", "ln1_w", "ln2_w", "final_norm")):
-            view = model.params[slot.offset:slot.end]
-            noise = torch.randn(view.shape, generator=gen).to(view.device)
-            view.add_((0.5 * noise).to(view.dtype))
-
-
 def fp8_run(backend, matmul_dtype=None, gradient_dtype=None):
     """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8."""
     from backends import get_backend
@@ -288,7 +279,7 @@ def fp8_run(backend, matmul_dtype=None, gradient_dtype=None):
     model = LlamaModel(cfg, get_backend(backend, "cuda"), batch_size=FP8_B, seq_len=FP8_T, dtype=torch.bfloat16,
                        matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype)
     init_params(model.layout, model.params, seed=11)
-    _perturb_norms_and_biases(model)
+    perturb_norms_and_biases(model)
     gen = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, cfg.vocab_size, (FP8_B, FP8_T + 1), generator=gen)
     model.zero_grads()

@@ -49,10 +49,13 @@ def test_checkpoint_flags_reach_the_trainer():
     base = ["--device", "cpu", "--synthetic-data"]
     _, rt = cli.resolve_args(cli.build_parser().parse_args(base))
     assert rt["resume"] is False and rt["ckpt_interval"] == 0 and rt["ckpt_keep_n"] == 2 and rt["max_restarts"] == 3
+    assert rt["step_timeout_s"] == 1800.0
     a = cli.build_parser().parse_args(base + ["--ckpt-interval", "100", "--ckpt-keep-n", "3", "--ckpt-major", "1000",
                                               "--continue", "--max-restarts", "5", "--skip-update-on-spike",
-                                              "--spike-window", "16", "--spike-threshold", "4.5"])
+                                              "--spike-window", "16", "--spike-threshold", "4.5",
+                                              "--step-timeout-s", "90"])
     _, rt = cli.resolve_args(a)
+    assert rt["step_timeout_s"] == 90.0
     assert (rt["ckpt_interval"], rt["ckpt_keep_n"], rt["ckpt_major"], rt["resume"]) == (100, 3, 1000, "latest")
     assert (rt["max_restarts"], rt["skip_update_on_spike"], rt["spike_window"], rt["spike_threshold"]) == (5, True, 16, 4.5)
     for arg in ("12", "/some/ckpt/step_00000012"):

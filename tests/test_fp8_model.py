@@ -7,6 +7,7 @@ gradients pointing the same way, recomputation still bit-identical, and the e5m2
 import pytest
 import torch
 
+from _helpers import perturb_norms_and_biases
 from backends import get_backend
 from llmq_ray.config import ModelConfig
 from llmq_ray.model import LlamaModel, RecomputeOptions
@@ -16,22 +17,11 @@ CFG = ModelConfig("qwen2", 128, 352, 2, 4, 2, 1000, tie_word_embeddings=False, q
 B, T = 2, 32
 
 
-def _perturb_norms_and_biases(model):
-    """Trained models have non-zero QKV biases and norm weights away from 1; init has neither, which would hide
-    a bias applied at the wrong scale inside the FP8 GEMM."""
-    gen = torch.Generator().manual_seed(123)
-    for slot in model.layout:
-        if slot.name.endswith(("qkv_b", "ln1_w", "ln2_w", "final_norm")):
-            view = model.params[slot.offset:slot.end]
-            noise = torch.randn(view.shape, generator=gen).to(view.device)
-            view.add_((0.5 * noise).to(view.dtype))
-
-
 def _run(matmul_dtype=None, gradient_dtype=None, recompute=None):
     model = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
                        matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype, recompute=recompute)
     init_params(model.layout, model.params, seed=7)
-    _perturb_norms_and_biases(model)
+    perturb_norms_and_biases(model)
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, CFG.vocab_size, (B, T + 1), generator=gen)
     model.zero_grads()

@@ -15,6 +15,7 @@ import types
 import pytest
 import torch
 
+from _helpers import FakeTTY
 from backends import get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
@@ -165,11 +166,6 @@ def test_plot_training_run_writes_a_png(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- progress
-class FakeTTY(io.StringIO):
-    def isatty(self):
-        return True
-
-
 class FakeClock:
     def __init__(self):
         self.t = 100.0
@@ -222,6 +218,47 @@ def test_progress_bar_is_off_without_tty_or_when_disabled(monkeypatch):
         bar.update(1)
     assert tty.getvalue().count("\r") == 1  # drawn once in the first update, then throttled
     assert bar.render().startswith("tokenize 5 doc | 10.00 doc/s | elapsed 0:00")
+
+
+def test_eval_bar_replaces_the_training_bar_while_an_eval_runs(monkeypatch):
+    """EvalBar, fed the coordinator's reports, draws an eval bar over batches in place of the training bar,
+    starts over when another eval begins, erases itself when the eval is over, and the training bar comes
+    back with the next log line. Off without a terminal, with --no-progress, or LLMQ_NO_PROGRESS."""
+    from llmq_ray.progress import EvalBar, Progress
+
+    monkeypatch.delenv("LLMQ_NO_PROGRESS", raising=False)
+    tty, clock = FakeTTY(), FakeClock()
+    train = Progress(10, "train", unit="step", stream=tty, width=10, min_interval=0.0, clock=clock)
+    train.update(4)
+    train_line = train.render()
+    ev = EvalBar(tty, under=train, clock=clock)
+    ev.show(None)  # no eval running: nothing happens
+    assert tty.getvalue() == "\r" + train_line
+    ev.show({"done": 0, "total": 8, "full": False})
+    assert tty.getvalue().endswith("\r" + " " * len(train_line) + "\r" + "\r" + ev.bar.render())
+    clock.t += 2.0
+    ev.show({"done": 6, "total": 8, "full": False})
+    line = ev.bar.render()
+    assert line.startswith("eval [") and " 6/8  75.0% | 3.00 batch/s | ETA 0:01" in line
+    assert tty.getvalue().endswith("\r" + line)
+    ev.show({"done": 1, "total": 37, "full": True})  # the next eval began between two polls
+    assert ev.bar.render().startswith("final eval [") and " 1/37 " in ev.bar.render()
+    ev.show(None)
+    assert ev.bar is None
+    text = tty.getvalue()
+    last = text.rsplit("final eval [", 1)[1]
+    assert last.endswith("\r") and last.split("\r", 1)[1].strip() == ""  # the eval line was erased
+    train.write("[V] step 4 | eval loss 3.1")
+    assert tty.getvalue().endswith("[V] step 4 | eval loss 3.1\n\r" + train.render())
+    assert train.render().startswith("train [####------]  4/10")
+
+    for stream, enabled in ((io.StringIO(), True), (FakeTTY(), False)):  # no terminal; --no-progress
+        off = EvalBar(stream, enabled=enabled)
+        off.show({"done": 3, "total": 8, "full": True})
+        off.end()
+        assert not off.enabled and off.bar is None and stream.getvalue() == ""
+    monkeypatch.setenv("LLMQ_NO_PROGRESS", "1")
+    assert not EvalBar(FakeTTY()).enabled
 
 
 # ---------------------------------------------------------------------------------------------- NVML

@@ -7,6 +7,7 @@ fixture. Worker calls carry short timeouts, so a bug shows up as a failure, not 
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.request
 
@@ -19,21 +20,6 @@ from llmq_ray.errors import CheckpointError, ConfigError, DataError
 from llmq_ray.trainer import LLMQTrainer, Result
 
 FAST = dict(collective_timeout_s=60.0, call_timeout_s=120.0, use_ray_data=False, verbose=False)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """train.bin: 4,000 tokens of a noisy periodic sequence (learnable, so losses move); eval.bin: 1,200."""
-    from data_pipeline.shards import write_shard
-
-    folder = tmp_path_factory.mktemp("rt")
-    rng = np.random.default_rng(0)
-    toks = (np.arange(4000) * 7 % 512).astype(np.int32)
-    noise = rng.random(4000) < 0.1
-    toks[noise] = rng.integers(0, 512, noise.sum())
-    write_shard(str(folder / "train.bin"), toks, 512)
-    write_shard(str(folder / "eval.bin"), toks[:1200], 512)
-    return str(folder / "train.bin"), str(folder / "eval.bin"), folder
 
 
 def _run(shards, out, **kw) -> Result:
@@ -187,6 +173,9 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
         LLMQTrainer(model="tiny", train_file=str(folder / "nothing-here-*.bin"), device="cpu", **FAST)
     with pytest.raises(ConfigError, match="lmhead-chunks=3 must divide"):
         LLMQTrainer(model="tiny", train_file=train, batch_size=2, seq_len=16, lmhead_chunks=3, **FAST)
+    for bad in (0, -5.0, float("nan"), "60"):
+        with pytest.raises(ConfigError, match=rf"^--step-timeout-s={bad!r} must be a number of seconds > 0"):
+            LLMQTrainer(model="tiny", train_file=train, step_timeout_s=bad, **FAST)
     with pytest.raises(CheckpointError, match=r"^--continue: no valid checkpoint in .*nowhere"):
         LLMQTrainer(model="tiny", train_file=train, resume=True, checkpoint_dir=str(tmp_path / "nowhere"), **FAST)
     with pytest.raises(ConfigError, match="no GPUs"):
@@ -240,3 +229,26 @@ def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, sh
         allocators = [rec for rec in json.load(f) if rec["log"] == "allocator"]
     assert sorted(r["rank"] for r in allocators) == [0, 1]
     assert all(r["weights"] > 0 and r["activations"] > 0 for r in allocators)
+
+
+def test_eval_progress_bar_follows_the_workers(ray_cluster, shards, tmp_path, monkeypatch):
+    """On a terminal, fit() draws an eval bar over the eval batches while the workers evaluate -- the
+    periodic eval inside a train step (10 batches) and the final eval (37 batches: 74 windows of 17 in
+    eval.bin, B=2) -- from rank 0's progress, polled through the coordinator, and erases it afterwards.
+    Rank 0 sleeps 0.1 s per eval batch (test hook) so that the polls see the evals running."""
+    from _helpers import FakeTTY
+
+    monkeypatch.delenv("LLMQ_NO_PROGRESS", raising=False)
+    tty = FakeTTY()
+    monkeypatch.setattr("sys.stdout", tty)
+    res = _run(shards, tmp_path, workers=1, steps=3, eval_every_n_steps=2, eval_num_steps=10, export=False,
+               verbose=True, fault={"kind": "slow_eval", "rank": 0, "step": -1, "seconds": 0.1})
+    assert [e["batches"] for e in res.evals] == [10, 37]
+    out = tty.getvalue()
+    periodic = re.findall(r"\reval \[[#-]+\] +(\d+)/10 ", out)
+    final = re.findall(r"\rfinal eval \[[#-]+\] +(\d+)/37 ", out)
+    assert periodic and final, out
+    assert [int(n) for n in final] == sorted(int(n) for n in final) and int(final[-1]) > int(final[0])
+    tail = out.rsplit("final eval [", 1)[1]
+    assert re.match(r"[^\r\n]*\r +\r", tail)  # erased, not left on screen
+    assert "[V]" in out and "train [" in out

@@ -6,8 +6,9 @@ up to float summation order, see test_runtime.py), each writing checkpoints at s
 
 * a run resumed from step 6 on the same world size reproduces steps 7-12 and the final weights bit for bit;
 * a run resumed on the other world size (1 -> 2 here, 2 -> 1 in the crash test) continues within 1e-5;
-* a worker SIGKILLed after the first checkpoint: the coordinator rebuilds the group by itself and the
-  final loss equals the uninterrupted run's;
+* a worker SIGKILLed after the first checkpoint, or one that hangs past --step-timeout-s: the coordinator
+  rebuilds the group by itself and the final loss equals the uninterrupted run's; a worker that keeps
+  hanging ends the run in one sentence naming its rank and the timeout;
 * a worker killed halfway through writing a checkpoint: no step_* folder for it, and --continue takes the
   previous one (skipping a newer incomplete folder with a warning), here on another world size;
 * a NaN gradient is skipped and logged; the spike guard's skips agree across ranks;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 
 import numpy as np
@@ -37,22 +39,8 @@ BASE = dict(model="tiny", steps=12, batch_size=2, seq_len=16, learning_rate=3e-3
 SHAPE = {1: dict(workers=1, grad_accumulation=2), 2: dict(workers=2, grad_accumulation=1)}
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """train.bin: 4,000 tokens of a noisy periodic sequence (235 windows of 17: no epoch boundary is crossed)."""
-    from data_pipeline.shards import write_shard
-
-    folder = tmp_path_factory.mktemp("ckrt")
-    rng = np.random.default_rng(0)
-    toks = (np.arange(4000) * 7 % 512).astype(np.int32)
-    noise = rng.random(4000) < 0.1
-    toks[noise] = rng.integers(0, 512, noise.sum())
-    write_shard(str(folder / "train.bin"), toks, 512)
-    return str(folder / "train.bin")
-
-
-def _run(train: str, out, world: int, **kw) -> Result:
-    args = dict(BASE, train_file=train, out_dir=str(out), **SHAPE[world], **FAST)
+def _run(shards, out, world: int, **kw) -> Result:
+    args = dict(BASE, train_file=shards.train, out_dir=str(out), **SHAPE[world], **FAST)
     args.update(kw)
     return LLMQTrainer(**args).fit()
 
@@ -146,6 +134,38 @@ def test_killed_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_p
         os.kill(old_pids[1], 0)  # the killed worker is gone
 
 
+def test_hung_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_path):
+    """Rank 1 blocks forever at the start of step 9 (alive, not dead) while rank 0 waits for it in the
+    update's collective. The step outlasts --step-timeout-s; the coordinator pins the hang on rank 1 (rank 0
+    is only waiting), kills the group, rebuilds it from step 6 and ends at the uninterrupted run's losses."""
+    ref = reference[2]
+    res = _run(shards, tmp_path, 2, step_timeout_s=3.0, fault={"kind": "hang", "rank": 1, "step": 8})
+    assert res.metrics["restarts"] == 1
+    assert _losses(res) == _losses(ref)
+    log = _log(res)
+    kinds = [r["log"] for r in log]
+    failure = log[kinds.index("failure")]
+    assert failure["step"] == 8
+    assert re.fullmatch(r"rank 1 hung in step 9, at the start of the step, with no progress for \d+ s while rank 0 "
+                        r"waited for it: the step did not finish within --step-timeout-s=3\.", failure["error"])
+    assert log[kinds.index("restart")]["checkpoint"].endswith("step_00000006")
+    old_pids = [r["pid"] for r in log if r["log"] == "gpu"]
+    assert not set(log[kinds.index("restarted")]["pids"]) & set(old_pids)
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pids[1], 0)  # the hung process was killed, not left behind
+
+
+def test_worker_that_keeps_hanging_ends_the_run_in_one_sentence(ray_cluster, shards, tmp_path):
+    """A rank that hangs again after the restart: the run ends (no third group) with one sentence naming
+    the rank, the step, the timeout and the restarts used."""
+    with pytest.raises(WorkerError) as info:
+        _run(shards, tmp_path, 2, steps=4, ckpt_interval=2, max_restarts=1, step_timeout_s=3.0, export=False,
+             fault={"kind": "hang", "rank": 1, "step": 2, "every_group": True})
+    assert re.fullmatch(r"rank 1 hung in step 3, at the start of the step, with no progress for \d+ s while rank 0 "
+                        r"waited for it: the step did not finish within --step-timeout-s=3; gave up after 1 "
+                        r"automatic restart\(s\) \(--max-restarts=1\)\.", str(info.value))
+
+
 def test_crash_while_saving_then_continue(reference, shards, tmp_path):
     """Rank 1 of 2 dies halfway through writing checkpoint 9 (no automatic restart): the run fails in one
     sentence naming rank 1, and no step_00000009 appears. --continue then resumes from step 6 -- skipping a
@@ -216,6 +236,28 @@ def test_checksum_mismatch_and_full_disk_are_one_sentence(reference, shards, tmp
 
 
 # ---------------------------------------------------------------------------------------------------- no Ray
+def test_hang_is_pinned_on_the_rank_behind_the_others():
+    """find_hung_ranks: where each rank stands inside the step (``GPUWorker.activity``) decides who hung."""
+    from actors.failures import find_hung_ranks
+
+    def at(step, where):
+        return {"step": step, "at": where, "what": "...", "seconds": 9.0}
+
+    # the step timed out: rank 1 never got past the start while ranks 0 and 2 wait in the update
+    acts = {0: at(8, 2), 1: at(8, -1), 2: at(8, 2)}
+    assert find_hung_ranks(acts, [0, 1, 2], None) == [1]
+    # all at the same point (a collective hanging as a whole): every pending rank is named
+    assert find_hung_ranks({0: at(8, 2), 1: at(8, 2)}, [0, 1], None) == [0, 1]
+    # a rank that does not even answer the probe (frozen process) is the one
+    assert find_hung_ranks({0: at(8, -1), 1: None}, [0, 1], None) == [1]
+    # rank 0's collective timed out first, waiting in the update for rank 1, still reading micro-batch 0
+    assert find_hung_ranks({0: at(8, 2), 1: at(8, 0)}, [1], 0) == [1]
+    # rank 0 failed by itself early in the step while rank 1 waits further on: rank 0's own error stands
+    assert find_hung_ranks({0: at(8, 1), 1: at(8, 2)}, [1], 0) == []
+    # the failed rank is gone (killed): only a silent pending rank would be blamed
+    assert find_hung_ranks({0: None, 1: at(8, 2)}, [1], 0) == []
+
+
 def test_spike_guard_zscores_limits_and_state():
     """z-scores over a full window only; limits = mean + threshold * std; NaN never enters a window; the
     state round-trips (what the checkpoint manifest carries)."""

@@ -163,3 +163,40 @@ def test_ray_path_matches_plain_path_and_resumes(shard_dir, tmp_path, ray_cluste
             x, y = resumed.next_batch()
             assert (x == expected[j][0]).all() and (y == expected[j][1]).all(), (rank, j)
         resumed.close()
+
+
+def test_prefetcher_hands_over_items_errors_and_stops_on_close():
+    """The background thread delivers items in order, then the generator's exception (or StopIteration at
+    its end); close() with a full queue stops the thread instead of leaving it blocked on put()."""
+    import threading
+
+    from data_pipeline.stream import _Prefetcher
+
+    def failing():
+        yield from range(3)
+        raise DataError("shard went away")
+
+    p = _Prefetcher(failing(), depth=1)
+    assert [p.get() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(DataError, match="shard went away"):
+        p.get()
+    p.close()
+
+    p = _Prefetcher(iter(range(2)), depth=4)
+    assert [p.get(), p.get()] == [0, 1]
+    with pytest.raises(StopIteration):
+        p.get()
+    p.close()
+
+    produced = threading.Event()
+
+    def endless():
+        for i in range(10**9):
+            if i == 2:
+                produced.set()  # items 0 and 1 fill the queue (depth 2): the thread now blocks putting item 2
+            yield i
+
+    p = _Prefetcher(endless(), depth=2)
+    assert produced.wait(10)
+    p.close()
+    assert not p._t.is_alive()
