@@ -142,6 +142,12 @@ class LLMQTrainer:
     def _check_inputs(self) -> None:
         o, r = self.opts, self.runtime
         cfg, _ = resolve_model(o.model)
+        from llmq_ray.optim import learning_rate_at
+
+        # the schedule's own checks (--warmup in [0, --steps), wsd cooldown room), before any actor starts
+        learning_rate_at(0, base_lr=o.learning_rate, total_steps=o.steps, warmup_steps=o.warmup,
+                         schedule=o.lr_schedule, final_lr_fraction=o.final_lr_fraction,
+                         cooldown_fraction=o.cooldown_fraction)
         n = o.batch_size * o.seq_len
         if n % o.lmhead_chunks:
             raise ConfigError(f"--lmhead-chunks={o.lmhead_chunks} must divide --batch-size x --seq-len = {n}.")

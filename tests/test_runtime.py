@@ -171,6 +171,8 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
     train, _, folder = shards
     with pytest.raises(DataError, match="nothing-here"):
         LLMQTrainer(model="tiny", train_file=str(folder / "nothing-here-*.bin"), device="cpu", **FAST)
+    with pytest.raises(ConfigError, match=r"--warmup must be an integer in \[0, --steps\)"):
+        LLMQTrainer(model="tiny", train_file=train, steps=2, warmup=2, **FAST)  # refused before any actor starts
     with pytest.raises(ConfigError, match="lmhead-chunks=3 must divide"):
         LLMQTrainer(model="tiny", train_file=train, batch_size=2, seq_len=16, lmhead_chunks=3, **FAST)
     for bad in (0, -5.0, float("nan"), "60"):
