@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the per-layer residual stream saved for the backward in host memory")
     o.add_argument("--use-zero-copy", action="store_true",
                    help="the optimizer kernel reads/writes the offloaded host state directly instead of streaming "
-                   "it (CUDA: cupy backend)")
+                   "it (not supported on CUDA yet)")
     o.add_argument("--opt-chunk-size", type=int, default=1 << 25,
                    help="elements per optimizer chunk: the unit offloaded state streams in (and of the "
                    "stochastic-rounding seeds)")

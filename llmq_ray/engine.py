@@ -111,11 +111,12 @@ class TrainEngine:
         opts.validate()
         self.cfg, self.opts, self.backend = cfg, opts, backend
         self.comm = comm or Communicator()
-        if opts.use_zero_copy and backend.device.type == "cuda" and backend.name != "cupy":
-            # Triton 3.6 refuses pinned host pointers at launch ("cannot be accessed from Triton", seen on the
-            # H100); the CuPy kernels take raw pointers, which pinned memory provides under unified addressing.
-            raise ConfigError(f"--use-zero-copy needs --backend cupy on CUDA (the {backend.name} backend's "
-                              f"kernels cannot read host memory); drop --use-zero-copy to stream instead.")
+        if opts.use_zero_copy and backend.device.type == "cuda":
+            # Seen on the H100: Triton 3.6 refuses pinned host pointers at launch ("cannot be accessed from
+            # Triton"), and the CuPy AdamW kernel on torch-pinned host tensors hits an illegal memory access.
+            # Until the host state is allocated as mapped memory with its device alias, CUDA runs stream.
+            raise ConfigError("--use-zero-copy is not supported on CUDA yet (the kernels cannot read this pinned "
+                              "host memory directly); drop it: the offloaded state streams through the GPU.")
         dtype = opts.torch_dtype
         self.device = backend.device
         world, rank = self.comm.world_size, self.comm.rank

@@ -139,18 +139,16 @@ def test_nonsense_offload_flags(kwargs, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["torch", "triton", "cupy"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_offload_on_cuda_is_bit_identical(backend):
-    """On a GPU: pinned host state, side-stream copies and (cupy) zero-copy kernels on pinned memory give
-    the same bits as the resident run."""
-    if backend == "cupy":
-        pytest.importorskip("cupy")
+    """On a GPU: pinned host state and side-stream copies give the same bits as the resident run; zero-copy
+    is refused on CUDA (one sentence)."""
     ref_losses, ref = _train(backend, "cuda")
     everything = dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True,
                       offload_residual=True)
     runs = [everything, dict(everything, zero_level=3)]
-    if backend == "cupy":
-        runs.append(dict(everything, use_zero_copy=True))
+    with pytest.raises(ConfigError, match="--use-zero-copy is not supported on CUDA yet"):
+        _train(backend, "cuda", **dict(everything, use_zero_copy=True))
     for flags in runs:
         losses, e = _train(backend, "cuda", **flags)
         assert e.optimizer.m.is_pinned() and e.grad_shard.is_pinned(), flags
