@@ -210,3 +210,18 @@ def test_offload_on_cuda_is_bit_identical(backend):
         assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
         for name, t in e.optimizer.state_tensors().items():
             assert torch.equal(t.cpu(), ref.optimizer.state_tensors()[name].cpu()), (flags, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_weight_copies_on_cuda_are_bit_identical(backend):
+    """On a GPU: pinned float8 host copies fetched on the side stream (--offload-quants), and ZeRO-3's
+    per-layer / once-per-step copies, give the same bits as the resident e4m3 run."""
+    ref_losses, ref = _train(backend, "cuda", matmul_dtype="e4m3")
+    for flags in QUANT_FLAGS + [dict(zero_level=3, persistent_quants=True)]:
+        losses, e = _train(backend, "cuda", matmul_dtype="e4m3", **flags)
+        if flags.get("offload_quants"):
+            assert all(t.is_pinned() for t in e.model.lin.host_tensors()), flags
+        assert losses == ref_losses, flags
+        assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
