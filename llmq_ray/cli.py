@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the sharded gradient accumulator in host memory (needs --zero-level 2 or 3)")
     o.add_argument("--offload-residual", action="store_true",
                    help="keep the per-layer residual stream saved for the backward in host memory")
+    o.add_argument("--persistent-quants", action="store_true",
+                   help="with --matmul-dtype e4m3: keep every layer's FP8 weight copies for the whole step (always "
+                   "so below ZeRO-3; under ZeRO-3 each layer is then gathered once per step instead of every pass)")
+    o.add_argument("--offload-quants", action="store_true",
+                   help="keep the persistent FP8 weight copies in host memory, fetched one layer ahead "
+                   "(needs --persistent-quants)")
     o.add_argument("--use-zero-copy", action="store_true",
                    help="the optimizer kernel reads/writes the offloaded host state directly instead of streaming "
                    "it (not supported on CUDA yet)")
@@ -162,6 +168,7 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         recompute_block=a.recompute_block, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
         offload_master=a.offload_master, offload_opt_m=a.offload_opt_m, offload_opt_v=a.offload_opt_v,
         offload_gradients=a.offload_gradients, offload_residual=a.offload_residual, use_zero_copy=a.use_zero_copy,
+        persistent_quants=a.persistent_quants, offload_quants=a.offload_quants,
         opt_chunk_size=a.opt_chunk_size, zero_level=a.zero_level, shard_gradients=a.shard_gradients,
         shard_weights=a.shard_weights, use_cuda_graphs=a.use_cuda_graphs, seed=a.seed)
     if opts.matmul_dtype == opts.model_dtype:

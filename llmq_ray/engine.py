@@ -128,7 +128,7 @@ class TrainEngine:
         model_kw = dict(batch_size=opts.batch_size, seq_len=opts.seq_len, dtype=dtype, recompute=opts.recompute,
                         lmhead_chunks=opts.lmhead_chunks, matmul_dtype=opts.matmul_dtype,
                         gradient_dtype=opts.gradient_dtype, offload_residual=opts.offload_residual,
-                        attn_bwd_chunks=opts.attn_bwd_chunks)
+                        attn_bwd_chunks=opts.attn_bwd_chunks, quants=opts.quants_placement)
         if self.zero3:  # only this rank's shard of the weights (llmq_ray/zero3.py)
             self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
                                         sink=self._add_grad_piece)
@@ -234,7 +234,7 @@ class TrainEngine:
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Everything this engine keeps in host memory because of an --offload-* flag (memory table)."""
-        out = self.optimizer.host_tensors() + self.model.acts.residual.host_tensors()
+        out = self.optimizer.host_tensors() + self.model.acts.residual.host_tensors() + self.model.lin.host_tensors()
         if self.opts.offload_gradients and self.grad_shard is not None:
             out.append(self.grad_shard)
         return out

@@ -17,9 +17,27 @@ the QKV gradient need one extra absmax pass.
 ``store_xt`` (on unless the model recomputes activations): the forward quantizes x in both layouts in one
 pass and keeps q(x^T) for the wgrad, instead of reading the bf16 x again in the backward to re-quantize it.
 It costs one FP8 byte per GEMM input element per layer (2.97 GB for Qwen2.5-0.5B at B=16, T=1024) and saves
-2 bytes of traffic per element per micro-step. Weights change only at the optimizer
-update, so their two FP8 copies (W and W^T) are made once per step (``invalidate_weights``) and reused by
-every micro-step, the recomputation and the backward.
+2 bytes of traffic per element per micro-step.
+
+Weight copies. Weights change only at the optimizer update, and quantizing the same bf16 values again gives
+the same bytes, so *when* W_q / W^T_q are made never changes the results -- only what it costs:
+
+* ``quants="persistent"`` (ZeRO-1/2 always; ZeRO-3 with --persistent-quants): the copies of all L layers
+  stay for the whole optimizer step (``invalidate_weights`` at each step's start); each layer is quantized
+  once per step, at its first use (with resident weights: all layers at once, before the first GEMM, so a
+  CUDA graph replay only reads them). Costs as many device bytes as the bf16 block weights. Under ZeRO-3
+  a layer's bf16 weights are then needed only once per step (``needs_weights``), so the store gathers each
+  layer once per step instead of twice per micro-step.
+* ``quants="host"`` (--offload-quants): the same persistent copies, kept in (pinned) host memory; two device
+  slots hold layer l in slot l % 2, fetched one layer ahead on a side stream (like --offload-residual). A
+  layer's first use in a step quantizes into its slot and copies the result out to the host.
+* ``quants="layer"`` (ZeRO-3 default): only two device slots; ``begin_layer(l)`` quantizes layer l from its
+  just-gathered weights unless the slot still holds l from earlier in this step (the last two layers of the
+  forward are reused by the backward). Costs two layers of FP8 bytes and one weight quantization per layer
+  per forward and per backward pass. The forward, the recomputation and the backward of a micro-step all
+  read the copy made from the same bf16 weights of this step, so they see the same bytes.
+
+The model announces each layer with ``begin_layer(layer, backward)`` after the weight store's ``begin``.
 
 Forward operands use e4m3 (more mantissa); gradient operands use ``gradient_dtype`` (e4m3 or e5m2, more range),
 each scaled to its own format's maximum.
@@ -38,23 +56,34 @@ BLOCK_WEIGHTS = ("qkv_w", "out_w", "up_gate_w", "down_w")
 class BlockLinears:
     """Runs the block GEMMs for a model; ``fp8=False`` is a thin pass-through to ``backend.matmul``.
 
-    weights: the model's named views (``layers.{l}.{name}``); rows = N tokens of a micro-batch.
-    FP8 scratch (allocated once): x / dy quantized [N, maxK], x^T / dy^T quantized [maxK, N], and the
-    per-step weight copies W_q [OC, K], W^T_q [K, OC] for every block weight (as many bytes as the bf16 weights).
+    weights: the model's named views (``layers.{l}.{name}``, read only when quantizing or in the model dtype);
+    shapes: {key: (OC, K)} of every block weight (known without touching the weights, which ZeRO-3 has not
+    gathered yet); rows = N tokens of a micro-batch.
+    FP8 scratch (allocated once): x / dy quantized [N, maxK], x^T / dy^T quantized [maxK, N]; the weight
+    copies W_q [OC, K] and W^T_q [K, OC] (e4m3) and a descale (fp32 0-d, on the device) per block weight,
+    held as ``quants`` says (module docstring): all layers on the device ("persistent"), all layers in host
+    memory plus two device slots ("host"), or two device slots only ("layer").
+    ``sharded``: the weights are not all resident (ZeRO-3), so persistent copies are made one layer at a time
+    in ``begin_layer`` rather than all at once.
     """
 
-    def __init__(self, backend: Backend, weights: dict[str, torch.Tensor], num_layers: int, rows: int,
-                 matmul_dtype: str | None, gradient_dtype: str | None, store_xt: bool = True):
+    QUANTS = ("persistent", "host", "layer")
+
+    def __init__(self, backend: Backend, weights, shapes: dict[str, tuple[int, int]], num_layers: int, rows: int,
+                 matmul_dtype: str | None, gradient_dtype: str | None, store_xt: bool = True,
+                 quants: str = "persistent", sharded: bool = False):
+        if quants not in self.QUANTS:
+            raise ValueError(f"quants={quants!r} must be one of {self.QUANTS}")
         self.be, self.w, self.num_layers = backend, weights, num_layers
         self.fp8 = matmul_dtype == "e4m3"
         self.store_xt = self.fp8 and store_xt
+        self.quants, self.sharded = quants, sharded
         if not self.fp8:
             return
         dev = backend.device
         self.fwd_dtype = FP8_DTYPES["e4m3"]
         self.grad_dtype = FP8_DTYPES[gradient_dtype or "e4m3"]
-        shapes = [weights[f"layers.0.{name}"].shape for name in BLOCK_WEIGHTS]
-        widest = max(max(s) for s in shapes)
+        widest = max(max(shapes[f"layers.0.{name}"]) for name in BLOCK_WEIGHTS)
         self.x_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
         self.xt_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
         self.dy_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
@@ -64,48 +93,176 @@ class BlockLinears:
         self.scales = [torch.ones((), dtype=torch.float32, device=dev) for _ in range(3)]
         self.dy_amax = torch.zeros((), dtype=torch.float32, device=dev)
         self.w_amax = torch.zeros((), dtype=torch.float32, device=dev)
+        self.key_of = {(layer, name): f"layers.{layer}.{name}" for layer in range(num_layers) for name in BLOCK_WEIGHTS}
+        self.layer_of = {key: ln for ln, key in self.key_of.items()}
+        self.w_descale = {key: torch.ones((), dtype=torch.float32, device=dev) for key in self.layer_of}
+        # persistent copies of every layer: on the device, or (quants="host") in pinned host memory
         self.w_q: dict[str, torch.Tensor] = {}
         self.wt_q: dict[str, torch.Tensor] = {}
-        self.w_descale: dict[str, torch.Tensor] = {}
-        for layer in range(num_layers):
-            for name in BLOCK_WEIGHTS:
-                key = f"layers.{layer}.{name}"
-                oc, k = weights[key].shape
-                self.w_q[key] = torch.empty(oc, k, dtype=self.fwd_dtype, device=dev)
-                self.wt_q[key] = torch.empty(k, oc, dtype=self.fwd_dtype, device=dev)
-                self.w_descale[key] = torch.ones((), dtype=torch.float32, device=dev)
+        if quants != "layer":
+            from llmq_ray.offload import host_zeros
+
+            for key in self.layer_of:
+                oc, k = shapes[key]
+                if quants == "host":
+                    self.w_q[key] = host_zeros(oc * k, self.fwd_dtype, dev).view(oc, k)
+                    self.wt_q[key] = host_zeros(oc * k, self.fwd_dtype, dev).view(k, oc)
+                else:
+                    self.w_q[key] = torch.empty(oc, k, dtype=self.fwd_dtype, device=dev)
+                    self.wt_q[key] = torch.empty(k, oc, dtype=self.fwd_dtype, device=dev)
+        # two device slots (layer l in slot l % 2): {name: (W_q [OC, K], W^T_q [K, OC])}
+        self.slots: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        if quants != "persistent":
+            for _ in range(2):
+                slot = {}
+                for name in BLOCK_WEIGHTS:
+                    oc, k = shapes[f"layers.0.{name}"]
+                    slot[name] = (torch.empty(oc, k, dtype=self.fwd_dtype, device=dev),
+                                  torch.empty(k, oc, dtype=self.fwd_dtype, device=dev))
+                self.slots.append(slot)
+        self.cuda = torch.device(dev).type == "cuda"
+        self.stream = torch.cuda.Stream(dev) if self.cuda and quants == "host" else None
+        self.copied_out: list = [None, None]  # event: the slot's fresh copies have reached the host
+        self.copied_in: list = [None, None]   # event: the slot's copies have arrived from the host
         # store_xt: q(x^T) [K, N] of every block GEMM input and its descale, written by the forward
         self.xt_store: dict[str, torch.Tensor] = {}
         self.x_descale: dict[str, torch.Tensor] = {}
         if self.store_xt:
-            for key in self.w_q:
-                self.xt_store[key] = torch.empty(weights[key].shape[1], rows, dtype=self.fwd_dtype, device=dev)
+            for key in self.layer_of:
+                self.xt_store[key] = torch.empty(shapes[key][1], rows, dtype=self.fwd_dtype, device=dev)
                 self.x_descale[key] = torch.ones((), dtype=torch.float32, device=dev)
-        self._stale = True
+        self.invalidate_weights()
 
+    # ------------------------------------------------------------------ weight copies
     def invalidate_weights(self) -> None:
         """The weights changed (optimizer update, checkpoint load): re-quantize them before the next use."""
         if self.fp8:
-            self._stale = True
+            self.valid = [False] * self.num_layers       # persistent copy of layer l is current
+            self.slot_holder: list[int | None] = [None, None]  # which layer's copies each device slot holds
 
     def ensure_quantized(self) -> None:
-        """Quantize the weights now if they changed (CUDA-graph replays only read the FP8 copies)."""
-        if self.fp8 and self._stale:
-            self._quantize_weights()
+        """Resident persistent copies: quantize every stale layer now (CUDA-graph replays only read them)."""
+        if self.fp8 and self.quants == "persistent" and not self.sharded:
+            for layer in range(self.num_layers):
+                if not self.valid[layer]:
+                    self._quantize_layer(layer, None)
+
+    def needs_weights(self, layer: int) -> bool:
+        """Whether the bf16 weights of ``layer`` will be read (ZeRO-3 skips gathering them when not): False
+        only when a persistent FP8 copy of the layer is current, as the block GEMMs then read nothing else."""
+        return not self.fp8 or self.quants == "layer" or not self.valid[layer]
+
+    def begin_layer(self, layer: int, backward: bool = False) -> None:
+        """``layer``'s GEMMs run next (its weights, if needed, are gathered): make its FP8 copies available,
+        and with quants="host" start fetching the next layer's (layer+1, or layer-1 in the backward)."""
+        if not self.fp8:
+            return
+        if self.quants == "persistent":
+            if not self.sharded:
+                self.ensure_quantized()
+            elif not self.valid[layer]:
+                self._quantize_layer(layer, None)
+            return
+        slot = layer % 2
+        if self.slot_holder[slot] != layer:
+            if self.quants == "host" and self.valid[layer]:
+                self._fetch(layer)  # not prefetched: the first layer of a pass
+            else:
+                self._claim(slot)
+                self._quantize_layer(layer, slot)
+                self.slot_holder[slot] = layer
+                if self.quants == "host":
+                    self._copy_out(layer)
+        if self.copied_in[slot] is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.copied_in[slot])
+            self.copied_in[slot] = None
+        nxt = layer - 1 if backward else layer + 1
+        if self.quants == "host" and 0 <= nxt < self.num_layers and self.valid[nxt] \
+                and self.slot_holder[nxt % 2] != nxt:
+            self._fetch(nxt)
+
+    def _quantize_layer(self, layer: int, slot: int | None) -> None:
+        """W_q, W^T_q and the descale of ``layer``'s four matrices from their current weights, into the
+        persistent copies (slot None) or device slot ``slot``."""
+        for name in BLOCK_WEIGHTS:
+            key = self.key_of[layer, name]
+            w = self.w[key]
+            dst = (self.w_q[key], self.wt_q[key]) if slot is None else self.slots[slot][name]
+            self.be.absmax(self.w_amax, w)
+            self.be.quantize_with_transpose(dst[0], dst[1], self.w_descale[key], w, self.w_amax)
+        if slot is None:
+            self.valid[layer] = True
+
+    def _claim(self, slot: int) -> None:
+        """Before the compute stream overwrites device slot ``slot``: copies into or out of it have finished."""
+        for events in (self.copied_in, self.copied_out):
+            if events[slot] is not None:
+                torch.cuda.current_stream(self.stream.device).wait_event(events[slot])
+                events[slot] = None
+
+    def _copy_out(self, layer: int) -> None:
+        """quants="host": slot layer % 2 was just quantized; copy it to the layer's host copies (side stream)."""
+        slot = layer % 2
+        pairs = [(self.w_q[self.key_of[layer, n]], self.slots[slot][n][0]) for n in BLOCK_WEIGHTS]
+        pairs += [(self.wt_q[self.key_of[layer, n]], self.slots[slot][n][1]) for n in BLOCK_WEIGHTS]
+        if self.cuda:
+            side = self.stream
+            side.wait_stream(torch.cuda.current_stream(side.device))
+            with torch.cuda.stream(side):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                self.copied_out[slot] = side.record_event()
+        else:
+            for dst, src in pairs:
+                dst.copy_(src)
+        self.valid[layer] = True
+
+    def _fetch(self, layer: int) -> None:
+        """quants="host": start copying ``layer``'s host copies into slot layer % 2 (side stream, after every
+        GEMM queued so far, which may still read the slot's previous layer)."""
+        slot = layer % 2
+        pairs = [(self.slots[slot][n][0], self.w_q[self.key_of[layer, n]]) for n in BLOCK_WEIGHTS]
+        pairs += [(self.slots[slot][n][1], self.wt_q[self.key_of[layer, n]]) for n in BLOCK_WEIGHTS]
+        if self.cuda:
+            side = self.stream
+            side.wait_stream(torch.cuda.current_stream(side.device))
+            with torch.cuda.stream(side):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                self.copied_in[slot] = side.record_event()
+        else:
+            for dst, src in pairs:
+                dst.copy_(src)
+        self.slot_holder[slot] = layer
+
+    def _copies(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W_q [OC, K], W^T_q [K, OC], descale) of block weight ``key`` for the GEMM about to run."""
+        layer, name = self.layer_of[key]
+        if self.quants == "persistent":
+            if not self.valid[layer]:
+                if self.sharded:
+                    raise RuntimeError(f"FP8 copies of layer {layer} used before begin_layer({layer})")
+                self.ensure_quantized()
+            return self.w_q[key], self.wt_q[key], self.w_descale[key]
+        slot = layer % 2
+        if self.slot_holder[slot] != layer:
+            raise RuntimeError(f"FP8 copies of layer {layer} are not on the device "
+                               f"(slot {slot} holds {self.slot_holder[slot]})")
+        w_q, wt_q = self.slots[slot][name]
+        return w_q, wt_q, self.w_descale[key]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The persistent copies kept in host memory (quants="host"), else []."""
+        return [*self.w_q.values(), *self.wt_q.values()] if self.fp8 and self.quants == "host" else []
 
     def fp8_bytes(self) -> int:
-        """Bytes of FP8 scratch and weight copies (0 in the model dtype)."""
+        """Bytes of FP8 scratch and weight copies on the device (0 in the model dtype)."""
         if not self.fp8:
             return 0
-        tensors = [self.x_q, self.xt_q, self.dy_q, self.dyt_q, *self.w_q.values(), *self.wt_q.values(),
-                   *self.xt_store.values()]
+        slots = [t for s in self.slots for pair in s.values() for t in pair]
+        copies = [] if self.quants == "host" else [*self.w_q.values(), *self.wt_q.values()]
+        tensors = [self.x_q, self.xt_q, self.dy_q, self.dyt_q, *copies, *slots, *self.xt_store.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
-
-    def _quantize_weights(self) -> None:
-        for key, w in ((k, self.w[k]) for k in self.w_q):
-            self.be.absmax(self.w_amax, w)
-            self.be.quantize_with_transpose(self.w_q[key], self.wt_q[key], self.w_descale[key], w, self.w_amax)
-        self._stale = False
 
     # ------------------------------------------------------------------ the three GEMMs
     def forward(self, out: torch.Tensor, x: torch.Tensor, key: str, x_amax: torch.Tensor | None,
@@ -114,8 +271,7 @@ class BlockLinears:
         if not self.fp8:
             self.be.matmul(out, x, self.w[key], transpose_b=True, bias=bias)
             return
-        if self._stale:
-            self._quantize_weights()
+        w_q, _, w_descale = self._copies(key)
         xq = self.x_q[:x.numel()].view(x.shape)
         if self.store_xt:  # both layouts in one pass; q(x^T) waits for this layer's wgrad
             descale = self.x_descale[key]
@@ -123,7 +279,7 @@ class BlockLinears:
         else:
             descale = self.scales[0]
             self.be.quantize(xq, descale, x, x_amax)
-        self.be.matmul_fp8(out, xq, self.w_q[key], descale, self.w_descale[key], bias=bias)
+        self.be.matmul_fp8(out, xq, w_q, descale, w_descale, bias=bias)
 
     def backward(self, dx: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
                  x_amax: torch.Tensor | None, accumulate: bool = True, dy_amax_ready: bool = False) -> None:
@@ -136,8 +292,7 @@ class BlockLinears:
             be.matmul(dx, dy, self.w[key])
             be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
             return
-        if self._stale:
-            self._quantize_weights()
+        _, wt_q, w_descale = self._copies(key)
         n, oc = dy.shape
         k = x.shape[1]
         if not dy_amax_ready:
@@ -145,7 +300,7 @@ class BlockLinears:
         dyq = self.dy_q[:dy.numel()].view(n, oc)
         dyt = self.dyt_q[:dy.numel()].view(oc, n)
         be.quantize_with_transpose(dyq, dyt, self.scales[2], dy, self.dy_amax)  # one read of dy, both layouts
-        be.matmul_fp8(dx, dyq, self.wt_q[key], self.scales[2], self.w_descale[key])
+        be.matmul_fp8(dx, dyq, wt_q, self.scales[2], w_descale)
         if self.store_xt:
             xt, x_descale = self.xt_store[key], self.x_descale[key]
         else:

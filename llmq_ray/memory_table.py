@@ -17,8 +17,9 @@ storages:
 
 With an ``--offload-*`` flag, the state it moves lives in host memory (pinned on CUDA): it leaves the
 device rows above and appears in host rows instead (``host_master``, ``host_adam_m``, ``host_adam_v``,
-``host_grads``, ``host_activations``; listed only when something is offloaded), which are not part of the
-device sum. The optimizer's and the gradient accumulator's double-buffered staging slots stay on the device
+``host_grads``, ``host_activations``, ``host_fp8``; listed only when something is offloaded), which are not
+part of the device sum. The ``fp8`` row holds all layers' FP8 weight copies when they are persistent on the
+device, two layers' slots when they are made per layer (ZeRO-3) or fetched from the host (--offload-quants). The optimizer's and the gradient accumulator's double-buffered staging slots stay on the device
 (in ``other``).
 
 On CUDA three device rows follow (not part of the tensor sum): ``cuda_allocated``
@@ -34,14 +35,15 @@ import torch
 
 TENSOR_ROWS = ("weights", "master", "adam_m", "adam_v", "grads", "activations", "fp8", "scratch", "other")
 DEVICE_ROWS = ("cuda_allocated", "free", "total")
-HOST_ROWS = ("host_master", "host_adam_m", "host_adam_v", "host_grads", "host_activations")
+HOST_ROWS = ("host_master", "host_adam_m", "host_adam_v", "host_grads", "host_activations", "host_fp8")
 
 LABELS = {"weights": "weights", "master": "master weights", "adam_m": "Adam m", "adam_v": "Adam v",
           "grads": "gradients", "activations": "activations", "fp8": "FP8 copies + scratch",
           "scratch": "other model scratch", "other": "other (backend, ...)",
           "cuda_allocated": "torch allocated (CUDA)", "free": "free on device", "total": "device total",
           "host_master": "host: master weights", "host_adam_m": "host: Adam m", "host_adam_v": "host: Adam v",
-          "host_grads": "host: gradients", "host_activations": "host: activations"}
+          "host_grads": "host: gradients", "host_activations": "host: activations",
+          "host_fp8": "host: FP8 weight copies"}
 
 _ATOMS = (str, bytes, int, float, bool, complex, type(None))
 
@@ -142,7 +144,8 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
         h = _Counter(torch.device("cpu"))
         rows += [("host_master", h.claim(opt_host("master"))), ("host_adam_m", h.claim(opt_host("m"))),
                  ("host_adam_v", h.claim(opt_host("v"))), ("host_grads", h.claim(grads_host)),
-                 ("host_activations", h.claim(model.acts.residual.host_tensors()))]
+                 ("host_activations", h.claim(model.acts.residual.host_tensors())),
+                 ("host_fp8", h.claim(model.lin.host_tensors()))]
     if device_rows and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         rows += [("cuda_allocated", int(torch.cuda.memory_allocated(device))), ("free", int(free)),

@@ -270,13 +270,17 @@ class LlamaModel:
     Memory options: ``offload_residual`` keeps the saved residual stream on the host (``ResidualStream``);
     ``attn_bwd_chunks`` runs the attention backward over the batch in that many pieces (the kernel's
     scratch, e.g. the reference's [B, H, T, T] probabilities, shrinks by that factor; results are the same).
+    ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
+    layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
+    llmq_ray/linear.py. The results are the same bits in every case.
     """
 
     def __init__(self, cfg: ModelConfig, backend: Backend, *, batch_size: int, seq_len: int,
                  dtype: torch.dtype = torch.float32, recompute: RecomputeOptions | None = None,
                  lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None,
                  matmul_dtype: str | None = None, gradient_dtype: str | None = None,
-                 weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1):
+                 weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
+                 quants: str = "persistent"):
         self.cfg, self.backend = cfg, backend
         self.device = backend.device
         self.dtype = dtype
@@ -331,8 +335,12 @@ class LlamaModel:
         # swiglu), written by the producing kernels and kept for the wgrad's quantization in the backward.
         rc = self.recompute
         recomputes = rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu
-        self.lin = BlockLinears(backend, self.w, cfg.num_layers, n, matmul_dtype, gradient_dtype,
-                                store_xt=not recomputes)  # recompute = the user asked for less memory
+        self.lin = BlockLinears(backend, self.w, {k: slot.shape for k, slot in self.layout.slots.items()},
+                                cfg.num_layers, n, matmul_dtype, gradient_dtype,
+                                store_xt=not recomputes,  # recompute = the user asked for less memory
+                                quants=quants, sharded=not isinstance(weights, ResidentWeights))
+        if hasattr(weights, "layer_needed"):  # ZeRO-3: skip gathering layers whose FP8 copies are current
+            weights.layer_needed = self.lin.needs_weights
         self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
@@ -416,6 +424,7 @@ class LlamaModel:
                            self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
         for layer in range(self.cfg.num_layers):
             store.begin(layer)
+            self.lin.begin_layer(layer)
             a.residual.forward_layer(layer)
             self._block_forward(layer)
             store.end(layer)
@@ -525,6 +534,7 @@ class LlamaModel:
                                       self.w["final_norm"], self.final_rstd, absmax=self._dy_amax())
         for layer in reversed(range(self.cfg.num_layers)):
             store.begin(layer, backward=True)
+            self.lin.begin_layer(layer, backward=True)
             a.residual.backward_layer(layer)
             self._block_backward(layer)
             store.end(layer, backward=True)

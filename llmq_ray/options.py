@@ -60,6 +60,9 @@ class TrainOptions:
     offload_gradients: bool = False   # the sharded gradient accumulator (ZeRO-2/3)
     offload_residual: bool = False    # the per-layer residual stream saved for the backward
     use_zero_copy: bool = False       # the optimizer kernel reads/writes the pinned host state directly
+    # FP8 weight copies (--matmul-dtype e4m3; see llmq_ray/linear.py)
+    persistent_quants: bool = False   # keep every layer's copies for the whole step (implied below ZeRO-3)
+    offload_quants: bool = False      # ... in host memory, fetched one layer ahead (needs persistent_quants)
     opt_chunk_size: int = 1 << 25     # elements per optimizer chunk (streaming unit; rounding-seed unit)
     # parallelism
     zero_level: int = 1
@@ -82,6 +85,15 @@ class TrainOptions:
     @property
     def effective_zero_level(self) -> int:
         return max(self.zero_level, 2 if self.shard_gradients else 0, 3 if self.shard_weights else 0)
+
+    @property
+    def quants_placement(self) -> str:
+        """Where BlockLinears keeps the FP8 weight copies: "host" (--offload-quants), "persistent" (all layers
+        on the device: --persistent-quants, and always below ZeRO-3, where the bf16 weights are resident anyway
+        and quantizing once per step is cheapest) or "layer" (ZeRO-3: made per layer from the gathered weights)."""
+        if self.offload_quants:
+            return "host"
+        return "persistent" if self.persistent_quants or self.effective_zero_level < 3 else "layer"
 
     @property
     def offloads_optimizer(self) -> bool:
@@ -129,10 +141,12 @@ class TrainOptions:
         need(not self.use_zero_copy or self.offloads_optimizer or self.offload_gradients,
              "--use-zero-copy only applies with --offload-master, --offload-opt-m, --offload-opt-v or "
              "--offload-gradients (it lets the optimizer kernel read that host memory directly).")
-        need(self.effective_zero_level < 3 or self.matmul_dtype != "e4m3",
-             "--zero-level 3 with --matmul-dtype e4m3 is not implemented yet (the FP8 weight copies are made for "
-             "all layers at once); use --zero-level 2 or bf16 matmuls.")
-        need(not self.use_cuda_graphs or (self.effective_zero_level < 3 and not self.offload_residual),
-             "--use-cuda-graphs cannot capture --zero-level 3 or --offload-residual (their per-layer copies and "
-             "collectives run on side streams); drop one of them.")
+        need(not self.persistent_quants or self.matmul_dtype == "e4m3",
+             "--persistent-quants only applies with --matmul-dtype e4m3 (it keeps the FP8 weight copies).")
+        need(not self.offload_quants or self.persistent_quants,
+             "--offload-quants needs --persistent-quants (only persistent FP8 weight copies can live in host memory).")
+        need(not self.use_cuda_graphs or (self.effective_zero_level < 3 and not self.offload_residual
+                                          and not self.offload_quants),
+             "--use-cuda-graphs cannot capture --zero-level 3, --offload-residual or --offload-quants (their per-layer "
+             "copies and collectives run on side streams); drop one of them.")
         return self

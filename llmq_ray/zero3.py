@@ -13,7 +13,11 @@ in llmq_ray/model.py for the protocol):
   pieces are fine for a broadcast, where all-gather would need equal ones).
 * **layers** rotate through two layer-sized buffers: ``begin(l)`` waits for layer l (gathered while layer
   l-1 ran) and starts gathering layer l+1 into the other buffer -- l-1 in the backward, which runs in reverse.
-  The last two layers of the forward are still resident when the backward starts.
+  The last two layers of the forward are still resident when the backward starts. With FP8 matmuls and
+  --persistent-quants a layer is gathered (in bf16) only once per step: its FP8 copies, made from that
+  gather, serve every later pass, and ``layer_needed`` tells the store to skip the gather. Trade-off against
+  gathering FP8 bytes every pass (each rank quantizing its own slice with an all-reduced MAX scale): half
+  the bytes per gather but 2 x grad_accumulation gathers per step instead of one, and more collectives.
 * **embedding / LM head** share one [V, C] buffer, gathered for the embedding lookup and for the loss phase
   (a tied head reuses the gathered embedding).
 * **norm weights and biases** (the layout's non-decayed tail, ~0.01% of the weights) are replicated on every
@@ -65,6 +69,12 @@ class ShardedWeights:
 
     layer_grads_fresh = True  # the layer gradient buffers are overwritten by every backward
 
+    @staticmethod
+    def layer_needed(layer: int) -> bool:
+        """Whether ``layer``'s weights will be read when it runs next; the model replaces this with
+        ``BlockLinears.needs_weights`` (False once a persistent FP8 copy of the layer exists this step)."""
+        return True
+
     def __init__(self, layout: ParamLayout, comm, shard_size: int, dtype: torch.dtype, device: torch.device,
                  sink: Callable[[int, torch.Tensor], None]):
         self.layout, self.comm, self.sink = layout, comm, sink
@@ -95,6 +105,7 @@ class ShardedWeights:
         self.head_buf, self.head_grad = zeros(n_head), zeros(n_head)
         # what each buffer holds, and the collectives still in flight on it
         self.layer_holder: list = [None, None]
+        self.layer_gathered = [False, False]  # False: the buffer is the layer's for gradients, weights skipped
         self.layer_gathers: list[list] = [[], []]
         self.grad_reduces: list[list] = [[], []]
         self.head_holder = None
@@ -150,7 +161,7 @@ class ShardedWeights:
         unit = self.unit_of[name]
         if isinstance(unit, int):
             i = unit % 2
-            if self.layer_holder[i] != unit:
+            if self.layer_holder[i] != unit or not (grads or self.layer_gathered[i]):
                 raise RuntimeError(f"ZeRO-3: {name} used while layer {unit} is not gathered")
             flat = self.layer_grads[i] if grads else self.layer_bufs[i]
         else:
@@ -161,10 +172,14 @@ class ShardedWeights:
         return flat[slot.offset - lo:slot.end - lo].view(slot.shape)
 
     def _ensure_layer(self, layer: int) -> None:
+        """Make buffer layer % 2 the layer's (its gradients go there); gather its weights unless
+        ``layer_needed`` says nobody will read them (the same answer on every rank: the model's state)."""
         i = layer % 2
-        if self.layer_holder[i] != layer:
-            self.layer_gathers[i] = self._gather(*self.units[layer], self.layer_bufs[i])
+        needed = self.layer_needed(layer)
+        if self.layer_holder[i] != layer or (needed and not self.layer_gathered[i]):
+            self.layer_gathers[i] = self._gather(*self.units[layer], self.layer_bufs[i]) if needed else []
             self.layer_holder[i] = layer
+            self.layer_gathered[i] = needed
 
     def _ensure_head(self, unit: str) -> None:
         if self.head_holder != unit:
@@ -219,6 +234,7 @@ class ShardedWeights:
         """The shards changed (optimizer step, checkpoint load): gathered copies are stale, and the replicated
         norms/biases are re-broadcast from their owners (a collective: all ranks call it)."""
         self.layer_holder = [None, None]
+        self.layer_gathered = [False, False]
         self.head_holder = None
         self._wait(self._gather(self.plain_lo, self.layout.numel, self.plain))
 

@@ -76,6 +76,35 @@ def test_offload_flag_is_bit_identical(reference, flags):
             assert torch.equal(res.host[layer], ref_res[layer]), layer
 
 
+QUANT_FLAGS = [dict(persistent_quants=True, offload_quants=True),
+               dict(zero_level=3),
+               dict(zero_level=3, persistent_quants=True, offload_quants=True, offload_residual=True,
+                    offload_gradients=True, offload_master=True)]
+
+
+@pytest.fixture(scope="module")
+def e4m3_reference():
+    return _train(matmul_dtype="e4m3")
+
+
+@pytest.mark.parametrize("flags", QUANT_FLAGS, ids=["-".join(f) for f in QUANT_FLAGS])
+def test_fp8_weight_copies_placement_is_bit_identical(e4m3_reference, flags):
+    """--matmul-dtype e4m3: FP8 weight copies kept on the device for the step (the reference), in host memory
+    fetched one layer ahead, or made per layer under ZeRO-3: the same bytes reach every GEMM."""
+    ref_losses, ref = e4m3_reference
+    losses, e = _train(matmul_dtype="e4m3", **flags)
+    assert losses == ref_losses and ref_losses[-1] != ref_losses[0]
+    assert torch.equal(e.full_params(), ref.full_params())
+    for name, t in e.optimizer.state_tensors().items():
+        assert torch.equal(t, ref.optimizer.state_tensors()[name]), name
+    lin, ref_lin = e.model.lin, ref.model.lin
+    if flags.get("offload_quants"):  # the host copies are the real ones (made in the last step, like ref's)
+        assert lin.quants == "host" and len(lin.host_tensors()) == 2 * len(ref_lin.w_q)
+        for key in ref_lin.w_q:
+            assert torch.equal(lin.w_q[key].view(torch.uint8), ref_lin.w_q[key].view(torch.uint8)), key
+            assert torch.equal(lin.wt_q[key].view(torch.uint8), ref_lin.wt_q[key].view(torch.uint8)), key
+
+
 def test_staged_chunks_round_trip():
     """StagedChunks: load -> compute -> store over uneven chunks, read-modify-write and write-only names."""
     host = torch.arange(23, dtype=torch.float32)
@@ -122,12 +151,35 @@ def test_memory_table_moves_offloaded_state_to_host_rows():
     assert "host: master weights" in text and "host: sum (pinned)" in text
 
 
+def test_memory_table_moves_fp8_weight_copies():
+    """ZeRO-3, e4m3: per-layer copies hold two layers on the device; --persistent-quants all L layers;
+    --offload-quants moves those L layers to a host row and keeps two device slots."""
+    from llmq_ray.memory_table import memory_dict, memory_table
+
+    opts = dict(BASE, matmul_dtype="e4m3", zero_level=3)
+    rows = {}
+    for name, flags in (("layer", {}), ("persistent", dict(persistent_quants=True)),
+                        ("host", dict(persistent_quants=True, offload_quants=True))):
+        e = TrainEngine(PRESETS["tiny"], TrainOptions(**opts, **flags), get_backend("torch"))
+        assert e.model.lin.quants == name
+        rows[name] = memory_dict(memory_table(e))
+    L = PRESETS["tiny"].num_layers
+    s = TrainEngine(PRESETS["tiny"], TrainOptions(**opts), get_backend("torch")).store
+    layer_bytes = 2 * s.layer_bufs[0].numel()  # W_q and W^T_q: one byte per block-weight element each
+    assert rows["persistent"]["fp8"] - rows["layer"]["fp8"] == (L - 2) * layer_bytes
+    assert rows["host"]["fp8"] == rows["layer"]["fp8"]
+    assert rows["host"]["host_fp8"] == L * layer_bytes and "host_fp8" not in rows["persistent"]
+
+
 BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-master"),
        (dict(offload_gradients=True), "--offload-gradients needs --zero-level 2 or 3"),
        (dict(offload_master=True), "--offload-master needs a separate master copy"),
        (dict(attn_bwd_chunks=3, batch_size=4), "--attn-bwd-chunks=3 must divide --batch-size=4"),
        (dict(opt_chunk_size=0), "--opt-chunk-size=0"),
-       (dict(shard_weights=True, model_dtype="bf16", matmul_dtype="e4m3"), "--zero-level 3 with --matmul-dtype e4m3")]
+       (dict(persistent_quants=True, model_dtype="bf16"), "--persistent-quants only applies with --matmul-dtype e4m3"),
+       (dict(offload_quants=True, model_dtype="bf16", matmul_dtype="e4m3"), "--offload-quants needs --persistent-quants"),
+       (dict(use_cuda_graphs=True, persistent_quants=True, offload_quants=True, model_dtype="bf16",
+             matmul_dtype="e4m3"), "--use-cuda-graphs cannot capture --zero-level 3, --offload-residual or --offload-quants")]
 
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
@@ -156,3 +208,18 @@ def test_offload_on_cuda_is_bit_identical(backend):
         assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
         for name, t in e.optimizer.state_tensors().items():
             assert torch.equal(t.cpu(), ref.optimizer.state_tensors()[name].cpu()), (flags, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_weight_copies_on_cuda_are_bit_identical(backend):
+    """On a GPU: pinned float8 host copies fetched on the side stream (--offload-quants), and ZeRO-3's
+    per-layer / once-per-step copies, give the same bits as the resident e4m3 run."""
+    ref_losses, ref = _train(backend, "cuda", matmul_dtype="e4m3")
+    for flags in QUANT_FLAGS + [dict(zero_level=3, persistent_quants=True)]:
+        losses, e = _train(backend, "cuda", matmul_dtype="e4m3", **flags)
+        if flags.get("offload_quants"):
+            assert all(t.is_pinned() for t in e.model.lin.host_tensors()), flags
+        assert losses == ref_losses, flags
+        assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags

@@ -1,6 +1,8 @@
 """ZeRO-3 in one process (llmq_ray/zero3.py): the layer-by-layer gather/reduce machinery, checkpoints, memory.
 
 The 2-worker equality (gloo, through Ray) is ``test_runtime.py::test_two_workers_match_one_worker[3]``.
+With ``--matmul-dtype e4m3`` the bit-identity also covers where the FP8 weight copies are made (per layer from
+each gather, once per step with --persistent-quants, in host memory with --offload-quants).
 With one rank every "broadcast" is the owner's copy into the gather buffer and every "reduce" lands on
 itself, so a ZeRO-3 engine must train *bit-identically* to a ZeRO-2 one: same kernels on the same values,
 only read from rotating layer buffers (prefetched one layer ahead, in reverse in the backward) and with
@@ -39,9 +41,22 @@ def _engine(model: str, zero: int, **kw) -> TrainEngine:
     return TrainEngine(PRESETS[model], opts, get_backend("torch"))
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])  # tied head + qkv bias; untied head, no bias
-def test_zero3_one_rank_is_bit_identical_to_zero2(model):
-    z2, z3 = _engine(model, 2), _engine(model, 3)
+E4M3 = dict(model_dtype="bf16", matmul_dtype="e4m3")
+# (model, options of both engines, options of the ZeRO-3 one only, where ZeRO-3 keeps the FP8 weight copies)
+CASES = [("tiny", {}, {}, None),  # tied head + qkv bias
+         ("tiny-llama", {}, {}, None),  # untied head, no bias
+         ("tiny", E4M3, {}, "layer"),  # FP8 copies made per layer from each gather
+         ("tiny-llama", E4M3, dict(persistent_quants=True), "persistent"),  # each layer gathered once per step
+         ("tiny", E4M3, dict(persistent_quants=True, offload_quants=True), "host")]
+
+
+@pytest.mark.parametrize("model,common,z3_only,quants", CASES, ids=["tiny", "tiny-llama", "tiny-e4m3",
+                                                                     "tiny-llama-e4m3-persistent", "tiny-e4m3-offload"])
+def test_zero3_one_rank_is_bit_identical_to_zero2(model, common, z3_only, quants):
+    z2, z3 = _engine(model, 2, **common), _engine(model, 3, **common, **z3_only)
+    assert z3.model.lin.fp8 == (quants is not None)
+    if quants:
+        assert z3.model.lin.quants == quants and z2.model.lin.quants == "persistent"
     assert z3.params is None and z3.store is not None  # no full weight buffer
     assert torch.equal(z3.full_params(), z2.full_params())  # the sharded init draws the same values
     l2, l3 = _steps(z2, 0, 3), _steps(z3, 0, 3)
@@ -65,6 +80,35 @@ def test_zero3_checkpoint_resumes_bit_exact_and_loads_into_zero2(tmp_path):
         load_engine_checkpoint(folder, e)
         assert _steps(e, 2, 4) == losses[2:], zero
         assert torch.equal(e.full_params(), full.full_params())
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_zero3_e4m3_gathers_per_pass_or_once_per_step(persistent):
+    """Per-layer FP8 copies need each layer's bf16 weights in every pass: L gathers in the first forward, then
+    L - 2 per pass (the two layers in the buffers carry over between forward and backward), so
+    L + 3 (L - 2) for 2 micro-steps; --persistent-quants needs them once per step (L)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=4, name="tiny4")
+    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=3, **E4M3,
+                        persistent_quants=persistent)
+    e = TrainEngine(cfg, opts, get_backend("torch"))
+    L = cfg.num_layers
+    layers = {e.store.units[layer] for layer in range(L)}
+    gathered = []
+    real_gather = e.store._gather
+    e.store._gather = lambda lo, hi, buf: (gathered.append((lo, hi)), real_gather(lo, hi, buf))[1]
+    for step in range(2):
+        gathered.clear()
+        for micro in range(2):
+            e.micro_step(*_batch(step, micro, e.opts))
+        e.update(2e-3, step + 1)
+        per_step = sum(1 for r in gathered if r in layers)
+        assert per_step == (L if persistent else L + 3 * (L - 2)), (step, per_step)
+    if persistent:  # the skipped layers' buffers are the gradients' only: reading their weights is refused
+        e.micro_step(*_batch(5, 0, e.opts))
+        with pytest.raises(RuntimeError, match="layer 1 is not gathered"):
+            e.store.view("layers.1.qkv_w", grads=False)
 
 
 def test_zero3_refuses_a_layer_that_is_not_gathered():
@@ -103,3 +147,57 @@ def test_memory_table_shows_sharded_weights():
     # ZeRO-2 keeps the full gradient buffer (the backward's scratch) + the shard accumulator and its temporary
     assert b["grads"] == nb(s.plain_grads) + 2 * nb(s.layer_grads[0]) + nb(s.head_grad) + nb(z3.grad_shard) * 2
     assert b["grads"] < 0.6 * a["grads"]
+
+
+def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks: ZeRO-3 e4m3, per-layer and persistent FP8 copies, 3 steps of 1 micro-step each;
+    rank r takes micro-batch r of the single worker's 2. Rank 0 saves losses and the gathered weights."""
+    torch.set_num_threads(1)
+    from actors.collectives import destroy_group, init_group
+
+    comm = init_group(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), timeout_s=60)
+    try:
+        out = {}
+        for persistent in (False, True):
+            opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=3,
+                                grad_clip=0.0, persistent_quants=persistent, **E4M3)
+            e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"), comm)
+            losses = []
+            for step in range(3):
+                e.micro_step(*_batch(step, rank, opts))
+                losses.append(e.update(2e-3, step + 1).loss)
+            out[persistent] = (losses, e.full_params())
+        if rank == 0:
+            torch.save(out, f"{out_dir}/rank0.pt")
+    finally:
+        destroy_group()
+
+
+def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
+    """2 gloo processes (grad_accumulation 1) == 1 process (grad_accumulation 2) on the same micro-batches,
+    bit for bit: the FP8 weight copies are made from whole gathered layers (global absmax), the persistent
+    mode skips the same gathers on both ranks (else the collectives would not match up and hang), and a sum
+    of two bf16 gradients rounds once whichever rank adds it. Clipping is off (the norm's summation order
+    differs between 1 and 2 ranks)."""
+    import multiprocessing
+
+    from actors.collectives import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_gloo_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    for p in procs:
+        if p.is_alive():  # a hang (mismatched collectives): fail instead of leaving the process behind
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    dist = torch.load(tmp_path / "rank0.pt")
+    for persistent in (False, True):
+        one = _engine("tiny", 3, **E4M3, grad_clip=0.0, persistent_quants=persistent)
+        losses = _steps(one, 0, 3)
+        assert dist[persistent][0] == losses, persistent
+        assert torch.equal(dist[persistent][1], one.full_params()), persistent
