@@ -256,6 +256,9 @@ class Coordinator:
         or None}."""
         if self.micro_pending:
             raise RuntimeError("train_step() after step() without update(): call update() first.")
+        if not self.workers:  # e.g. a second queued train_step after the first one failed and tore the group down
+            raise WorkerError(f"train_step (step {self.step + 1}): the worker group is gone after an earlier "
+                              f"failure; see the error of the step before.")
         target, lines = self.step, []
         while True:
             try:

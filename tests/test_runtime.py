@@ -204,7 +204,7 @@ def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path):
     bad = tmp_path / "big-vocab.bin"
     write_shard(str(bad), np.arange(600, dtype=np.int32) + 399, 1000)
     with pytest.raises(DataError, match=r"^rank \d: .*big-vocab\.bin"):
-        _run((str(bad), None, tmp_path), tmp_path / "o", workers=1, steps=2, eval_file=None)
+        _run((str(bad), None, tmp_path), tmp_path / "o", workers=1, steps=2, warmup=0, eval_file=None)
 
 
 def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, shards, tmp_path, monkeypatch):
