@@ -30,6 +30,23 @@ from __future__ import annotations
 import torch
 
 
+def check_adamw_shards(param, grad, m, v, master, step: int, dtypes=(torch.float32, torch.bfloat16)) -> int:
+    """The argument checks every fused AdamW kernel makes before touching memory: flat 1-D shards of one
+    length n (returned), states and weights in ``dtypes``, a 1-based step. Raises ValueError / TypeError."""
+    n = param.numel()
+    for name, t in (("grad", grad), ("m", m), ("v", v), ("master", master)):
+        if t is not None and (t.dim() != 1 or t.numel() != n):
+            raise ValueError(f"adamw_update: {name} has shape {tuple(t.shape)}, expected flat [{n}] like param")
+    for name, t in (("param", param), ("m", m), ("v", v), ("master", master)):
+        if t is not None and t.dtype not in dtypes:
+            raise TypeError(f"adamw_update: {name} must be fp32 or bf16, got {t.dtype}")
+    if param.dim() != 1:
+        raise ValueError(f"adamw_update: param must be a flat 1-D shard, got shape {tuple(param.shape)}")
+    if step < 1:
+        raise ValueError(f"adamw_update: step is 1-based, got {step}")
+    return n
+
+
 class Backend:
     """Abstract kernel set. Subclasses implement every method; ``name`` is the registry key."""
 

@@ -205,17 +205,22 @@ class BlockLinears:
         slot = layer % 2
         pairs = [(self.w_q[self.key_of[layer, n]], self.slots[slot][n][0]) for n in BLOCK_WEIGHTS]
         pairs += [(self.wt_q[self.key_of[layer, n]], self.slots[slot][n][1]) for n in BLOCK_WEIGHTS]
-        if self.cuda:
-            side = self.stream
-            side.wait_stream(torch.cuda.current_stream(side.device))
-            with torch.cuda.stream(side):
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-                self.copied_out[slot] = side.record_event()
-        else:
+        self.copied_out[slot] = self._copy_pairs(pairs)
+        self.valid[layer] = True
+
+    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        """dst.copy_(src) for every pair: on CUDA on the side stream, after all work queued so far on the
+        current stream, returning the event that marks the copies done (None on CPU, where they are done)."""
+        if not self.cuda:
             for dst, src in pairs:
                 dst.copy_(src)
-        self.valid[layer] = True
+            return None
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream(side.device))
+        with torch.cuda.stream(side):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            return side.record_event()
 
     def _fetch(self, layer: int) -> None:
         """quants="host": start copying ``layer``'s host copies into slot layer % 2 (side stream, after every
@@ -223,16 +228,7 @@ class BlockLinears:
         slot = layer % 2
         pairs = [(self.slots[slot][n][0], self.w_q[self.key_of[layer, n]]) for n in BLOCK_WEIGHTS]
         pairs += [(self.slots[slot][n][1], self.wt_q[self.key_of[layer, n]]) for n in BLOCK_WEIGHTS]
-        if self.cuda:
-            side = self.stream
-            side.wait_stream(torch.cuda.current_stream(side.device))
-            with torch.cuda.stream(side):
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-                self.copied_in[slot] = side.record_event()
-        else:
-            for dst, src in pairs:
-                dst.copy_(src)
+        self.copied_in[slot] = self._copy_pairs(pairs)
         self.slot_holder[slot] = layer
 
     def _copies(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

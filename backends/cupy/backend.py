@@ -15,6 +15,7 @@ import torch
 
 from backends.cupy import _runtime as rt
 from backends.cupy._runtime import T_NAME, VEC, aligned, cdiv, f32, i32, i64, ptr, u64
+from backends.base import check_adamw_shards
 from backends.torch_ref import TorchBackend
 from backends.torch_ref_optim import derive_seed
 
@@ -310,17 +311,9 @@ class CupyBackend(TorchBackend):
     def adamw_update(self, param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
                      seed):
         _contiguous(param, grad, m, v, master)
-        n = param.numel()
-        for name, t in (("grad", grad), ("m", m), ("v", v), ("master", master)):
-            if t is not None and (t.dim() != 1 or t.numel() != n):
-                raise ValueError(f"adamw_update: {name} has shape {tuple(t.shape)}, expected flat [{n}] like param")
-        for name, t in (("param", param), ("grad", grad), ("m", m), ("v", v), ("master", master)):
-            if t is not None and t.dtype not in MODEL_DTYPES:
-                raise TypeError(f"adamw_update: {name} must be fp32 or bf16, got {t.dtype}")
-        if param.dim() != 1:
-            raise ValueError(f"adamw_update: param must be a flat 1-D shard, got shape {tuple(param.shape)}")
-        if step < 1:
-            raise ValueError(f"adamw_update: step is 1-based, got {step}")
+        n = check_adamw_shards(param, grad, m, v, master, step, MODEL_DTYPES)
+        if grad.dtype not in MODEL_DTYPES:  # the CUDA kernel reads the gradient as fp32 or bf16 only
+            raise TypeError(f"adamw_update: grad must be fp32 or bf16, got {grad.dtype}")
         if n == 0:
             return
         scale_t = None

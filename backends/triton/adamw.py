@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from backends.base import check_adamw_shards
 from backends.torch_ref_optim import derive_seed
 from backends.triton._common import cast_to, elementwise_block, num_warps_for
 
@@ -113,17 +114,7 @@ def _stochastic_round_kernel(out_ptr, x_ptr, n, seed, BLOCK: tl.constexpr):
 
 def adamw_update(param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed):
     """One AdamW step in place on flat [n] shards (see Backend.adamw_update); a single kernel launch."""
-    n = param.numel()
-    for name, t in (("grad", grad), ("m", m), ("v", v), ("master", master)):
-        if t is not None and (t.dim() != 1 or t.numel() != n):
-            raise ValueError(f"adamw_update: {name} has shape {tuple(t.shape)}, expected flat [{n}] like param")
-    for name, t in (("param", param), ("m", m), ("v", v), ("master", master)):
-        if t is not None and t.dtype not in (torch.float32, torch.bfloat16):
-            raise TypeError(f"adamw_update: {name} must be fp32 or bf16, got {t.dtype}")
-    if param.dim() != 1:
-        raise ValueError(f"adamw_update: param must be a flat 1-D shard, got shape {tuple(param.shape)}")
-    if step < 1:
-        raise ValueError(f"adamw_update: step is 1-based, got {step}")
+    n = check_adamw_shards(param, grad, m, v, master, step)
     if n == 0:
         return
     scale_is_tensor = isinstance(grad_scale, torch.Tensor)
