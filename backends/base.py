@@ -47,6 +47,15 @@ def check_adamw_shards(param, grad, m, v, master, step: int, dtypes=(torch.float
     return n
 
 
+def check_stochastic_round_args(out, inp) -> int:
+    """The checks of every stochastic_round kernel: fp32 inp -> bf16 out of one shape. Returns the element count."""
+    if out.dtype != torch.bfloat16 or inp.dtype != torch.float32:
+        raise TypeError(f"stochastic_round: needs fp32 -> bf16, got {inp.dtype} -> {out.dtype}")
+    if out.shape != inp.shape:
+        raise ValueError(f"stochastic_round: shapes differ: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
+    return inp.numel()
+
+
 class Backend:
     """Abstract kernel set. Subclasses implement every method; ``name`` is the registry key."""
 

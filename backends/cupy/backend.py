@@ -15,7 +15,7 @@ import torch
 
 from backends.cupy import _runtime as rt
 from backends.cupy._runtime import T_NAME, VEC, aligned, cdiv, f32, i32, i64, ptr, u64
-from backends.base import check_adamw_shards
+from backends.base import check_adamw_shards, check_stochastic_round_args
 from backends.torch_ref import TorchBackend
 from backends.torch_ref_optim import derive_seed
 
@@ -348,11 +348,7 @@ class CupyBackend(TorchBackend):
 
     def stochastic_round(self, out, inp, seed):
         _contiguous(out, inp)
-        if out.dtype != torch.bfloat16 or inp.dtype != torch.float32:
-            raise TypeError(f"stochastic_round: needs fp32 -> bf16, got {inp.dtype} -> {out.dtype}")
-        if out.shape != inp.shape:
-            raise ValueError(f"stochastic_round: shapes differ: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
-        n = inp.numel()
+        n = check_stochastic_round_args(out, inp)
         if n == 0:
             return
         vec = 4 if aligned(inp) and aligned(out, to=8) else 1

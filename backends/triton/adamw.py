@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.base import check_adamw_shards
+from backends.base import check_adamw_shards, check_stochastic_round_args
 from backends.torch_ref_optim import derive_seed
 from backends.triton._common import cast_to, elementwise_block, num_warps_for
 
@@ -131,11 +131,7 @@ def adamw_update(param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_dec
 
 def stochastic_round(out, inp, seed: int) -> None:
     """out (bf16) = inp (fp32) stochastically rounded with Philox(seed, index) bits; same shape, contiguous."""
-    if out.dtype != torch.bfloat16 or inp.dtype != torch.float32:
-        raise TypeError(f"stochastic_round: needs fp32 -> bf16, got {inp.dtype} -> {out.dtype}")
-    if out.shape != inp.shape:
-        raise ValueError(f"stochastic_round: shapes differ: out {tuple(out.shape)} vs inp {tuple(inp.shape)}")
-    n = inp.numel()
+    n = check_stochastic_round_args(out, inp)
     if n == 0:
         return
     block = elementwise_block()
