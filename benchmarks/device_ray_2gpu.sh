@@ -13,21 +13,4 @@ run curve_1gpu examples/train.py $COMMON --gpus 1 --grad-accumulation 2 --out-di
 run curve_2gpu examples/train.py $COMMON --gpus 2 --grad-accumulation 1 --out-dir "$OUT/g2" --log-file "$OUT/curve_2gpu.json"
 TAILN=10 run scale_1gpu benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --steps 20 --gpus 1 --backend triton --json "$OUT/scale_1gpu.json"
 TAILN=10 run scale_2gpu benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --steps 20 --gpus 2 --backend triton --json "$OUT/scale_2gpu.json"
-python3 - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-def losses(name):
-    try:
-        log = json.load(open(f"{out}/{name}.json"))
-    except Exception as exc:
-        return None
-    return [r["loss"] for r in log if r.get("log") == "step"]
-a, b = losses("curve_1gpu"), losses("curve_2gpu")
-if a and b:
-    n = min(len(a), len(b))
-    diffs = [abs(x - y) / abs(x) for x, y in zip(a[:n], b[:n])]
-    print("step  1gpu   2gpu")
-    for i in range(0, n, 3):
-        print(f"{i:4d} {a[i]:.4f} {b[i]:.4f}")
-    print(f"max relative loss difference over {n} steps: {max(diffs):.2e}")
-PY
+python3 benchmarks/compare_loss_curves.py "$OUT/curve_1gpu.json" "$OUT/curve_2gpu.json" --labels "1 GPU" "2 GPUs" --every 3

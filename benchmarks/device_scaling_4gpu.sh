@@ -15,21 +15,5 @@ run b7_g4 $B --model Qwen2.5-7B --batch-size 4 --steps 7 --gpus 4
 C="examples/train.py --model Qwen2.5-0.5B --from-scratch --train-file runs/shake/train-*.bin --eval-file runs/shake/eval.bin --batch-size 16 --seq-len 1024 --steps 20 --backend triton --model-dtype bf16 --eval-every-n-steps 0 --no-export --sample-tokens 0 --no-progress"
 timeout 120 python3 $C --gpus 1 --grad-accumulation 4 --out-dir "$OUT/c1" --log-file "$OUT/curve_g1.json" > /dev/null 2>&1; echo "curve g1 rc $?"
 timeout 120 python3 $C --gpus 4 --grad-accumulation 1 --out-dir "$OUT/c4" --log-file "$OUT/curve_g4.json" > /dev/null 2>&1; echo "curve g4 rc $?"
-python3 - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-def steps(n):
-    try:
-        log = json.load(open(f"{out}/curve_{n}.json"))
-    except Exception as exc:
-        return None
-    return [r["loss"] for r in log if r.get("log") == "step"], [r["loss"] for r in log if r.get("log") == "eval"]
-a, b = steps("g1"), steps("g4")
-if a and b:
-    (sa, ea), (sb, eb) = a, b
-    print("step  1 GPU (x4 accumulation)  4 GPUs")
-    for i in range(0, min(len(sa), len(sb)), 2):
-        print(f"{i:4d} {sa[i]:.4f} {sb[i]:.4f}")
-    print("max relative difference", max(abs(x - y) / abs(x) for x, y in zip(sa, sb)), "final eval", ea[-1:], eb[-1:])
-PY
+python3 benchmarks/compare_loss_curves.py "$OUT/curve_g1.json" "$OUT/curve_g4.json" --labels "1 GPU (x4 acc.)" "4 GPUs" --every 2
 grep -E "^Qwen|^tokens/s" "$L"

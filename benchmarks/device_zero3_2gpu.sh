@@ -13,21 +13,4 @@ TAILN=20 run curve_1gpu examples/train.py $COMMON --gpus 1 --grad-accumulation 2
 TAILN=20 run curve_2gpu_zero3 examples/train.py $COMMON --gpus 2 --grad-accumulation 1 --zero-level 3 --out-dir "$OUT/g2" --log-file "$OUT/curve_2gpu.json"
 TAILN=3 run speed_2gpu_zero1 benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --steps 15 --gpus 2 --backend triton --json "$OUT/speed_zero1.json"
 TAILN=3 run speed_2gpu_zero3 benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --steps 15 --gpus 2 --backend triton --zero-level 3 --json "$OUT/speed_zero3.json"
-python3 - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-def losses(name):
-    try:
-        log = json.load(open(f"{out}/{name}.json"))
-    except Exception:
-        return None
-    return [r["loss"] for r in log if r.get("log") == "step"]
-a, b = losses("curve_1gpu"), losses("curve_2gpu")
-if a and b:
-    n = min(len(a), len(b))
-    diffs = [abs(x - y) / abs(x) for x, y in zip(a[:n], b[:n])]
-    print("step  1gpu ZeRO-1   2gpu ZeRO-3")
-    for i in range(0, n, 3):
-        print(f"{i:4d} {a[i]:.4f}        {b[i]:.4f}")
-    print(f"max relative loss difference over {n} steps: {max(diffs):.2e}")
-PY
+python3 benchmarks/compare_loss_curves.py "$OUT/curve_1gpu.json" "$OUT/curve_2gpu.json" --labels "1 GPU ZeRO-1" "2 GPUs ZeRO-3" --every 3
