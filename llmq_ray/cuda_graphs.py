@@ -47,7 +47,7 @@ class MicroStepGraphs:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Same contract as ``LlamaModel.forward_backward`` (int [B, T] inputs/targets, host or device)."""
         model = self.model
-        model._check_batch(inputs, targets)  # shape errors are raised here, before any copy
+        model.check_batch_shape(inputs, targets)  # shape errors are raised here, before any copy
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
         model.lin.ensure_quantized()

@@ -375,11 +375,15 @@ class LlamaModel:
         name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
         return self.w[name], self.g[name] if backward else None
 
-    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def check_batch_shape(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
+        """One ValueError sentence unless inputs (and targets) are [B, T] for this model's micro-batch."""
         shape = (self.batch_size, self.seq_len)
         if tuple(inputs.shape) != shape or (targets is not None and tuple(targets.shape) != shape):
             raise ValueError(f"batch must be {shape} tokens, got inputs {tuple(inputs.shape)}"
                              + ("" if targets is None else f", targets {tuple(targets.shape)}"))
+
+    def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.check_batch_shape(inputs, targets)
         inputs = inputs.to(self.device, non_blocking=True).reshape(-1)
         if targets is not None:
             targets = targets.to(self.device, non_blocking=True).reshape(-1)
