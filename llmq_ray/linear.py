@@ -157,10 +157,8 @@ class BlockLinears:
         and with quants="host" start fetching the next layer's (layer+1, or layer-1 in the backward)."""
         if not self.fp8:
             return
-        if self.quants == "persistent":
-            if not self.sharded:
-                self.ensure_quantized()
-            elif not self.valid[layer]:
+        if self.quants == "persistent":  # a stale layer is quantized at its first use in the step
+            if not self.valid[layer]:
                 self._quantize_layer(layer, None)
             return
         slot = layer % 2
