@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step's forward + backward from a CUDA graph (GPU only)")
     n.add_argument("--attn-bwd-chunks", type=int, default=1,
                    help="run the attention backward over the batch in N chunks (less scratch memory; same result)")
-    o = p.add_argument_group("host offloading (pinned host memory; the state streams through the GPU double-buffered)")
+    o = p.add_argument_group("host offloading (pinned host memory; the state streams through the GPU in pipelined chunks)")
     o.add_argument("--offload-master", action="store_true", help="keep the master weights in host memory")
     o.add_argument("--offload-opt-m", action="store_true", help="keep Adam's first moment in host memory")
     o.add_argument("--offload-opt-v", action="store_true", help="keep Adam's second moment in host memory")
@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--offload-quants", action="store_true",
                    help="keep the persistent FP8 weight copies in host memory, fetched one layer ahead "
                    "(needs --persistent-quants)")
+    o.add_argument("--transient-quants", action="store_true",
+                   help="with --matmul-dtype e4m3: make each layer's FP8 weight copies when the layer runs and keep only "
+                   "two layers' worth (the ZeRO-3 default), also under ZeRO-1/2: saves as many bytes as the bf16 "
+                   "block weights (13 GiB at 7B) for one weight quantization per layer and pass")
     o.add_argument("--use-zero-copy", action="store_true",
                    help="the optimizer kernel reads/writes the offloaded host state directly instead of streaming "
                    "it (not supported on CUDA yet)")
@@ -169,6 +173,7 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         offload_master=a.offload_master, offload_opt_m=a.offload_opt_m, offload_opt_v=a.offload_opt_v,
         offload_gradients=a.offload_gradients, offload_residual=a.offload_residual, use_zero_copy=a.use_zero_copy,
         persistent_quants=a.persistent_quants, offload_quants=a.offload_quants,
+        transient_quants=a.transient_quants,
         opt_chunk_size=a.opt_chunk_size, zero_level=a.zero_level, shard_gradients=a.shard_gradients,
         shard_weights=a.shard_weights, use_cuda_graphs=a.use_cuda_graphs, seed=a.seed)
     if opts.matmul_dtype == opts.model_dtype:

@@ -2,9 +2,9 @@
 
 Why: a 7B model's fp32 master weights and Adam moments (~90 GB in fp32) do not fit next to its bf16 weights,
 gradients and activations on one 80 GB GPU, but they are touched only once per optimizer step. Keeping them
-in host memory costs one trip over PCIe per step; doing that trip in chunks, double-buffered, lets the copy
-of chunk i+1 run on a side stream while the kernel works on chunk i, so only two chunk-sized device buffers
-per streamed tensor ever exist.
+in host memory costs one trip over PCIe per step; doing that trip in chunks, pipelined, lets the upload of
+one chunk and the download of another run on side streams while the kernel works on a third, so only three
+chunk-sized device buffers per streamed tensor ever exist.
 
 Host memory is **pinned** (page-locked) when the device is CUDA: only pinned memory can be copied
 asynchronously, and a kernel can read it directly over PCIe (``--use-zero-copy``). When the device is the
@@ -12,15 +12,19 @@ CPU (tests, CI) "host" memory is ordinary memory and every copy is synchronous, 
 boundaries and staging buffers run in CPU tests; results are bit-identical to keeping the state resident
 because the same kernels see the same values in the same chunks.
 
-Streams on CUDA (``StagedChunks.run``)::
+Streams on CUDA (``StagedChunks.run``): three staging slots per name and two copy streams, one per PCIe
+direction, so that the upload of chunk i+2, the kernel on chunk i+1 and the download of chunk i all run at
+once (a GPU has a copy engine for each direction; with one copy stream the two directions took turns and a
+7B update moved its 60 GB at half the link's duplex rate)::
 
-    side stream:  H2D(0) H2D(1) | wait C(0) D2H(0) H2D(2) | wait C(1) D2H(1) H2D(3) | ...
-    main stream:  wait H2D(0) C(0) | wait H2D(1) C(1) | wait H2D(2) C(2) | ...
+    upload stream:    H2D(0) H2D(1) H2D(2) | wait D2H(0) H2D(3) | wait D2H(1) H2D(4) | ...
+    main stream:      wait H2D(0) C(0) | wait H2D(1) C(1) | wait H2D(2) C(2) | ...
+    download stream:  wait C(0) D2H(0) | wait C(1) D2H(1) | wait C(2) D2H(2) | ...
 
-Chunk i and i+2 share staging slot i % 2; H2D(i+2) is queued on the side stream after D2H(i), so a slot is
-never overwritten while in use. At the end the main stream waits for the side stream (later work may reuse
-what the last chunks read), and ``StagedChunks.sync()`` lets host code wait before it reads the host copies
-(checkpoints).
+Chunk i and i+3 share slot i % 3; H2D(i+3) waits for D2H(i) (or, for a name that is only loaded, for C(i)), so
+a slot is never overwritten while in use. At the end the main stream waits for both copy streams (later work
+may reuse what the last chunks read), and ``StagedChunks.sync()`` lets host code wait before it reads the host
+copies (checkpoints).
 """
 
 from __future__ import annotations
@@ -56,70 +60,86 @@ def fixed_chunks(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class StagedChunks:
-    """Two device staging slots per named stream, and the double-buffered loop over chunks.
+    """Staging slots per named stream and the pipelined loop over chunks.
 
     ``specs``: {name: dtype} of the tensors that may be streamed; ``chunk``: elements per slot. Slots are
-    allocated once (2 x chunk x itemsize per name) on ``device``.
+    allocated once (SLOTS x chunk x itemsize per name) on ``device``.
     """
+
+    SLOTS = 3  # upload, compute and download each own one slot at a time
 
     def __init__(self, device: torch.device, specs: Mapping[str, torch.dtype], chunk: int):
         self.device = torch.device(device)
         self.chunk = int(chunk)
-        self.slots = {name: [torch.empty(self.chunk, dtype=dt, device=self.device) for _ in range(2)]
+        self.slots = {name: [torch.empty(self.chunk, dtype=dt, device=self.device) for _ in range(self.SLOTS)]
                       for name, dt in specs.items()}
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.upload = torch.cuda.Stream(self.device) if self.cuda else None
+        self.download = torch.cuda.Stream(self.device) if self.cuda else None
         self._done: torch.cuda.Event | None = None
 
     def run(self, ranges: Sequence[tuple[int, int]], load: Mapping[str, torch.Tensor],
             store: Mapping[str, torch.Tensor], compute: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
         """For each (lo, hi) in ``ranges`` (at most ``chunk`` long, indices into the host tensors):
 
-        1. copy ``load[name][lo:hi]`` into a staging slot (H2D, side stream);
+        1. copy ``load[name][lo:hi]`` into a staging slot (H2D, upload stream);
         2. ``compute(i, staged)`` on the current stream, where ``staged`` maps every name of ``load`` and
            ``store`` to its device view [hi - lo] (a name only in ``store`` starts with undefined contents);
-        3. copy ``staged[name]`` back into ``store[name][lo:hi]`` (D2H, side stream) for every name in ``store``.
+        3. copy ``staged[name]`` back into ``store[name][lo:hi]`` (D2H, download stream) for every name in
+           ``store``.
 
-        A name may be in both (read-modify-write). Host tensors are 1-D."""
+        A name may be in both (read-modify-write). Host tensors are 1-D. On the CPU every copy is synchronous
+        and the same slots and chunk boundaries are used."""
         names = list(dict.fromkeys([*load, *store]))
-        cuda, side = self.cuda, self.stream
-        main = torch.cuda.current_stream(self.device) if cuda else None
+        nslots = self.SLOTS
         n = len(ranges)
+        if not self.cuda:
+            for i, (lo, hi) in enumerate(ranges):
+                views = {k: self.slots[k][i % nslots][:hi - lo] for k in names}
+                for k, src in load.items():
+                    views[k].copy_(src[lo:hi])
+                compute(i, views)
+                for k, dst in store.items():
+                    dst[lo:hi].copy_(views[k])
+            return
+        up, down = self.upload, self.download
+        main = torch.cuda.current_stream(self.device)
+        # host data written through another stream (ordered into main) is complete before it is read or overwritten
+        up.wait_stream(main)
+        down.wait_stream(main)
+        freed: list = [None] * n  # event: chunk i's slot may be refilled (its download, or its compute, is done)
 
         def stage(i: int):
             lo, hi = ranges[i]
-            views = {k: self.slots[k][i % 2][:hi - lo] for k in names}
-            if not cuda:
-                for k, src in load.items():
-                    views[k].copy_(src[lo:hi])
-                return views, None
-            with torch.cuda.stream(side):
+            views = {k: self.slots[k][i % nslots][:hi - lo] for k in names}
+            if i >= nslots:
+                up.wait_event(freed[i - nslots])
+            with torch.cuda.stream(up):
                 for k, src in load.items():
                     views[k].copy_(src[lo:hi], non_blocking=True)
-                return views, side.record_event()
+                return views, up.record_event()
 
-        if cuda:
-            side.wait_stream(main)  # host data written through another stream (ordered into main) is complete
-        staged = [stage(i) for i in range(min(2, n))]
+        staged = [stage(i) for i in range(min(nslots, n))]
         for i in range(n):
             views, ready = staged[i]
-            if ready is not None:
-                main.wait_event(ready)
+            main.wait_event(ready)
             compute(i, views)
             lo, hi = ranges[i]
-            if cuda:
-                side.wait_event(main.record_event())
-                with torch.cuda.stream(side):
+            computed = main.record_event()
+            if store:
+                down.wait_event(computed)
+                with torch.cuda.stream(down):
                     for k, dst in store.items():
                         dst[lo:hi].copy_(views[k], non_blocking=True)
+                    freed[i] = down.record_event()
             else:
-                for k, dst in store.items():
-                    dst[lo:hi].copy_(views[k])
-            if i + 2 < n:
-                staged.append(stage(i + 2))  # same slot as chunk i: queued after its write-back
-        if cuda:
-            main.wait_stream(side)
-            self._done = side.record_event()
+                freed[i] = computed
+            if i + nslots < n:
+                staged.append(stage(i + nslots))  # same slot as chunk i: queued behind its download
+            staged[i] = None
+        main.wait_stream(up)
+        main.wait_stream(down)
+        self._done = down.record_event()
 
     def sync(self) -> None:
         """Block the host until every copy of the last ``run`` has landed (before host code reads them)."""
@@ -127,4 +147,4 @@ class StagedChunks:
             self._done.synchronize()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.slots.values() for t in pair)
+        return sum(t.numel() * t.element_size() for slots in self.slots.values() for t in slots)

@@ -148,7 +148,7 @@ class ShardedAdamW:
     * ``m`` (m_dtype), ``v`` (v_dtype): Adam moments, zero-initialized; fp32 or bf16 (bf16 written with
       stochastic rounding by the backend).
     * any of master/m/v named in ``offload`` lives in host memory (pinned on CUDA) instead; ``step`` streams
-      it through two chunk-sized device slots per tensor (``staging``), or, with ``zero_copy``, hands the
+      it through three chunk-sized device slots per tensor (``staging``), or, with ``zero_copy``, hands the
       host tensors to the kernel directly (CUDA with the triton backend: it reads pinned memory over PCIe).
     * ``master`` (master_dtype): a separate copy of params[start:end], only when master_dtype differs from the
       params' dtype (typically fp32 master for bf16 weights); otherwise None and the params themselves are
@@ -239,7 +239,7 @@ class ShardedAdamW:
         (``self.chunks``): weight_decay on embeddings/matrices, 0 on norms/biases. Seeds depend on (seed, step,
         global chunk start) only, so a resumed run draws the same rounding bits as the uninterrupted one, and
         an offloaded state the same bits as a resident one. With offloaded state the chunks stream through the
-        device double-buffered (llmq_ray/offload.py); ``grads_shard`` may itself be a host tensor
+        device, pipelined (llmq_ray/offload.py); ``grads_shard`` may itself be a host tensor
         (``grads_on_host``, --offload-gradients).
         """
         if grads_shard.dim() != 1 or grads_shard.numel() != self.numel:

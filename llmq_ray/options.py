@@ -63,6 +63,7 @@ class TrainOptions:
     # FP8 weight copies (--matmul-dtype e4m3; see llmq_ray/linear.py)
     persistent_quants: bool = False   # keep every layer's copies for the whole step (implied below ZeRO-3)
     offload_quants: bool = False      # ... in host memory, fetched one layer ahead (needs persistent_quants)
+    transient_quants: bool = False    # make each layer's copies when it runs, also below ZeRO-3 (two layers' worth)
     opt_chunk_size: int = 1 << 25     # elements per optimizer chunk (streaming unit; rounding-seed unit)
     # parallelism
     zero_level: int = 1
@@ -89,10 +90,13 @@ class TrainOptions:
     @property
     def quants_placement(self) -> str:
         """Where BlockLinears keeps the FP8 weight copies: "host" (--offload-quants), "persistent" (all layers
-        on the device: --persistent-quants, and always below ZeRO-3, where the bf16 weights are resident anyway
-        and quantizing once per step is cheapest) or "layer" (ZeRO-3: made per layer from the gathered weights)."""
+        on the device: --persistent-quants, and by default below ZeRO-3, where the bf16 weights are resident
+        anyway and quantizing once per step is cheapest) or "layer" (made per layer when it runs: the ZeRO-3
+        default, from the gathered weights, and --transient-quants at any level, to save the memory)."""
         if self.offload_quants:
             return "host"
+        if self.transient_quants:
+            return "layer"
         return "persistent" if self.persistent_quants or self.effective_zero_level < 3 else "layer"
 
     @property
@@ -145,8 +149,16 @@ class TrainOptions:
              "--persistent-quants only applies with --matmul-dtype e4m3 (it keeps the FP8 weight copies).")
         need(not self.offload_quants or self.persistent_quants,
              "--offload-quants needs --persistent-quants (only persistent FP8 weight copies can live in host memory).")
+        need(not self.transient_quants or self.matmul_dtype == "e4m3",
+             "--transient-quants only applies with --matmul-dtype e4m3 (it places the FP8 weight copies).")
+        need(not self.transient_quants or not (self.persistent_quants or self.offload_quants),
+             "--transient-quants contradicts --persistent-quants and --offload-quants (copies made per layer are "
+             "not kept); pick one.")
         need(not self.use_cuda_graphs or (self.effective_zero_level < 3 and not self.offload_residual
                                           and not self.offload_quants),
              "--use-cuda-graphs cannot capture --zero-level 3, --offload-residual or --offload-quants (their per-layer "
              "copies and collectives run on side streams); drop one of them.")
+        need(not self.use_cuda_graphs or not self.transient_quants,
+             "--use-cuda-graphs cannot capture --transient-quants (which layers need quantizing is decided on the "
+             "host at every pass); drop one of them.")
         return self

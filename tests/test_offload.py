@@ -4,7 +4,7 @@ kernel is split, never the numbers.
 Each flag is compared against the same run without it, single process, bf16 weights with an fp32 master and
 bf16 Adam moments (so the stochastic-rounding seeds must line up chunk for chunk), ZeRO-2 (so the gradient
 accumulator exists), 3 steps x 2 micro-steps, and a small --opt-chunk-size so the optimizer's shard streams
-through the two staging slots in many chunks: per-step losses, final weights and the whole optimizer state
+through the staging slots in many chunks: per-step losses, final weights and the whole optimizer state
 must be bit-identical (``torch.equal``). On a CPU device "host" memory is ordinary memory and copies are
 synchronous, but the code path (slots, chunk boundaries, write-backs, residual prefetch) is the one CUDA runs.
 """
@@ -77,6 +77,7 @@ def test_offload_flag_is_bit_identical(reference, flags):
 
 
 QUANT_FLAGS = [dict(persistent_quants=True, offload_quants=True),
+               dict(transient_quants=True),
                dict(zero_level=3),
                dict(zero_level=3, persistent_quants=True, offload_quants=True, offload_residual=True,
                     offload_gradients=True, offload_master=True)]
@@ -90,7 +91,7 @@ def e4m3_reference():
 @pytest.mark.parametrize("flags", QUANT_FLAGS, ids=["-".join(f) for f in QUANT_FLAGS])
 def test_fp8_weight_copies_placement_is_bit_identical(e4m3_reference, flags):
     """--matmul-dtype e4m3: FP8 weight copies kept on the device for the step (the reference), in host memory
-    fetched one layer ahead, or made per layer under ZeRO-3: the same bytes reach every GEMM."""
+    fetched one layer ahead, or made per layer (ZeRO-3, --transient-quants): the same bytes reach every GEMM."""
     ref_losses, ref = e4m3_reference
     losses, e = _train(matmul_dtype="e4m3", **flags)
     assert losses == ref_losses and ref_losses[-1] != ref_losses[0]
@@ -98,6 +99,8 @@ def test_fp8_weight_copies_placement_is_bit_identical(e4m3_reference, flags):
     for name, t in e.optimizer.state_tensors().items():
         assert torch.equal(t, ref.optimizer.state_tensors()[name]), name
     lin, ref_lin = e.model.lin, ref.model.lin
+    if flags.get("transient_quants"):  # two device slots, no per-layer copies
+        assert lin.quants == "layer" and not lin.w_q and len(lin.slots) == 2
     if flags.get("offload_quants"):  # the host copies are the real ones (made in the last step, like ref's)
         assert lin.quants == "host" and len(lin.host_tensors()) == 2 * len(ref_lin.w_q)
         for key in ref_lin.w_q:
@@ -169,6 +172,12 @@ def test_memory_table_moves_fp8_weight_copies():
     assert rows["persistent"]["fp8"] - rows["layer"]["fp8"] == (L - 2) * layer_bytes
     assert rows["host"]["fp8"] == rows["layer"]["fp8"]
     assert rows["host"]["host_fp8"] == L * layer_bytes and "host_fp8" not in rows["persistent"]
+    # --transient-quants below ZeRO-3: the same two slots instead of the default all-layer copies
+    z1 = dict(opts, zero_level=1)
+    default = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(**z1), get_backend("torch"))))
+    transient = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(**z1, transient_quants=True),
+                                                     get_backend("torch"))))
+    assert default["fp8"] - transient["fp8"] == (L - 2) * layer_bytes
 
 
 BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-master"),
@@ -179,7 +188,12 @@ BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-m
        (dict(persistent_quants=True, model_dtype="bf16"), "--persistent-quants only applies with --matmul-dtype e4m3"),
        (dict(offload_quants=True, model_dtype="bf16", matmul_dtype="e4m3"), "--offload-quants needs --persistent-quants"),
        (dict(use_cuda_graphs=True, persistent_quants=True, offload_quants=True, model_dtype="bf16",
-             matmul_dtype="e4m3"), "--use-cuda-graphs cannot capture --zero-level 3, --offload-residual or --offload-quants")]
+             matmul_dtype="e4m3"), "--use-cuda-graphs cannot capture --zero-level 3, --offload-residual or --offload-quants"),
+       (dict(transient_quants=True, model_dtype="bf16"), "--transient-quants only applies with --matmul-dtype e4m3"),
+       (dict(transient_quants=True, persistent_quants=True, model_dtype="bf16", matmul_dtype="e4m3"),
+        "--transient-quants contradicts --persistent-quants"),
+       (dict(use_cuda_graphs=True, transient_quants=True, model_dtype="bf16", matmul_dtype="e4m3"),
+        "--use-cuda-graphs cannot capture --transient-quants")]
 
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
