@@ -50,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--use-zero-copy", action="store_true", help="optimizer kernel reads the offloaded host state directly")
     p.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer, not per step")
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
+    p.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
+                   help="one GPU: the update before the next forward, not beside it")
     p.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"], help="master weights dtype")
     p.add_argument("--opt-m-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam m dtype")
     p.add_argument("--opt-v-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam v dtype")
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
                   zero_level=a.zero_level, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
                   master_dtype=a.master_dtype if dtype == "bf16" else "fp32", opt_m_dtype=a.opt_m_dtype,
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
-                  use_cuda_graphs=a.use_cuda_graphs,
+                  use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})
     runtime = dict(synthetic_data=True, device=a.device, backend=a.backend, export=False, final_eval=False,

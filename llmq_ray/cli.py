@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         n.add_argument(f"--recompute-{name}", action="store_true", help=f"recompute {what} in the backward instead of storing it")
     n.add_argument("--lmhead-chunks", type=int, default=1, help="run the LM head + loss in N row chunks (less memory)")
     n.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step's forward + backward from a CUDA graph (GPU only)")
+    n.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
+                   help="one GPU, ZeRO-1: run the optimizer update before the next forward instead of beside it "
+                   "(same results; for comparisons)")
     n.add_argument("--attn-bwd-chunks", type=int, default=1,
                    help="run the attention backward over the batch in N chunks (less scratch memory; same result)")
     o = p.add_argument_group("host offloading (pinned host memory; the state streams through the GPU in pipelined chunks)")
@@ -175,7 +178,8 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         persistent_quants=a.persistent_quants, offload_quants=a.offload_quants,
         transient_quants=a.transient_quants,
         opt_chunk_size=a.opt_chunk_size, zero_level=a.zero_level, shard_gradients=a.shard_gradients,
-        shard_weights=a.shard_weights, use_cuda_graphs=a.use_cuda_graphs, seed=a.seed)
+        shard_weights=a.shard_weights, use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
+        seed=a.seed)
     if opts.matmul_dtype == opts.model_dtype:
         opts.matmul_dtype = None
     train_file, eval_file = a.train_file, a.eval_file

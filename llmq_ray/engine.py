@@ -43,6 +43,7 @@ from llmq_ray.offload import StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.optim import ShardedAdamW, clip_coefficient
 from llmq_ray.options import DTYPES, TrainOptions
 from llmq_ray.params import ParamLayout, init_params
+from llmq_ray.update_overlap import UpdateOverlap
 from llmq_ray.zero3 import ShardedWeights
 
 
@@ -149,6 +150,9 @@ class TrainEngine:
         self.layout = self.model.layout
         self.optimizer = self._make_optimizer()
         self.micro_steps_done = 0
+        self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
+        if opts.overlap_update and world == 1 and opts.effective_zero_level == 1 and not opts.use_cuda_graphs:
+            self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, backend.device)
         # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
         # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
         self.grad_shard = self._grad_shard_tmp = self._grad_staging = None
@@ -183,6 +187,7 @@ class TrainEngine:
         ZeRO-3 a new CPU tensor gathered from every rank (a collective: all ranks must call it)."""
         if self.zero3:
             return self.store.full_params()
+        self.join_update()
         return self.params[:self.layout.numel]
 
     def load_full_params(self, flat: torch.Tensor) -> None:
@@ -192,6 +197,7 @@ class TrainEngine:
             self.store.params_shard[:self.shard_end - self.shard_start].copy_(flat[self.shard_start:self.shard_end])
             self.store.after_update()
         else:
+            self.join_update()
             self.params[:self.layout.numel].copy_(flat[:self.layout.numel])
             self.model.lin.invalidate_weights()
 
@@ -241,7 +247,15 @@ class TrainEngine:
 
     def reset_optimizer_from_params(self) -> None:
         """Re-create the optimizer state after the weights were replaced (e.g. loaded from HF safetensors)."""
+        self.join_update()
         self.optimizer = self._make_optimizer()
+        if self.overlap is not None:
+            self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.device)
+
+    def join_update(self) -> None:
+        """Order the compute stream after an update still running on the side stream (no-op otherwise)."""
+        if self.overlap is not None:
+            self.overlap.join()
 
     # ------------------------------------------------------------------ the step
     def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -294,6 +308,7 @@ class TrainEngine:
         """
         if self.micro_steps_done == 0:
             raise RuntimeError("update() called before any micro_step()")
+        self.join_update()
         model, comm = self.model, self.comm
         totals = torch.stack([model.loss_sum.double(), model.target_count.double()])
         comm.all_reduce_sum(totals)
@@ -321,13 +336,17 @@ class TrainEngine:
         if reason is not None:
             return StepStats(loss=stats[0], grad_norm=stats[1], tokens=int(stats[2]), skipped=True,
                              skip_reason=reason)
-        self.optimizer.step(local, lr=lr, step=step, grad_scale=coef / count)
-        self.sync_weights()
+        if self.overlap is not None:  # one worker: nothing to gather; the next forward waits per layer
+            self.overlap.step(local, lr=lr, step=step, grad_scale=coef / count)
+        else:
+            self.optimizer.step(local, lr=lr, step=step, grad_scale=coef / count)
+            self.sync_weights()
         return StepStats(loss=stats[0], grad_norm=stats[1], tokens=int(stats[2]))
 
     @torch.no_grad()
     def evaluate(self, batches) -> tuple[float, int]:
         """Summed loss and target count over an iterable of (inputs, targets) batches, reduced over ranks."""
+        self.join_update()
         model = self.model
         model.loss_sum.zero_()
         model.target_count.zero_()

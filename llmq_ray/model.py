@@ -233,8 +233,11 @@ class ResidentWeights:
     brackets every use with ``begin(unit, backward)`` / ``end(unit, backward)``, where ``unit`` is a layer
     index, ``"embed"`` (the embedding lookup; its backward is the scatter-add at the very end) or ``"head"``
     (the LM head, forward and backward in the loss phase; the embedding itself when tied). Here those hooks do
-    nothing; a sharded store (ZeRO-3, ``llmq_ray/zero3.py``) gathers a unit's weights in ``begin`` and
-    reduces its gradients after the backward's ``end``.
+    nothing unless an optimizer update is still running on a side stream (``llmq_ray/update_overlap.py``):
+    then ``ready`` holds, per unit, the event after which its weights are updated, and ``begin`` makes the
+    compute stream wait for it; ``zero_grads`` is deferred to each unit's first ``begin`` (the update is still
+    reading the gradients). A sharded store (ZeRO-3, ``llmq_ray/zero3.py``) gathers a unit's weights in
+    ``begin`` and reduces its gradients after the backward's ``end``.
 
     ``params`` / ``grads``: flat [>= layout.numel] model dtype (may be longer, e.g. padded for ZeRO).
     """
@@ -247,15 +250,30 @@ class ResidentWeights:
         self.params, self.grads = params, grads
         self.w = layout.views(params)
         self.g = layout.views(grads)
+        self.ready: dict = {}        # unit -> CUDA event (None on the CPU): its part of the update is done
+        self.unit_grads: dict = {}   # unit -> [gradient views]: what a deferred zero_grads zeroes at begin
+        self.unzeroed: set = set()   # units whose gradients a deferred zero_grads has not zeroed yet
 
     def begin(self, unit, backward: bool = False) -> None:
         """``unit``'s weights (and, in the backward, its gradient buffers) are about to be used."""
+        if unit in self.ready:
+            event = self.ready.pop(unit)
+            if event is not None:
+                torch.cuda.current_stream(self.params.device).wait_event(event)
+        if unit in self.unzeroed:
+            self.unzeroed.discard(unit)
+            for g in self.unit_grads[unit]:
+                g.zero_()
 
     def end(self, unit, backward: bool = False) -> None:
         """The model is done with ``unit`` (in the backward: its gradients are complete for this micro-step)."""
 
     def zero_grads(self) -> None:
-        self.grads.zero_()
+        """Zero the gradients now, or, while an update still reads them, each unit's at its first ``begin``."""
+        if self.ready:
+            self.unzeroed = set(self.unit_grads)
+        else:
+            self.grads.zero_()
 
 
 class LlamaModel:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -223,6 +223,7 @@ class ShardedAdamW:
         if self.grads_on_host:
             streamed["grad"] = params_flat.dtype
         self.staging = None
+        self._update_done = None  # event: the update queued on a side stream (step(stream=...)) is done
         if streamed and not self.zero_copy and n > 0:
             self.staging = StagedChunks(device, streamed, min(self.chunk, n))
 
@@ -230,7 +231,9 @@ class ShardedAdamW:
     def numel(self) -> int:
         return self.end - self.start
 
-    def step(self, grads_shard: torch.Tensor, *, lr: float, step: int, grad_scale: torch.Tensor | float) -> None:
+    def step(self, grads_shard: torch.Tensor, *, lr: float, step: int, grad_scale: torch.Tensor | float,
+             order: Sequence[int] | None = None, after_chunk: Callable[[int], None] | None = None,
+             stream: "torch.cuda.Stream | None" = None) -> None:
         """Apply one update with the gradients of this shard.
 
         grads_shard: [end - start] (model or fp32 dtype), the reduced gradient of exactly this shard, not yet
@@ -241,6 +244,11 @@ class ShardedAdamW:
         an offloaded state the same bits as a resident one. With offloaded state the chunks stream through the
         device, pipelined (llmq_ray/offload.py); ``grads_shard`` may itself be a host tensor
         (``grads_on_host``, --offload-gradients).
+
+        ``order``: the chunks (indices into ``self.chunks``) in the order to update them (default: as laid
+        out); any order gives the same bits, as chunks are independent. ``after_chunk(j)`` runs on the host
+        right after chunk j's kernel is queued. ``stream``: queue the whole update on this CUDA stream (after
+        the work queued so far on the current one) and return; ``join()`` / ``sync()`` wait for it.
         """
         if grads_shard.dim() != 1 or grads_shard.numel() != self.numel:
             raise ValueError(f"ShardedAdamW.step: grads_shard has shape {tuple(grads_shard.shape)}, "
@@ -251,26 +259,48 @@ class ShardedAdamW:
         store = {k: host[k] for k in self.offloaded}
         hyper = dict(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=step, grad_scale=grad_scale)
 
+        order = list(range(len(self.chunks))) if order is None else list(order)
+        if sorted(order) != list(range(len(self.chunks))):
+            raise ValueError(f"ShardedAdamW.step: order must be a permutation of the {len(self.chunks)} chunks")
+
         def update(i: int, staged: dict[str, torch.Tensor]) -> None:
-            g_lo, g_hi, decay = self.chunks[i]
+            j = order[i]
+            g_lo, g_hi, decay = self.chunks[j]
             lo, hi = g_lo - self.start, g_hi - self.start
             part = {k: staged[k] if k in staged else t[lo:hi] for k, t in (
                 ("grad", grads_shard), ("m", self.m), ("v", self.v), ("master", self.master)) if t is not None}
             self.backend.adamw_update(self.params[lo:hi], part["grad"], part["m"], part["v"],
                                       master=part.get("master"), weight_decay=self.weight_decay if decay else 0.0,
                                       seed=_step_seed(self.seed, step, g_lo), **hyper)
+            if after_chunk is not None:
+                after_chunk(j)
 
-        self._run(host, store, update)
+        if stream is None:
+            self._run(host, store, update, order)
+            return
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            self._run(host, store, update, order)
+            self._update_done = stream.record_event()
 
-    def _run(self, host: dict[str, torch.Tensor], store: dict[str, torch.Tensor], fn) -> None:
-        """Call ``fn(i, staged)`` for every chunk i: through the staging slots when some state is on the host
-        (``staged`` holds the device copies of ``host``'s chunk, ``store``'s written back), directly on the
-        tensors otherwise (also with --use-zero-copy, where the kernel reads the pinned host memory)."""
+    def join(self) -> None:
+        """Order the current stream after an update queued on a side stream (``step(stream=...)``)."""
+        if self._update_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._update_done)
+            self._update_done = None
+
+    def _run(self, host: dict[str, torch.Tensor], store: dict[str, torch.Tensor], fn,
+             order: Sequence[int] | None = None) -> None:
+        """Call ``fn(i, staged)`` for i = 0 .. chunks-1, the i-th chunk being ``self.chunks[order[i]]``:
+        through the staging slots when some state is on the host (``staged`` holds the device copies of
+        ``host``'s chunk, ``store``'s written back), directly on the tensors otherwise (also with
+        --use-zero-copy, where the kernel reads the pinned host memory)."""
+        order = range(len(self.chunks)) if order is None else order
         if self.staging is None or not host:
             for i in range(len(self.chunks)):
                 fn(i, {})
             return
-        ranges = [(lo - self.start, hi - self.start) for lo, hi, _ in self.chunks]
+        ranges = [(self.chunks[j][0] - self.start, self.chunks[j][1] - self.start) for j in order]
         self.staging.run(ranges, host, store, fn)
 
     def grad_norm_squared(self, grads_shard: torch.Tensor) -> torch.Tensor:
@@ -288,6 +318,8 @@ class ShardedAdamW:
 
     def sync(self) -> None:
         """Wait until the host copies of the state are current (before host code reads or writes them)."""
+        if self._update_done is not None:
+            self._update_done.synchronize()
         if self.staging is not None:
             self.staging.sync()
         elif self.offloaded and self.device.type == "cuda":

@@ -1,0 +1,104 @@
+"""Overlap the optimizer update with the next step's forward pass (one worker, ZeRO-1).
+
+Why: with the Adam state in host memory (7B on one GPU) an update streams ~60 GB over PCIe (~0.65 s on an
+H100), time in which the GPU's compute units idle. The update of a chunk of the flat parameter buffer needs
+only that chunk's gradients; the next forward needs a layer's weights only when it reaches that layer. So
+the update runs on a side stream, chunk by chunk in the order the forward needs them, and the compute stream
+waits, at each unit's ``begin`` (``ResidentWeights``), only for the chunks that hold that unit's weights.
+
+Units and what they wait for (``unit_ranges``): ``"embed"`` -- the embedding and every norm weight and bias
+(the "plain" parameters: a few hundred thousand elements, read one unit early by the fused residual+norm
+kernels); layer ``l`` -- its four block matrices; ``"head"`` -- the untied LM head. Chunks are updated in
+that order (``chunk_order``); a chunk that straddles two units goes with the earlier one.
+
+The gradients the update reads are the ones the next micro-step would zero and overwrite: ``zero_grads`` is
+deferred to each unit's first ``begin`` of the next micro-step, after its wait. Everything else that reads or
+writes weights, gradients or optimizer state (eval, checkpoints, the next update) first ``join``s the update.
+
+The results are the same bits as an update on the compute stream: the same kernels on the same chunks with the
+same seeds, only queued in another order. On the CPU there are no streams: the update runs at once (the
+order and the deferred zeroing still run, so CPU tests cover them).
+Limits: one worker (no all-gather after the update), ZeRO-1 (ZeRO-2's accumulator is written by the next
+micro-step's reduction; ZeRO-3 gathers its own weights) and no CUDA graphs (a replay cannot wait per unit).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from llmq_ray.model import ResidentWeights
+from llmq_ray.optim import ShardedAdamW
+from llmq_ray.params import ParamLayout
+
+
+def unit_ranges(layout: ParamLayout) -> dict:
+    """{unit: [(lo, hi)]} of the flat buffer, units in the order the forward pass begins them."""
+    cfg = layout.cfg
+    slots = layout.slots
+    units: dict = {"embed": [(slots["embed"].offset, slots["embed"].end), (layout.decay_end, layout.numel)]}
+    for layer in range(cfg.num_layers):
+        p = f"layers.{layer}."
+        units[layer] = [(slots[p + "qkv_w"].offset, slots[p + "down_w"].end)]
+    if not cfg.tie_word_embeddings:
+        units["head"] = [(slots["lm_head"].offset, slots["lm_head"].end)]
+    return units
+
+
+def chunk_order(chunks: list[tuple[int, int, bool]], units: dict) -> tuple[list[int], dict[int, list]]:
+    """(order, ready_after): the chunk indices sorted by the first unit each overlaps (stable), and
+    {chunk index: [units whose last overlapping chunk, in that order, it is]}."""
+    rank = {u: r for r, u in enumerate(units)}
+
+    def touched(lo: int, hi: int) -> list:
+        return [u for u, ranges in units.items() if any(a < hi and lo < b for a, b in ranges)]
+
+    touches = [touched(lo, hi) for lo, hi, _ in chunks]
+    order = sorted(range(len(chunks)), key=lambda j: (min((rank[u] for u in touches[j]), default=len(rank)), j))
+    last: dict = {}
+    for j in order:
+        for u in touches[j]:
+            last[u] = j
+    ready_after: dict[int, list] = defaultdict(list)
+    for u, j in last.items():
+        ready_after[j].append(u)
+    return order, dict(ready_after)
+
+
+class UpdateOverlap:
+    """Queues ``optimizer.step`` on a side stream and hands per-unit readiness events to ``store``.
+
+    ``store``: the model's ResidentWeights over ``grads`` (flat, model dtype). ``device``: the compute device
+    (no side stream on the CPU)."""
+
+    def __init__(self, layout: ParamLayout, optimizer: ShardedAdamW, store: ResidentWeights, device):
+        self.optimizer, self.store = optimizer, store
+        units = unit_ranges(layout)
+        self.order, self.ready_after = chunk_order(optimizer.chunks, units)
+        store.unit_grads = {u: [store.grads[lo:hi] for lo, hi in ranges] for u, ranges in units.items()}
+        cuda = torch.device(device).type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self._keep: list = []  # tensors made on the compute stream and read by the update: alive until join
+
+    def step(self, grads_shard: torch.Tensor, *, lr: float, step: int, grad_scale) -> None:
+        """``optimizer.step`` on the side stream; returns once it is queued."""
+        self._keep = [grads_shard, grad_scale]
+        ready = self.store.ready
+
+        def after_chunk(j: int) -> None:
+            units = self.ready_after.get(j)
+            if units:
+                event = self.stream.record_event() if self.stream is not None else None
+                for u in units:
+                    ready[u] = event
+
+        self.optimizer.step(grads_shard, lr=lr, step=step, grad_scale=grad_scale, order=self.order,
+                            after_chunk=after_chunk, stream=self.stream)
+
+    def join(self) -> None:
+        """The compute stream waits for the whole update (before anything else touches the weights, the
+        gradients or the optimizer state); units not begun yet no longer need to wait."""
+        self.optimizer.join()
+        self.store.ready.clear()
+        self._keep = []
