@@ -35,16 +35,10 @@ def test_cuda_graphs_flag_reaches_the_options():
     assert opts.use_cuda_graphs
 
 
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    """Largest distance between two bf16 tensors in units in the last place (adjacent bf16 values: 1).
-
-    Why ulps and not absolute differences: a nondeterministic kernel flips the last bit of some weights, and
-    a one-bit flip is 2**-8 for a weight of magnitude 0.5 but 2**-10 for one of 0.15; comparing absolute
-    maxima of two runs then compares which weights happened to flip, not how far the runs are apart."""
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        bits = t.contiguous().view(torch.int16).to(torch.int32)
-        return torch.where(bits < 0, -(bits & 0x7FFF), bits)  # sign-magnitude -> a monotone integer line
-    return int((ordered(a) - ordered(b)).abs().max().item())
+def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at each element's magnitude (8 significant bits): 2**-8 on [0.5, 1)."""
+    _, exponent = torch.frexp(t.float().abs().clamp(min=2.0 ** -100))
+    return torch.ldexp(torch.ones_like(t, dtype=torch.float32), exponent - 8)
 
 
 def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulation: int = 2):
@@ -75,14 +69,18 @@ def test_graph_replay_equals_eager(backend, matmul_dtype):
     eager_losses, eager_w = _train(backend, False, matmul_dtype)
     again_losses, again_w = _train(backend, False, matmul_dtype)
     graph_losses, graph_w = _train(backend, True, matmul_dtype)
-    eager_spread = _ulps(eager_w, again_w)
-    graph_diff = _ulps(eager_w, graph_w)
-    print(f"{backend} {matmul_dtype}: eager-vs-eager max {eager_spread} ulps, graph-vs-eager {graph_diff} ulps; "
+    eager_spread = (eager_w.float() - again_w.float()).abs().max().item()
+    graph_diff = (eager_w.float() - graph_w.float()).abs()
+    # Eager's own nondeterminism flips last bits wherever it likes: allow each weight two bf16 steps at its own
+    # magnitude, or twice eager's largest run-to-run difference, whichever is larger.
+    allowed = torch.maximum(2 * _bf16_ulp(torch.maximum(eager_w.abs(), graph_w.abs())),
+                            torch.full_like(graph_diff, 2 * eager_spread))
+    print(f"{backend} {matmul_dtype}: eager-vs-eager max |dw| {eager_spread}, graph-vs-eager {graph_diff.max().item()}; "
           f"losses eager {eager_losses} graph {graph_losses}")
-    if eager_spread == 0:
+    if eager_spread == 0.0:
         assert graph_losses == eager_losses
         assert torch.equal(graph_w, eager_w)
     else:
-        assert graph_diff <= 2 * eager_spread
+        assert bool((graph_diff <= allowed).all()), (graph_diff - allowed).max().item()
         for (a, _), (b, _) in zip(eager_losses, graph_losses):
             assert abs(a - b) <= 1e-3 * abs(a)
