@@ -104,7 +104,9 @@ class TrainEngine:
     """Model, gradients and the local optimizer shard of one rank.
 
     Buffers: ``params`` and ``grads`` are flat, padded to shard_size * world_size (model dtype); rank r owns
-    [r*S, (r+1)*S) of the optimizer state (clipped to the layout's length).
+    [r*S, (r+1)*S) of the optimizer state (clipped to the layout's length). With one worker under ZeRO-1 the
+    update returns while it still runs on a side stream (``overlap``, llmq_ray/update_overlap.py): read the
+    weights through ``full_params()`` (or call ``join_update()`` first), not ``params`` directly.
     """
 
     def __init__(self, cfg: ModelConfig, opts: TrainOptions, backend: Backend, comm: Communicator | None = None,
