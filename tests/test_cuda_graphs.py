@@ -62,12 +62,11 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,matmul_dtype", [("triton", None), ("triton", "e4m3")])
 def test_graph_replay_equals_eager(backend, matmul_dtype):
-    """Same kernels, same data, same order: the bf16 replay must match eager exactly (that path is
-    deterministic: two eager runs are checked to agree). The e4m3 path is not always: on the H100 two eager runs
-    differed by 0.00122 in one session and agreed in the next, where the replay then differed from eager by one
-    bf16 step (0.0039 on a weight in [0.5, 1)); two agreeing eager runs do not prove it deterministic, so e4m3
-    is held to eager's noise: per weight two bf16 steps at its magnitude or twice eager's spread, and losses
-    within 1e-3."""
+    """Same kernels, same data, same order: the replayed run must match eager exactly wherever eager itself is
+    deterministic (checked by running eager twice: on the H100 both bf16 and e4m3 are, 2026-11-23); otherwise
+    within eager's own noise: per weight two bf16 steps at its magnitude or twice eager's largest run-to-run
+    difference, and losses within 1e-3. (Eager runs once seemed to differ by up to 0.0012: the weights were read
+    while the overlapped update was still writing them; ``_train`` now reads them through full_params.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     eager_losses, eager_w = _train(backend, False, matmul_dtype)
@@ -81,8 +80,7 @@ def test_graph_replay_equals_eager(backend, matmul_dtype):
                             torch.full_like(graph_diff, 2 * eager_spread))
     print(f"{backend} {matmul_dtype}: eager-vs-eager max |dw| {eager_spread}, graph-vs-eager {graph_diff.max().item()}; "
           f"losses eager {eager_losses} graph {graph_losses}")
-    if matmul_dtype is None:
-        assert eager_spread == 0.0 and again_losses == eager_losses
+    if eager_spread == 0.0:
         assert graph_losses == eager_losses
         assert torch.equal(graph_w, eager_w)
     else:
