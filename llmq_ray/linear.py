@@ -31,11 +31,14 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
 * ``quants="host"`` (--offload-quants): the same persistent copies, kept in (pinned) host memory; two device
   slots hold layer l in slot l % 2, fetched one layer ahead on a side stream (like --offload-residual). A
   layer's first use in a step quantizes into its slot and copies the result out to the host.
-* ``quants="layer"`` (ZeRO-3 default): only two device slots; ``begin_layer(l)`` quantizes layer l from its
-  just-gathered weights unless the slot still holds l from earlier in this step (the last two layers of the
-  forward are reused by the backward). Costs two layers of FP8 bytes and one weight quantization per layer
-  per forward and per backward pass. The forward, the recomputation and the backward of a micro-step all
-  read the copy made from the same bf16 weights of this step, so they see the same bytes.
+* ``quants="layer"`` (ZeRO-3 default, and --transient-quants): only two device slots (layer l in slot l % 2),
+  filled lazily, one matrix and one layout at a time, by the GEMM that needs it: the forward GEMM makes W_q,
+  the dgrad makes W^T_q (a layout a pass does not use is never written), unless the slot still holds that
+  layout of that layer from earlier in the step. Each weight's absmax is taken once per step, at its first
+  quantization, and kept (``w_amax``): the weights change only at the update. Costs two layers of FP8 bytes
+  and, per layer and pass, one read of the bf16 weights and one FP8 write. The forward, the recomputation and
+  the backward of a micro-step all read copies made from the same bf16 weights with the same scale, so they
+  see the same bytes as the persistent copies.
 
 The model announces each layer with ``begin_layer(layer, backward)`` after the weight store's ``begin``.
 
@@ -92,10 +95,11 @@ class BlockLinears:
         # rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED, seen on H100).
         self.scales = [torch.ones((), dtype=torch.float32, device=dev) for _ in range(3)]
         self.dy_amax = torch.zeros((), dtype=torch.float32, device=dev)
-        self.w_amax = torch.zeros((), dtype=torch.float32, device=dev)
         self.key_of = {(layer, name): f"layers.{layer}.{name}" for layer in range(num_layers) for name in BLOCK_WEIGHTS}
         self.layer_of = {key: ln for ln, key in self.key_of.items()}
         self.w_descale = {key: torch.ones((), dtype=torch.float32, device=dev) for key in self.layer_of}
+        # max|W| per block weight (fp32 0-d): taken once per step (weights change only at the update)
+        self.w_amax = {key: torch.zeros((), dtype=torch.float32, device=dev) for key in self.layer_of}
         # persistent copies of every layer: on the device, or (quants="host") in pinned host memory
         self.w_q: dict[str, torch.Tensor] = {}
         self.wt_q: dict[str, torch.Tensor] = {}
@@ -139,6 +143,9 @@ class BlockLinears:
         if self.fp8:
             self.valid = [False] * self.num_layers       # persistent copy of layer l is current
             self.slot_holder: list[int | None] = [None, None]  # which layer's copies each device slot holds
+            # quants="layer": {(name, transposed): layer} whose copy each slot holds; keys with a current w_amax
+            self.slot_has: list[dict] = [{}, {}]
+            self.amax_valid: set[str] = set()
 
     def ensure_quantized(self) -> None:
         """Resident persistent copies: quantize every stale layer now (CUDA-graph replays only read them)."""
@@ -160,6 +167,8 @@ class BlockLinears:
         if self.quants == "persistent":  # a stale layer is quantized at its first use in the step
             if not self.valid[layer]:
                 self._quantize_layer(layer, None)
+            return
+        if self.quants == "layer":  # the GEMMs quantize what they need (_copy)
             return
         slot = layer % 2
         if self.slot_holder[slot] != layer:
@@ -186,10 +195,32 @@ class BlockLinears:
             key = self.key_of[layer, name]
             w = self.w[key]
             dst = (self.w_q[key], self.wt_q[key]) if slot is None else self.slots[slot][name]
-            self.be.absmax(self.w_amax, w)
-            self.be.quantize_with_transpose(dst[0], dst[1], self.w_descale[key], w, self.w_amax)
+            self.be.quantize_with_transpose(dst[0], dst[1], self.w_descale[key], w, self._weight_amax(key))
         if slot is None:
             self.valid[layer] = True
+
+    def _weight_amax(self, key: str) -> torch.Tensor:
+        """max|W| of block weight ``key`` for this step (measured at its first use since the weights changed)."""
+        amax = self.w_amax[key]
+        if key not in self.amax_valid:
+            self.be.absmax(amax, self.w[key])
+            self.amax_valid.add(key)
+        return amax
+
+    def _copy(self, key: str, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """quants="layer": (W_q [OC, K] or, ``transposed``, W^T_q [K, OC]; descale) of ``key`` in its layer's
+        slot, quantized now unless the slot already holds that layout of that layer from earlier in the step."""
+        layer, name = self.layer_of[key]
+        slot = layer % 2
+        dst = self.slots[slot][name][1 if transposed else 0]
+        if self.slot_has[slot].get((name, transposed)) != layer:
+            w, amax = self.w[key], self._weight_amax(key)
+            if transposed:
+                self.be.quantize_transpose(dst, self.w_descale[key], w, amax)
+            else:
+                self.be.quantize(dst, self.w_descale[key], w, amax)
+            self.slot_has[slot][(name, transposed)] = layer
+        return dst, self.w_descale[key]
 
     def _claim(self, slot: int) -> None:
         """Before the compute stream overwrites device slot ``slot``: copies into or out of it have finished."""
@@ -265,7 +296,10 @@ class BlockLinears:
         if not self.fp8:
             self.be.matmul(out, x, self.w[key], transpose_b=True, bias=bias)
             return
-        w_q, _, w_descale = self._copies(key)
+        if self.quants == "layer":
+            w_q, w_descale = self._copy(key, transposed=False)
+        else:
+            w_q, _, w_descale = self._copies(key)
         xq = self.x_q[:x.numel()].view(x.shape)
         if self.store_xt:  # both layouts in one pass; q(x^T) waits for this layer's wgrad
             descale = self.x_descale[key]
@@ -286,7 +320,10 @@ class BlockLinears:
             be.matmul(dx, dy, self.w[key])
             be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
             return
-        _, wt_q, w_descale = self._copies(key)
+        if self.quants == "layer":
+            wt_q, w_descale = self._copy(key, transposed=True)
+        else:
+            _, wt_q, w_descale = self._copies(key)
         n, oc = dy.shape
         k = x.shape[1]
         if not dy_amax_ready:

@@ -77,7 +77,7 @@ def test_offload_flag_is_bit_identical(reference, flags):
 
 
 QUANT_FLAGS = [dict(persistent_quants=True, offload_quants=True),
-               dict(transient_quants=True),
+               dict(transient_quants=True), dict(transient_quants=True, recompute_block=True),
                dict(zero_level=3),
                dict(zero_level=3, persistent_quants=True, offload_quants=True, offload_residual=True,
                     offload_gradients=True, offload_master=True)]
@@ -237,3 +237,40 @@ def test_fp8_weight_copies_on_cuda_are_bit_identical(backend):
             assert all(t.is_pinned() for t in e.model.lin.host_tensors()), flags
         assert losses == ref_losses, flags
         assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
+
+
+def test_transient_copies_quantize_each_layout_once_per_pass_and_absmax_once_per_step():
+    """--transient-quants: the forward GEMM makes only W_q, the dgrad only W^T_q (no both-layout pass over
+    the weights), and each weight's absmax is taken once per optimizer step, not at every pass. Four layers,
+    so that the two slots are refilled in every pass (with two, each layer would keep its slot all step)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=4)
+    opts = TrainOptions(**{**BASE, "zero_level": 1, "matmul_dtype": "e4m3", "transient_quants": True})
+    engine = TrainEngine(cfg, opts, get_backend("torch"))
+    be, lin = engine.backend, engine.model.lin
+    weights = {lin.w[key].data_ptr(): key for key in lin.layer_of}
+    calls = {"absmax": [], "quantize": [], "quantize_transpose": [], "quantize_with_transpose": []}
+    for name, log in calls.items():
+        original = getattr(be, name)
+
+        def wrapped(*args, _original=original, _log=log, **kwargs):
+            inp = args[-2] if len(args) >= 2 else None
+            if _log is calls["absmax"]:
+                inp = args[1]
+            if isinstance(inp, torch.Tensor) and inp.data_ptr() in weights:
+                _log.append(weights[inp.data_ptr()])
+            return _original(*args, **kwargs)
+        setattr(be, name, wrapped)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(2):
+        for _ in range(opts.grad_accumulation):
+            x = torch.randint(0, PRESETS["tiny"].vocab_size, (opts.batch_size, opts.seq_len + 1), generator=gen)
+            engine.micro_step(x[:, :-1], x[:, 1:])
+        engine.update(1e-3, step + 1)
+    keys = sorted(lin.layer_of)
+    passes = 2 * opts.grad_accumulation  # steps x micro-steps
+    assert sorted(calls["absmax"]) == sorted(keys * 2)  # once per weight per step
+    assert sorted(calls["quantize"]) == sorted(keys * passes)  # forward: W_q only
+    assert sorted(calls["quantize_transpose"]) == sorted(keys * passes)  # dgrad: W^T_q only
+    assert calls["quantize_with_transpose"] == []
