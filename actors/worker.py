@@ -38,6 +38,7 @@ from actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.engine import TrainEngine
 from llmq_ray.errors import ConfigError
+from llmq_ray.heap import freeze_long_lived
 
 PROBE_GROUP = "probe"  # the concurrency group of ``GPUWorker.activity``
 
@@ -91,6 +92,7 @@ class GPUWorker:
         self.device: torch.device | None = None
         self._train = self._eval_periodic = self._eval_full = None
         self._activity = {"step": None, "at": -2, "what": "idle", "since": time.monotonic()}
+        self._heap_frozen = False
         set_worker_threads(spec.cpus_per_worker)
 
     # ------------------------------------------------------------------ set-up
@@ -235,6 +237,9 @@ class GPUWorker:
         tokens = o.batch_size * o.seq_len * o.grad_accumulation
         mem = telemetry.memory_bytes(self.device)
         out.update(seconds=seconds, data_seconds=data_s, memory=mem)
+        if not self._heap_frozen:  # after the first step (kernels compiled, engine built): see llmq_ray/heap.py
+            self._heap_frozen = True
+            freeze_long_lived()
         sample = self._gpu_util.maybe_sample(step + 1) if getattr(self, "_gpu_util", None) else None
         if sample:
             out["gpu_util"] = sample

@@ -36,6 +36,10 @@ def main():
     ap.add_argument("--recompute", default="", help="comma list: swiglu,norm,ffn,qkv,att,block")
     ap.add_argument("--lmhead-chunks", type=int, default=1)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay the micro-step from a CUDA graph")
+    ap.add_argument("--offload-opt", action="store_true", help="Adam m and v in pinned host memory")
+    ap.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer and pass")
+    ap.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
+                    help="the update before the next forward, not beside it")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
@@ -43,7 +47,9 @@ def main():
                         grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,
                         master_dtype=args.master_dtype, opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype,
                         lmhead_chunks=args.lmhead_chunks, matmul_dtype=args.matmul_dtype,
-                        gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs, **rec)
+                        gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs,
+                        offload_opt_m=args.offload_opt, offload_opt_v=args.offload_opt,
+                        transient_quants=args.transient_quants, overlap_update=args.overlap_update, **rec)
     cfg = PRESETS[args.model]
     engine = TrainEngine(cfg, opts, get_backend(args.backend, args.device))
     gen = torch.Generator().manual_seed(0)
