@@ -19,7 +19,7 @@ With an ``--offload-*`` flag, the state it moves lives in host memory (pinned on
 device rows above and appears in host rows instead (``host_master``, ``host_adam_m``, ``host_adam_v``,
 ``host_grads``, ``host_activations``, ``host_fp8``; listed only when something is offloaded), which are not
 part of the device sum. The ``fp8`` row holds all layers' FP8 weight copies when they are persistent on the
-device, two layers' slots when they are made per layer (ZeRO-3) or fetched from the host (--offload-quants). The optimizer's and the gradient accumulator's pipelined staging slots stay on the device
+device, two layers' slots when they are made per layer (ZeRO-3, --transient-quants) or fetched from the host (--offload-quants). The optimizer's and the gradient accumulator's pipelined staging slots stay on the device
 (in ``other``).
 
 On CUDA three device rows follow (not part of the tensor sum): ``cuda_allocated``
