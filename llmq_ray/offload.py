@@ -139,6 +139,7 @@ class StagedChunks:
             staged[i] = None
         main.wait_stream(up)
         main.wait_stream(down)
+        down.wait_stream(up)  # sync() also covers uploads still reading host memory (load-only runs)
         self._done = down.record_event()
 
     def sync(self) -> None:

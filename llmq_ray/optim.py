@@ -285,9 +285,8 @@ class ShardedAdamW:
 
     def join(self) -> None:
         """Order the current stream after an update queued on a side stream (``step(stream=...)``)."""
-        if self._update_done is not None:
+        if self._update_done is not None:  # kept: sync() still waits on it from the host
             torch.cuda.current_stream(self.device).wait_event(self._update_done)
-            self._update_done = None
 
     def _run(self, host: dict[str, torch.Tensor], store: dict[str, torch.Tensor], fn,
              order: Sequence[int] | None = None) -> None:

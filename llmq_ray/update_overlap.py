@@ -19,7 +19,8 @@ The results are the same bits as an update on the compute stream: the same kerne
 same seeds, only queued in another order. On the CPU there are no streams: the update runs at once (the
 order and the deferred zeroing still run, so CPU tests cover them).
 Limits: one worker (no all-gather after the update), ZeRO-1 (ZeRO-2's accumulator is written by the next
-micro-step's reduction; ZeRO-3 gathers its own weights) and no CUDA graphs (a replay cannot wait per unit).
+micro-step's reduction; ZeRO-3 gathers its own weights) and no CUDA graphs (a replay cannot wait per unit, and
+``BlockLinears.ensure_quantized``, run before a replay, reads every layer's weights at once).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class UpdateOverlap:
 
     def step(self, grads_shard: torch.Tensor, *, lr: float, step: int, grad_scale) -> None:
         """``optimizer.step`` on the side stream; returns once it is queued."""
+        self.join()  # a previous update (if any) is ordered before this one, and its tensors may be freed
         self._keep = [grads_shard, grad_scale]
         ready = self.store.ready
 
