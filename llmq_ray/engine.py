@@ -251,8 +251,8 @@ class TrainEngine:
         """Re-create the optimizer state after the weights were replaced (e.g. loaded from HF safetensors)."""
         self.join_update()
         self.optimizer = self._make_optimizer()
-        if self.overlap is not None:
-            self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.device)
+        if self.overlap is not None:  # same layout, shard and chunk size: the same chunks, so the same order
+            self.overlap.optimizer = self.optimizer
 
     def join_update(self) -> None:
         """Order the compute stream after an update still running on the side stream (no-op otherwise)."""
