@@ -54,6 +54,20 @@ def publish(values: dict, tags: dict) -> None:
         pass
 
 
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_events(device) -> dict[str, int]:
+    """Counters of the CUDA caching allocator's expensive events so far (retries after an OOM, cudaMalloc /
+    cudaFree calls, full-device syncs): a step whose count grows paid for them. {} off CUDA."""
+    import torch
+
+    if getattr(device, "type", str(device)) != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_EVENTS}
+
+
 def memory_bytes(device) -> int:
     """Peak allocated device memory on CUDA, else this process's resident set size."""
     import torch

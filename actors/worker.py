@@ -226,6 +226,7 @@ class GPUWorker:
         o = self.spec.opts
         self._mark(step, -1, "at the start of the step")
         self._faults_before_step(step)
+        events_before = telemetry.allocator_events(self.device)
         t0 = time.perf_counter()
         data_s = 0.0
         for k in range(o.grad_accumulation):
@@ -237,6 +238,8 @@ class GPUWorker:
         tokens = o.batch_size * o.seq_len * o.grad_accumulation
         mem = telemetry.memory_bytes(self.device)
         out.update(seconds=seconds, data_seconds=data_s, memory=mem)
+        events = telemetry.allocator_events(self.device)
+        out["allocator_events"] = {k: v - events_before[k] for k, v in events.items() if v != events_before[k]}
         if not self._heap_frozen:  # after the first step (kernels compiled, engine built): see llmq_ray/heap.py
             self._heap_frozen = True
             freeze_long_lived()

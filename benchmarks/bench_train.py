@@ -49,6 +49,7 @@ def main(argv=None) -> int:
         p.add_argument(f"--offload-{what}", action="store_true", help=f"keep {what} in pinned host memory")
     p.add_argument("--use-zero-copy", action="store_true", help="optimizer kernel reads the offloaded host state directly")
     p.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer, not per step")
+    p.add_argument("--opt-resident-gib", type=float, default=0.0, help="of the offloaded Adam state, keep this on the GPU")
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
     p.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                    help="one GPU: the update before the next forward, not beside it")
@@ -73,6 +74,7 @@ def main(argv=None) -> int:
                   zero_level=a.zero_level, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
                   master_dtype=a.master_dtype if dtype == "bf16" else "fp32", opt_m_dtype=a.opt_m_dtype,
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
+                  opt_resident_gib=a.opt_resident_gib,
                   use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
                 rec = t.train_step()
                 records.append(rec)
                 print(f"step {rec['step'] + 1:3d}: {1000 * rec['seconds']:8.1f} ms (worker {1000 * rec['worker_seconds']:8.1f} ms) "
-                      f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s", flush=True)
+                      f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | data {1000 * rec['data_seconds']:.1f} ms"
+                      + (f" | allocator {rec['allocator_events']}" if rec.get("allocator_events") else ""), flush=True)
             world = t.spec.world_size
     except LLMQError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -18,6 +18,72 @@ from llmq_ray.engine import TrainEngine
 from llmq_ray.options import TrainOptions
 
 
+KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match wins
+    ("attention", ("flash", "fmha", "cudnn", "attn", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90", "scaled_mm", "matmul")),
+    ("copy", ("memcpy", "copy", "cat", "elementwise_kernel_with_index")),
+    ("memset", ("memset", "fill")),
+    ("norm", ("rmsnorm", "norm")),
+    ("quant/absmax", ("absmax", "quant", "amax")),
+    ("swiglu/rope", ("swiglu", "rope")),
+    ("classifier", ("classifier", "softmax", "lmhead", "logits")),
+    ("adam", ("adam", "sgd")),
+)
+
+
+def print_kernel_categories(prof, wall_s):
+    """Sum the GPU kernel time of one profiled step by kind of kernel (µs per category), next to the wall time.
+
+    Overlapping kernels (side streams) are summed as they are, so the total can exceed the wall time."""
+    sums, other = {}, {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t <= 0 or evt.device_type.name != "CUDA":
+            continue
+        name = evt.key.lower()
+        cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), None)
+        if cat is None:
+            other[evt.key[:70]] = other.get(evt.key[:70], 0) + t
+            cat = "other"
+        sums[cat] = sums.get(cat, 0) + t
+    total = sum(sums.values())
+    print(f"KERNELS wall {wall_s * 1e3:.1f} ms, GPU kernel time {total / 1e3:.1f} ms "
+          f"({total / 1e3 / (wall_s * 1e3) * 100:.0f}% of wall)")
+    for cat, t in sorted(sums.items(), key=lambda kv: -kv[1]):
+        print(f"KERNELS {cat:14s} {t / 1e3:9.1f} ms {t / total * 100:5.1f}%")
+    for name, t in sorted(other.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"KERNELS   other: {name} {t / 1e3:.1f} ms")
+
+
+def print_stream_gaps(prof, top: int = 12) -> None:
+    """Idle time of the busiest CUDA stream (the compute stream) inside one profiled step: the sum of the gaps
+    between its kernels, how much of it is in gaps under 20 µs (launch spacing) and the longest gaps with the
+    kernels on either side (where the stream waited for the host, another stream or a copy)."""
+    by_stream: dict = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            by_stream.setdefault(e.device_resource_id, []).append((e.time_range.start, e.time_range.end, e.name))
+    if not by_stream:
+        return
+    busy = {s: sum(b - a for a, b, _ in ev) for s, ev in by_stream.items()}
+    main_stream = max(busy, key=busy.get)
+    ev = sorted(by_stream[main_stream])
+    gaps, end, last = [], ev[0][1], ev[0][2]
+    for a, b, name in ev[1:]:
+        if a > end:
+            gaps.append((a - end, last, name))
+        if b > end:
+            end, last = b, name
+    span = end - ev[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    small = sum(g for g, _, _ in gaps if g < 20)
+    print(f"GAPS streams {', '.join(f'{s}: {busy[s] / 1e3:.1f} ms' for s in sorted(busy))}; compute stream "
+          f"{main_stream}: span {span / 1e3:.1f} ms, idle {idle / 1e3:.1f} ms in {len(gaps)} gaps "
+          f"({small / 1e3:.1f} ms in gaps < 20 us)")
+    for g, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"GAPS {g / 1e3:8.2f} ms after {before[:50]} before {after[:50]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen2.5-0.5B")
@@ -37,6 +103,7 @@ def main():
     ap.add_argument("--lmhead-chunks", type=int, default=1)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay the micro-step from a CUDA graph")
     ap.add_argument("--offload-opt", action="store_true", help="Adam m and v in pinned host memory")
+    ap.add_argument("--opt-resident-gib", type=float, default=0.0, help="of the offloaded Adam state, keep this on the GPU")
     ap.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer and pass")
     ap.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                     help="the update before the next forward, not beside it")
@@ -49,7 +116,8 @@ def main():
                         lmhead_chunks=args.lmhead_chunks, matmul_dtype=args.matmul_dtype,
                         gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs,
                         offload_opt_m=args.offload_opt, offload_opt_v=args.offload_opt,
-                        transient_quants=args.transient_quants, overlap_update=args.overlap_update, **rec)
+                        transient_quants=args.transient_quants,
+                        opt_resident_gib=args.opt_resident_gib, overlap_update=args.overlap_update, **rec)
     cfg = PRESETS[args.model]
     engine = TrainEngine(cfg, opts, get_backend(args.backend, args.device))
     gen = torch.Generator().manual_seed(0)
@@ -62,21 +130,33 @@ def main():
         t0 = time.perf_counter()
         for _ in range(args.grad_accumulation):
             engine.micro_step(inputs, targets)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        t_micro = time.perf_counter() - t0
         stats = engine.update(1e-4, step + 1)
         if args.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        print(f"step {step}: loss {stats.loss:.4f} norm {stats.grad_norm:.3f} {times[-1] * 1e3:.1f} ms", flush=True)
+        print(f"step {step}: loss {stats.loss:.4f} norm {stats.grad_norm:.3f} {times[-1] * 1e3:.1f} ms "
+              f"(micro-steps {t_micro * 1e3:.1f} ms, then update {(times[-1] - t_micro) * 1e3:.1f} ms)", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
+        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            sync()
+            t_prof = time.perf_counter()
             for _ in range(args.grad_accumulation):
                 engine.micro_step(inputs, targets)
             engine.update(1e-4, args.steps + 3)
-            torch.cuda.synchronize()
+            sync()
+            prof_wall = time.perf_counter() - t_prof
         print(prof.key_averages().table(sort_by="cuda_time_total" if args.device == "cuda" else "cpu_time_total",
                                         row_limit=25, max_name_column_width=60))
+        if args.device == "cuda":
+            print_kernel_categories(prof, wall_s=prof_wall)
+            print_stream_gaps(prof)
     step_time = sorted(times[2:])[len(times[2:]) // 2]
     tokens = args.batch_size * args.seq_len * args.grad_accumulation
     flops = cfg.flops_per_token(args.seq_len) * tokens / step_time

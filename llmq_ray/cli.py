@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --matmul-dtype e4m3: make each layer's FP8 weight copies when the layer runs and keep only "
                    "two layers' worth (the ZeRO-3 default), also under ZeRO-1/2: saves as many bytes as the bf16 "
                    "block weights (13 GiB at 7B) for one weight quantization per layer and pass")
+    o.add_argument("--opt-resident-gib", type=float, default=0.0,
+                   help="with --offload-master/--offload-opt-m/--offload-opt-v: keep this many GiB of that state on "
+                   "the GPU (the chunks updated first) and stream only the rest (same results, less PCIe traffic)")
     o.add_argument("--use-zero-copy", action="store_true",
                    help="the optimizer kernel reads/writes the offloaded host state directly instead of streaming "
                    "it (not supported on CUDA yet)")
@@ -175,6 +178,7 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         recompute_block=a.recompute_block, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
         offload_master=a.offload_master, offload_opt_m=a.offload_opt_m, offload_opt_v=a.offload_opt_v,
         offload_gradients=a.offload_gradients, offload_residual=a.offload_residual, use_zero_copy=a.use_zero_copy,
+        opt_resident_gib=a.opt_resident_gib,
         persistent_quants=a.persistent_quants, offload_quants=a.offload_quants,
         transient_quants=a.transient_quants,
         opt_chunk_size=a.opt_chunk_size, zero_level=a.zero_level, shard_gradients=a.shard_gradients,

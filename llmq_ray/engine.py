@@ -155,6 +155,7 @@ class TrainEngine:
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
         if opts.overlap_update and world == 1 and opts.effective_zero_level == 1 and not opts.use_cuda_graphs:
             self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, backend.device)
+        self._keep_opt_resident()
         # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
         # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
         self.grad_shard = self._grad_shard_tmp = self._grad_staging = None
@@ -253,6 +254,15 @@ class TrainEngine:
         self.optimizer = self._make_optimizer()
         if self.overlap is not None:  # same layout, shard and chunk size: the same chunks, so the same order
             self.overlap.optimizer = self.optimizer
+        self._keep_opt_resident()
+
+    def _keep_opt_resident(self) -> None:
+        """--opt-resident-gib: keep the offloaded optimizer state of the chunks updated first on the device
+        (in the overlap's order, so the first layers of the next forward wait least)."""
+        if not self.opts.opt_resident_gib:
+            return
+        order = self.overlap.order if self.overlap is not None else range(len(self.optimizer.chunks))
+        self.optimizer.keep_resident(order, int(self.opts.opt_resident_gib * 2**30))
 
     def join_update(self) -> None:
         """Order the compute stream after an update still running on the side stream (no-op otherwise)."""

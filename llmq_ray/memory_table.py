@@ -114,6 +114,12 @@ class _Counter:
         return total
 
 
+def _kept(opt, name: str) -> list[torch.Tensor]:
+    """The device part of an offloaded optimizer state that --opt-resident-gib keeps on the GPU (or nothing)."""
+    kept = getattr(opt, "resident", {}).get(name)
+    return [kept] if kept is not None else []
+
+
 def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
     """Bytes of each role of ``engine``'s allocated tensors on its device: a list of (name, bytes) in
     ``TENSOR_ROWS`` order, then (on CUDA, with ``device_rows``) ``DEVICE_ROWS``. See the module docstring.
@@ -127,9 +133,9 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
     weights = engine.weight_tensors() if hasattr(engine, "weight_tensors") else [engine.params]
     rows = [
         ("weights", c.claim(weights)),
-        ("master", c.claim([getattr(opt, "master", None)])),
-        ("adam_m", c.claim([getattr(opt, "m", None)])),
-        ("adam_v", c.claim([getattr(opt, "v", None)])),
+        ("master", c.claim([getattr(opt, "master", None), *_kept(opt, "master")])),
+        ("adam_m", c.claim([getattr(opt, "m", None), *_kept(opt, "m")])),
+        ("adam_v", c.claim([getattr(opt, "v", None), *_kept(opt, "v")])),
         ("grads", c.claim(engine.grad_tensors() if hasattr(engine, "grad_tensors") else
                           [engine.grads, getattr(engine, "grad_shard", None), getattr(engine, "_grad_shard_tmp", None)])),
         ("activations", c.claim(iter_tensors(model.acts))),

@@ -24,6 +24,8 @@ from llmq_ray.options import TrainOptions
 BASE = dict(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, model_dtype="bf16", master_dtype="fp32",
             opt_m_dtype="bf16", opt_v_dtype="bf16", opt_chunk_size=5000, zero_level=2, learning_rate=1e-3)
 STEPS = 3
+# --opt-resident-gib that keeps 3 of the shard's chunks of fp32 master + bf16 m + bf16 v (8 bytes/element) on device
+KEEP_3_CHUNKS = 3.5 * BASE["opt_chunk_size"] * 8 / 2**30
 
 
 def _train(backend: str = "torch", device: str = "cpu", **flags):
@@ -48,7 +50,8 @@ FLAGS = [dict(offload_master=True), dict(offload_opt_m=True), dict(offload_opt_v
          dict(offload_gradients=True), dict(offload_residual=True), dict(attn_bwd_chunks=2),
          dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True, use_zero_copy=True),
          dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True,
-              offload_residual=True, zero_level=3)]
+              offload_residual=True, zero_level=3),
+         dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, opt_resident_gib=KEEP_3_CHUNKS)]
 
 
 @pytest.mark.parametrize("flags", FLAGS, ids=["-".join(f) for f in FLAGS])
@@ -65,6 +68,7 @@ def test_offload_flag_is_bit_identical(reference, flags):
     expected_host = {k for k, f in (("master", "offload_master"), ("m", "offload_opt_m"), ("v", "offload_opt_v"))
                      if flags.get(f)}
     assert opt.offloaded == expected_host
+    assert len(opt.resident_at) == (3 if flags.get("opt_resident_gib") else 0)
     if flags.get("use_zero_copy"):
         assert opt.staging is None  # the kernel works on the host tensors themselves
     else:
@@ -127,6 +131,37 @@ def test_staged_chunks_round_trip():
     assert torch.equal(out, torch.arange(23, dtype=torch.float32) * 2)
     assert torch.equal(host, torch.arange(23, dtype=torch.float32) + 100)
     assert [i for i, _ in seen] == list(range(5)) and torch.equal(seen[4][1], torch.tensor([20.0, 21.0, 22.0]))
+
+
+def test_resident_part_of_offloaded_state_follows_the_update_order_and_checkpoints():
+    """--opt-resident-gib under ZeRO-1 (update overlapped, in forward order): the kept chunks are the first of
+    the overlap's order, training is bit-identical to the fully streamed run, the host tensors handed to a
+    checkpoint hold the kept chunks' current values, loading a state refreshes them, and the memory table
+    counts them on the device."""
+    from llmq_ray.memory_table import memory_dict, memory_table
+
+    flags = dict(zero_level=1, offload_opt_m=True, offload_opt_v=True, master_dtype="bf16")
+    per_chunk = BASE["opt_chunk_size"] * 4  # bf16 m + bf16 v
+    ref_losses, ref = _train(**flags)
+    losses, e = _train(**flags, opt_resident_gib=5.5 * per_chunk / 2**30)
+    opt = e.optimizer
+    assert e.overlap is not None and list(opt.resident_at) == e.overlap.order[:5]
+    assert losses == ref_losses
+    assert torch.equal(e.full_params(), ref.full_params())
+    state = {k: t.clone() for k, t in opt.state_tensors().items()}
+    for name, t in state.items():
+        assert torch.equal(t, ref.optimizer.state_tensors()[name]), name
+    kept_m = opt.resident["m"]
+    assert kept_m.abs().sum() > 0
+    opt.load_state_tensors({k: torch.zeros_like(t) for k, t in state.items()})
+    assert kept_m.abs().sum() == 0  # the device part follows a loaded state
+    opt.load_state_tensors(state)
+    j = e.overlap.order[0]
+    lo, hi = opt.chunks[j][0] - opt.start, opt.chunks[j][1] - opt.start
+    assert torch.equal(opt._resident_views(j)["m"], state["m"][lo:hi])
+    rows, ref_rows = memory_dict(memory_table(e)), memory_dict(memory_table(ref))
+    assert rows["adam_m"] == rows["adam_v"] == kept_m.numel() * 2 == 5 * BASE["opt_chunk_size"] * 2
+    assert ref_rows["adam_m"] == 0 and rows["host_adam_m"] == ref_rows["host_adam_m"]
 
 
 def test_memory_table_moves_offloaded_state_to_host_rows():
@@ -193,7 +228,11 @@ BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-m
        (dict(transient_quants=True, persistent_quants=True, model_dtype="bf16", matmul_dtype="e4m3"),
         "--transient-quants contradicts --persistent-quants"),
        (dict(use_cuda_graphs=True, transient_quants=True, model_dtype="bf16", matmul_dtype="e4m3"),
-        "--use-cuda-graphs cannot capture --transient-quants")]
+        "--use-cuda-graphs cannot capture --transient-quants"),
+       (dict(opt_resident_gib=1.0), "--opt-resident-gib only applies with --offload-master"),
+       (dict(opt_resident_gib=-1.0, offload_opt_m=True), "--opt-resident-gib=-1.0 must be a number >= 0"),
+       (dict(opt_resident_gib=1.0, offload_opt_m=True, offload_gradients=True, zero_level=2),
+        "--opt-resident-gib cannot be combined with --offload-gradients")]
 
 
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
@@ -212,12 +251,15 @@ def test_offload_on_cuda_is_bit_identical(backend):
     ref_losses, ref = _train(backend, "cuda")
     everything = dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, offload_gradients=True,
                       offload_residual=True)
-    runs = [everything, dict(everything, zero_level=3)]
+    runs = [everything, dict(everything, zero_level=3),
+            dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, opt_resident_gib=KEEP_3_CHUNKS)]
     with pytest.raises(ConfigError, match="--use-zero-copy is not supported on CUDA yet"):
         _train(backend, "cuda", **dict(everything, use_zero_copy=True))
     for flags in runs:
         losses, e = _train(backend, "cuda", **flags)
-        assert e.optimizer.m.is_pinned() and e.grad_shard.is_pinned(), flags
+        assert e.optimizer.m.is_pinned() and e.grad_shard.is_pinned() == bool(flags.get("offload_gradients")), flags
+        assert all(t.is_cuda for t in e.optimizer.resident.values()) and len(e.optimizer.resident_at) == (
+            3 if flags.get("opt_resident_gib") else 0), flags
         assert losses == ref_losses, flags
         assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
         for name, t in e.optimizer.state_tensors().items():
