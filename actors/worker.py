@@ -38,7 +38,7 @@ from actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.engine import TrainEngine
 from llmq_ray.errors import ConfigError
-from llmq_ray.heap import freeze_long_lived
+from llmq_ray.heap import GcPauses, freeze_long_lived
 
 PROBE_GROUP = "probe"  # the concurrency group of ``GPUWorker.activity``
 
@@ -93,6 +93,7 @@ class GPUWorker:
         self._train = self._eval_periodic = self._eval_full = None
         self._activity = {"step": None, "at": -2, "what": "idle", "since": time.monotonic()}
         self._heap_frozen = False
+        self._gc_pauses = GcPauses()
         set_worker_threads(spec.cpus_per_worker)
 
     # ------------------------------------------------------------------ set-up
@@ -227,6 +228,7 @@ class GPUWorker:
         self._mark(step, -1, "at the start of the step")
         self._faults_before_step(step)
         events_before = telemetry.allocator_events(self.device)
+        self._gc_pauses.take()
         t0 = time.perf_counter()
         data_s = 0.0
         for k in range(o.grad_accumulation):
@@ -240,6 +242,7 @@ class GPUWorker:
         out.update(seconds=seconds, data_seconds=data_s, memory=mem)
         events = telemetry.allocator_events(self.device)
         out["allocator_events"] = {k: v - events_before[k] for k, v in events.items() if v != events_before[k]}
+        out["gc_seconds"], out["gc_collections"] = self._gc_pauses.take()
         if not self._heap_frozen:  # after the first step (kernels compiled, engine built): see llmq_ray/heap.py
             self._heap_frozen = True
             freeze_long_lived()

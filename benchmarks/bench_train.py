@@ -97,6 +97,7 @@ def main(argv=None) -> int:
                 records.append(rec)
                 print(f"step {rec['step'] + 1:3d}: {1000 * rec['seconds']:8.1f} ms (worker {1000 * rec['worker_seconds']:8.1f} ms) "
                       f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | data {1000 * rec['data_seconds']:.1f} ms"
+                      f" | gc {1000 * rec.get('gc_seconds', 0.0):.1f} ms"
                       + (f" | allocator {rec['allocator_events']}" if rec.get("allocator_events") else ""), flush=True)
             world = t.spec.world_size
     except LLMQError as exc:

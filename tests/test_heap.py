@@ -14,3 +14,20 @@ def test_freeze_moves_live_objects_to_the_permanent_generation():
         assert all(len(x) == 1 for x in keep)
     finally:
         gc.unfreeze()
+
+
+def test_gc_pauses_counts_collections_and_their_time():
+    from llmq_ray.heap import GcPauses
+
+    pauses = GcPauses()
+    try:
+        pauses.take()
+        gc.collect()
+        gc.collect(0)
+        seconds, collections = pauses.take()
+        assert collections == 2 and seconds > 0
+        assert pauses.take() == (0.0, 0)  # take() restarts the count
+    finally:
+        pauses.close()
+    gc.collect()
+    assert pauses.take() == (0.0, 0)  # closed: no longer called back
