@@ -69,6 +69,39 @@ def test_adamw_and_norm(tri, ref):
     kc.check_adamw_and_norm(tri, ref)
 
 
+def _compiled_variants(jit_fn) -> int | None:
+    """How many compiled variants a @triton.jit function holds (None if this Triton keeps them elsewhere)."""
+    caches = getattr(jit_fn, "device_caches", None)
+    if not caches:
+        return None
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def test_adamw_seeds_never_cause_a_recompile(tri):
+    """Seeds change every step; Triton keys compiled variants on whether an int is 1 or a multiple of 16. If
+    the seeds were specialized, a step whose seeds first hit a new combination would JIT-compile mid-update
+    (the slow 4th 7B update). Seeds of both kinds, same shapes: one compiled variant of each kernel."""
+    from backends.torch_ref_optim import derive_seed
+    from backends.triton import adamw as tri_adamw
+
+    n = 4096
+    p, g = randn(n, dtype=torch.bfloat16), randn(n, dtype=torch.bfloat16)
+    m, v = randn(n, dtype=torch.bfloat16), randn(n, dtype=torch.bfloat16).abs()
+    seeds = list(range(1, 49))  # includes 1, 16, 32, 48 (stochastic_round's own seed classes)
+    derived = [derive_seed(s, tag) % 16 == 0 for s in seeds for tag in ("m", "p")]
+    assert any(derived) and not all(derived)  # the AdamW kernel sees seeds of both classes
+    counts = []
+    for s in seeds:
+        tri.adamw_update(p, g, m, v, master=None, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
+                         step=3, grad_scale=1.0, seed=s)
+        tri.stochastic_round(p, randn(n, dtype=torch.float32), s)
+        counts.append((_compiled_variants(tri_adamw._adamw_kernel),
+                       _compiled_variants(tri_adamw._stochastic_round_kernel)))
+    if counts[0][0] is None:
+        pytest.skip("this Triton version keeps its compiled kernels elsewhere")
+    assert all(c == counts[0] for c in counts), counts
+
+
 def test_stochastic_round_unbiased(tri):
     kc.check_stochastic_round_unbiased(tri)
 

@@ -61,7 +61,10 @@ def _store_state(ptr, offs, mask, value, r16):
         tl.store(ptr + offs, value, mask=mask)
 
 
-@triton.jit
+# The seeds change at every step and chunk: were they specialized (Triton keys compiled variants on whether an
+# int argument is 1 or a multiple of 16), a step whose seeds first hit a new combination would stop the host
+# for a JIT compile mid-update (seen at 7B as the 4th update ~0.6 s slower, the 5th faster, in every run).
+@triton.jit(do_not_specialize=["seed_mv", "seed_p"])
 def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, master_ptr, grad_scale_ptr, n, grad_scale,
                   decay, beta2, one_minus_beta1, one_minus_beta2, bias_correction2_sqrt, neg_step_size, eps,
                   seed_mv, seed_p, HAS_MASTER: tl.constexpr, SCALE_IS_TENSOR: tl.constexpr,
@@ -104,7 +107,7 @@ def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, master_ptr, grad_scale_ptr,
         tl.store(param_ptr + offs, cast_to(stored.to(tl.float32), param_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # per-call seeds: no recompiles (see _adamw_kernel)
 def _stochastic_round_kernel(out_ptr, x_ptr, n, seed, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
