@@ -90,7 +90,11 @@ def _batches(stream):
 @pytest.mark.parametrize("dtypes", [
     dict(model_dtype="fp32", master_dtype="fp32", opt_m_dtype="fp32", opt_v_dtype="fp32"),
     dict(model_dtype="bf16", master_dtype="fp32", opt_m_dtype="bf16", opt_v_dtype="bf16"),
-], ids=["fp32", "bf16-sr"])
+    # the offloaded state, 3 of its chunks kept on the device (--opt-resident-gib): the checkpoint must hold
+    # the kept chunks' current values and a resume must put them back on the device
+    dict(model_dtype="bf16", master_dtype="fp32", opt_m_dtype="bf16", opt_v_dtype="bf16", offload_master=True,
+         offload_opt_m=True, offload_opt_v=True, opt_chunk_size=5000, opt_resident_gib=3.5 * 5000 * 8 / 2**30),
+], ids=["fp32", "bf16-sr", "offloaded-part-kept"])
 def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
     opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, steps=12, learning_rate=3e-3, warmup=2,
                         lr_schedule="cosine", seed=7, **dtypes)
@@ -106,6 +110,7 @@ def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
 
     full = train_steps(engine, _batches(stream), on_step=on_step)
     assert saved["path"].endswith("step_00000006")
+    assert len(engine.optimizer.resident_at) == (3 if dtypes.get("opt_resident_gib") else 0)
 
     # A new process: zero weights (so that only the checkpoint can make it right), fresh stream.
     engine2, stream2 = _engine(opts, init_weights=False), _stream(train_bin, opts)
