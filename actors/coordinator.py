@@ -208,6 +208,7 @@ class Coordinator:
                "data_seconds": max(r.get("data_seconds", 0.0) for r in results),
                "memory": [r.get("memory", 0) for r in results]}
         rec["gc_seconds"] = max(r.get("gc_seconds", 0.0) for r in results)  # the cyclic collector's pauses
+        rec["gc_collections"] = max(r.get("gc_collections", 0) for r in results)
         if r0.get("allocator_events"):  # CUDA caching-allocator mallocs/frees/retries in this step (rank 0)
             rec["allocator_events"] = r0["allocator_events"]
         if r0.get("skip_reason"):

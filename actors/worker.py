@@ -352,6 +352,7 @@ class GPUWorker:
 
     def close(self) -> None:
         """Stop the data reader and leave the process group (the actor is killed afterwards)."""
+        self._gc_pauses.close()
         if self._train is not None:
             self._train.close()
         destroy_group()

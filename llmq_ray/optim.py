@@ -231,6 +231,9 @@ class ShardedAdamW:
         # chunks' offloaded state during training; state_tensors() copies them back to the host tensors.
         self.resident_at: dict[int, int] = {}
         self.resident: dict[str, torch.Tensor] = {}
+        self._kept_order: list[int] = []
+
+    ALIGN = 128  # elements: kept chunks start at multiples of this in their device buffer (vectorized loads)
 
     @property
     def numel(self) -> int:
@@ -249,8 +252,10 @@ class ShardedAdamW:
         Not with ``grads_on_host`` or ``zero_copy`` (their chunks stream through the device anyway)."""
         if self.grads_on_host or self.zero_copy:
             raise ConfigError("--opt-resident-gib cannot be combined with --offload-gradients or --use-zero-copy.")
+        if sorted(order) != list(range(len(self.chunks))):
+            raise ValueError(f"keep_resident: order must be a permutation of the {len(self.chunks)} chunks")
         self.sync()
-        self.resident_at, self.resident = {}, {}
+        self.resident_at, self.resident, self._kept_order = {}, {}, []
         if not self.offloaded or budget_bytes <= 0:
             return 0
         per_element = sum(getattr(self, k).element_size() for k in self.offloaded)
@@ -260,12 +265,13 @@ class ShardedAdamW:
             if (offset + hi - lo) * per_element > budget_bytes:
                 break  # a prefix of the order: the first chunks the update (and the forward after it) needs
             kept[j] = offset
-            offset += hi - lo
+            offset += -(-(hi - lo) // self.ALIGN) * self.ALIGN  # every kept chunk starts aligned
         if not kept:
             return 0
-        self.resident = {k: torch.empty(offset, dtype=getattr(self, k).dtype, device=self.device)
+        self.resident = {k: torch.zeros(offset, dtype=getattr(self, k).dtype, device=self.device)
                          for k in sorted(self.offloaded)}
         self.resident_at = kept
+        self._kept_order = list(kept)  # step() must start with these chunks, in this order (see _run)
         for k, buf in self.resident.items():
             host = getattr(self, k)
             for j, off in kept.items():
@@ -355,6 +361,10 @@ class ShardedAdamW:
             for i in range(len(self.chunks)):
                 fn(i, {})
             return
+        if self.resident_at and list(order[:len(self._kept_order)]) != self._kept_order:
+            # kept chunks run before the streamed ones: only right (for after_chunk's per-unit readiness) when
+            # they are the order's first chunks, as keep_resident chose them
+            raise ValueError("ShardedAdamW: the update order must begin with the chunks keep_resident kept")
         streamed = []  # positions in ``order`` whose chunk streams; kept chunks (keep_resident) run first
         for i, j in enumerate(order):
             if j in self.resident_at:
@@ -379,7 +389,9 @@ class ShardedAdamW:
         return out
 
     def sync(self) -> None:
-        """Wait until the host copies of the state are current (before host code reads or writes them)."""
+        """Wait until the updates and copies queued so far are done, so host code may read or write the host
+        tensors. Chunks kept on the device (keep_resident) are current only there: read the state through
+        ``state_tensors()``, write it through ``load_state_tensors()``."""
         if self._update_done is not None:
             self._update_done.synchronize()
         if self.staging is not None:
@@ -392,11 +404,15 @@ class ShardedAdamW:
         """The live state of this shard, for a checkpoint: {"master", "m", "v"}, each 1-D [end - start].
 
         "master" is always the storage of record of the weights: the separate master copy when there is one,
-        else a view of params[start:end]. These are the optimizer's own buffers (no copies): write them out
-        before the next step.
+        else a view of params[start:end]. These are the optimizer's own buffers (no copies, the kept chunks
+        copied back into them first): write them out before the next step; to change the state use
+        ``load_state_tensors``.
         """
         self.sync()
         self._copy_resident(to_host=True)
+        return self._storage()
+
+    def _storage(self) -> dict[str, torch.Tensor]:
         return {"master": self.master if self.master is not None else self.params, "m": self.m, "v": self.v}
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
@@ -409,7 +425,7 @@ class ShardedAdamW:
         if missing:
             raise CheckpointError(f"optimizer state of shard [{self.start}, {self.end}) lacks {sorted(missing)}")
         self.sync()
-        for name, dest in self.state_tensors().items():
+        for name, dest in self._storage().items():
             src = state[name]
             if src.numel() != dest.numel():
                 raise CheckpointError(f"optimizer state {name!r} has {src.numel()} elements, the shard "
@@ -422,7 +438,7 @@ class ShardedAdamW:
 
     def memory_bytes(self) -> int:
         """Bytes of optimizer-owned state on the device: m, v and the separate master (if any) unless offloaded,
-        plus the staging slots."""
+        the part of the offloaded ones kept on the device (keep_resident), plus the staging slots."""
         tensors = [getattr(self, k) for k in ("master", "m", "v") if k not in self.offloaded]
         tensors += list(self.resident.values())
         staging = self.staging.nbytes() if self.staging is not None else 0

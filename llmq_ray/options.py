@@ -8,6 +8,7 @@ combinations that make no sense into one ConfigError sentence naming the flags.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -147,7 +148,8 @@ class TrainOptions:
         need(not self.use_zero_copy or self.offloads_optimizer or self.offload_gradients,
              "--use-zero-copy only applies with --offload-master, --offload-opt-m, --offload-opt-v or "
              "--offload-gradients (it lets the optimizer kernel read that host memory directly).")
-        need(isinstance(self.opt_resident_gib, (int, float)) and self.opt_resident_gib >= 0,
+        need(isinstance(self.opt_resident_gib, (int, float)) and math.isfinite(self.opt_resident_gib)
+             and self.opt_resident_gib >= 0,
              f"--opt-resident-gib={self.opt_resident_gib!r} must be a number >= 0.")
         need(not self.opt_resident_gib or self.offloads_optimizer,
              "--opt-resident-gib only applies with --offload-master, --offload-opt-m or --offload-opt-v (it keeps "
