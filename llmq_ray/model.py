@@ -179,10 +179,14 @@ class Activations:
 
     Always per layer: ``residual`` (L+1 entries: the input of each block and the final residual; see
     ``ResidualStream`` for where they live) and the fp32 ``rstd1``/``rstd2`` of both norms (N floats each).
+    ``unread_by_backward``: kinds the backward never reads (FP8 with stored q(x^T): ln1, ln2 and swiglu are
+    read only by their forward GEMM, which keeps its own FP8 transposed copy for the wgrad); one shared
+    buffer each, like a recomputed kind, but nothing refills them.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
-                 recompute: RecomputeOptions, offload_residual: bool = False):
+                 recompute: RecomputeOptions, offload_residual: bool = False,
+                 unread_by_backward: frozenset = frozenset()):
         n, c, L = batch * seq, cfg.hidden_size, cfg.num_layers
         shapes = {
             "ln1": (n, c), "qkv": (batch, seq, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim),
@@ -196,7 +200,7 @@ class Activations:
         self._store: dict[str, list[torch.Tensor]] = {}
         for kind, shape in shapes.items():
             kind_dtype = torch.float32 if kind == "lse" else dtype
-            recomputed = getattr(recompute, _RECOMPUTED_BY[kind])
+            recomputed = getattr(recompute, _RECOMPUTED_BY[kind]) or kind in unread_by_backward
             count = 1 if recomputed else L
             bufs = [torch.empty(shape, dtype=kind_dtype, device=device) for _ in range(count)]
             self._store[kind] = bufs
@@ -335,7 +339,13 @@ class LlamaModel:
         self.rope_sin = angles.sin().to(self.device)
 
         dev, c = self.device, cfg.hidden_size
-        self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute, offload_residual)
+        rc = self.recompute
+        recomputes = rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu
+        # FP8 without recomputation stores q(x^T) of each block GEMM input for the wgrad (linear.py, store_xt),
+        # so the bf16 ln1 / ln2 / swiglu outputs are dead once their forward GEMM has read them
+        unread = frozenset({"ln1", "ln2", "swiglu"}) if matmul_dtype == "e4m3" and not recomputes else frozenset()
+        self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute, offload_residual,
+                                unread_by_backward=unread)
         empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
         self.final_ln = empty(n, c)
         self.final_rstd = empty(n, dt=torch.float32)
@@ -351,8 +361,6 @@ class LlamaModel:
         self.d_qkv = empty(batch_size, seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         # FP8 (matmul_dtype="e4m3"): absmax of the four GEMM inputs of each layer [L, 4] = (ln1, att, ln2,
         # swiglu), written by the producing kernels and kept for the wgrad's quantization in the backward.
-        rc = self.recompute
-        recomputes = rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu
         self.lin = BlockLinears(backend, self.w, {k: slot.shape for k, slot in self.layout.slots.items()},
                                 cfg.num_layers, n, matmul_dtype, gradient_dtype,
                                 store_xt=not recomputes,  # recompute = the user asked for less memory

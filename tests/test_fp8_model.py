@@ -83,3 +83,27 @@ def test_second_micro_step_accumulates(matmul_dtype):
     expected = grads[0] + grads[1]
     err = ((grads[2] - expected).norm() / expected.norm()).item()
     assert err < (1e-6 if matmul_dtype is None else 1e-2), err
+
+
+def test_fp8_keeps_no_bf16_copy_of_the_gemm_inputs_it_stores_transposed(monkeypatch):
+    """e4m3 without recomputation stores q(x^T) of every block GEMM input for the wgrad, so ln1, ln2 and the
+    swiglu output need no per-layer bf16 copy (one shared buffer each; the attention output stays per layer,
+    its backward reads it): the same bits as keeping them, and (L-1) x N x (2C + I) bf16 values less."""
+    import llmq_ray.model as model_module
+
+    shared = _run("e4m3")
+    stores = shared.acts._store
+    assert [len(stores[k]) for k in ("ln1", "ln2", "swiglu", "att", "up_gate")] == [1, 1, 1, 2, 2]
+    assert len(_run().acts._store["ln1"]) == CFG.num_layers  # bf16 reads x in the wgrad: per layer
+    assert len(_run("e4m3", recompute=RecomputeOptions(norm=True)).acts._store["swiglu"]) == CFG.num_layers
+
+    keep_all = model_module.Activations.__init__
+    monkeypatch.setattr(model_module.Activations, "__init__",
+                        lambda self, *a, unread_by_backward=frozenset(), **kw: keep_all(self, *a, **kw))
+    kept = _run("e4m3")
+    assert len(kept.acts._store["ln1"]) == CFG.num_layers
+    assert torch.equal(shared.loss_sum, kept.loss_sum)
+    assert torch.equal(shared.grads, kept.grads)
+    n = B * T
+    saved = (CFG.num_layers - 1) * n * (2 * CFG.hidden_size + CFG.intermediate_size) * 2
+    assert kept.activation_bytes()["total"] - shared.activation_bytes()["total"] == saved
