@@ -25,6 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llmq_ray.cli import gib_or_auto  # noqa: E402  (light: argparse and options only)
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -49,7 +51,8 @@ def main(argv=None) -> int:
         p.add_argument(f"--offload-{what}", action="store_true", help=f"keep {what} in pinned host memory")
     p.add_argument("--use-zero-copy", action="store_true", help="optimizer kernel reads the offloaded host state directly")
     p.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer, not per step")
-    p.add_argument("--opt-resident-gib", type=float, default=0.0, help="of the offloaded Adam state, keep this on the GPU")
+    p.add_argument("--opt-resident-gib", type=gib_or_auto, default=0.0,
+                   help="of the offloaded Adam state, keep this many GiB on the GPU ('auto': what set-up left free)")
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
     p.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                    help="one GPU: the update before the next forward, not beside it")

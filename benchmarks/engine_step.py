@@ -13,6 +13,7 @@ import time
 import torch
 
 from backends import get_backend
+from llmq_ray.cli import gib_or_auto
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.options import TrainOptions
@@ -103,7 +104,8 @@ def main():
     ap.add_argument("--lmhead-chunks", type=int, default=1)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay the micro-step from a CUDA graph")
     ap.add_argument("--offload-opt", action="store_true", help="Adam m and v in pinned host memory")
-    ap.add_argument("--opt-resident-gib", type=float, default=0.0, help="of the offloaded Adam state, keep this on the GPU")
+    ap.add_argument("--opt-resident-gib", type=gib_or_auto, default=0.0,
+                    help="of the offloaded Adam state, keep this many GiB on the GPU ('auto': what set-up left free)")
     ap.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer and pass")
     ap.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                     help="the update before the next forward, not beside it")

@@ -27,6 +27,16 @@ GPU_DEFAULTS = dict(model="Qwen2.5-0.5B", batch_size=8, seq_len=1024, steps=100,
                     model_dtype="bf16", eval_every_n_steps=25, eval_num_steps=8, eval_tokens=32768)
 
 
+def gib_or_auto(text: str) -> float | str:
+    """argparse type of --opt-resident-gib: a number of GiB, or "auto"."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="examples/train.py", description="Train a Llama-family model with llmq-ray (one Ray worker per GPU).",
@@ -124,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --matmul-dtype e4m3: make each layer's FP8 weight copies when the layer runs and keep only "
                    "two layers' worth (the ZeRO-3 default), also under ZeRO-1/2: saves as many bytes as the bf16 "
                    "block weights (13 GiB at 7B) for one weight quantization per layer and pass")
-    o.add_argument("--opt-resident-gib", type=float, default=0.0,
+    o.add_argument("--opt-resident-gib", type=gib_or_auto, default=0.0, metavar="G|auto",
                    help="with --offload-master/--offload-opt-m/--offload-opt-v: keep this many GiB of that state on "
-                   "the GPU (the chunks updated first) and stream only the rest (same results, less PCIe traffic)")
+                   "the GPU (the chunks updated first) and stream only the rest (same results, less PCIe traffic); "
+                   "'auto': as much as the GPU has free after set-up, less 2 GiB")
     o.add_argument("--use-zero-copy", action="store_true",
                    help="the optimizer kernel reads/writes the offloaded host state directly instead of streaming "
                    "it (not supported on CUDA yet)")

@@ -61,7 +61,8 @@ class TrainOptions:
     offload_gradients: bool = False   # the sharded gradient accumulator (ZeRO-2/3)
     offload_residual: bool = False    # the per-layer residual stream saved for the backward
     use_zero_copy: bool = False       # the optimizer kernel reads/writes the pinned host state directly
-    opt_resident_gib: float = 0.0     # of the offloaded optimizer state, keep this much on the device (first chunks)
+    opt_resident_gib: float | str = 0.0  # of the offloaded optimizer state, keep this much on the device (first
+    #                                      chunks); "auto": as much as the GPU has free after set-up, less a margin
     # FP8 weight copies (--matmul-dtype e4m3; see llmq_ray/linear.py)
     persistent_quants: bool = False   # keep every layer's copies for the whole step (implied below ZeRO-3)
     offload_quants: bool = False      # ... in host memory, fetched one layer ahead (needs persistent_quants)
@@ -148,9 +149,9 @@ class TrainOptions:
         need(not self.use_zero_copy or self.offloads_optimizer or self.offload_gradients,
              "--use-zero-copy only applies with --offload-master, --offload-opt-m, --offload-opt-v or "
              "--offload-gradients (it lets the optimizer kernel read that host memory directly).")
-        need(isinstance(self.opt_resident_gib, (int, float)) and math.isfinite(self.opt_resident_gib)
-             and self.opt_resident_gib >= 0,
-             f"--opt-resident-gib={self.opt_resident_gib!r} must be a number >= 0.")
+        g = self.opt_resident_gib
+        need(g == "auto" or (isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) and g >= 0),
+             f"--opt-resident-gib={g!r} must be a number >= 0 or 'auto'.")
         need(not self.opt_resident_gib or self.offloads_optimizer,
              "--opt-resident-gib only applies with --offload-master, --offload-opt-m or --offload-opt-v (it keeps "
              "part of the offloaded state on the device).")

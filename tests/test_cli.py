@@ -45,6 +45,17 @@ def test_cpu_auto_defaults_and_explicit_flags(tmp_path):
     assert rt["train_file"] == "x.bin" and rt["eval_file"] == "e.bin" and rt["eval_every_n_steps"] == 10
 
 
+def test_opt_resident_gib_takes_a_number_or_auto(capsys):
+    base = ["--device", "cpu", "--synthetic-data", "--offload-opt-m"]
+    for text, want in (("2.5", 2.5), ("auto", "auto"), ("AUTO", "auto")):
+        opts, _ = cli.resolve_args(cli.build_parser().parse_args(base + ["--opt-resident-gib", text]))
+        assert opts.opt_resident_gib == want
+        opts.validate()
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(base + ["--opt-resident-gib", "lots"])
+    assert "--opt-resident-gib" in capsys.readouterr().err
+
+
 def test_checkpoint_flags_reach_the_trainer():
     base = ["--device", "cpu", "--synthetic-data"]
     _, rt = cli.resolve_args(cli.build_parser().parse_args(base))

@@ -165,6 +165,22 @@ def test_resident_part_of_offloaded_state_follows_the_update_order_and_checkpoin
     assert ref_rows["adam_m"] == 0 and rows["host_adam_m"] == ref_rows["host_adam_m"]
 
 
+def test_resident_auto_takes_what_set_up_left_free(monkeypatch):
+    """--opt-resident-gib auto: the budget is the device's free bytes after set-up less the margin (here a
+    stand-in for the CUDA query: 3.5 chunks more than the margin -> 3 chunks kept); off CUDA nothing is kept."""
+    import llmq_ray.engine as engine_module
+
+    flags = dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, opt_resident_gib="auto")
+    _, e = _train(**flags)
+    assert e.optimizer.resident_at == {}  # CPU: host and device memory are one
+    free = engine_module.AUTO_RESIDENT_MARGIN + int(3.5 * BASE["opt_chunk_size"] * 8)
+    monkeypatch.setattr(engine_module, "available_device_bytes", lambda device: free)
+    ref_losses, ref = _train()
+    losses, e = _train(**flags)
+    assert len(e.optimizer.resident_at) == 3
+    assert losses == ref_losses and torch.equal(e.full_params(), ref.full_params())
+
+
 def test_memory_table_moves_offloaded_state_to_host_rows():
     from llmq_ray.memory_table import HOST_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
 
@@ -233,6 +249,8 @@ BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-m
        (dict(opt_resident_gib=1.0), "--opt-resident-gib only applies with --offload-master"),
        (dict(opt_resident_gib=-1.0, offload_opt_m=True), "--opt-resident-gib=-1.0 must be a number >= 0"),
        (dict(opt_resident_gib=float("inf"), offload_opt_m=True), "--opt-resident-gib=inf must be a number >= 0"),
+       (dict(opt_resident_gib="most", offload_opt_m=True), "--opt-resident-gib='most' must be a number >= 0 or 'auto'"),
+       (dict(opt_resident_gib="auto"), "--opt-resident-gib only applies with --offload-master"),
        (dict(opt_resident_gib=1.0, offload_opt_m=True, offload_gradients=True, zero_level=2),
         "--opt-resident-gib cannot be combined with --offload-gradients")]
 
