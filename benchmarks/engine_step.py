@@ -4,7 +4,10 @@
     python benchmarks/engine_step.py --model Qwen2.5-0.5B --backend cupy --matmul-dtype e4m3
 
 This isolates the model + optimizer from the Ray runtime (benchmarks/bench_train.py measures the whole
-trainer); the difference between the two is Ray's own cost.
+trainer); the difference between the two is Ray's own cost. Each step line splits the time into the
+micro-steps and the update (synchronized). ``--profile`` adds a torch-profiler table of one more step, its
+kernel time summed by kind (GEMM, attention, copies, ...: ``KERNELS`` lines) and the idle gaps of the compute
+stream with the kernels on either side (``GAPS`` lines).
 """
 
 import argparse
