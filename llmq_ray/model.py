@@ -340,10 +340,11 @@ class LlamaModel:
 
         dev, c = self.device, cfg.hidden_size
         rc = self.recompute
-        recomputes = rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu
-        # FP8 without recomputation stores q(x^T) of each block GEMM input for the wgrad (linear.py, store_xt),
-        # so the bf16 ln1 / ln2 / swiglu outputs are dead once their forward GEMM has read them
-        unread = frozenset({"ln1", "ln2", "swiglu"}) if matmul_dtype == "e4m3" and not recomputes else frozenset()
+        # FP8 without recomputation (recompute = the user asked for less memory) stores q(x^T) of each block GEMM
+        # input for the wgrad (linear.py, store_xt), so the bf16 ln1 / ln2 / swiglu outputs are dead once their
+        # forward GEMM has read them
+        store_xt = not (rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu)
+        unread = frozenset({"ln1", "ln2", "swiglu"}) if matmul_dtype == "e4m3" and store_xt else frozenset()
         self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute, offload_residual,
                                 unread_by_backward=unread)
         empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
@@ -363,7 +364,7 @@ class LlamaModel:
         # swiglu), written by the producing kernels and kept for the wgrad's quantization in the backward.
         self.lin = BlockLinears(backend, self.w, {k: slot.shape for k, slot in self.layout.slots.items()},
                                 cfg.num_layers, n, matmul_dtype, gradient_dtype,
-                                store_xt=not recomputes,  # recompute = the user asked for less memory
+                                store_xt=store_xt,
                                 quants=quants, sharded=not isinstance(weights, ResidentWeights))
         if hasattr(weights, "layer_needed"):  # ZeRO-3: skip gathering layers whose FP8 copies are current
             weights.layer_needed = self.lin.needs_weights

@@ -252,8 +252,7 @@ class ShardedAdamW:
         Not with ``grads_on_host`` or ``zero_copy`` (their chunks stream through the device anyway)."""
         if self.grads_on_host or self.zero_copy:
             raise ConfigError("--opt-resident-gib cannot be combined with --offload-gradients or --use-zero-copy.")
-        if sorted(order) != list(range(len(self.chunks))):
-            raise ValueError(f"keep_resident: order must be a permutation of the {len(self.chunks)} chunks")
+        self._check_order(order, "keep_resident")
         self.sync()
         self.resident_at, self.resident, self._kept_order = {}, {}, []
         if not self.offloaded or budget_bytes <= 0:
@@ -278,6 +277,10 @@ class ShardedAdamW:
                 lo, hi = self.chunks[j][0] - self.start, self.chunks[j][1] - self.start
                 buf[off:off + hi - lo].copy_(host[lo:hi])
         return offset * per_element
+
+    def _check_order(self, order: Sequence[int], who: str) -> None:
+        if sorted(order) != list(range(len(self.chunks))):
+            raise ValueError(f"{who}: order must be a permutation of the {len(self.chunks)} chunks")
 
     def _resident_views(self, j: int) -> dict[str, torch.Tensor]:
         """The device views [chunk length] of chunk j's kept state (keep_resident), by name."""
@@ -322,8 +325,7 @@ class ShardedAdamW:
         hyper = dict(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, step=step, grad_scale=grad_scale)
 
         order = list(range(len(self.chunks))) if order is None else list(order)
-        if sorted(order) != list(range(len(self.chunks))):
-            raise ValueError(f"ShardedAdamW.step: order must be a permutation of the {len(self.chunks)} chunks")
+        self._check_order(order, "ShardedAdamW.step")
 
         def update(i: int, staged: dict[str, torch.Tensor]) -> None:
             j = order[i]
