@@ -87,6 +87,28 @@ def check_rope(fast, ref, dtype):
         assert torch.equal(x[:, :, HQ + HKV:], qkv[:, :, HQ + HKV:])
 
 
+def check_rope_backward_from_cudnn_parts(fast, ref):
+    """bf16, B=16 x T=1024: cuDNN's dq/dk/dv (through ``attention_rope_backward``) placed and un-rotated by
+    the fast backend's one-pass kernel vs the reference's copy-then-rotate; v must be bit-equal."""
+    b, t = 16, 1024
+    dtype = torch.bfloat16
+    qkv = randn(b, t, HQ + 2 * HKV, D, seed=31, dtype=dtype)
+    dout = randn(b, t, HQ, D, seed=32, dtype=dtype)
+    inv = 1e6 ** (-torch.arange(0, D // 2, dtype=torch.float32) / (D // 2))
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    out = torch.empty(b, t, HQ, D, dtype=dtype, device=DEV)
+    lse = torch.empty(b, HQ, t, dtype=torch.float32, device=DEV)
+    ref.attention_forward(out, lse, qkv, HQ, HKV)
+    got, want = torch.full_like(qkv, float("nan")), torch.full_like(qkv, float("nan"))
+    fast.attention_rope_backward(got, dout, out, lse, qkv, cos, sin, HQ, HKV)
+    ref.attention_backward(want, dout, out, lse, qkv, HQ, HKV)
+    ref.rope_backward(want, cos, sin, HQ, HKV)
+    assert not got.isnan().any()
+    assert torch.equal(got[:, :, HQ + HKV:], want[:, :, HQ + HKV:])
+    assert_close(got, want, TOL[dtype], "attention_rope_backward")
+
+
 def check_swiglu(fast, ref, dtype):
     inp = randn(N, 2 * I, seed=7, dtype=dtype, scale=2.0)
     dout = randn(N, I, seed=8, dtype=dtype)

@@ -145,6 +145,67 @@ def test_rope_forward_backward(tri, ref, dtype, hq, hkv, d):
     assert_close(x, qkv.float(), 1e-5, "backward(forward(x)) = x (rotation is orthogonal)")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 20), (4, 4, 16)])
+def test_rope_backward_from_separate_gradients(tri, ref, dtype, hq, hkv, d):
+    """dq/dk/dv as an attention kernel returns them (head-major storage viewed token-major: strided) go to
+    dqkv = [rope^-1(dq) | rope^-1(dk) | dv] in one pass; the reference copies them in, then un-rotates."""
+    b, t = 2, 7
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    dq, dk, dv = (randn(b, heads, t, d, seed=seed, dtype=dtype).transpose(1, 2)
+                  for seed, heads in ((12, hq), (13, hkv), (14, hkv)))
+    assert not dq.is_contiguous()
+    out = {}
+    for name, be in (("tri", tri), ("ref", ref)):
+        dqkv = torch.full((b, t, hq + 2 * hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+        be.rope_backward_from(dqkv, dq, dk, dv, cos, sin, hq, hkv)
+        out[name] = dqkv
+    assert not out["tri"].isnan().any()  # every element written
+    assert_close(out["tri"], out["ref"], TOL[dtype], "rope_backward_from")
+    assert torch.equal(out["tri"][:, :, hq + hkv:], dv)  # v copied exactly
+    assert_close(out["tri"][:, 0, :hq], dq[:, 0], TOL[dtype], "position 0 is not rotated")
+    with pytest.raises(ValueError, match="dk"):
+        tri.rope_backward_from(out["tri"], dq, dk[:, :, :1], dv, cos, sin, hq, hkv)
+
+
+def test_attention_rope_backward_hands_the_kernels_parts_to_rope_backward_from():
+    """The CUDA path (cuDNN returns dq/dk/dv separately) with a stand-in for cuDNN that returns the reference
+    gradients in cuDNN's storage order: the fused dispatch must equal attention_backward + rope_backward."""
+    b, t, hq, hkv, d = 2, 6, 4, 2, 16
+    dtype = torch.bfloat16
+    qkv = randn(b, t, hq + 2 * hkv, d, seed=21, dtype=dtype)
+    dout = randn(b, t, hq, d, seed=22, dtype=dtype)
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    reference = get_backend("torch", DEVICE)
+    reference._aten_attention = None  # the plain math, on any device
+    out = torch.empty(b, t, hq, d, dtype=dtype, device=DEVICE)
+    lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEVICE)
+    reference.attention_forward(out, lse, qkv, hq, hkv)
+    want = torch.empty_like(qkv)
+    reference.attention_rope_backward(want, dout, out, lse, qkv, cos, sin, hq, hkv)
+
+    class StandIn:  # what _aten_attention.backward_parts returns: head-major tensors viewed token-major
+        calls = 0
+
+        @staticmethod
+        def backward_parts(dout_, out_, lse_, qkv_, n_q, n_kv):
+            StandIn.calls += 1
+            full = torch.empty_like(qkv_)
+            reference.attention_backward(full, dout_, out_, lse_, qkv_, n_q, n_kv)
+            parts = (full[:, :, :n_q], full[:, :, n_q:n_q + n_kv], full[:, :, n_q + n_kv:])
+            return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in parts)
+
+    for name in ("triton", "torch"):
+        be = get_backend(name, DEVICE)
+        be._aten_attention = StandIn
+        got = torch.full_like(qkv, float("nan"))
+        be.attention_rope_backward(got, dout, out, lse, qkv, cos, sin, hq, hkv)
+        assert_close(got, want, TOL[dtype], f"{name}: fused attention + RoPE backward")
+    assert StandIn.calls == 2
+
+
 # ---------------------------------------------------------------------------------------------- SwiGLU
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_forward_backward(tri, ref, dtype):

@@ -73,6 +73,9 @@ class TritonBackend(TorchBackend):
     def rope_backward(self, dqkv, cos, sin, n_q_heads, n_kv_heads):
         _rope.rope(dqkv, cos, sin, n_q_heads, n_kv_heads, inverse=True)
 
+    def rope_backward_from(self, dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads):
+        _rope.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
+
     # ------------------------------------------------------------------ SwiGLU
     def swiglu_forward(self, out, inp, absmax=None):
         _contiguous(out, inp)
