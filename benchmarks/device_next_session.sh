@@ -1,29 +1,39 @@
 #!/usr/bin/env bash
-# Prepared 2026-11-23 (session 2) for the next GPU session, branch fused-attn-rope-bwd (nvidia-h100-x1; carry
-# .whl). One call, ~9 minutes:
-#   1. GPU tests of the branch: the one-pass RoPE backward from cuDNN's dq/dk/dv, whole-model gradients,
-#      CUDA graphs (they capture the new path), the AdamW no-recompile test;
-#   2. 0.5B engine A/B in the same call: fused vs --unfused-attn-rope-bwd (B=32, CUDA graphs, bf16 and e4m3);
-#   3. one profiled 7B bf16 micro-step with the compute-stream gaps (engine_step, GA 1, 10 GiB kept);
-#   4. 7B bf16 through Ray, 32 micro-steps per update, 12 GiB kept, 6 updates (set-up alone is ~95 s).
+# Prepared 2026-11-23 (session 2) for the next GPU session, on branch fused-attn-rope-bwd (nvidia-h100-x1; carry
+# .whl). Two calls of <= ~8 minutes:
+#   bash benchmarks/device_next_session.sh 1
+#     GPU tests of what only ran on CPU: the one-pass RoPE backward from cuDNN's dq/dk/dv (branch), the AdamW
+#     no-recompile test, the ZeRO-1 kept-chunks offload case, FP8 with shared bf16 GEMM-input buffers, CUDA
+#     graphs (they capture the new paths); a 0.5B fused/unfused A/B (B=32, graphs, bf16 and e4m3); then 7B e4m3
+#     --transient-quants with 13 GiB of the Adam state kept (the FP8 run no longer keeps per-layer bf16 ln1/ln2/
+#     swiglu: ~10.8 GiB freed; predicted ~18.5k tokens/s, was 18,006 with 3 GiB kept).
+#   bash benchmarks/device_next_session.sh 2
+#     one profiled 7B bf16 micro-step with the compute-stream gaps (engine_step, GA 1, 10 GiB kept), then 7B
+#     bf16 through Ray at 32 micro-steps per update, 12 GiB kept, 6 updates (was 13,970 on 2 steady updates).
+# 7B set-up alone takes ~95 s before the first step: keep the timeouts below.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L="$OUT/next.log"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L="$OUT/next$1.log"
 T0=$(date +%s)
 run() { name=$1; tmo=$2; shift 2; echo "== $name" >> "$L"; timeout $tmo python3 "$@" >> "$L" 2>&1; echo "== $name rc $? $(( $(date +%s) - T0 ))s" | tee -a "$L"; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$L"
-run gpu_tests 120 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/test_triton_gpu.py tests/test_cuda_graphs.py \
-  -k "rope or recompile or whole_model or graph"
-E="benchmarks/engine_step.py --model Qwen2.5-0.5B --backend triton --batch-size 32 --steps 8 --cuda-graphs"
-run ab_fused_bf16 60 $E
-run ab_unfused_bf16 60 $E --unfused-attn-rope-bwd
-run ab_fused_e4m3 60 $E --matmul-dtype e4m3
-run ab_unfused_e4m3 60 $E --matmul-dtype e4m3 --unfused-attn-rope-bwd
-run prof_7b_bf16 150 benchmarks/engine_step.py --model Qwen2.5-7B --backend triton --batch-size 8 --grad-accumulation 1 \
-  --steps 1 --master-dtype bf16 --offload-opt --lmhead-chunks 4 --opt-resident-gib 10 --profile
-run 7b_bf16_ga32_kept12 230 benchmarks/bench_train.py --model Qwen2.5-7B --gpus 1 --backend triton --batch-size 8 \
-  --seq-len 1024 --warmup-steps 2 --lmhead-chunks 4 --master-dtype bf16 --opt-m-dtype bf16 --opt-v-dtype bf16 \
-  --offload-opt-m --offload-opt-v --model-dtype bf16 --grad-accumulation 32 --steps 6 --opt-resident-gib 12
+B7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 1 --backend triton --batch-size 8 --seq-len 1024
+ --warmup-steps 2 --lmhead-chunks 4 --master-dtype bf16 --opt-m-dtype bf16 --opt-v-dtype bf16 --offload-opt-m
+ --offload-opt-v --model-dtype bf16 --memory-table"
+if [ "$1" = 1 ]; then
+  run gpu_tests 150 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/test_triton_gpu.py tests/test_cuda_graphs.py \
+    tests/test_offload.py tests/test_fp8_gpu.py -k "rope or recompile or whole_model or graph or offload_on_cuda or fp8"
+  E="benchmarks/engine_step.py --model Qwen2.5-0.5B --backend triton --batch-size 32 --steps 8 --cuda-graphs"
+  run ab_fused_bf16 50 $E
+  run ab_unfused_bf16 50 $E --unfused-attn-rope-bwd
+  run ab_fused_e4m3 50 $E --matmul-dtype e4m3
+  run ab_unfused_e4m3 50 $E --matmul-dtype e4m3 --unfused-attn-rope-bwd
+  run 7b_e4m3_kept13 170 $B7 --grad-accumulation 16 --steps 7 --matmul-dtype e4m3 --transient-quants --opt-resident-gib 13
+else
+  run prof_7b_bf16 150 benchmarks/engine_step.py --model Qwen2.5-7B --backend triton --batch-size 8 --grad-accumulation 1 \
+    --steps 1 --master-dtype bf16 --offload-opt --lmhead-chunks 4 --opt-resident-gib 10 --profile
+  run 7b_bf16_ga32_kept12 240 $B7 --grad-accumulation 32 --steps 6 --opt-resident-gib 12
+fi
 grep -E "passed|failed|^FAILED|^ERROR" "$L" | tail -5
-grep -E "^== |^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS|^step |^tokens/s|Error" "$L" | cut -c1-200 | tail -60
+grep -E "^== |^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS|^step |^tokens/s|Error|activations|allocated" "$L" | cut -c1-200 | tail -60
