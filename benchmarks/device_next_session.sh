@@ -4,7 +4,7 @@
 #   bash benchmarks/device_next_session.sh 1
 #     GPU tests of what only ran on CPU: the one-pass RoPE backward from cuDNN's dq/dk/dv (branch), the AdamW
 #     no-recompile test, the ZeRO-1 kept-chunks offload case, FP8 with shared bf16 GEMM-input buffers, CUDA
-#     graphs (they capture the new paths); a 0.5B fused/unfused A/B (B=32, graphs, bf16 and e4m3); then 7B e4m3
+#     graphs (they capture the new paths); is cuDNN's attention backward bit-reproducible; a 0.5B fused/unfused A/B (B=32, graphs, bf16 and e4m3); then 7B e4m3
 #     --transient-quants with 13 GiB of the Adam state kept (the FP8 run no longer keeps per-layer bf16 ln1/ln2/
 #     swiglu: ~10.8 GiB freed; predicted ~18.5k tokens/s, was 18,006 with 3 GiB kept).
 #   bash benchmarks/device_next_session.sh 2
@@ -24,6 +24,7 @@ B7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 1 --backend triton --bat
 if [ "$1" = 1 ]; then
   run gpu_tests 150 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/test_triton_gpu.py tests/test_cuda_graphs.py \
     tests/test_offload.py tests/test_fp8_gpu.py -k "rope or recompile or whole_model or graph or offload_on_cuda or fp8"
+  run attn_determinism 60 benchmarks/attention_determinism.py
   E="benchmarks/engine_step.py --model Qwen2.5-0.5B --backend triton --batch-size 32 --steps 8 --cuda-graphs"
   run ab_fused_bf16 50 $E
   run ab_unfused_bf16 50 $E --unfused-attn-rope-bwd
@@ -36,4 +37,4 @@ else
   run 7b_bf16_ga32_kept12 240 $B7 --grad-accumulation 32 --steps 6 --opt-resident-gib 12
 fi
 grep -E "passed|failed|^FAILED|^ERROR" "$L" | tail -5
-grep -E "^== |^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS|^step |^tokens/s|Error|activations|allocated" "$L" | cut -c1-200 | tail -60
+grep -E "^== |^DETERMINISM|^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS|^step |^tokens/s|Error|activations|allocated" "$L" | cut -c1-200 | tail -60
