@@ -11,13 +11,14 @@
 #     0.5B fused/unfused A/B (B=32, graphs, bf16 and e4m3), 7B bf16 through Ray at 32 micro-steps per update
 #     with 12 GiB kept over 6 updates (was 13,970 on 2 steady updates), then one profiled 7B bf16 micro-step
 #     with the compute-stream gaps (last: it may be cut).
-# 7B set-up alone takes ~95 s before the first step: keep the timeouts below.
+# 7B set-up alone takes ~95 s before the first step: keep the timeouts below. A timeout sends SIGINT, so a cut
+# Ray run shuts its workers down (SIGTERM left them holding GPU memory, and the next run ran out of it).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L="$OUT/next$1.log"
 T0=$(date +%s)
-run() { name=$1; tmo=$2; shift 2; echo "== $name" >> "$L"; timeout $tmo python3 "$@" >> "$L" 2>&1; echo "== $name rc $? $(( $(date +%s) - T0 ))s" | tee -a "$L"; }
+run() { name=$1; tmo=$2; shift 2; echo "== $name" >> "$L"; timeout -s INT -k 30 $tmo python3 "$@" >> "$L" 2>&1; echo "== $name rc $? $(( $(date +%s) - T0 ))s" | tee -a "$L"; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$L"
 B7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 1 --backend triton --batch-size 8 --seq-len 1024
  --warmup-steps 2 --lmhead-chunks 4 --master-dtype bf16 --opt-m-dtype bf16 --opt-v-dtype bf16 --offload-opt-m
