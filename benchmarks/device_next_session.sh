@@ -25,7 +25,7 @@ B7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 1 --backend triton --bat
  --offload-opt-v --model-dtype bf16 --memory-table"
 if [ "$1" = 1 ]; then
   run gpu_tests 150 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/test_triton_gpu.py tests/test_cuda_graphs.py \
-    tests/test_offload.py tests/test_fp8_gpu.py -k "rope or recompile or whole_model or graph or offload_on_cuda or fp8"
+    tests/test_offload.py tests/test_fp8_gpu.py -s -k "rope or recompile or whole_model or graph or offload_on_cuda or fp8 or deterministic_attention or kernel_timings"
   run attn_determinism 40 benchmarks/attention_determinism.py
   # e4m3 now frees ~10.8 GiB of bf16 activations: either keep more Adam state (transient FP8 weight copies,
   # made per layer and pass: ~39 GB of traffic per micro-step) or keep the FP8 copies of all layers for the step
@@ -42,4 +42,4 @@ else
     --steps 1 --master-dtype bf16 --offload-opt --lmhead-chunks 4 --opt-resident-gib 10 --profile
 fi
 grep -E "passed|failed|^FAILED|^ERROR" "$L" | tail -5
-grep -E "^== |^DETERMINISM|^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS|^step |^tokens/s|Error|activations|allocated" "$L" | cut -c1-200 | tail -60
+grep -E "^== |^DETERMINISM|cuDNN backward|  attention_backward|^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS|^step |^tokens/s|Error|activations|allocated" "$L" | cut -c1-200 | tail -60
