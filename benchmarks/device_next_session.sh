@@ -24,13 +24,13 @@ B7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 1 --backend triton --bat
  --warmup-steps 2 --lmhead-chunks 4 --master-dtype bf16 --opt-m-dtype bf16 --opt-v-dtype bf16 --offload-opt-m
  --offload-opt-v --model-dtype bf16 --memory-table"
 if [ "$1" = 1 ]; then
-  run gpu_tests 150 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/test_triton_gpu.py tests/test_cuda_graphs.py \
+  run gpu_tests 190 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/test_triton_gpu.py tests/test_cuda_graphs.py \
     tests/test_offload.py tests/test_fp8_gpu.py -s -k "rope or recompile or whole_model or graph or offload_on_cuda or fp8 or deterministic_attention or kernel_timings"
   run attn_determinism 40 benchmarks/attention_determinism.py
   # e4m3 now frees ~10.8 GiB of bf16 activations: either keep more Adam state (transient FP8 weight copies,
   # made per layer and pass: ~39 GB of traffic per micro-step) or keep the FP8 copies of all layers for the step
-  run 7b_e4m3_transient_kept13 170 $B7 --grad-accumulation 16 --steps 7 --matmul-dtype e4m3 --transient-quants --opt-resident-gib 13
-  run 7b_e4m3_persistent_kept2 170 $B7 --grad-accumulation 16 --steps 7 --matmul-dtype e4m3 --opt-resident-gib 2
+  run 7b_e4m3_transient_kept13 165 $B7 --grad-accumulation 16 --steps 7 --matmul-dtype e4m3 --transient-quants --opt-resident-gib 13
+  run 7b_e4m3_persistent_kept2 165 $B7 --grad-accumulation 16 --steps 7 --matmul-dtype e4m3 --opt-resident-gib 2
 else
   E="benchmarks/engine_step.py --model Qwen2.5-0.5B --backend triton --batch-size 32 --steps 8 --cuda-graphs"
   run ab_fused_bf16 45 $E
