@@ -32,14 +32,16 @@ if [ "$1" = 1 ]; then
   run 7b_e4m3_transient_kept13 165 $B7 --grad-accumulation 16 --steps 7 --matmul-dtype e4m3 --transient-quants --opt-resident-gib 13
   run 7b_e4m3_persistent_kept2 165 $B7 --grad-accumulation 16 --steps 7 --matmul-dtype e4m3 --opt-resident-gib 2
 else
+  # call 2 (session 3): the 0.5B A/B (fused vs unfused RoPE backward, and the deterministic attention backward),
+  # 7B bf16 at 32 micro-steps with the fused path, and a 1.5B e4m3 profile (issue 6: where the time goes)
   E="benchmarks/engine_step.py --model Qwen2.5-0.5B --backend triton --batch-size 32 --steps 8 --cuda-graphs"
   run ab_fused_bf16 45 $E
   run ab_unfused_bf16 45 $E --unfused-attn-rope-bwd
+  run ab_det_bf16 45 $E --deterministic-attention
   run ab_fused_e4m3 45 $E --matmul-dtype e4m3
-  run ab_unfused_e4m3 45 $E --matmul-dtype e4m3 --unfused-attn-rope-bwd
-  run 7b_bf16_ga32_kept12 240 $B7 --grad-accumulation 32 --steps 6 --opt-resident-gib 12
-  run prof_7b_bf16 150 benchmarks/engine_step.py --model Qwen2.5-7B --backend triton --batch-size 8 --grad-accumulation 1 \
-    --steps 1 --master-dtype bf16 --offload-opt --lmhead-chunks 4 --opt-resident-gib 10 --profile
+  run 7b_bf16_ga32_kept12 270 $B7 --grad-accumulation 32 --steps 5 --opt-resident-gib 12
+  run prof_1p5b_e4m3 70 benchmarks/engine_step.py --model Qwen2.5-1.5B --backend triton --batch-size 16 --steps 3 \
+    --matmul-dtype e4m3 --profile
 fi
 grep -E "passed|failed|^FAILED|^ERROR" "$L" | tail -5
 grep -E "^== |^DETERMINISM|cuDNN backward|  attention_backward|^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS|^step |^tokens/s|Error|activations|allocated" "$L" | cut -c1-200 | tail -60
