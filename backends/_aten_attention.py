@@ -33,8 +33,10 @@ def forward(out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor, n_q: int, n
     lse.copy_(res[1].reshape(lse.shape))
 
 
-def backward(dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor,
-             n_q: int, n_kv: int) -> None:
+def backward_parts(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor, n_q: int,
+                   n_kv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq[B, T, Hq, D], dk[B, T, Hkv, D], dv[B, T, Hkv, D]): cuDNN's gradients as it returns them (new
+    tensors, viewed in token-major order; the head dim is contiguous), for the caller to place."""
     q, k, v = _views(qkv, n_q, n_kv)
     b, t, _, d = qkv.shape
     scale = 1.0 / math.sqrt(d)
@@ -44,6 +46,13 @@ def backward(dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: tor
     philox = torch.zeros((), dtype=torch.int64, device=qkv.device)
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
         do, q, k, v, o, lse4, philox, philox, None, None, None, t, t, 0.0, True, scale=scale)
-    dqkv[:, :, :n_q] = dq.transpose(1, 2)
-    dqkv[:, :, n_q:n_q + n_kv] = dk.transpose(1, 2)
-    dqkv[:, :, n_q + n_kv:] = dv.transpose(1, 2)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def backward(dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor,
+             n_q: int, n_kv: int) -> None:
+    """dqkv[B, T, Hq+2Hkv, D] (overwritten) from cuDNN's dq, dk, dv (copied in)."""
+    dq, dk, dv = backward_parts(dout, out, lse, qkv, n_q, n_kv)
+    dqkv[:, :, :n_q] = dq
+    dqkv[:, :, n_q:n_q + n_kv] = dk
+    dqkv[:, :, n_q + n_kv:] = dv

@@ -130,6 +130,19 @@ class Backend:
         """Backward of rope_forward, in place on dqkv[B, T, Hq + 2*Hkv, D]: the inverse rotation."""
         raise NotImplementedError
 
+    def rope_backward_from(self, dqkv: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int) -> None:
+        """dqkv[B, T, Hq + 2*Hkv, D] = [rope^-1(dq) | rope^-1(dk) | dv]: the gradient of the pre-RoPE qkv from
+        the attention's gradients of the post-RoPE q, k and v, given as separate tensors dq[B, T, Hq, D],
+        dk/dv[B, T, Hkv, D] (any strides with a contiguous last dim, as an attention kernel returns them).
+
+        Default: copy them into dqkv, then rope_backward in place. A backend may do both in one pass (the
+        copy is what it saves: one read and one write of the q/k part)."""
+        dqkv[:, :, :n_q_heads] = dq
+        dqkv[:, :, n_q_heads:n_q_heads + n_kv_heads] = dk
+        dqkv[:, :, n_q_heads + n_kv_heads:] = dv
+        self.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
+
     # ------------------------------------------------------------------ SwiGLU
     def swiglu_forward(self, out: torch.Tensor, inp: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
         """out[N, I] = up * silu(gate) where inp[N, 2I] = [up | gate] (the fused up+gate GEMM's output).
@@ -165,6 +178,15 @@ class Backend:
         dk/dv of a shared kv head sum over the query heads of its group.
         """
         raise NotImplementedError
+
+    def attention_rope_backward(self, dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int,
+                                n_kv_heads: int) -> None:
+        """dqkv[B, T, Hq + 2*Hkv, D] (overwritten) = the gradient of the *pre-RoPE* qkv: attention_backward,
+        then rope_backward (arguments as there). A backend whose attention kernel hands back dq/dk/dv as
+        separate tensors overrides this to feed them to rope_backward_from (no copy into dqkv first)."""
+        self.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+        self.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
 
     # ------------------------------------------------------------------ GEMMs
     def matmul(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose_a: bool = False,

@@ -140,6 +140,12 @@ class TorchBackend(Backend):
         lse.copy_(row_lse)
         out.copy_((probs @ v).transpose(1, 2))
 
+    def attention_rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads):
+        if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
+            dq, dk, dv = self._aten_attention.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads)
+            return self.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
+        return super().attention_rope_backward(dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads)
+
     def attention_backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
         if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
             return self._aten_attention.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)

@@ -112,6 +112,10 @@ def main():
     ap.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer and pass")
     ap.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                     help="the update before the next forward, not beside it")
+    ap.add_argument("--unfused-attn-rope-bwd", action="store_true",
+                    help="A/B: copy the attention gradients into dqkv, then RoPE backward in place (the old path)")
+    ap.add_argument("--deterministic-attention", action="store_true",
+                    help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
@@ -122,9 +126,15 @@ def main():
                         gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs,
                         offload_opt_m=args.offload_opt, offload_opt_v=args.offload_opt,
                         transient_quants=args.transient_quants,
-                        opt_resident_gib=args.opt_resident_gib, overlap_update=args.overlap_update, **rec)
+                        opt_resident_gib=args.opt_resident_gib, overlap_update=args.overlap_update,
+                        deterministic_attention=args.deterministic_attention, **rec)
     cfg = PRESETS[args.model]
-    engine = TrainEngine(cfg, opts, get_backend(args.backend, args.device))
+    backend = get_backend(args.backend, args.device)
+    if args.unfused_attn_rope_bwd:
+        from backends.base import Backend
+
+        backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
+    engine = TrainEngine(cfg, opts, backend)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     inputs, targets = batch[:, :-1].to(args.device), batch[:, 1:].to(args.device)

@@ -514,8 +514,7 @@ class LlamaModel:
         att = a.get("att", layer)
         lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1),
                      acc, dy_amax_ready=True)
-        self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))
-        be.rope_backward(self.d_qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
+        self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))  # d_qkv before RoPE
         d_qkv = self.d_qkv.view(n, -1)
         lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0), acc)
         if cfg.qkv_bias:
@@ -525,13 +524,14 @@ class LlamaModel:
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
 
     def _attention_backward(self, att: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor) -> None:
-        """d_qkv from d_att, in ``attn_bwd_chunks`` slices of the batch (rows of a batch are independent, and
-        slices along B of these contiguous [B, ...] buffers are contiguous)."""
+        """d_qkv (the gradient of the pre-RoPE qkv) from d_att, in ``attn_bwd_chunks`` slices of the batch (rows
+        of a batch are independent, RoPE depends only on the position, and slices along B of these contiguous
+        [B, ...] buffers are contiguous)."""
         cfg, step = self.cfg, self.batch_size // self.attn_bwd_chunks
         for lo in range(0, self.batch_size, step):
             sl = slice(lo, lo + step)
-            self.backend.attention_backward(self.d_qkv[sl], self.d_att[sl], att[sl], lse[sl], qkv[sl],
-                                            cfg.num_heads, cfg.num_kv_heads)
+            self.backend.attention_rope_backward(self.d_qkv[sl], self.d_att[sl], att[sl], lse[sl], qkv[sl],
+                                                 self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
 
     # ------------------------------------------------------------------ public steps
     def _lm_head_loss(self, targets: torch.Tensor, backward: bool) -> None:

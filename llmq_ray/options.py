@@ -74,6 +74,7 @@ class TrainOptions:
     shard_weights: bool = False       # same as --zero-level 3
     # speed
     use_cuda_graphs: bool = False     # replay each micro-step's forward + backward from a CUDA graph
+    deterministic_attention: bool = False  # triton: the attention backward without atomics (bit-reproducible)
     overlap_update: bool = True       # one worker, ZeRO-1: the update runs beside the next forward (update_overlap.py)
     # misc
     seed: int = 42

@@ -87,6 +87,68 @@ def check_rope(fast, ref, dtype):
         assert torch.equal(x[:, :, HQ + HKV:], qkv[:, :, HQ + HKV:])
 
 
+def check_rope_backward_from_cudnn_parts(fast, ref):
+    """bf16, B=16 x T=1024: cuDNN's dq/dk/dv (through ``attention_rope_backward``) placed and un-rotated by
+    the fast backend's one-pass kernel vs the reference's copy-then-rotate; v must be bit-equal."""
+    b, t = 16, 1024
+    dtype = torch.bfloat16
+    qkv = randn(b, t, HQ + 2 * HKV, D, seed=31, dtype=dtype)
+    dout = randn(b, t, HQ, D, seed=32, dtype=dtype)
+    inv = 1e6 ** (-torch.arange(0, D // 2, dtype=torch.float32) / (D // 2))
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    out = torch.empty(b, t, HQ, D, dtype=dtype, device=DEV)
+    lse = torch.empty(b, HQ, t, dtype=torch.float32, device=DEV)
+    ref.attention_forward(out, lse, qkv, HQ, HKV)
+    got, want = torch.full_like(qkv, float("nan")), torch.full_like(qkv, float("nan"))
+    fast.attention_rope_backward(got, dout, out, lse, qkv, cos, sin, HQ, HKV)
+    ref.attention_backward(want, dout, out, lse, qkv, HQ, HKV)
+    ref.rope_backward(want, cos, sin, HQ, HKV)
+    assert not got.isnan().any()
+    assert torch.equal(got[:, :, HQ + HKV:], want[:, :, HQ + HKV:])
+    assert_close(got, want, TOL[dtype], "attention_rope_backward")
+
+def check_deterministic_attention_backward(fast):
+    """bf16, B=16 x T=1024 at 0.5B and 7B head shapes: the triton backend's own attention backward
+    (--deterministic-attention) against the reference math in fp32 (tolerance bf16's), the same bits in three
+    runs; and how often cuDNN's backward (the default) differs between runs of the same inputs."""
+    from backends import _aten_attention
+    from backends.triton import attention_bwd
+
+    for b, hq, hkv, d in ((16, HQ, HKV, D), (4, 28, 4, 128)):
+        t = 1024
+        qkv = randn(b, t, hq + 2 * hkv, d, seed=41, dtype=torch.bfloat16)
+        dout = randn(b, t, hq, d, seed=42, dtype=torch.bfloat16)
+        out = torch.empty(b, t, hq, d, dtype=torch.bfloat16, device=DEV)
+        lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEV)
+        _aten_attention.forward(out, lse, qkv, hq, hkv)
+        runs = []
+        for _ in range(3):
+            got = torch.full_like(qkv, float("nan"))
+            attention_bwd.attention_backward(got, dout, out, lse, qkv, hq, hkv)
+            runs.append(got)
+        assert not runs[0].isnan().any()
+        assert all(torch.equal(r, runs[0]) for r in runs[1:]), (hq, hkv, d)
+        math_ref = get_backend_plain()
+        want = torch.empty(qkv.shape, dtype=torch.float32, device=DEV)
+        math_ref.attention_backward(want, dout.float(), out.float(), lse, qkv.float(), hq, hkv)
+        assert_close(runs[0], want, TOL[torch.bfloat16], f"deterministic attention backward {hq}/{hkv}/{d}")
+        cudnn = [torch.empty_like(qkv) for _ in range(3)]
+        for c in cudnn:
+            _aten_attention.backward(c, dout, out, lse, qkv, hq, hkv)
+        print(f"cuDNN backward, Hq={hq} Hkv={hkv} D={d}: {sum(not torch.equal(c, cudnn[0]) for c in cudnn[1:])} of 2 "
+              f"repeats differ from the first")
+
+
+def get_backend_plain():
+    """The torch reference with its plain math even on CUDA (no cuDNN): the fp32 ground truth."""
+    from backends import get_backend
+
+    be = get_backend("torch", DEV)
+    be._aten_attention = None
+    return be
+
+
 def check_swiglu(fast, ref, dtype):
     inp = randn(N, 2 * I, seed=7, dtype=dtype, scale=2.0)
     dout = randn(N, I, seed=8, dtype=dtype)

@@ -44,6 +44,14 @@ def test_rope(tri, ref, dtype):
     kc.check_rope(tri, ref, dtype)
 
 
+def test_rope_backward_from_cudnn_parts(tri, ref):
+    kc.check_rope_backward_from_cudnn_parts(tri, ref)
+
+
+def test_deterministic_attention_backward(tri):
+    kc.check_deterministic_attention_backward(tri)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu(tri, ref, dtype):
     kc.check_swiglu(tri, ref, dtype)
@@ -122,6 +130,18 @@ def test_print_kernel_timings(tri, ref):
     dug = torch.empty_like(ug)
     qkv = randn(16, 1024, HQ + 2 * HKV, D, seed=4, dtype=bf)
     cos, sin = torch.rand(1024, D // 2, device=DEV), torch.rand(1024, D // 2, device=DEV)
+    parts = tuple(x.transpose(1, 2).contiguous().transpose(1, 2)  # dq, dk, dv in cuDNN's storage order
+                  for x in (qkv[:, :, :HQ], qkv[:, :, HQ:HQ + HKV], qkv[:, :, HQ + HKV:]))
+    att_out = torch.empty(16, 1024, HQ, D, dtype=bf, device=DEV)
+    att_lse = torch.empty(16, HQ, 1024, device=DEV)
+    ref.attention_forward(att_out, att_lse, qkv, HQ, HKV)
+    att_dout, att_dqkv = torch.randn_like(att_out), torch.empty_like(qkv)
+
+    def att_bwd(be):  # the triton column: its deterministic kernels; the torch column: cuDNN
+        be.deterministic_attention = be is tri
+        be.attention_backward(att_dqkv, att_dout, att_out, att_lse, qkv, HQ, HKV)
+        be.deterministic_attention = False
+
     logits = randn(2048, V, seed=5, dtype=bf)
     targets = torch.randint(0, V, (2048,), device=DEV)
     losses = torch.empty(2048, device=DEV)
@@ -137,6 +157,8 @@ def test_print_kernel_timings(tri, ref):
         "swiglu_forward+absmax": lambda be: be.swiglu_forward(sw, ug, absmax=amax),
         "swiglu_backward": lambda be: be.swiglu_backward(dug, sw, ug),
         "rope_forward": lambda be: be.rope_forward(qkv, cos, sin, HQ, HKV),
+        "rope_backward_from (dq, dk, dv)": lambda be: be.rope_backward_from(qkv, *parts, cos, sin, HQ, HKV),
+        "attention_backward (cuDNN / deterministic)": lambda be: att_bwd(be),
         "fused_classifier 2048xV": lambda be: be.fused_classifier(logits, losses, targets, 1.0, write_dlogits=False),
         "quantize e4m3": lambda be: be.quantize(q8, ds, x, amax),
         "embedding_backward": lambda be: be.embedding_backward(dtab, tokens, x),

@@ -145,6 +145,107 @@ def test_rope_forward_backward(tri, ref, dtype, hq, hkv, d):
     assert_close(x, qkv.float(), 1e-5, "backward(forward(x)) = x (rotation is orthogonal)")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 20), (4, 4, 16)])
+def test_rope_backward_from_separate_gradients(tri, ref, dtype, hq, hkv, d):
+    """dq/dk/dv as an attention kernel returns them (head-major storage viewed token-major: strided) go to
+    dqkv = [rope^-1(dq) | rope^-1(dk) | dv] in one pass; the reference copies them in, then un-rotates."""
+    b, t = 2, 7
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    dq, dk, dv = (randn(b, heads, t, d, seed=seed, dtype=dtype).transpose(1, 2)
+                  for seed, heads in ((12, hq), (13, hkv), (14, hkv)))
+    assert not dq.is_contiguous()
+    out = {}
+    for name, be in (("tri", tri), ("ref", ref)):
+        dqkv = torch.full((b, t, hq + 2 * hkv, d), float("nan"), dtype=dtype, device=DEVICE)
+        be.rope_backward_from(dqkv, dq, dk, dv, cos, sin, hq, hkv)
+        out[name] = dqkv
+    assert not out["tri"].isnan().any()  # every element written
+    assert_close(out["tri"], out["ref"], TOL[dtype], "rope_backward_from")
+    assert torch.equal(out["tri"][:, :, hq + hkv:], dv)  # v copied exactly
+    assert_close(out["tri"][:, 0, :hq], dq[:, 0], TOL[dtype], "position 0 is not rotated")
+    with pytest.raises(ValueError, match="dk"):
+        tri.rope_backward_from(out["tri"], dq, dk[:, :, :1], dv, cos, sin, hq, hkv)
+
+
+def test_attention_rope_backward_hands_the_kernels_parts_to_rope_backward_from():
+    """The CUDA path (cuDNN returns dq/dk/dv separately) with a stand-in for cuDNN that returns the reference
+    gradients in cuDNN's storage order: the fused dispatch must equal attention_backward + rope_backward."""
+    b, t, hq, hkv, d = 2, 6, 4, 2, 16
+    dtype = torch.bfloat16
+    qkv = randn(b, t, hq + 2 * hkv, d, seed=21, dtype=dtype)
+    dout = randn(b, t, hq, d, seed=22, dtype=dtype)
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    reference = get_backend("torch", DEVICE)
+    reference._aten_attention = None  # the plain math, on any device
+    out = torch.empty(b, t, hq, d, dtype=dtype, device=DEVICE)
+    lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEVICE)
+    reference.attention_forward(out, lse, qkv, hq, hkv)
+    want = torch.empty_like(qkv)
+    reference.attention_rope_backward(want, dout, out, lse, qkv, cos, sin, hq, hkv)
+
+    class StandIn:  # what _aten_attention.backward_parts returns: head-major tensors viewed token-major
+        calls = 0
+
+        @staticmethod
+        def backward_parts(dout_, out_, lse_, qkv_, n_q, n_kv):
+            StandIn.calls += 1
+            full = torch.empty_like(qkv_)
+            reference.attention_backward(full, dout_, out_, lse_, qkv_, n_q, n_kv)
+            parts = (full[:, :, :n_q], full[:, :, n_q:n_q + n_kv], full[:, :, n_q + n_kv:])
+            return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in parts)
+
+    for name in ("triton", "torch"):
+        be = get_backend(name, DEVICE)
+        be._aten_attention = StandIn
+        got = torch.full_like(qkv, float("nan"))
+        be.attention_rope_backward(got, dout, out, lse, qkv, cos, sin, hq, hkv)
+        assert_close(got, want, TOL[dtype], f"{name}: fused attention + RoPE backward")
+    assert StandIn.calls == 2
+    det = get_backend("triton", DEVICE)  # --deterministic-attention: never cuDNN's parts
+    det._aten_attention, det.deterministic_attention = StandIn, True
+    got = torch.full_like(qkv, float("nan"))
+    det.attention_rope_backward(got, dout, out, lse, qkv, cos, sin, hq, hkv)
+    assert StandIn.calls == 2
+    assert_close(got, want, TOL[dtype], "deterministic attention + RoPE backward")
+
+# ---------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,t,hq,hkv,d", [(2, 37, 4, 2, 16), (1, 20, 3, 1, 20)])
+def test_deterministic_attention_backward(tri, ref, dtype, b, t, hq, hkv, d):
+    """--deterministic-attention: our own backward (no atomics) against the reference math, at odd lengths
+    (T not a multiple of the tile), a head dim that is not a power of two and GQA groups of 2 and 3; two runs
+    give the same bits."""
+    from backends.triton import attention_bwd
+
+    qkv = randn(b, t, hq + 2 * hkv, d, seed=31, dtype=dtype)
+    dout = randn(b, t, hq, d, seed=32, dtype=dtype)
+    out = torch.empty(b, t, hq, d, dtype=dtype, device=DEVICE)
+    lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEVICE)
+    plain = get_backend("torch", DEVICE)
+    plain._aten_attention = None  # the reference math on any device
+    plain.attention_forward(out, lse, qkv, hq, hkv)
+    want = torch.empty_like(qkv)
+    plain.attention_backward(want, dout, out, lse, qkv, hq, hkv)
+    runs = []
+    for _ in range(2):
+        got = torch.full_like(qkv, float("nan"))
+        attention_bwd.attention_backward(got, dout, out, lse, qkv, hq, hkv)
+        runs.append(got)
+    assert not runs[0].isnan().any()
+    assert_close(runs[0], want, TOL[dtype], "deterministic attention backward")
+    assert torch.equal(runs[0], runs[1])
+    tri.deterministic_attention = True
+    try:
+        via_backend = torch.empty_like(qkv)
+        tri.attention_backward(via_backend, dout, out, lse, qkv, hq, hkv)
+    finally:
+        tri.deterministic_attention = False
+    assert torch.equal(via_backend, runs[0])
+
+
 # ---------------------------------------------------------------------------------------------- SwiGLU
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_forward_backward(tri, ref, dtype):
@@ -424,3 +525,32 @@ def test_quantize_with_transpose_equals_the_two_kernels(fp8):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8))
     assert torch.equal(d, d_ref)
+
+
+def test_deterministic_attention_option_in_the_engine():
+    """--deterministic-attention switches the triton backend's attention backward in a whole training run
+    (fp32: same losses and weights as the reference math within 1e-5); other backends refuse it."""
+    from llmq_ray.config import PRESETS
+    from llmq_ray.engine import TrainEngine
+    from llmq_ray.errors import ConfigError
+    from llmq_ray.options import TrainOptions
+
+    def run(**flags):
+        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32", learning_rate=1e-3, **flags)
+        engine = TrainEngine(PRESETS["tiny"], opts, get_backend("triton", DEVICE))
+        gen = torch.Generator().manual_seed(0)
+        losses = []
+        for step in range(2):
+            x = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 17), generator=gen).to(DEVICE)
+            engine.micro_step(x[:, :-1], x[:, 1:])
+            losses.append(engine.update(1e-3, step + 1).loss)
+        return losses, engine
+
+    base_losses, base = run()
+    det_losses, det = run(deterministic_attention=True)
+    assert det.backend.deterministic_attention and not base.backend.deterministic_attention
+    assert det_losses == pytest.approx(base_losses, rel=1e-5)
+    assert_close(det.full_params(), base.full_params(), 1e-5, "weights after 2 steps")
+    with pytest.raises(ConfigError, match="--deterministic-attention needs --backend triton"):
+        TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32",
+                                                  deterministic_attention=True), get_backend("torch", DEVICE))

@@ -18,6 +18,7 @@ from backends.triton import embedding as _embedding
 from backends.triton import fp8 as _fp8
 from backends.triton import reduce as _reduce
 from backends.triton import rmsnorm as _rmsnorm
+from backends.triton import attention_bwd as _attention_bwd
 from backends.triton import rope as _rope
 from backends.triton import swiglu as _swiglu
 from backends.triton._common import INTERPRET
@@ -35,6 +36,9 @@ class TritonBackend(TorchBackend):
 
     name = "triton"
     graph_capturable = True  # every kernel is launched without a host sync (checked on the H100)
+    # --deterministic-attention: the attention backward through our own kernels (attention_bwd.py, no atomics:
+    # the same bits on every run) instead of cuDNN's (TorchBackend, CUDA) or the reference math (CPU)
+    deterministic_attention = False
 
     def __init__(self, device="cpu"):
         super().__init__(device)
@@ -43,6 +47,18 @@ class TritonBackend(TorchBackend):
                                "before anything imports triton (or run on a CUDA device).")
         if self.device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"the triton backend runs on cuda (or cpu via the interpreter), not {self.device}")
+
+    # ------------------------------------------------------------------ attention
+    def attention_backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
+        if self.deterministic_attention:
+            return _attention_bwd.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+        return super().attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+
+    def attention_rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads):
+        if self.deterministic_attention:  # our own backward writes dqkv whole: then RoPE in place, no cuDNN parts
+            self.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+            return self.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
+        return super().attention_rope_backward(dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads)
 
     # ------------------------------------------------------------------ embedding
     def embedding_forward(self, out, tokens, table):
@@ -72,6 +88,9 @@ class TritonBackend(TorchBackend):
 
     def rope_backward(self, dqkv, cos, sin, n_q_heads, n_kv_heads):
         _rope.rope(dqkv, cos, sin, n_q_heads, n_kv_heads, inverse=True)
+
+    def rope_backward_from(self, dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads):
+        _rope.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
 
     # ------------------------------------------------------------------ SwiGLU
     def swiglu_forward(self, out, inp, absmax=None):

@@ -54,3 +54,60 @@ def rope(qkv, cos, sin, n_q_heads: int, n_kv_heads: int, inverse: bool) -> None:
     _rope_kernel[(b * t,)](qkv, cos, sin, t, n_heads, qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0),
                            HALF=half, BLOCK_H=block_h, BLOCK_HALF=block_half, INVERSE=inverse,
                            num_warps=num_warps_for(2 * block_h * block_half))
+
+
+@triton.jit
+def _rope_backward_from_kernel(dqkv_ptr, dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr, T, n_q, n_kv,
+                               s_b, s_t, s_h, q_b, q_t, q_h, k_b, k_t, k_h, v_b, v_t, v_h, stride_cos,
+                               HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KV: tl.constexpr,
+                               BLOCK_HALF: tl.constexpr):
+    tok = tl.program_id(0)
+    b = (tok // T).to(tl.int64)
+    t = (tok % T).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)  # q heads 0..Hq-1, then k heads Hq..Hq+Hkv-1
+    j = tl.arange(0, BLOCK_HALF)
+    jmask = j < HALF
+    is_q = (heads < n_q)[:, None] & jmask[None, :]
+    is_k = ((heads >= n_q) & (heads < n_q + n_kv))[:, None] & jmask[None, :]
+    q_offs = b * q_b + t * q_t + heads[:, None] * q_h + j[None, :]
+    k_offs = b * k_b + t * k_t + (heads[:, None] - n_q) * k_h + j[None, :]
+    # each element comes from exactly one of dq / dk (the other load is masked to 0)
+    x1 = (tl.load(dq_ptr + q_offs, mask=is_q, other=0.0).to(tl.float32)
+          + tl.load(dk_ptr + k_offs, mask=is_k, other=0.0).to(tl.float32))
+    x2 = (tl.load(dq_ptr + q_offs + HALF, mask=is_q, other=0.0).to(tl.float32)
+          + tl.load(dk_ptr + k_offs + HALF, mask=is_k, other=0.0).to(tl.float32))
+    c = tl.load(cos_ptr + t * stride_cos + j, mask=jmask, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_cos + j, mask=jmask, other=0.0)[None, :]
+    out = dqkv_ptr + b * s_b + t * s_t + heads[:, None] * s_h + j[None, :]
+    qk = is_q | is_k
+    tl.store(out, cast_to(x1 * c + x2 * s, dqkv_ptr.dtype.element_ty), mask=qk)
+    tl.store(out + HALF, cast_to(x2 * c - x1 * s, dqkv_ptr.dtype.element_ty), mask=qk)
+    # v heads: copied as they are (both halves)
+    kv = tl.arange(0, BLOCK_KV)
+    d = tl.arange(0, 2 * BLOCK_HALF)
+    vmask = (kv < n_kv)[:, None] & (d < 2 * HALF)[None, :]
+    vals = tl.load(dv_ptr + b * v_b + t * v_t + kv[:, None] * v_h + d[None, :], mask=vmask, other=0.0)
+    tl.store(dqkv_ptr + b * s_b + t * s_t + (n_q + n_kv + kv[:, None]) * s_h + d[None, :],
+             vals.to(dqkv_ptr.dtype.element_ty), mask=vmask)
+
+
+def rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads: int, n_kv_heads: int) -> None:
+    """dqkv[B, T, Hq+2Hkv, D] = [rope^-1(dq) | rope^-1(dk) | dv] in one pass: dq[B, T, Hq, D], dk/dv[B, T, Hkv, D]
+    with any strides whose head dim is contiguous (cuDNN's returned gradients); cos/sin [>=T, D/2] fp32.
+    One program per token reads its dq/dk/dv rows once and writes its dqkv row once (the default path
+    copies dq/dk into dqkv and then rotates them in place: one more read and write of the q/k part)."""
+    b, t, h, d = dqkv.shape
+    if h != n_q_heads + 2 * n_kv_heads or d % 2:
+        raise ValueError(f"rope_backward_from: dqkv {tuple(dqkv.shape)} does not match Hq={n_q_heads}, Hkv={n_kv_heads}")
+    for name, x, heads in (("dq", dq, n_q_heads), ("dk", dk, n_kv_heads), ("dv", dv, n_kv_heads)):
+        if tuple(x.shape) != (b, t, heads, d) or x.stride(3) != 1:
+            raise ValueError(f"rope_backward_from: {name} {tuple(x.shape)} (strides {x.stride()}) must be "
+                             f"[{b}, {t}, {heads}, {d}] with a contiguous head dim")
+    if dqkv.stride(3) != 1 or cos.stride(1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("rope_backward_from: dqkv's head dim and cos/sin rows must be contiguous")
+    half = d // 2
+    block_h, block_kv, block_half = next_pow2(n_q_heads + n_kv_heads), next_pow2(n_kv_heads), next_pow2(half)
+    _rope_backward_from_kernel[(b * t,)](
+        dqkv, dq, dk, dv, cos, sin, t, n_q_heads, n_kv_heads, *dqkv.stride()[:3], *dq.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], cos.stride(0), HALF=half, BLOCK_H=block_h, BLOCK_KV=block_kv,
+        BLOCK_HALF=block_half, num_warps=num_warps_for(2 * block_h * block_half))

@@ -1,0 +1,147 @@
+"""Causal GQA attention backward in Triton, bit-reproducible (no atomics), from the forward's out and lse.
+
+Why: cuDNN's backward (the default on CUDA, backends/_aten_attention.py) is built by PyTorch without cuDNN's
+deterministic option and may accumulate dQ with atomics, so two runs of the same step need not give the same
+bits (suspected from 7B runs; benchmarks/attention_determinism.py checks it). A resumed run can then not
+reproduce the uninterrupted one. Here every output element is owned by one program that sums in a fixed order:
+
+1. ``_delta_kernel``: delta[b, h, t] = sum_d dO * O (fp32), one program per (token block, b, h).
+2. ``_dkdv_kernel``: one program per (key block, b, kv head) owns dK and dV of those keys; it loops over the
+   query heads of its group and over the query blocks at or after its keys (causal), in a fixed order.
+3. ``_dq_kernel``: one program per (query block, b, q head) owns dQ of those queries; it loops over the key
+   blocks at or before them.
+
+Math (S = scale * Q K^T, P = exp(S - lse), causal): dV = P^T dO, dP = dO V^T, dS = P * (dP - delta),
+dQ = scale * dS K, dK = scale * dS^T Q. Layouts as the rest of the backend: qkv/dqkv [B, T, Hq + 2 Hkv, D],
+out/dout [B, T, Hq, D], lse [B, Hq, T] fp32 (natural log, scaled scores). Tiles are loaded in the model dtype;
+the products run on tensor cores with fp32 accumulation on the GPU, and in fp32 under the interpreter (which
+computes bf16 dots wrongly, ../shared/ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from backends.triton._common import INTERPRET, cast_to, next_pow2
+
+
+@triton.jit
+def _delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, s_b, s_t, s_h, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                  D: tl.constexpr):
+    pid_t, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_D)
+    mask = (t < T)[:, None] & (d < D)[None, :]
+    offs = b.to(tl.int64) * s_b + t.to(tl.int64)[:, None] * s_t + h * s_h + d[None, :]
+    o = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + (b * H + h).to(tl.int64) * T + t, tl.sum(o * do, axis=1), mask=t < T)
+
+
+@triton.jit
+def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
+                 q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    kmask = (keys < T)[:, None] & (d < D)[None, :]
+    row_k = b.to(tl.int64) * q_b + keys.to(tl.int64)[:, None] * q_t + d[None, :]
+    k = tl.load(qkv_ptr + row_k + (HQ + hk) * D, mask=kmask, other=0.0)
+    v = tl.load(qkv_ptr + row_k + (HQ + HKV + hk) * D, mask=kmask, other=0.0)
+    if DOT_F32:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        for start_m in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, T, BLOCK_M):  # query blocks that see these keys
+            rows = start_m + tl.arange(0, BLOCK_M)
+            qmask = (rows < T)[:, None] & (d < D)[None, :]
+            q = tl.load(qkv_ptr + b.to(tl.int64) * q_b + rows.to(tl.int64)[:, None] * q_t + h * D + d[None, :],
+                        mask=qmask, other=0.0)
+            do = tl.load(dout_ptr + b.to(tl.int64) * o_b + rows.to(tl.int64)[:, None] * o_t + h * o_h + d[None, :],
+                         mask=qmask, other=0.0)
+            stat = (b * HQ + h).to(tl.int64) * T + rows
+            lse = tl.load(lse_ptr + stat, mask=rows < T, other=0.0)
+            delta = tl.load(delta_ptr + stat, mask=rows < T, other=0.0)
+            if DOT_F32:
+                q, do = q.to(tl.float32), do.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+            live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+            p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            dp = tl.dot(do, tl.trans(v))
+            ds = p * (dp - delta[:, None])
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    dk = dk * scale
+    out_k = dqkv_ptr + row_k + (HQ + hk) * D
+    tl.store(out_k, cast_to(dk, dqkv_ptr.dtype.element_ty), mask=kmask)
+    tl.store(out_k + HKV * D, cast_to(dv, dqkv_ptr.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
+               q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    hk = h // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    qmask = (rows < T)[:, None] & (d < D)[None, :]
+    row_q = b.to(tl.int64) * q_b + rows.to(tl.int64)[:, None] * q_t + d[None, :]
+    q = tl.load(qkv_ptr + row_q + h * D, mask=qmask, other=0.0)
+    do = tl.load(dout_ptr + b.to(tl.int64) * o_b + rows.to(tl.int64)[:, None] * o_t + h * o_h + d[None, :],
+                 mask=qmask, other=0.0)
+    stat = (b * HQ + h).to(tl.int64) * T + rows
+    lse = tl.load(lse_ptr + stat, mask=rows < T, other=0.0)
+    delta = tl.load(delta_ptr + stat, mask=rows < T, other=0.0)
+    if DOT_F32:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T), BLOCK_N):  # key blocks these queries see
+        keys = start_n + tl.arange(0, BLOCK_N)
+        kmask = (keys < T)[:, None] & (d < D)[None, :]
+        row_k = b.to(tl.int64) * q_b + keys.to(tl.int64)[:, None] * q_t + d[None, :]
+        k = tl.load(qkv_ptr + row_k + (HQ + hk) * D, mask=kmask, other=0.0)
+        v = tl.load(qkv_ptr + row_k + (HQ + HKV + hk) * D, mask=kmask, other=0.0)
+        if DOT_F32:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale
+        live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+        p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dqkv_ptr + row_q + h * D, cast_to(dq * scale, dqkv_ptr.dtype.element_ty), mask=qmask)
+
+
+def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: int) -> None:
+    """dqkv[B, T, Hq + 2 Hkv, D] (overwritten) from dout/out[B, T, Hq, D], lse[B, Hq, T] fp32 and the post-RoPE
+    qkv; the same contract as Backend.attention_backward, bit-reproducible. All tensors contiguous."""
+    b, t, h, d = qkv.shape
+    if h != n_q_heads + 2 * n_kv_heads or n_q_heads % n_kv_heads:
+        raise ValueError(f"attention_backward: qkv {tuple(qkv.shape)} does not match Hq={n_q_heads}, Hkv={n_kv_heads}")
+    if not (qkv.is_contiguous() and dqkv.is_contiguous() and dqkv.shape == qkv.shape):
+        raise ValueError("attention_backward: qkv and dqkv must be contiguous and of the same shape")
+    for name, x in (("out", out), ("dout", dout)):
+        if tuple(x.shape) != (b, t, n_q_heads, d) or not x.is_contiguous():
+            raise ValueError(f"attention_backward: {name} must be contiguous [{b}, {t}, {n_q_heads}, {d}], got "
+                             f"{tuple(x.shape)} strides {x.stride()}")
+    if tuple(lse.shape) != (b, n_q_heads, t) or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"attention_backward: lse must be contiguous fp32 [{b}, {n_q_heads}, {t}]")
+    block_d = next_pow2(d)
+    block_m = block_n = 16 if INTERPRET else (64 if d <= 64 else 32)
+    delta = torch.empty(b, n_q_heads, t, dtype=torch.float32, device=qkv.device)
+    _delta_kernel[(triton.cdiv(t, 64), b, n_q_heads)](out, dout, delta, t, n_q_heads, out.stride(0), out.stride(1),
+                                                     out.stride(2), BLOCK_T=64, BLOCK_D=block_d, D=d)
+    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=d, GROUP=n_q_heads // n_kv_heads,
+                  DOT_F32=INTERPRET or qkv.dtype == torch.float32)
+    args = (qkv, dout, lse, delta, dqkv, t, n_q_heads, n_kv_heads, 1.0 / math.sqrt(d), qkv.stride(0),
+            qkv.stride(1), dout.stride(0), dout.stride(1), dout.stride(2))
+    _dkdv_kernel[(triton.cdiv(t, block_n), b, n_kv_heads)](*args, **common, num_warps=4)
+    _dq_kernel[(triton.cdiv(t, block_m), b, n_q_heads)](*args, **common, num_warps=4)
