@@ -4,8 +4,9 @@
     python benchmarks/engine_step.py --model Qwen2.5-0.5B --backend cupy --matmul-dtype e4m3
 
 This isolates the model + optimizer from the Ray runtime (benchmarks/bench_train.py measures the whole
-trainer); the difference between the two is Ray's own cost. Each step line splits the time into the
-micro-steps and the update (synchronized). ``--profile`` adds a torch-profiler table of one more step, its
+trainer); the difference between the two is Ray's own cost. Steps are timed back to back, so an update
+overlapped with the next forward (the default on one GPU) is timed as it runs; ``--split-timing``
+synchronizes between the micro-steps and the update to show each (which serializes the overlap). ``--profile`` adds a torch-profiler table of one more step, its
 kernel time summed by kind (GEMM, attention, copies, ...: ``KERNELS`` lines) and the idle gaps of the compute
 stream with the kernels on either side (``GAPS`` lines).
 """
@@ -116,6 +117,8 @@ def main():
                     help="A/B: copy the attention gradients into dqkv, then RoPE backward in place (the old path)")
     ap.add_argument("--deterministic-attention", action="store_true",
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
+    ap.add_argument("--split-timing", action="store_true",
+                    help="sync between micro-steps and update to time each (the update then cannot overlap)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
@@ -139,25 +142,27 @@ def main():
     batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     inputs, targets = batch[:, :-1].to(args.device), batch[:, 1:].to(args.device)
     times = []
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
     for step in range(args.steps + 2):
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
         for _ in range(args.grad_accumulation):
             engine.micro_step(inputs, targets)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        t_micro = time.perf_counter() - t0
-        stats = engine.update(1e-4, step + 1)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        print(f"step {step}: loss {stats.loss:.4f} norm {stats.grad_norm:.3f} {times[-1] * 1e3:.1f} ms "
-              f"(micro-steps {t_micro * 1e3:.1f} ms, then update {(times[-1] - t_micro) * 1e3:.1f} ms)", flush=True)
+        if args.split_timing:
+            sync()
+            t_micro = time.perf_counter() - t0
+        stats = engine.update(1e-4, step + 1)  # reads loss and norm: a host sync on the compute stream
+        if args.split_timing:
+            sync()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        split = (f" (micro-steps {t_micro * 1e3:.1f} ms, then update {(times[-1] - t_micro) * 1e3:.1f} ms)"
+                 if args.split_timing else "")
+        print(f"step {step}: loss {stats.loss:.4f} norm {stats.grad_norm:.3f} {times[-1] * 1e3:.1f} ms{split}",
+              flush=True)
+        t0 = t1
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
-
-        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             sync()

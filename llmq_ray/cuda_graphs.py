@@ -15,6 +15,14 @@ state and are therefore kept out of (or keyed into) the graph:
 * the first micro-step of a step *overwrites* the block weight gradients and later ones accumulate
   (``LlamaModel._block_grads_zero``): two graphs, one per mode, sharing one memory pool.
 
+With the update overlapped with the next forward (one worker, ZeRO-1; llmq_ray/update_overlap.py) the first
+micro-step of a step must wait, per unit, for the update of that unit's weights, zero that unit's gradients
+only then (the update reads them), and, with FP8, quantize each layer's weights only after its wait. The
+"first micro-step" graph is therefore captured with all three inside it: an event-wait node on each unit's
+external event (re-recorded by every update, so a replay waits for the latest one; an event from an update
+that finished long ago, or of a skipped update, passes at once), the unit's zeroing, and the FP8 weight
+quantization at the layer's first use. ``ensure_quantized`` then runs only before the other mode's replays.
+
 The first call in each mode runs eagerly (this also warms up Triton's compilation, cuBLAS and cuDNN plans),
 then records the graph without executing it; later calls copy the batch into the static buffers and replay.
 Results are the same kernels on the same data in the same order as eager mode.
@@ -26,18 +34,21 @@ import torch
 
 from llmq_ray.errors import ConfigError
 from llmq_ray.model import LlamaModel
+from llmq_ray.update_overlap import UpdateOverlap
 
 
 class MicroStepGraphs:
-    """Replays ``model.forward_backward`` from CUDA graphs (one per gradient mode)."""
+    """Replays ``model.forward_backward`` from CUDA graphs (one per gradient mode).
 
-    def __init__(self, model: LlamaModel):
+    ``overlap``: the engine's UpdateOverlap when the update runs beside the next forward (None otherwise)."""
+
+    def __init__(self, model: LlamaModel, overlap: UpdateOverlap | None = None):
         if model.device.type != "cuda":
             raise ConfigError(f"--use-cuda-graphs needs a CUDA device; this worker runs on {model.device}.")
         if not model.backend.graph_capturable:
             raise ConfigError(f"--use-cuda-graphs does not work with --backend={model.backend.name}: its kernels "
                               f"sync with the host inside a step; use --backend=triton.")
-        self.model = model
+        self.model, self.overlap = model, overlap
         shape = (model.batch_size, model.seq_len)
         self.inputs = torch.zeros(shape, dtype=torch.int64, device=model.device)
         self.targets = torch.zeros(shape, dtype=torch.int64, device=model.device)
@@ -50,21 +61,36 @@ class MicroStepGraphs:
         model.check_batch_shape(inputs, targets)  # shape errors are raised here, before any copy
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
-        model.lin.ensure_quantized()
         mode = model._block_grads_zero
+        waits_inside = self._waits_inside(mode)
+        if not waits_inside:
+            model.lin.ensure_quantized()
         graph = self.graphs.get(mode)
         if graph is None:
             model.forward_backward(self.inputs, self.targets)  # eager: correct result + warm-up of every kernel
             self._capture(mode)
         else:
+            if waits_inside:  # the graph waits, zeroes and quantizes per unit itself
+                model.store.ready.clear()
+                model.store.unzeroed.clear()
             graph.replay()
+            if waits_inside:
+                model.lin.mark_quantized()
         model._block_grads_zero = False
 
+    def _waits_inside(self, mode: bool) -> bool:
+        """Whether this mode's graph holds the per-unit waits for an overlapped update (the first micro-step)."""
+        return mode and self.overlap is not None and bool(self.overlap.events)
+
     def _capture(self, mode: bool) -> None:
-        model = self.model
+        model, store = self.model, self.model.store
         torch.cuda.synchronize(model.device)
         graph = torch.cuda.CUDAGraph()
         model._block_grads_zero = mode
+        if self._waits_inside(mode):  # as if an update were running: every unit waits and zeroes at its begin
+            store.ready.update(self.overlap.events)
+            store.unzeroed = set(store.unit_grads)
+            model.lin.invalidate_weights()
         with torch.cuda.graph(graph, pool=self._pool):
             model.forward_backward(self.inputs, self.targets)  # recorded, not executed
         if self._pool is None:

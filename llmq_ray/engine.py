@@ -174,7 +174,7 @@ class TrainEngine:
         self.optimizer = self._make_optimizer()
         self.micro_steps_done = 0
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
-        if opts.overlap_update and world == 1 and opts.effective_zero_level == 1 and not opts.use_cuda_graphs:
+        if opts.overlap_update and world == 1 and opts.effective_zero_level == 1:
             self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, backend.device)
         # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
         # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
@@ -191,7 +191,7 @@ class TrainEngine:
         self._forward_backward = self.model.forward_backward
         if opts.use_cuda_graphs:
             from llmq_ray.cuda_graphs import MicroStepGraphs
-            self._forward_backward = MicroStepGraphs(self.model).forward_backward
+            self._forward_backward = MicroStepGraphs(self.model, self.overlap).forward_backward
         self._keep_opt_resident()  # last: "auto" sizes it from what set-up left free
 
     def _make_optimizer(self) -> ShardedAdamW:

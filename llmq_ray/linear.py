@@ -156,6 +156,12 @@ class BlockLinears:
                 if not self.valid[layer]:
                     self._quantize_layer(layer, None)
 
+    def mark_quantized(self) -> None:
+        """A CUDA-graph replay just re-quantized every layer's persistent copies (llmq_ray/cuda_graphs.py)."""
+        if self.fp8 and self.quants == "persistent" and not self.sharded:
+            self.valid = [True] * self.num_layers
+            self.amax_valid = set(self.key_of.values())
+
     def needs_weights(self, layer: int) -> bool:
         """Whether the bf16 weights of ``layer`` will be read (ZeRO-3 skips gathering them when not): False
         only when a persistent FP8 copy of the layer is current, as the block GEMMs then read nothing else."""

@@ -18,9 +18,10 @@ writes weights, gradients or optimizer state (eval, checkpoints, the next update
 The results are the same bits as an update on the compute stream: the same kernels on the same chunks with the
 same seeds, only queued in another order. On the CPU there are no streams: the update runs at once (the
 order and the deferred zeroing still run, so CPU tests cover them).
-Limits: one worker (no all-gather after the update), ZeRO-1 (ZeRO-2's accumulator is written by the next
-micro-step's reduction; ZeRO-3 gathers its own weights) and no CUDA graphs (a replay cannot wait per unit, and
-``BlockLinears.ensure_quantized``, run before a replay, reads every layer's weights at once).
+With CUDA graphs (llmq_ray/cuda_graphs.py) the first micro-step of a step is replayed from a graph captured
+with these waits and deferred zeroings in it (and, with FP8, each layer's weight quantization after its wait).
+Limits: one worker (no all-gather after the update) and ZeRO-1 (ZeRO-2's accumulator is written by the next
+micro-step's reduction; ZeRO-3 gathers its own weights).
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ class UpdateOverlap:
         cuda = torch.device(device).type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
         self._keep: list = []  # tensors made on the compute stream and read by the update: alive until join
+        # One event per unit, re-recorded by every update. ``external``: a CUDA graph captured while waiting on
+        # it gets an event-wait node on this very event (llmq_ray/cuda_graphs.py), so each replay waits for
+        # whichever update recorded it last. Recorded once here: a wait on a never-recorded event is a no-op
+        # in torch, and would leave the node out of a graph.
+        self.events: dict = {}
+        if cuda:
+            for u in units:
+                self.events[u] = torch.cuda.Event(external=True)
+                self.events[u].record(self.stream)
 
     def step(self, grads_shard: torch.Tensor, *, lr: float, step: int, grad_scale) -> None:
         """``optimizer.step`` on the side stream; returns once it is queued."""
@@ -89,11 +99,11 @@ class UpdateOverlap:
         ready = self.store.ready
 
         def after_chunk(j: int) -> None:
-            units = self.ready_after.get(j)
-            if units:
-                event = self.stream.record_event() if self.stream is not None else None
-                for u in units:
-                    ready[u] = event
+            for u in self.ready_after.get(j, ()):
+                event = self.events.get(u)
+                if event is not None:
+                    event.record(self.stream)
+                ready[u] = event
 
         self.optimizer.step(grads_shard, lr=lr, step=step, grad_scale=grad_scale, order=self.order,
                             after_chunk=after_chunk, stream=self.stream)
