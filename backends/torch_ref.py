@@ -141,6 +141,8 @@ class TorchBackend(Backend):
         out.copy_((probs @ v).transpose(1, 2))
 
     def attention_rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads):
+        # bf16/fp16 on CUDA: cuDNN's dq/dk/dv go straight into rope_backward_from, bypassing attention_backward.
+        # A subclass that overrides attention_backward must override this too (the triton backend does).
         if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
             dq, dk, dv = self._aten_attention.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads)
             return self.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)

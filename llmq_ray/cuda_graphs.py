@@ -11,7 +11,7 @@ model, no host sync, gradients / ``loss_sum`` / ``target_count`` updated in plac
 state and are therefore kept out of (or keyed into) the graph:
 
 * the FP8 weight copies are re-quantized once per optimizer step: that runs eagerly before the replay
-  (``BlockLinears.ensure_quantized``), so the graph only reads them;
+  (``BlockLinears.ensure_quantized``), so the graph only reads them -- unless the update is overlapped (below);
 * the first micro-step of a step *overwrites* the block weight gradients and later ones accumulate
   (``LlamaModel._block_grads_zero``): two graphs, one per mode, sharing one memory pool.
 
@@ -19,9 +19,11 @@ With the update overlapped with the next forward (one worker, ZeRO-1; llmq_ray/u
 micro-step of a step must wait, per unit, for the update of that unit's weights, zero that unit's gradients
 only then (the update reads them), and, with FP8, quantize each layer's weights only after its wait. The
 "first micro-step" graph is therefore captured with all three inside it: an event-wait node on each unit's
-external event (re-recorded by every update, so a replay waits for the latest one; an event from an update
-that finished long ago, or of a skipped update, passes at once), the unit's zeroing, and the FP8 weight
-quantization at the layer's first use. ``ensure_quantized`` then runs only before the other mode's replays.
+external event (re-recorded by every update, so a replay waits for the latest one; after a skipped update,
+or when the update was joined for eval or a checkpoint, the latest recording is of an update long finished
+and the wait passes at once), the unit's zeroing, and the FP8 weight quantization at the layer's first use.
+An update re-records the events only after ``TrainEngine.update``'s host sync, when every replay that waits
+on them has finished, so it never matters whether a wait node reads its event at launch or at execution. ``ensure_quantized`` then runs only before the other mode's replays.
 
 The first call in each mode runs eagerly (this also warms up Triton's compilation, cuBLAS and cuDNN plans),
 then records the graph without executing it; later calls copy the batch into the static buffers and replay.

@@ -137,10 +137,10 @@ class TrainEngine:
             # Until the host state is allocated as mapped memory with its device alias, CUDA runs stream.
             raise ConfigError("--use-zero-copy is not supported on CUDA yet (the kernels cannot read this pinned "
                               "host memory directly); drop it: the offloaded state streams through the GPU.")
-        if opts.deterministic_attention:
-            if not hasattr(backend, "deterministic_attention"):
-                raise ConfigError(f"--deterministic-attention needs --backend triton (got {backend.name}).")
-            backend.deterministic_attention = True
+        if opts.deterministic_attention and not hasattr(backend, "deterministic_attention"):
+            raise ConfigError(f"--deterministic-attention needs --backend triton (got {backend.name}).")
+        if hasattr(backend, "deterministic_attention"):  # set both ways: a backend object may serve several engines
+            backend.deterministic_attention = opts.deterministic_attention
         dtype = opts.torch_dtype
         self.device = backend.device
         world, rank = self.comm.world_size, self.comm.rank

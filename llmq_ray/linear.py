@@ -26,8 +26,9 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
 
 * ``quants="persistent"`` (ZeRO-1/2 always; ZeRO-3 with --persistent-quants): the copies of all L layers
   stay for the whole optimizer step (``invalidate_weights`` at each step's start); each layer is quantized
-  once per step, at its first use (with resident weights: all layers at once, before the first GEMM, so a
-  CUDA graph replay only reads them). Costs as many device bytes as the bf16 block weights. Under ZeRO-3
+  once per step, at its first use (under CUDA graphs: all layers at once before the replay, so the graph only
+  reads them -- except a step's first micro-step with the overlapped update, whose graph quantizes each layer
+  after waiting for its update, llmq_ray/cuda_graphs.py). Costs as many device bytes as the bf16 block weights. Under ZeRO-3
   a layer's bf16 weights are then needed only once per step (``needs_weights``), so the store gathers each
   layer once per step instead of twice per micro-step.
 * ``quants="host"`` (--offload-quants): the same persistent copies, kept in (pinned) host memory; two device
@@ -150,7 +151,8 @@ class BlockLinears:
             self.amax_valid: set[str] = set()
 
     def ensure_quantized(self) -> None:
-        """Resident persistent copies: quantize every stale layer now (CUDA-graph replays only read them)."""
+        """Resident persistent copies: quantize every stale layer now (before a CUDA-graph replay that only reads
+        them; the first micro-step's graph under the overlapped update quantizes them itself)."""
         if self.fp8 and self.quants == "persistent" and not self.sharded:
             for layer in range(self.num_layers):
                 if not self.valid[layer]:

@@ -84,8 +84,9 @@ class UpdateOverlap:
         self._keep: list = []  # tensors made on the compute stream and read by the update: alive until join
         # One event per unit, re-recorded by every update. ``external``: a CUDA graph captured while waiting on
         # it gets an event-wait node on this very event (llmq_ray/cuda_graphs.py), so each replay waits for
-        # whichever update recorded it last. Recorded once here: a wait on a never-recorded event is a no-op
-        # in torch, and would leave the node out of a graph.
+        # whichever update recorded it last. Re-recording is safe: it happens after TrainEngine.update's host
+        # sync, when no replay that waits on these events is still running. Recorded once here: a wait on a
+        # never-recorded event is a no-op in torch, and would leave the node out of a graph.
         self.events: dict = {}
         if cuda:
             for u in units:

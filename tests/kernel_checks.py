@@ -140,6 +140,25 @@ def check_deterministic_attention_backward(fast):
               f"repeats differ from the first")
 
 
+def check_deterministic_attention_backward_fp32():
+    """fp32 (--model-dtype fp32 --deterministic-attention): true fp32 products, not TF32 (Triton's default for
+    fp32 dots on NVIDIA, ~1e-3 relative error), so within the fp32 tolerance of the plain reference math."""
+    from backends.triton import attention_bwd
+
+    b, t, hq, hkv, d = 2, 256, HQ, HKV, D
+    qkv = randn(b, t, hq + 2 * hkv, d, seed=43)
+    dout = randn(b, t, hq, d, seed=44)
+    ref = get_backend_plain()
+    out = torch.empty(b, t, hq, d, device=DEV)
+    lse = torch.empty(b, hq, t, device=DEV)
+    ref.attention_forward(out, lse, qkv, hq, hkv)
+    got = torch.full_like(qkv, float("nan"))
+    attention_bwd.attention_backward(got, dout, out, lse, qkv, hq, hkv)
+    want = torch.empty_like(qkv)
+    ref.attention_backward(want, dout, out, lse, qkv, hq, hkv)
+    assert_close(got, want, TOL[torch.float32], "deterministic attention backward fp32")
+
+
 def get_backend_plain():
     """The torch reference with its plain math even on CUDA (no cuDNN): the fp32 ground truth."""
     from backends import get_backend

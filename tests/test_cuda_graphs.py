@@ -42,14 +42,19 @@ def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulation: int = 2, overlap: bool = True,
-           offload: bool = False):
+           offload: bool = False, untied: bool = False, deterministic: bool = False, skip_step: int | None = None,
+           eval_after: int | None = None):
     """Losses, grad norms and final weights of a few steps of a 4-layer model with Qwen2.5-0.5B widths.
-    ``overlap``: the update beside the next forward (the default); ``offload``: Adam m/v in host memory."""
-    cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
+    ``overlap``: the update beside the next forward (the default); ``offload``: Adam m/v in host memory;
+    ``untied``: a separate LM head (its own unit of the overlap); ``deterministic``: --deterministic-attention
+    (cuDNN's backward is not bit-reproducible); ``skip_step``: that update is skipped (spike guard, max_loss=0);
+    ``eval_after``: an evaluation between that step and the next."""
+    cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers",
+                              tie_word_embeddings=not untied)
     opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=accumulation,
                         model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16", opt_v_dtype="bf16",
                         use_cuda_graphs=graphs, steps=steps, overlap_update=overlap,
-                        offload_opt_m=offload, offload_opt_v=offload)
+                        offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic)
     engine = TrainEngine(cfg, opts, get_backend(backend, "cuda"))
     assert (engine.overlap is not None) == overlap  # also with graphs: the first micro-step's graph waits per unit
     gen = torch.Generator().manual_seed(1)
@@ -58,8 +63,12 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
         for _ in range(accumulation):
             batch = torch.randint(0, cfg.vocab_size, (2, 257), generator=gen)  # fresh data every micro-step
             engine.micro_step(batch[:, :-1].cuda(), batch[:, 1:].cuda())
-        stats = engine.update(1e-3, step + 1)
+        stats = engine.update(1e-3, step + 1, max_loss=0.0 if step == skip_step else None)
+        assert stats.skipped == (step == skip_step)
         losses.append((stats.loss, stats.grad_norm))
+        if step == eval_after:
+            batch = torch.randint(0, cfg.vocab_size, (2, 257), generator=gen)
+            losses.append(engine.evaluate([(batch[:, :-1].cuda(), batch[:, 1:].cuda())]))
     return losses, engine.full_params().clone()  # full_params waits for an update still on its side stream
 
 
@@ -94,25 +103,27 @@ def test_graph_replay_equals_eager(backend, matmul_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("matmul_dtype,accumulation,offload", [(None, 1, False), ("e4m3", 1, False),
-                                                               (None, 1, True), ("e4m3", 2, True)])
-def test_graphs_with_overlapped_update_equal_the_plain_order(matmul_dtype, accumulation, offload):
+@pytest.mark.parametrize("matmul_dtype,accumulation,offload,untied", [
+    (None, 1, False, False), ("e4m3", 1, False, False), (None, 1, True, False), ("e4m3", 2, True, False),
+    (None, 1, True, True), ("e4m3", 2, False, True)])
+def test_graphs_with_overlapped_update_equal_the_plain_order(matmul_dtype, accumulation, offload, untied):
     """Replays whose first micro-step waits inside the graph for the overlapped update (and zeroes and, with
     e4m3, quantizes each unit after its wait) give the bits of eager steps with the update run before the next
     forward (--no-overlap-update). A missing wait reads weights the update is still writing: with the Adam
     state streamed from host memory (offload) the update runs for milliseconds, long enough to show it.
-    One micro-step per update replays only the graph with the waits; two replay both graphs."""
+    One micro-step per update replays only the graph with the waits; two replay both graphs. ``untied``: the
+    LM head is its own unit. Each run also skips update 2 (the spike guard) and evaluates after update 3, so a
+    replay follows a step with no update and a step whose weights eval read. --deterministic-attention: cuDNN's
+    attention backward is not bit-reproducible (benchmarks/attention_determinism.py), ours is."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    plain_losses, plain_w = _train("triton", False, matmul_dtype, steps=4, accumulation=accumulation,
-                                   overlap=False, offload=offload)
-    again_losses, again_w = _train("triton", False, matmul_dtype, steps=4, accumulation=accumulation,
-                                   overlap=False, offload=offload)
-    if not torch.equal(plain_w, again_w):
-        pytest.skip("eager itself is not bit-reproducible here; test_graph_replay_equals_eager covers the noise")
-    graph_losses, graph_w = _train("triton", True, matmul_dtype, steps=4, accumulation=accumulation,
-                                   overlap=True, offload=offload)
-    print(f"graphs+overlap {matmul_dtype} GA{accumulation} offload={offload}: losses plain {plain_losses} "
-          f"graph {graph_losses}, max |dw| {(plain_w.float() - graph_w.float()).abs().max().item()}")
+    kw = dict(steps=5, accumulation=accumulation, offload=offload, untied=untied, deterministic=True, skip_step=1,
+              eval_after=2)
+    plain_losses, plain_w = _train("triton", False, matmul_dtype, overlap=False, **kw)
+    again_losses, again_w = _train("triton", False, matmul_dtype, overlap=False, **kw)
+    assert again_losses == plain_losses and torch.equal(again_w, plain_w), "eager is not bit-reproducible"
+    graph_losses, graph_w = _train("triton", True, matmul_dtype, overlap=True, **kw)
+    print(f"graphs+overlap {matmul_dtype} GA{accumulation} offload={offload} untied={untied}: losses plain "
+          f"{plain_losses} graph {graph_losses}, max |dw| {(plain_w.float() - graph_w.float()).abs().max().item()}")
     assert graph_losses == plain_losses
     assert torch.equal(graph_w, plain_w)

@@ -52,6 +52,10 @@ def test_deterministic_attention_backward(tri):
     kc.check_deterministic_attention_backward(tri)
 
 
+def test_deterministic_attention_backward_fp32_is_not_tf32(tri):
+    kc.check_deterministic_attention_backward_fp32()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu(tri, ref, dtype):
     kc.check_swiglu(tri, ref, dtype)

@@ -554,3 +554,7 @@ def test_deterministic_attention_option_in_the_engine():
     with pytest.raises(ConfigError, match="--deterministic-attention needs --backend triton"):
         TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32",
                                                   deterministic_attention=True), get_backend("torch", DEVICE))
+    # a backend object reused by a later engine follows that engine's option, both ways
+    TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32"),
+                det.backend)
+    assert not det.backend.deterministic_attention

@@ -14,8 +14,8 @@ reproduce the uninterrupted one. Here every output element is owned by one progr
 Math (S = scale * Q K^T, P = exp(S - lse), causal): dV = P^T dO, dP = dO V^T, dS = P * (dP - delta),
 dQ = scale * dS K, dK = scale * dS^T Q. Layouts as the rest of the backend: qkv/dqkv [B, T, Hq + 2 Hkv, D],
 out/dout [B, T, Hq, D], lse [B, Hq, T] fp32 (natural log, scaled scores). Tiles are loaded in the model dtype;
-the products run on tensor cores with fp32 accumulation on the GPU, and in fp32 under the interpreter (which
-computes bf16 dots wrongly, ../shared/ENVIRONMENT.md).
+the products run on tensor cores with fp32 accumulation on the GPU (fp32 models: in full fp32, not TF32), and
+in fp32 under the interpreter (which computes bf16 dots wrongly, ../shared/ENVIRONMENT.md).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, s_b, s_t, s_h, BLOCK_T: tl
 @triton.jit
 def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
                  q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr):
+                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
@@ -71,13 +71,13 @@ def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, sc
             delta = tl.load(delta_ptr + stat, mask=rows < T, other=0.0)
             if DOT_F32:
                 q, do = q.to(tl.float32), do.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_M, BLOCK_N]
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BLOCK_M, BLOCK_N]
             live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
             p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
     dk = dk * scale
     out_k = dqkv_ptr + row_k + (HQ + hk) * D
     tl.store(out_k, cast_to(dk, dqkv_ptr.dtype.element_ty), mask=kmask)
@@ -87,7 +87,7 @@ def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, sc
 @triton.jit
 def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
                q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr):
+               D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,12 +111,12 @@ def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scal
         v = tl.load(qkv_ptr + row_k + (HQ + HKV + hk) * D, mask=kmask, other=0.0)
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
         p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     tl.store(dqkv_ptr + row_q + h * D, cast_to(dq * scale, dqkv_ptr.dtype.element_ty), mask=qmask)
 
 
@@ -140,7 +140,10 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: in
     _delta_kernel[(triton.cdiv(t, 64), b, n_q_heads)](out, dout, delta, t, n_q_heads, out.stride(0), out.stride(1),
                                                      out.stride(2), BLOCK_T=64, BLOCK_D=block_d, D=d)
     common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=d, GROUP=n_q_heads // n_kv_heads,
-                  DOT_F32=INTERPRET or qkv.dtype == torch.float32)
+                  DOT_F32=INTERPRET or qkv.dtype == torch.float32,
+                  # fp32 tiles: true fp32 products ("ieee"); Triton's default for fp32 dots on NVIDIA is TF32
+                  # (10-bit mantissa). bf16 tiles: the default (None), the same kernels as measured on the H100.
+                  PREC="ieee" if qkv.dtype == torch.float32 else None)
     args = (qkv, dout, lse, delta, dqkv, t, n_q_heads, n_kv_heads, 1.0 / math.sqrt(d), qkv.stride(0),
             qkv.stride(1), dout.stride(0), dout.stride(1), dout.stride(2))
     _dkdv_kernel[(triton.cdiv(t, block_n), b, n_kv_heads)](*args, **common, num_warps=4)
