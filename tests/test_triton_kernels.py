@@ -292,25 +292,6 @@ def test_fused_classifier(tri, ref, dtype):
     assert torch.equal(losses, res["tri"][1])
 
 
-@pytest.mark.parametrize("programs,block_v", [(1, None), (4, 256), (8, 128)])
-def test_fused_classifier_launch_shapes_give_the_same_bits(programs, block_v):
-    """The strided launch (``programs`` rows in flight, each program taking every programs-th row) and
-    another slice width compute each row as the default launch does: the same bits. block_v=None keeps the
-    default slice (one slice per row here), so the only change is the launch."""
-    from backends.triton import classifier
-
-    n, v = 11, 1000
-    logits = randn(n, v, seed=24, dtype=torch.float32, scale=3.0)
-    targets = torch.randint(0, v, (n,), generator=_gen(25)).to(DEVICE)
-    targets[3] = -100
-    want_lg, want_loss = logits.clone(), torch.empty(n, device=DEVICE)
-    classifier.fused_classifier(want_lg, want_loss, targets, dloss=0.25, block_v=block_v)
-    got_lg, got_loss = logits.clone(), torch.full((n,), 7.0, device=DEVICE)
-    classifier.fused_classifier(got_lg, got_loss, targets, dloss=0.25, programs=programs, block_v=block_v)
-    assert torch.equal(got_loss, want_loss) and torch.equal(got_lg, want_lg)
-    assert not torch.equal(want_lg, logits)  # the rows were written
-
-
 # ---------------------------------------------------------------------------------------------- embedding
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding_forward_backward_deterministic(tri, ref, dtype):

@@ -6,12 +6,6 @@ target's logit is one scalar load. loss = lse - x[target]. Pass 2 reads the row 
 dloss * (exp(x - lse) - onehot(target)). Two reads and one write of the row in total, nothing else in
 memory: no probs buffer, no separate softmax / loss / gradient kernels. Rows with target -100 get loss 0 and
 all-zero dlogits. Everything in fp32; the logits are rounded once, when written back.
-
-``programs`` (experimental, for benchmarks/classifier_sweep.py): a fixed number of programs that each take
-rows r, r + programs, ... in turn, instead of one program per row. The idea: with few rows in flight (about one
-per SM, 132 x 300 KB of bf16 rows at Qwen's vocabulary = 40 MB) the second read of a row may come from L2
-(50 MB on an H100) instead of HBM, so a row costs one HBM read and one write instead of two reads and one
-write. Same arithmetic per row in the same order, so the same bits as the default.
 """
 
 from __future__ import annotations
@@ -23,10 +17,10 @@ from backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for
 
 
 @triton.jit
-def _classifier_row(logits_ptr, losses_ptr, targets_ptr, row, V, stride_row, dloss,
-                    BLOCK_V: tl.constexpr, WRITE_DLOGITS: tl.constexpr):
-    """Loss and (optionally) dlogits of one row."""
-    base = logits_ptr + stride_row.to(tl.int64) * row  # int64 before the product: n * V exceeds 2**31
+def _classifier_kernel(logits_ptr, losses_ptr, targets_ptr, V, stride_row, dloss,
+                       BLOCK_V: tl.constexpr, WRITE_DLOGITS: tl.constexpr):
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride_row
     target = tl.load(targets_ptr + row).to(tl.int64)
     valid = target != -100
     tgt = tl.where(valid, target, 0)
@@ -52,35 +46,14 @@ def _classifier_row(logits_ptr, losses_ptr, targets_ptr, row, V, stride_row, dlo
             tl.store(base + idx, cast_to(p * scale, logits_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
-def _classifier_kernel(logits_ptr, losses_ptr, targets_ptr, V, stride_row, dloss,
-                       BLOCK_V: tl.constexpr, WRITE_DLOGITS: tl.constexpr):
-    _classifier_row(logits_ptr, losses_ptr, targets_ptr, tl.program_id(0), V, stride_row, dloss, BLOCK_V,
-                    WRITE_DLOGITS)
-
-
-@triton.jit
-def _classifier_strided_kernel(logits_ptr, losses_ptr, targets_ptr, n, V, stride_row, dloss,
-                               BLOCK_V: tl.constexpr, WRITE_DLOGITS: tl.constexpr):
-    for row in range(tl.program_id(0), n, tl.num_programs(0)):
-        _classifier_row(logits_ptr, losses_ptr, targets_ptr, row, V, stride_row, dloss, BLOCK_V, WRITE_DLOGITS)
-
-
-def fused_classifier(logits, losses, targets, dloss: float = 1.0, write_dlogits: bool = True, *,
-                     programs: int | None = None, block_v: int | None = None, num_warps: int | None = None) -> None:
+def fused_classifier(logits, losses, targets, dloss: float = 1.0, write_dlogits: bool = True) -> None:
     """losses[n] (fp32) = logsumexp(logits[r]) - logits[r, t_r] (0 where t_r = -100); with write_dlogits,
-    logits[n, V] (model dtype, row stride may exceed V) <- dloss * (softmax - onehot), zero on masked rows.
-    ``programs``, ``block_v``, ``num_warps``: launch shape for experiments (see the module docstring); the
-    results are the same bits for any of them."""
+    logits[n, V] (model dtype, row stride may exceed V) <- dloss * (softmax - onehot), zero on masked rows."""
     n, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("fused_classifier: logits rows must be contiguous")
     if n == 0:
         return
-    block_v = block_v or min(next_pow2(v), 16384 if INTERPRET else 4096)
-    args = (logits, losses, targets)
-    meta = dict(BLOCK_V=block_v, WRITE_DLOGITS=write_dlogits, num_warps=num_warps or num_warps_for(block_v))
-    if programs is None or programs >= n:
-        _classifier_kernel[(n,)](*args, v, logits.stride(0), float(dloss), **meta)
-    else:
-        _classifier_strided_kernel[(max(1, programs),)](*args, n, v, logits.stride(0), float(dloss), **meta)
+    block_v = min(next_pow2(v), 16384 if INTERPRET else 4096)
+    _classifier_kernel[(n,)](logits, losses, targets, v, logits.stride(0), float(dloss),
+                             BLOCK_V=block_v, WRITE_DLOGITS=write_dlogits, num_warps=num_warps_for(block_v))
