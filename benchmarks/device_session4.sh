@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Prepared 2026-11-23 (session 3) for the next GPU session (nvidia-h100-x1; carry .whl). Two calls of ~6 minutes:
+# Run call 1 from branch classifier-strided (main + the classifier's strided launch, not yet on a GPU).
 #   bash benchmarks/device_session4.sh 1   GPU tests written after the last call (graphs + overlapped update with
 #       an untied head, a skipped update and an eval; fp32 deterministic attention not TF32; classifier launch
 #       shapes), the classifier launch sweep, the two 0.5B profiles
@@ -20,7 +21,7 @@ E="benchmarks/engine_step.py --backend triton --cuda-graphs --steps 10"
 if [ "$1" = 1 ]; then
 run gpu_tests 170 -m pytest -m gpu -p no:cacheprovider -q -rfE -s tests/test_cuda_graphs.py tests/test_triton_gpu.py \
   -k "graph or deterministic or classifier"
-run cls_sweep 90 benchmarks/classifier_sweep.py --rows 32768
+[ -f benchmarks/classifier_sweep.py ] && run cls_sweep 90 benchmarks/classifier_sweep.py --rows 32768  # branch classifier-strided
 run prof_05b_e4m3_b32 45 $E --model Qwen2.5-0.5B --batch-size 32 --matmul-dtype e4m3 --profile
 run prof_05b_bf16_b32 45 $E --model Qwen2.5-0.5B --batch-size 32 --profile
 else
