@@ -23,7 +23,8 @@ external event (re-recorded by every update, so a replay waits for the latest on
 or when the update was joined for eval or a checkpoint, the latest recording is of an update long finished
 and the wait passes at once), the unit's zeroing, and the FP8 weight quantization at the layer's first use.
 An update re-records the events only after ``TrainEngine.update``'s host sync, when every replay that waits
-on them has finished, so it never matters whether a wait node reads its event at launch or at execution. ``ensure_quantized`` then runs only before the other mode's replays.
+on them has finished, so it never matters whether a wait node reads its event at launch or at execution.
+``ensure_quantized`` then runs only before the other mode's replays.
 
 The first call in each mode runs eagerly (this also warms up Triton's compilation, cuBLAS and cuDNN plans),
 then records the graph without executing it; later calls copy the batch into the static buffers and replay.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from backends.base import Backend
 from backends.torch_ref import TorchBackend
 from backends.triton import adamw as _adamw
 from backends.triton import classifier as _classifier
@@ -55,9 +56,8 @@ class TritonBackend(TorchBackend):
         return super().attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
 
     def attention_rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads):
-        if self.deterministic_attention:  # our own backward writes dqkv whole: then RoPE in place, no cuDNN parts
-            self.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
-            return self.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
+        if self.deterministic_attention:  # our own backward writes dqkv whole: the plain order, no cuDNN parts
+            return Backend.attention_rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads)
         return super().attention_rope_backward(dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads)
 
     # ------------------------------------------------------------------ embedding
