@@ -199,8 +199,9 @@ class Backend:
         """
         raise NotImplementedError
 
-    def bias_backward(self, dbias: torch.Tensor, dout: torch.Tensor) -> None:
-        """dbias[N] += dout[M, N].sum(0) (accumulate; fp32 sum)."""
+    def bias_backward(self, dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
+        """dbias[N] += dout[M, N].sum(0) (accumulate; fp32 sum). absmax (fp32 0-d) = max|dout| when given: the
+        FP8 scale of dout, taken in the same read (the QKV GEMM's backward needs it for dqkv)."""
         raise NotImplementedError
 
     def matmul_fp8(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_descale: torch.Tensor,

@@ -516,9 +516,10 @@ class LlamaModel:
                      acc, dy_amax_ready=True)
         self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))  # d_qkv before RoPE
         d_qkv = self.d_qkv.view(n, -1)
-        lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0), acc)
-        if cfg.qkv_bias:
-            be.bias_backward(g[p + "qkv_b"], d_qkv)
+        if cfg.qkv_bias:  # FP8: the same read of d_qkv gives the QKV GEMM's dy scale
+            be.bias_backward(g[p + "qkv_b"], d_qkv, absmax=self._dy_amax())
+        lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0), acc,
+                     dy_amax_ready=cfg.qkv_bias)
         be.rmsnorm_backward(dres, g[p + "ln1_w"], self.d_ln, a.residual[layer], w[p + "ln1_w"],
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below

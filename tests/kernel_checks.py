@@ -185,6 +185,22 @@ def check_swiglu(fast, ref, dtype):
     assert_close(res["fast"][2], res["ref"][2], TOL[dtype], "swiglu dinp")
 
 
+def check_bias_backward(fast, ref, dtype):
+    """dbias += dqkv.sum(0) with max|dqkv| (the QKV bias gradient: N rows x (HQ + 2 HKV) * D columns)."""
+    c = (HQ + 2 * HKV) * D
+    dout = randn(N, c, seed=40, dtype=dtype)
+    db0 = randn(c, seed=41, dtype=dtype)
+    res = {}
+    for name, be in (("fast", fast), ("ref", ref)):
+        db, amax = db0.clone(), torch.empty((), device=DEV)
+        be.bias_backward(db, dout, absmax=amax)
+        res[name] = (db, amax)
+    want = (db0.double() + dout.double().sum(0)).to(dtype)
+    assert_close(res["fast"][0], want, TOL[dtype], "dbias vs the fp64 sum")
+    assert_close(res["fast"][0], res["ref"][0], TOL[dtype], "dbias vs torch_ref")
+    assert res["fast"][1].item() == dout.float().abs().max().item() > 0  # max|dout|, exact
+
+
 def check_fused_classifier_full_vocab(fast, ref, dtype):
     n = 1024
     logits = randn(n, V, seed=9, dtype=dtype, scale=4.0)

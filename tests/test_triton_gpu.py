@@ -62,6 +62,11 @@ def test_swiglu(tri, ref, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_backward(tri, ref, dtype):
+    kc.check_bias_backward(tri, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_classifier_full_vocab(tri, ref, dtype):
     kc.check_fused_classifier_full_vocab(tri, ref, dtype)
 
@@ -146,6 +151,7 @@ def test_print_kernel_timings(tri, ref):
         be.attention_backward(att_dqkv, att_dout, att_out, att_lse, qkv, HQ, HKV)
         be.deterministic_attention = False
 
+    dqkv_rows, dqb = qkv.view(N, -1), torch.zeros(qkv.shape[2] * D, device=DEV)
     logits = randn(2048, V, seed=5, dtype=bf)
     targets = torch.randint(0, V, (2048,), device=DEV)
     losses = torch.empty(2048, device=DEV)
@@ -160,6 +166,7 @@ def test_print_kernel_timings(tri, ref):
         "rmsnorm_backward": lambda be: be.rmsnorm_backward(out, dw, x, y, w, rstd, dresidual=out),
         "swiglu_forward+absmax": lambda be: be.swiglu_forward(sw, ug, absmax=amax),
         "swiglu_backward": lambda be: be.swiglu_backward(dug, sw, ug),
+        "bias_backward+absmax (dqkv)": lambda be: be.bias_backward(dqb, dqkv_rows, absmax=amax),
         "rope_forward": lambda be: be.rope_forward(qkv, cos, sin, HQ, HKV),
         "rope_backward_from (dq, dk, dv)": lambda be: be.rope_backward_from(qkv, *parts, cos, sin, HQ, HKV),
         "attention_backward (cuDNN / deterministic)": lambda be: att_bwd(be),

@@ -124,6 +124,30 @@ def test_rmsnorm_backward(tri, ref, dtype, with_dresidual):
     assert not torch.equal(results["tri"][1], dw0)
 
 
+
+# ---------------------------------------------------------------------------------------------- bias gradient
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,c", [(150, 72), (33, 200)])
+def test_bias_backward_accumulates_the_column_sums_and_gives_the_absmax(tri, ref, dtype, m, c):
+    """dbias += dout.sum(0) in fp32 (150 rows span several row chunks and a ragged last one; 200 columns span
+    four column blocks, the last one partial), with max|dout| from the same read."""
+    dout = randn(m, c, seed=50, dtype=dtype)
+    db0 = randn(c, seed=51, dtype=dtype)
+    res = {}
+    for name, be in (("tri", tri), ("ref", ref)):
+        db, amax = db0.clone(), torch.empty((), device=DEVICE)
+        be.bias_backward(db, dout, absmax=amax)
+        res[name] = (db, amax)
+    want = (db0.double() + dout.double().sum(0)).to(dtype)  # the sum in fp64, rounded once
+    # bf16: both results and the fp64 sum round to bf16, so they agree within a bf16 rounding of the largest
+    # entry; fp32: fp32 sums in a different order
+    assert_close(res["tri"][0], want, TOL[dtype], "dbias vs the fp64 sum")
+    assert_close(res["tri"][0], res["ref"][0], TOL[dtype], "dbias vs torch_ref")
+    assert res["tri"][1].item() == dout.float().abs().max().item() == res["ref"][1].item() > 0
+    again = db0.clone()
+    tri.bias_backward(again, dout)  # without absmax; the same bits (fixed partition, no atomics)
+    assert torch.equal(again, res["tri"][0])
+
 # ---------------------------------------------------------------------------------------------- RoPE
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(6, 2, 20), (4, 4, 16)])

@@ -1,10 +1,10 @@
 """TritonBackend: Triton kernels for every non-GEMM, non-attention op of backends/base.py.
 
-GEMMs (``matmul``, ``matmul_fp8``, ``bias_backward``) and attention are inherited from TorchBackend: they go
-to cuBLAS(Lt) and the cuDNN / flash attention kernels through torch, as DESIGN §3 allows. Everything else is
-one (or, where a deterministic cross-program reduction is needed, two or three) Triton launches, with no host
-sync. On a machine without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set
-before triton is imported; backends/triton/__init__.py sets it when no GPU is visible) on CPU tensors.
+GEMMs (``matmul``, ``matmul_fp8``) and attention are inherited from TorchBackend: they go to cuBLAS(Lt) and the
+cuDNN / flash attention kernels through torch, as DESIGN §3 allows. Everything else is one (or, where a
+deterministic cross-program reduction is needed, two or three) Triton launches, with no host sync. On a machine
+without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton is imported;
+backends/triton/__init__.py sets it when no GPU is visible) on CPU tensors.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from backends.triton import fp8 as _fp8
 from backends.triton import reduce as _reduce
 from backends.triton import rmsnorm as _rmsnorm
 from backends.triton import attention_bwd as _attention_bwd
+from backends.triton import bias as _bias
 from backends.triton import rope as _rope
 from backends.triton import swiglu as _swiglu
 from backends.triton._common import INTERPRET
@@ -100,6 +101,10 @@ class TritonBackend(TorchBackend):
     def swiglu_backward(self, dinp, dout, inp, absmax=None):
         _contiguous(dinp, dout, inp)
         _swiglu.swiglu_backward(dinp, dout, inp, absmax)
+
+    def bias_backward(self, dbias, dout, absmax=None):
+        _contiguous(dbias, dout)
+        _bias.bias_backward(dbias, dout, absmax)
 
     # ------------------------------------------------------------------ FP8 quantization
     def absmax(self, out, inp):
