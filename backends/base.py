@@ -160,6 +160,15 @@ class Backend:
         """
         raise NotImplementedError
 
+    def swiglu_backward_fp8(self, q: torch.Tensor, q_t: torch.Tensor, descale: torch.Tensor, dout: torch.Tensor,
+                            inp: torch.Tensor, absmax: torch.Tensor, dinp: torch.Tensor) -> None:
+        """The up+gate GEMM's FP8 gradient from the SwiGLU backward: q[N, 2I] and q_t[2I, N] (one FP8 dtype)
+        = quantize_with_transpose(dinp) at absmax = max|dinp|, where dinp is what swiglu_backward writes (the
+        model dtype). A backend may skip writing dinp (the triton one measures the absmax in a first pass and
+        quantizes in a second); this default writes ``dinp`` [N, 2I] (scratch) and quantizes it: same bytes."""
+        self.swiglu_backward(dinp, dout, inp, absmax=absmax)
+        self.quantize_with_transpose(q, q_t, descale, dinp, absmax)
+
     # ------------------------------------------------------------------ attention
     def attention_forward(self, out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor,
                           n_q_heads: int, n_kv_heads: int) -> None:

@@ -319,12 +319,20 @@ class BlockLinears:
             self.be.quantize(xq, descale, x, x_amax)
         self.be.matmul_fp8(out, xq, w_q, descale, w_descale, bias=bias)
 
+    def dy_quant_buffers(self, n: int, oc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FP8 scratch for a backward's dy[N, OC]: (q(dy) [N, OC], q(dy^T) [OC, N], descale, absmax), for a kernel
+        that quantizes the gradient it produces (``backward(..., dy_quantized=True)`` then reads them)."""
+        return (self.dy_q[:n * oc].view(n, oc), self.dyt_q[:n * oc].view(oc, n), self.scales[2], self.dy_amax)
+
     def backward(self, dx: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
-                 x_amax: torch.Tensor | None, accumulate: bool = True, dy_amax_ready: bool = False) -> None:
+                 x_amax: torch.Tensor | None, accumulate: bool = True, dy_amax_ready: bool = False,
+                 dy_quantized: bool = False) -> None:
         """dx[N, K] = dy[N, OC] W (overwritten); dw[OC, K] += dy^T x (accumulate), or dw = dy^T x when
         ``accumulate`` is False (the caller knows dw is still zero: 0 + v == v, so the result is the same bits
         while the GEMM skips reading dw, and the FP8 GEMM writes straight into it without a temporary).
-        ``dy_amax_ready``: the kernel that produced dy already wrote max|dy| into ``self.dy_amax``."""
+        ``dy_amax_ready``: the kernel that produced dy already wrote max|dy| into ``self.dy_amax``.
+        ``dy_quantized`` (FP8): that kernel wrote q(dy) and q(dy^T) into ``dy_quant_buffers`` itself; dy is then
+        only read for its shape."""
         be = self.be
         if not self.fp8:
             be.matmul(dx, dy, self.w[key])
@@ -336,11 +344,11 @@ class BlockLinears:
             _, wt_q, w_descale = self._copies(key)
         n, oc = dy.shape
         k = x.shape[1]
-        if not dy_amax_ready:
-            be.absmax(self.dy_amax, dy)
-        dyq = self.dy_q[:dy.numel()].view(n, oc)
-        dyt = self.dyt_q[:dy.numel()].view(oc, n)
-        be.quantize_with_transpose(dyq, dyt, self.scales[2], dy, self.dy_amax)  # one read of dy, both layouts
+        dyq, dyt, dy_descale, _ = self.dy_quant_buffers(n, oc)
+        if not dy_quantized:
+            if not dy_amax_ready:
+                be.absmax(self.dy_amax, dy)
+            be.quantize_with_transpose(dyq, dyt, dy_descale, dy, self.dy_amax)  # one read of dy, both layouts
         be.matmul_fp8(dx, dyq, wt_q, self.scales[2], w_descale)
         if self.store_xt:
             xt, x_descale = self.xt_store[key], self.x_descale[key]

@@ -504,10 +504,13 @@ class LlamaModel:
         # dres and max|dres| (in lin.dy_amax under FP8) come from the RMSNorm backward above this block
         lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3),
                      acc, dy_amax_ready=True)
-        be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer),
-                           absmax=self._dy_amax())  # FP8: the up+gate GEMM's dy scale
+        if lin.fp8:  # the up+gate GEMM's FP8 gradient (both layouts) straight out of the SwiGLU backward
+            q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
+            be.swiglu_backward_fp8(q, q_t, descale, self.d_swiglu, a.get("up_gate", layer), amax, self.d_up_gate)
+        else:
+            be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
         lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
-                     self._amax(layer, 2), acc, dy_amax_ready=True)
+                     self._amax(layer, 2), acc, dy_quantized=lin.fp8)
         be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
                             a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T

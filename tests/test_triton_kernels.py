@@ -582,3 +582,30 @@ def test_deterministic_attention_option_in_the_engine():
     TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32"),
                 det.backend)
     assert not det.backend.deterministic_attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_swiglu_backward_fp8_equals_backward_then_quantize(tri, ref, dtype, fp8):
+    """The two-pass FP8 SwiGLU backward (absmax pass, then quantize both layouts) writes exactly the bytes,
+    scale and absmax of swiglu_backward followed by quantize_with_transpose, without the model-dtype dinp.
+    130 rows x I = 136 cross the interpreter's 128 x 128 tiles (ragged last tiles on both axes); the base
+    class's default (torch_ref) composes the two steps, so it must agree with them as well."""
+    n, i = 130, 136
+    inp = randn(n, 2 * i, seed=60, dtype=dtype, scale=2.0)
+    dout = randn(n, i, seed=61, dtype=dtype)
+    for name, be in (("tri", tri), ("ref", ref)):
+        dinp, amax, d = torch.empty(n, 2 * i, dtype=dtype, device=DEVICE), torch.zeros((), device=DEVICE), \
+            torch.zeros((), device=DEVICE)
+        be.swiglu_backward(dinp, dout, inp, absmax=amax)
+        q_want, qt_want = torch.empty(n, 2 * i, dtype=fp8, device=DEVICE), torch.empty(2 * i, n, dtype=fp8, device=DEVICE)
+        be.quantize_with_transpose(q_want, qt_want, d, dinp, amax)
+        q, qt = torch.empty_like(q_want), torch.empty_like(qt_want)
+        amax2, d2 = torch.zeros((), device=DEVICE), torch.zeros((), device=DEVICE)
+        scratch = torch.full((n, 2 * i), float("nan"), dtype=dtype, device=DEVICE)
+        be.swiglu_backward_fp8(q, qt, d2, dout, inp, amax2, scratch)
+        assert amax2.item() == amax.item() > 0, name
+        assert torch.equal(d2, d), name
+        assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)), name
+        assert torch.equal(qt.view(torch.uint8), qt_want.view(torch.uint8)), name
+        assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t()), name

@@ -102,6 +102,10 @@ class TritonBackend(TorchBackend):
         _contiguous(dinp, dout, inp)
         _swiglu.swiglu_backward(dinp, dout, inp, absmax)
 
+    def swiglu_backward_fp8(self, q, q_t, descale, dout, inp, absmax, dinp):
+        _contiguous(q, q_t, dout, inp)
+        _swiglu.swiglu_backward_fp8(q, q_t, descale, dout, inp, absmax)  # dinp is not needed
+
     def bias_backward(self, dbias, dout, absmax=None):
         _contiguous(dbias, dout)
         _bias.bias_backward(dbias, dout, absmax)

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from backends.triton import reduce as _reduce
-from backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for
+from backends.triton._common import INTERPRET, cast_fp8, cast_to, fp8_store_view, next_pow2, num_warps_for
+from backends.triton.fp8 import _fp8_args, _scale
 
 
 @triton.jit
@@ -36,8 +37,20 @@ def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.conste
 
 
 @triton.jit
+def _swiglu_grads(up, gate, g, OUT_DTYPE: tl.constexpr):
+    """(d up, d gate) in fp32 from fp32 tiles, rounded to OUT_DTYPE (the model dtype) and back: one function so
+    that the plain backward and the FP8 one compute the same bits."""
+    sig = 1.0 / (1.0 + tl.exp(-gate))
+    dup = g * (gate * sig)
+    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    return cast_to(dup, OUT_DTYPE), cast_to(dgate, OUT_DTYPE)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.constexpr,
-                       BLOCK_I: tl.constexpr, ABSMAX: tl.constexpr):
+                       BLOCK_I: tl.constexpr, ABSMAX: tl.constexpr, STORE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """dinp tile (STORE) and/or one partial max|dinp| per program (ABSMAX); STORE=False is the FP8 path's
+    first pass, which only measures the scale."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -48,17 +61,43 @@ def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R
     up = tl.load(inp_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(inp_ptr + up_offs + I, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(dout_ptr + r64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-gate))
-    dup = g * (gate * sig)
-    dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
-    dup = cast_to(dup, dinp_ptr.dtype.element_ty)
-    dgate = cast_to(dgate, dinp_ptr.dtype.element_ty)
-    tl.store(dinp_ptr + up_offs, dup, mask=mask)
-    tl.store(dinp_ptr + up_offs + I, dgate, mask=mask)
-    if ABSMAX:  # of the stored values: dinp is the FP8 up+gate GEMM's dy (masked lanes hold 0)
+    dup, dgate = _swiglu_grads(up, gate, g, OUT_DTYPE)
+    if STORE:
+        tl.store(dinp_ptr + up_offs, dup, mask=mask)
+        tl.store(dinp_ptr + up_offs + I, dgate, mask=mask)
+    if ABSMAX:  # of the model-dtype values: dinp is the FP8 up+gate GEMM's dy (masked lanes hold 0)
         both = tl.maximum(tl.abs(dup.to(tl.float32)), tl.abs(dgate.to(tl.float32)))
         part = tl.max(tl.max(both, axis=1), axis=0)
         tl.store(amax_part_ptr + pid_r * tl.num_programs(1) + pid_c, part)
+
+
+@triton.jit
+def _swiglu_bwd_fp8_kernel(q_ptr, qt_ptr, descale_ptr, dout_ptr, inp_ptr, absmax_ptr, N, I,
+                           OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
+                           MAN: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The FP8 path's second pass: the [BLOCK_M, BLOCK_K] tiles of d up (columns c) and d gate (columns I + c)
+    quantized at the first pass's absmax, written row-major into q[N, 2I] and transposed into qt[2I, N] --
+    the same bytes as swiglu_backward followed by quantize_with_transpose, without the model-dtype dinp."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    s = _scale(absmax_ptr, FP8_MAX)
+    if (pid_m == 0) & (pid_k == 0):
+        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    up_offs = r64 * (2 * I) + cols[None, :]
+    up = tl.load(inp_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(inp_ptr + up_offs + I, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(dout_ptr + r64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dup, dgate = _swiglu_grads(up, gate, g, OUT_DTYPE)
+    qup = cast_fp8(tl.minimum(tl.maximum(dup.to(tl.float32) * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
+    qgate = cast_fp8(tl.minimum(tl.maximum(dgate.to(tl.float32) * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
+    tl.store(q_ptr + up_offs, qup, mask=mask)
+    tl.store(q_ptr + up_offs + I, qgate, mask=mask)
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], qup, mask=mask)
+    tl.store(qt_ptr + (cols + I).to(tl.int64)[None, :] * N + rows[:, None], qgate, mask=mask)
 
 
 def _tiles(n: int, i: int) -> tuple[int, int]:
@@ -83,11 +122,36 @@ def swiglu_forward(out, inp, absmax=None) -> None:
 def swiglu_backward(dinp, dout, inp, absmax=None) -> None:
     """dinp[N, 2I] = [dout * silu(gate) | dout * up * silu'(gate)]; absmax (fp32 0-d) = max|dinp| when given
     (the FP8 backward's dy scale, without another pass over the 2I-wide gradient)."""
+    _backward(dinp, dout, inp, absmax, store=True)
+
+
+def _backward(dinp, dout, inp, absmax, store: bool) -> None:
     n, i = dout.shape
     block_r, block_i = _tiles(n, i)
     grid = (triton.cdiv(n, block_r), triton.cdiv(i, block_i))
-    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=dinp.device) if absmax is not None else dinp
+    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=inp.device) if absmax is not None else inp
     _swiglu_bwd_kernel[grid](dinp, dout, inp, part, n, i, BLOCK_R=block_r, BLOCK_I=block_i,
-                             ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_i))
+                             ABSMAX=absmax is not None, STORE=store, OUT_DTYPE=_tl_dtype(dinp.dtype),
+                             num_warps=num_warps_for(block_r * block_i))
     if absmax is not None:
         _reduce.finish(absmax, part, sum_=False, accumulate=False)
+
+
+def swiglu_backward_fp8(q, qt, descale, dout, inp, absmax) -> None:
+    """The up+gate GEMM's FP8 gradient straight from the SwiGLU backward: q[N, 2I] = quantize(dinp) and
+    qt[2I, N] = its transpose (FP8, one dtype), absmax (fp32 0-d) = max|dinp| and descale = 1/scale, where dinp
+    is swiglu_backward's model-dtype result (dtype of inp). Two passes over dout and inp -- the first only
+    measures max|dinp| -- instead of writing dinp and reading it back: 2 bytes less per dinp element."""
+    if q.dtype != qt.dtype:
+        raise ValueError(f"swiglu_backward_fp8: q is {q.dtype} but qt is {qt.dtype}")
+    _backward(inp, dout, inp, absmax, store=False)  # dinp_ptr is never written with STORE=False
+    n, i = dout.shape
+    block_m, block_k = (128, 128) if INTERPRET else (64, 64)
+    grid = (triton.cdiv(n, block_m), triton.cdiv(i, block_k))
+    _swiglu_bwd_fp8_kernel[grid](fp8_store_view(q), fp8_store_view(qt), descale, dout, inp, absmax, n, i,
+                                 OUT_DTYPE=_tl_dtype(inp.dtype), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+                                 **_fp8_args(q.dtype))
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
