@@ -191,7 +191,7 @@ class TorchBackend(Backend):
     def bias_backward(self, dbias, dout, absmax=None):
         dbias.add_(dout.float().sum(0))
         if absmax is not None:
-            absmax.copy_(dout.abs().amax().float())
+            self.absmax(absmax, dout)  # a subclass's own absmax kernel (cupy: one read)
 
     def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
         if out.device.type == "cuda":

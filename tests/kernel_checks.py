@@ -185,22 +185,23 @@ def check_swiglu(fast, ref, dtype):
     assert_close(res["fast"][2], res["ref"][2], TOL[dtype], "swiglu dinp")
 
 
-def check_swiglu_backward_fp8(fast, fp8):
-    """The two-pass FP8 SwiGLU backward at 0.5B shapes: the same bytes, scale and absmax as swiglu_backward
-    followed by quantize_with_transpose (bf16)."""
+def check_swiglu_backward_fp8(fast, fp8, n=N, i=I):
+    """The two-pass FP8 SwiGLU backward (bf16): the same bytes, scale and absmax as swiglu_backward followed by
+    quantize_with_transpose, at 0.5B shapes and at a ragged one (partial tiles on both axes)."""
     bf = torch.bfloat16
-    inp, dout = randn(N, 2 * I, seed=42, dtype=bf, scale=2.0), randn(N, I, seed=43, dtype=bf)
-    dinp, amax, d = torch.empty(N, 2 * I, dtype=bf, device=DEV), torch.zeros((), device=DEV), torch.zeros((), device=DEV)
+    inp, dout = randn(n, 2 * i, seed=42, dtype=bf, scale=2.0), randn(n, i, seed=43, dtype=bf)
+    dinp, amax = torch.empty(n, 2 * i, dtype=bf, device=DEV), torch.zeros((), device=DEV)
+    d = torch.zeros((), device=DEV)
     fast.swiglu_backward(dinp, dout, inp, absmax=amax)
-    q_want, qt_want = torch.empty(N, 2 * I, dtype=fp8, device=DEV), torch.empty(2 * I, N, dtype=fp8, device=DEV)
+    q_want, qt_want = torch.empty(n, 2 * i, dtype=fp8, device=DEV), torch.empty(2 * i, n, dtype=fp8, device=DEV)
     fast.quantize_with_transpose(q_want, qt_want, d, dinp, amax)
     q, qt = torch.empty_like(q_want), torch.empty_like(qt_want)
     amax2, d2 = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
     fast.swiglu_backward_fp8(q, qt, d2, dout, inp, amax2, dinp)
-    assert amax2.item() == amax.item() > 0 and torch.equal(d2, d)
+    assert amax2.item() == amax.item() == dinp.float().abs().max().item() > 0 and torch.equal(d2, d)
     assert torch.equal(q.view(torch.uint8), q_want.view(torch.uint8)), "q differs"
     assert torch.equal(qt.view(torch.uint8), qt_want.view(torch.uint8)), "q^T differs"
-    print(f"  swiglu_backward_fp8 {fp8}: bytes, scale and absmax equal to backward + quantize")
+    print(f"  swiglu_backward_fp8 {fp8} {n}x{i}: bytes, scale and absmax equal to backward + quantize")
 
 
 def check_bias_backward(fast, ref, dtype):
