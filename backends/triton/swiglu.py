@@ -37,13 +37,20 @@ def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.conste
 
 
 @triton.jit
-def _swiglu_grads(up, gate, g, OUT_DTYPE: tl.constexpr):
-    """(d up, d gate) computed in fp32 from fp32 tiles and returned in OUT_DTYPE (the model dtype): one function
-    so that the plain backward and the FP8 one compute the same bits."""
+def _swiglu_grads(inp_ptr, dout_ptr, rows, cols, N, I, OUT_DTYPE: tl.constexpr):
+    """(d up, d gate, mask, offsets of the up tile in inp/dinp) for the tile rows x cols (cols < I): loaded and
+    computed in fp32, returned in OUT_DTYPE (the model dtype); masked lanes are 0. One function so that the
+    plain backward and the FP8 one compute the same bits."""
+    mask = (rows < N)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    up_offs = r64 * (2 * I) + cols[None, :]
+    up = tl.load(inp_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(inp_ptr + up_offs + I, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(dout_ptr + r64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     dup = g * (gate * sig)
     dgate = g * up * sig * (1.0 + gate * (1.0 - sig))
-    return cast_to(dup, OUT_DTYPE), cast_to(dgate, OUT_DTYPE)
+    return cast_to(dup, OUT_DTYPE), cast_to(dgate, OUT_DTYPE), mask, up_offs
 
 
 @triton.jit
@@ -55,13 +62,7 @@ def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = (rows < N)[:, None] & (cols < I)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    up_offs = r64 * (2 * I) + cols[None, :]
-    up = tl.load(inp_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(inp_ptr + up_offs + I, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(dout_ptr + r64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dup, dgate = _swiglu_grads(up, gate, g, OUT_DTYPE)
+    dup, dgate, mask, up_offs = _swiglu_grads(inp_ptr, dout_ptr, rows, cols, N, I, OUT_DTYPE)
     if STORE:
         tl.store(dinp_ptr + up_offs, dup, mask=mask)
         tl.store(dinp_ptr + up_offs + I, dgate, mask=mask)
@@ -85,13 +86,7 @@ def _swiglu_bwd_fp8_kernel(q_ptr, qt_ptr, descale_ptr, dout_ptr, inp_ptr, absmax
         tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < N)[:, None] & (cols < I)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    up_offs = r64 * (2 * I) + cols[None, :]
-    up = tl.load(inp_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(inp_ptr + up_offs + I, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(dout_ptr + r64 * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dup, dgate = _swiglu_grads(up, gate, g, OUT_DTYPE)
+    dup, dgate, mask, up_offs = _swiglu_grads(inp_ptr, dout_ptr, rows, cols, N, I, OUT_DTYPE)
     qup = cast_fp8(tl.minimum(tl.maximum(dup.to(tl.float32) * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
     qgate = cast_fp8(tl.minimum(tl.maximum(dgate.to(tl.float32) * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
     tl.store(q_ptr + up_offs, qup, mask=mask)
