@@ -43,34 +43,52 @@ def _delta_kernel(out_ptr, dout_ptr, delta_ptr, T, H, s_b, s_t, s_h, BLOCK_T: tl
 
 
 @triton.jit
-def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
-                 q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    d = tl.arange(0, BLOCK_D)
+def _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D: tl.constexpr, DOT_F32: tl.constexpr):
+    """k and v [BLOCK_N, BLOCK_D] of kv head hk at the positions ``keys`` (masked lanes 0), their mask, and the
+    offsets of those rows (without the head) in qkv / dqkv."""
     kmask = (keys < T)[:, None] & (d < D)[None, :]
     row_k = b.to(tl.int64) * q_b + keys.to(tl.int64)[:, None] * q_t + d[None, :]
     k = tl.load(qkv_ptr + row_k + (HQ + hk) * D, mask=kmask, other=0.0)
     v = tl.load(qkv_ptr + row_k + (HQ + HKV + hk) * D, mask=kmask, other=0.0)
     if DOT_F32:
         k, v = k.to(tl.float32), v.to(tl.float32)
+    return k, v, kmask, row_k
+
+
+@triton.jit
+def _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ, q_b, q_t, o_b, o_t, o_h,
+                 D: tl.constexpr, DOT_F32: tl.constexpr):
+    """q and dout [BLOCK_M, BLOCK_D] of query head h at the positions ``rows``, their lse and delta [BLOCK_M]
+    (masked lanes 0), the mask, and the offsets of those rows (without the head) in qkv / dqkv."""
+    qmask = (rows < T)[:, None] & (d < D)[None, :]
+    row_q = b.to(tl.int64) * q_b + rows.to(tl.int64)[:, None] * q_t + d[None, :]
+    q = tl.load(qkv_ptr + row_q + h * D, mask=qmask, other=0.0)
+    do = tl.load(dout_ptr + b.to(tl.int64) * o_b + rows.to(tl.int64)[:, None] * o_t + h * o_h + d[None, :],
+                 mask=qmask, other=0.0)
+    stat = (b * HQ + h).to(tl.int64) * T + rows
+    lse = tl.load(lse_ptr + stat, mask=rows < T, other=0.0)
+    delta = tl.load(delta_ptr + stat, mask=rows < T, other=0.0)
+    if DOT_F32:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    return q, do, lse, delta, qmask, row_q
+
+
+@triton.jit
+def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
+                 q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    k, v, kmask, row_k = _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D, DOT_F32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
         for start_m in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, T, BLOCK_M):  # query blocks that see these keys
             rows = start_m + tl.arange(0, BLOCK_M)
-            qmask = (rows < T)[:, None] & (d < D)[None, :]
-            q = tl.load(qkv_ptr + b.to(tl.int64) * q_b + rows.to(tl.int64)[:, None] * q_t + h * D + d[None, :],
-                        mask=qmask, other=0.0)
-            do = tl.load(dout_ptr + b.to(tl.int64) * o_b + rows.to(tl.int64)[:, None] * o_t + h * o_h + d[None, :],
-                         mask=qmask, other=0.0)
-            stat = (b * HQ + h).to(tl.int64) * T + rows
-            lse = tl.load(lse_ptr + stat, mask=rows < T, other=0.0)
-            delta = tl.load(delta_ptr + stat, mask=rows < T, other=0.0)
-            if DOT_F32:
-                q, do = q.to(tl.float32), do.to(tl.float32)
+            q, do, lse, delta, _, _ = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
+                                                   q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BLOCK_M, BLOCK_N]
             live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
             p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
@@ -92,25 +110,12 @@ def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scal
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    qmask = (rows < T)[:, None] & (d < D)[None, :]
-    row_q = b.to(tl.int64) * q_b + rows.to(tl.int64)[:, None] * q_t + d[None, :]
-    q = tl.load(qkv_ptr + row_q + h * D, mask=qmask, other=0.0)
-    do = tl.load(dout_ptr + b.to(tl.int64) * o_b + rows.to(tl.int64)[:, None] * o_t + h * o_h + d[None, :],
-                 mask=qmask, other=0.0)
-    stat = (b * HQ + h).to(tl.int64) * T + rows
-    lse = tl.load(lse_ptr + stat, mask=rows < T, other=0.0)
-    delta = tl.load(delta_ptr + stat, mask=rows < T, other=0.0)
-    if DOT_F32:
-        q, do = q.to(tl.float32), do.to(tl.float32)
+    q, do, lse, delta, qmask, row_q = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
+                                                   q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start_n in range(0, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T), BLOCK_N):  # key blocks these queries see
         keys = start_n + tl.arange(0, BLOCK_N)
-        kmask = (keys < T)[:, None] & (d < D)[None, :]
-        row_k = b.to(tl.int64) * q_b + keys.to(tl.int64)[:, None] * q_t + d[None, :]
-        k = tl.load(qkv_ptr + row_k + (HQ + hk) * D, mask=kmask, other=0.0)
-        v = tl.load(qkv_ptr + row_k + (HQ + HKV + hk) * D, mask=kmask, other=0.0)
-        if DOT_F32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
+        k, v, _, _ = _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D, DOT_F32)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
         p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)

@@ -28,17 +28,29 @@ def _scale(absmax_ptr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _scale_and_descale(absmax_ptr, descale_ptr, first, FP8_MAX: tl.constexpr):
+    """The scale s of ``_scale``; the program for which ``first`` holds also writes descale = 1/s."""
+    s = _scale(absmax_ptr, FP8_MAX)
+    if first:
+        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
+    return s
+
+
+@triton.jit
+def _to_fp8(x, s, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr):
+    """saturate(x * s) cast to FP8 (x fp32; the uint8 bit pattern under the interpreter, see cast_fp8)."""
+    return cast_fp8(tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
+
+
+@triton.jit
 def _quantize_kernel(out_ptr, descale_ptr, x_ptr, absmax_ptr, n, FP8_MAX: tl.constexpr,
                      FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    s = _scale(absmax_ptr, FP8_MAX)
-    if pid == 0:
-        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
+    s = _scale_and_descale(absmax_ptr, descale_ptr, pid == 0, FP8_MAX)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX)
-    tl.store(out_ptr + offs, cast_fp8(y, FP8_DTYPE, MAN, BIAS), mask=mask)
+    tl.store(out_ptr + offs, _to_fp8(x, s, FP8_MAX, FP8_DTYPE, MAN, BIAS), mask=mask)
 
 
 @triton.jit
@@ -49,14 +61,12 @@ def _quantize_tiles_kernel(out_ptr, out_t_ptr, descale_ptr, x_ptr, absmax_ptr, M
     as well (the dual layout a gradient needs for dgrad and wgrad)."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    s = _scale(absmax_ptr, FP8_MAX)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
+    s = _scale_and_descale(absmax_ptr, descale_ptr, (pid_m == 0) & (pid_k == 0), FP8_MAX)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows < M)[:, None] & (cols < K)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = cast_fp8(tl.minimum(tl.maximum(x * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
+    y = _to_fp8(x, s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
     if WRITE_ROWMAJOR:
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], y, mask=mask)
     tl.store(out_t_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], y, mask=mask)

@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 from backends.triton import reduce as _reduce
-from backends.triton._common import INTERPRET, cast_fp8, cast_to, fp8_store_view, next_pow2, num_warps_for
-from backends.triton.fp8 import _fp8_args, _scale
+from backends.triton._common import INTERPRET, cast_to, fp8_store_view, next_pow2, num_warps_for
+from backends.triton.fp8 import _fp8_args, _scale_and_descale, _to_fp8
 
 
 @triton.jit
@@ -81,14 +81,12 @@ def _swiglu_bwd_fp8_kernel(q_ptr, qt_ptr, descale_ptr, dout_ptr, inp_ptr, absmax
     the same bytes as swiglu_backward followed by quantize_with_transpose, without the model-dtype dinp."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    s = _scale(absmax_ptr, FP8_MAX)
-    if (pid_m == 0) & (pid_k == 0):
-        tl.store(descale_ptr, tl.div_rn(tl.full([], 1.0, tl.float32), s))
+    s = _scale_and_descale(absmax_ptr, descale_ptr, (pid_m == 0) & (pid_k == 0), FP8_MAX)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     dup, dgate, mask, up_offs = _swiglu_grads(inp_ptr, dout_ptr, rows, cols, N, I, OUT_DTYPE)
-    qup = cast_fp8(tl.minimum(tl.maximum(dup.to(tl.float32) * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
-    qgate = cast_fp8(tl.minimum(tl.maximum(dgate.to(tl.float32) * s, -FP8_MAX), FP8_MAX), FP8_DTYPE, MAN, BIAS)
+    qup = _to_fp8(dup.to(tl.float32), s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
+    qgate = _to_fp8(dgate.to(tl.float32), s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
     tl.store(q_ptr + up_offs, qup, mask=mask)
     tl.store(q_ptr + up_offs + I, qgate, mask=mask)
     tl.store(qt_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], qup, mask=mask)
