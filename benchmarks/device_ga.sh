@@ -5,15 +5,7 @@
 #        And the 0.5B B=32 CUDA-graph figures through the Ray worker (bench_train), bf16 Adam moments.
 #   bash benchmarks/device_ga.sh 2   Qwen2.5-7B bf16 through Ray, 32 micro-steps, 12 GiB of Adam state kept (the
 #        configuration of session 3's 13,910)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L="$OUT/ga_$1.log"; S="$OUT/smi_ga_$1.csv"
-T0=$(date +%s)
-run() { name=$1; tmo=$2; shift 2; echo "== $name $(( $(date +%s) - T0 ))s" >> "$L"; timeout -s INT -k 30 $tmo python3 "$@" >> "$L" 2>&1; echo "== $name rc $? $(( $(date +%s) - T0 ))s" | tee -a "$L"; }
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$L"
-nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu --format=csv,noheader -l 1 > "$S" 2>&1 &
-SMI=$!
+source benchmarks/device_lib.sh "ga_$1.log" "smi_ga_$1.csv"
 if [ "$1" = 1 ]; then
   E="benchmarks/engine_step.py --backend triton --cuda-graphs --steps 8"
   run 05b_bf16_b32_ga1 45 $E --model Qwen2.5-0.5B --batch-size 32
@@ -32,7 +24,5 @@ else
    --offload-opt-v --model-dtype bf16 --memory-table"
   run 7b_bf16_ga32_kept12 330 $B7 --grad-accumulation 32 --steps 6 --opt-resident-gib 12
 fi
-kill $SMI
-echo "== smi: SM MHz, W, C, util every 10 s" >> "$L"
-awk -F', ' 'NR % 10 == 0 {printf "%s %s %s | ", $2, $3, $4} END {print ""}' "$S" >> "$L"
+stop_smi 10
 grep -E "^== |^RESULT|tokens/s|step [0-9]+ .*ms|Traceback|Error" "$L" | cut -c1-220 | tail -50

@@ -8,15 +8,7 @@
 # Issue 6 is 1.7% short at 0.5B e4m3 (162,290 best vs 165k) and 2-4% at 0.5B bf16: where does a CUDA-graph step
 # go now (kernel kinds, gaps between steps)? Does a bigger micro-batch help? Is the GPU power- or clock-limited
 # at 0.5B as it is at 7B? And the issue's figure through the Ray worker with graphs.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0
-export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; L="$OUT/session4_$1.log"; S="$OUT/smi4_$1.csv"
-T0=$(date +%s)
-run() { name=$1; tmo=$2; shift 2; echo "== $name $(( $(date +%s) - T0 ))s" >> "$L"; timeout -s INT -k 20 $tmo python3 "$@" >> "$L" 2>&1; echo "== $name rc $? $(( $(date +%s) - T0 ))s" | tee -a "$L"; }
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$L"
-nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,utilization.gpu --format=csv,noheader -l 1 > "$S" 2>&1 &
-SMI=$!
+source benchmarks/device_lib.sh "session4_$1.log" "smi4_$1.csv"
 E="benchmarks/engine_step.py --backend triton --cuda-graphs --steps 10"
 if [ "$1" = 1 ]; then
 run gpu_tests 170 -m pytest -m gpu -p no:cacheprovider -q -rfE -s tests/test_cuda_graphs.py tests/test_triton_gpu.py \
@@ -32,8 +24,6 @@ run 15b_bf16_b24 60 $E --model Qwen2.5-1.5B --batch-size 24
 run ray_05b_e4m3_b32 90 benchmarks/bench_train.py --model Qwen2.5-0.5B --gpus 1 --backend triton --batch-size 32 \
   --seq-len 1024 --steps 20 --matmul-dtype e4m3 --use-cuda-graphs
 fi
-kill $SMI
-echo "== smi: SM MHz, W, C, util every 5 s" >> "$L"
-awk -F', ' 'NR % 5 == 0 {printf "%s %s %s %s | ", $2, $3, $4, $5} END {print ""}' "$S" >> "$L"
+stop_smi 5
 grep -E "passed|failed|^FAILED|^ERROR" "$L" | tail -4
 grep -E "^== |^RESULT|^KERNELS [a-z]|^KERNELS wall|^GAPS streams|^tokens/s|^CLS" "$L" | cut -c1-200 | tail -60
