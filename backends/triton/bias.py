@@ -5,10 +5,10 @@ it back (3 passes over a bf16 dout, ~0.2 ms per layer for Qwen2.5-0.5B's dqkv at
 read once. Under FP8 the QKV GEMM's backward needs max|dqkv| for its scale, which otherwise costs a separate
 absmax pass over the same tensor; the same read gives it.
 
-Two launches, no atomics (the same bits on every run): (1) a grid of (row chunks x column blocks) programs,
-each summing its [rows, BLOCK_C] share into one fp32 partial row (and one partial max); the partition is a
-function of the shape only; (2) the partial rows are added in a fixed order into dbias (one rounding into
-dbias's dtype), and the partial maxima finished into ``absmax``.
+Two launches, the same bits on every run: (1) a grid of (row chunks x column blocks) programs, each summing
+its [rows, BLOCK_C] share into one fp32 partial row (no atomics; the partition is a function of the shape
+only) and folding its max|.| into ``absmax`` with an exact atomic max (reduce.atomic_amax); (2) the partial
+rows are added in a fixed order into dbias (one rounding into dbias's dtype).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from backends.triton import reduce as _reduce
+from backends.triton.reduce import atomic_amax
 from backends.triton._common import INTERPRET, next_pow2
 from backends.triton.rmsnorm import _column_sum_kernel
 
@@ -25,9 +26,9 @@ ROW_CHUNKS = 64  # row programs per column block (GPU); enough partial rows to f
 
 
 @triton.jit
-def _bias_partial_kernel(part_ptr, amax_part_ptr, dout_ptr, M, C, rows_per_prog,
+def _bias_partial_kernel(part_ptr, amax_ptr, dout_ptr, M, C, rows_per_prog,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ABSMAX: tl.constexpr):
-    """part[pid_r, cols] = sum of dout[rows of chunk pid_r, cols] (fp32); amax_part[pid_r, pid_c] = their max|.|."""
+    """part[pid_r, cols] = sum of dout[rows of chunk pid_r, cols] (fp32); their max|.| folded into *amax_ptr."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -44,7 +45,7 @@ def _bias_partial_kernel(part_ptr, amax_part_ptr, dout_ptr, M, C, rows_per_prog,
             amax = tl.maximum(amax, tl.abs(x))
     tl.store(part_ptr + pid_r * C + cols, tl.sum(acc, axis=0), mask=cmask)
     if ABSMAX:
-        tl.store(amax_part_ptr + pid_r * tl.num_programs(1) + pid_c, tl.max(tl.max(amax, axis=1), axis=0))
+        atomic_amax(amax_ptr, tl.max(tl.max(amax, axis=1), axis=0))
 
 
 def bias_backward(dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
@@ -59,13 +60,12 @@ def bias_backward(dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor 
     chunks = triton.cdiv(max(m, 1), rows_per_prog)
     col_blocks = triton.cdiv(c, block_c)
     part = torch.empty(chunks, c, dtype=torch.float32, device=dout.device)
-    amax_part = torch.empty(chunks * col_blocks, dtype=torch.float32, device=dout.device) if absmax is not None \
-        else part
-    _bias_partial_kernel[(chunks, col_blocks)](part, amax_part, dout, m, c, rows_per_prog, BLOCK_R=block_r,
-                                               BLOCK_C=block_c, ABSMAX=absmax is not None, num_warps=4)
+    if absmax is not None:
+        _reduce.start_amax(absmax)
+    _bias_partial_kernel[(chunks, col_blocks)](part, absmax if absmax is not None else part, dout, m, c,
+                                               rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c,
+                                               ABSMAX=absmax is not None, num_warps=4)
     col_block = min(next_pow2(c), 256 if INTERPRET else 32)
     block_p = min(next_pow2(chunks), 64 if INTERPRET else 16)
     _column_sum_kernel[(triton.cdiv(c, col_block),)](dbias, part, chunks, c, BLOCK_P=block_p, BLOCK_C=col_block,
                                                      num_warps=4)
-    if absmax is not None:
-        _reduce.finish(absmax, amax_part, sum_=False, accumulate=False)

@@ -1,11 +1,16 @@
-"""Deterministic device-side reductions: sum of squares (global norm), absolute max, and their finishers.
+"""Deterministic device-side reductions: sum of squares (global norm) and absolute max.
 
-Two launches, no atomics, no host sync: (1) ``P`` programs (P <= MAX_REDUCE_PROGRAMS, a function of the size
-only) each reduce a grid-stride share of the input into a register tile and write one fp32 partial;
-(2) one program reduces the ``P`` partials in a fixed order and writes (or accumulates into) the scalar.
+Sum of squares: two launches, no atomics, no host sync: (1) ``P`` programs (P <= MAX_REDUCE_PROGRAMS, a
+function of the size only) each reduce a grid-stride share of the input into a register tile and write one
+fp32 partial; (2) one program adds the ``P`` partials in a fixed order into the scalar.
 Every element is read exactly once, in wide coalesced loads; the fixed partition makes the result the same
-bits on every run. The finishers are shared with the kernels that fuse an absmax into their epilogue
-(rmsnorm, swiglu): they leave one partial max per program.
+bits on every run.
+
+Absolute maxima need no second launch: each program folds its partial max into the fp32 result with an
+integer atomic max on the bits (``atomic_amax``; for values >= 0 the bit patterns order as the floats do, so
+the result is exact and does not depend on the order in which programs finish). The result must start at 0:
+``start_amax`` zeroes it (a 4-byte memset, cheaper on the GPU than a one-program finishing kernel). The kernels
+that fuse an absmax into their epilogue (rmsnorm, swiglu, the bias gradient) use the same two pieces.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from backends.triton._common import MAX_REDUCE_PROGRAMS, elementwise_block, next
 
 
 @triton.jit
-def _partial_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr, SQUARES: tl.constexpr):
-    """part[pid] = sum(x^2) (SQUARES) or max|x| over the elements pid*BLOCK + k*P*BLOCK + [0, BLOCK)."""
+def _partial_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr):
+    """part[pid] = sum(x^2) over the elements pid*BLOCK + k*P*BLOCK + [0, BLOCK)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     acc = tl.zeros([BLOCK], tl.float32)
@@ -27,61 +32,64 @@ def _partial_kernel(x_ptr, part_ptr, n, BLOCK: tl.constexpr, SQUARES: tl.constex
     for start in range(pid.to(tl.int64) * BLOCK, n, nprog * BLOCK):
         offs = start + idx
         x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        if SQUARES:
-            acc += x * x
-        else:
-            acc = tl.maximum(acc, tl.abs(x))
-    if SQUARES:
-        tl.store(part_ptr + pid, tl.sum(acc, axis=0))
-    else:
-        tl.store(part_ptr + pid, tl.max(acc, axis=0))
+        acc += x * x
+    tl.store(part_ptr + pid, tl.sum(acc, axis=0))
 
 
 @triton.jit
-def _finish_kernel(part_ptr, out_ptr, P, BLOCK_P: tl.constexpr, SUM: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """out = (out +) reduce(part[0:P]) with one program; sum (SUM) or max. Fixed order -> same bits."""
+def atomic_amax(amax_ptr, value):
+    """*amax_ptr = max(*amax_ptr, value) for an fp32 value >= 0 (|x| of something): an int32 atomic max on the
+    bits, exact and independent of the order of the programs."""
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), value.to(tl.int32, bitcast=True))
+
+
+def start_amax(amax: torch.Tensor) -> None:
+    """Zero the fp32 0-d ``amax`` before kernels fold their maxima into it with ``atomic_amax``."""
+    amax.zero_()
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    """*amax_ptr = max(*amax_ptr, max|x|) over the elements pid*BLOCK + k*P*BLOCK + [0, BLOCK)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    idx = tl.arange(0, BLOCK)
+    for start in range(pid.to(tl.int64) * BLOCK, n, nprog * BLOCK):
+        offs = start + idx
+        acc = tl.maximum(acc, tl.abs(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)))
+    atomic_amax(amax_ptr, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _finish_kernel(part_ptr, out_ptr, P, BLOCK_P: tl.constexpr):
+    """out += sum(part[0:P]) with one program, in a fixed order (the same bits on every run)."""
     idx = tl.arange(0, BLOCK_P)
     acc = tl.zeros([BLOCK_P], tl.float32)
     for start in range(0, P, BLOCK_P):
-        x = tl.load(part_ptr + start + idx, mask=start + idx < P, other=0.0)
-        if SUM:
-            acc += x
-        else:
-            acc = tl.maximum(acc, x)
-    if SUM:
-        r = tl.sum(acc, axis=0)
-    else:
-        r = tl.max(acc, axis=0)
-    if ACCUMULATE:
-        r = tl.load(out_ptr) + r
-    tl.store(out_ptr, r)
-
-
-def finish(out: torch.Tensor, partials: torch.Tensor, *, sum_: bool, accumulate: bool) -> None:
-    """Reduce the fp32 ``partials`` [P] into the fp32 scalar ``out`` (sum or max; overwrite or accumulate)."""
-    p = partials.numel()
-    block_p = min(next_pow2(p), 1024)
-    _finish_kernel[(1,)](partials, out, p, BLOCK_P=block_p, SUM=sum_, ACCUMULATE=accumulate, num_warps=4)
-
-
-def _reduce(out: torch.Tensor, x: torch.Tensor, squares: bool, accumulate: bool) -> None:
-    flat = x.reshape(-1)
-    n = flat.numel()
-    block = elementwise_block()
-    programs = max(1, min(triton.cdiv(n, block), MAX_REDUCE_PROGRAMS))
-    partials = torch.empty(programs, dtype=torch.float32, device=x.device)
-    if n:
-        _partial_kernel[(programs,)](flat, partials, n, BLOCK=block, SQUARES=squares, num_warps=num_warps_for(block))
-    else:
-        partials.zero_()
-    finish(out, partials, sum_=squares, accumulate=accumulate)
+        acc += tl.load(part_ptr + start + idx, mask=start + idx < P, other=0.0)
+    tl.store(out_ptr, tl.load(out_ptr) + tl.sum(acc, axis=0))
 
 
 def global_norm_squared(out: torch.Tensor, tensor: torch.Tensor) -> None:
     """out (fp32 0-d) += sum(tensor^2) over any-shaped fp32/bf16 ``tensor``, in fp32, deterministic."""
-    _reduce(out, tensor, squares=True, accumulate=True)
+    flat = tensor.reshape(-1)
+    n = flat.numel()
+    if not n:
+        return
+    block = elementwise_block()
+    programs = max(1, min(triton.cdiv(n, block), MAX_REDUCE_PROGRAMS))
+    partials = torch.empty(programs, dtype=torch.float32, device=tensor.device)
+    _partial_kernel[(programs,)](flat, partials, n, BLOCK=block, num_warps=num_warps_for(block))
+    _finish_kernel[(1,)](partials, out, programs, BLOCK_P=min(next_pow2(programs), 1024), num_warps=4)
 
 
 def absmax(out: torch.Tensor, inp: torch.Tensor) -> None:
-    """out (fp32 0-d) = max |inp| (overwritten); inp any shape, any float dtype."""
-    _reduce(out, inp, squares=False, accumulate=False)
+    """out (fp32 0-d) = max |inp| (overwritten); inp any shape, any float dtype. One launch after a memset."""
+    flat = inp.reshape(-1)
+    n = flat.numel()
+    block = elementwise_block()
+    start_amax(out)
+    if n:
+        programs = max(1, min(triton.cdiv(n, block), MAX_REDUCE_PROGRAMS))
+        _amax_kernel[(programs,)](flat, out, n, BLOCK=block, num_warps=num_warps_for(block))

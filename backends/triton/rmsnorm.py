@@ -4,7 +4,7 @@ Forward: a program owns BLOCK_R whole rows (the row, C <= a few thousand, fits i
 read once and each output written once: residual = inp1 + inp2 (rounded to the model dtype, and the
 *rounded* value is what gets normalised, so a later ``rmsnorm_forward(residual)`` - used by recompute -
 reproduces ``out`` bit for bit: same kernel, same tile, same reduction order), rstd = 1/sqrt(mean(x^2)+eps)
-in fp32, out = x*rstd*w, and max|out| of the tile into a per-program partial (finished by one tiny kernel),
+in fp32, out = x*rstd*w, and max|out| of the tile folded into the absmax atomically (reduce.atomic_amax),
 so FP8 quantization of ``out`` needs no extra pass over memory.
 
 Backward: again whole rows per program; dinp (+ dresidual, fused: the residual stream's gradient is added
@@ -21,13 +21,14 @@ import triton
 import triton.language as tl
 
 from backends.triton import reduce as _reduce
+from backends.triton.reduce import atomic_amax
 from backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
 
 BWD_MAX_PROGRAMS = 512  # partial dweight rows; fixed so the reduction order depends on N only
 
 
 @triton.jit
-def _rmsnorm_fwd_kernel(out_ptr, rstd_ptr, x_ptr, x2_ptr, res_ptr, w_ptr, amax_part_ptr, N, C, eps,
+def _rmsnorm_fwd_kernel(out_ptr, rstd_ptr, x_ptr, x2_ptr, res_ptr, w_ptr, amax_ptr, N, C, eps,
                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, RESIDUAL: tl.constexpr,
                         ABSMAX: tl.constexpr):
     pid = tl.program_id(0)
@@ -50,11 +51,11 @@ def _rmsnorm_fwd_kernel(out_ptr, rstd_ptr, x_ptr, x2_ptr, res_ptr, w_ptr, amax_p
     y = cast_to((x * rstd[:, None]) * w[None, :], out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, y, mask=mask)
     if ABSMAX:
-        tl.store(amax_part_ptr + pid, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
+        atomic_amax(amax_ptr, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
 
 
 @triton.jit
-def _rmsnorm_bwd_kernel(dx_ptr, dw_part_ptr, dy_ptr, x_ptr, w_ptr, rstd_ptr, dres_ptr, amax_part_ptr, N, C,
+def _rmsnorm_bwd_kernel(dx_ptr, dw_part_ptr, dy_ptr, x_ptr, w_ptr, rstd_ptr, dres_ptr, amax_ptr, N, C,
                         rows_per_prog, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, DRESIDUAL: tl.constexpr,
                         ABSMAX: tl.constexpr):
     pid = tl.program_id(0)
@@ -85,7 +86,7 @@ def _rmsnorm_bwd_kernel(dx_ptr, dw_part_ptr, dy_ptr, x_ptr, w_ptr, rstd_ptr, dre
             amax = tl.maximum(amax, tl.abs(dx.to(tl.float32)))
     tl.store(dw_part_ptr + pid * C + cols, tl.sum(dw, axis=0), mask=cmask)
     if ABSMAX:
-        tl.store(amax_part_ptr + pid, tl.max(tl.max(amax, axis=1), axis=0))
+        atomic_amax(amax_ptr, tl.max(tl.max(amax, axis=1), axis=0))
 
 
 @triton.jit
@@ -113,19 +114,18 @@ def rmsnorm_forward(out, rstd, inp, weight, eps, absmax=None, *, inp2=None, resi
     n, c = inp.shape
     block_r, block_c = _row_blocks(c)
     programs = triton.cdiv(n, block_r)
-    part = torch.empty(programs, dtype=torch.float32, device=inp.device) if absmax is not None else rstd
+    if absmax is not None:
+        _reduce.start_amax(absmax)
     fused = residual is not None
     _rmsnorm_fwd_kernel[(programs,)](
-        out, rstd, inp, inp2 if fused else inp, residual if fused else out, weight, part, n, c, float(eps),
-        BLOCK_R=block_r, BLOCK_C=block_c, RESIDUAL=fused, ABSMAX=absmax is not None,
-        num_warps=num_warps_for(block_r * block_c))
-    if absmax is not None:
-        _reduce.finish(absmax, part, sum_=False, accumulate=False)
+        out, rstd, inp, inp2 if fused else inp, residual if fused else out, weight,
+        absmax if absmax is not None else rstd, n, c, float(eps), BLOCK_R=block_r, BLOCK_C=block_c, RESIDUAL=fused,
+        ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
 
 
 def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None) -> None:
     """dinp[N, C] = rmsnorm'(inp)^T dout (+ dresidual); dweight[C] += sum_n dout * inp * rstd; absmax (fp32
-    0-d) = max|dinp| when given (one partial per program, finished by one tiny kernel)."""
+    0-d) = max|dinp| when given (each program folds its tile's max in atomically)."""
     n, c = inp.shape
     block_c = next_pow2(c)
     block_r = tile_rows(block_c, interpret_elems=16384, gpu_elems=2048)
@@ -134,9 +134,11 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, abs
     rows_per_prog = triton.cdiv(row_blocks, programs) * block_r
     programs = triton.cdiv(n, rows_per_prog)
     part = torch.empty(programs, c, dtype=torch.float32, device=inp.device)
-    amax_part = torch.empty(programs, dtype=torch.float32, device=inp.device) if absmax is not None else part
+    if absmax is not None:
+        _reduce.start_amax(absmax)
     _rmsnorm_bwd_kernel[(programs,)](
-        dinp, part, dout, inp, weight, rstd, dresidual if dresidual is not None else dinp, amax_part, n, c,
+        dinp, part, dout, inp, weight, rstd, dresidual if dresidual is not None else dinp,
+        absmax if absmax is not None else rstd, n, c,
         rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c, DRESIDUAL=dresidual is not None,
         ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
     # Narrow column blocks: C/32 programs (28 for C=896) instead of C/256 (4), which left the GPU idle for
@@ -145,5 +147,3 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, abs
     block_p = min(next_pow2(programs), 16 if not INTERPRET else 64)
     _column_sum_kernel[(triton.cdiv(c, col_block),)](dweight, part, programs, c, BLOCK_P=block_p,
                                                      BLOCK_C=col_block, num_warps=4)
-    if absmax is not None:
-        _reduce.finish(absmax, amax_part, sum_=False, accumulate=False)

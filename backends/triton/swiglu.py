@@ -2,8 +2,7 @@
 
 inp[N, 2I] = [up | gate]; out[N, I] = up * silu(gate). Element-wise over [BLOCK_R, BLOCK_I] tiles: each
 input read once, each output written once (the forward never materialises silu(gate); the backward recomputes
-sigmoid(gate) instead of saving it). The forward's max|out| leaves one partial per program (finished by one
-tiny kernel), so quantizing ``out`` for the down-projection's FP8 GEMM needs no extra pass over memory; the
+sigmoid(gate) instead of saving it). The forward folds each tile's max|out| into the absmax atomically (reduce.atomic_amax), so quantizing ``out`` for the down-projection's FP8 GEMM needs no extra pass over memory; the
 backward does the same for max|dinp|, the scale of the up+gate GEMM's FP8 gradient.
 """
 
@@ -14,12 +13,13 @@ import triton
 import triton.language as tl
 
 from backends.triton import reduce as _reduce
+from backends.triton.reduce import atomic_amax
 from backends.triton._common import INTERPRET, cast_to, fp8_store_view, next_pow2, num_warps_for
 from backends.triton.fp8 import _fp8_args, _scale_and_descale, _to_fp8
 
 
 @triton.jit
-def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
+def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_ptr, N, I, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
                        ABSMAX: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -32,8 +32,7 @@ def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.conste
     y = cast_to(up * (gate / (1.0 + tl.exp(-gate))), out_ptr.dtype.element_ty)
     tl.store(out_ptr + r64 * I + cols[None, :], y, mask=mask)
     if ABSMAX:
-        part = tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0)
-        tl.store(amax_part_ptr + pid_r * tl.num_programs(1) + pid_c, part)
+        atomic_amax(amax_ptr, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
 
 
 @triton.jit
@@ -54,7 +53,7 @@ def _swiglu_grads(inp_ptr, dout_ptr, rows, cols, N, I, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R: tl.constexpr,
+def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_ptr, N, I, BLOCK_R: tl.constexpr,
                        BLOCK_I: tl.constexpr, ABSMAX: tl.constexpr, STORE: tl.constexpr, OUT_DTYPE: tl.constexpr):
     """dinp tile (STORE) and/or one partial max|dinp| per program (ABSMAX); STORE=False is the FP8 path's
     first pass, which only measures the scale."""
@@ -68,8 +67,7 @@ def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_part_ptr, N, I, BLOCK_R
         tl.store(dinp_ptr + up_offs + I, dgate, mask=mask)
     if ABSMAX:  # of the model-dtype values: dinp is the FP8 up+gate GEMM's dy (masked lanes hold 0)
         both = tl.maximum(tl.abs(dup.to(tl.float32)), tl.abs(dgate.to(tl.float32)))
-        part = tl.max(tl.max(both, axis=1), axis=0)
-        tl.store(amax_part_ptr + pid_r * tl.num_programs(1) + pid_c, part)
+        atomic_amax(amax_ptr, tl.max(tl.max(both, axis=1), axis=0))
 
 
 @triton.jit
@@ -105,11 +103,10 @@ def swiglu_forward(out, inp, absmax=None) -> None:
     n, i = out.shape
     block_r, block_i = _tiles(n, i)
     grid = (triton.cdiv(n, block_r), triton.cdiv(i, block_i))
-    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=out.device) if absmax is not None else out
-    _swiglu_fwd_kernel[grid](out, inp, part, n, i, BLOCK_R=block_r, BLOCK_I=block_i, ABSMAX=absmax is not None,
-                             num_warps=num_warps_for(block_r * block_i))
     if absmax is not None:
-        _reduce.finish(absmax, part, sum_=False, accumulate=False)
+        _reduce.start_amax(absmax)
+    _swiglu_fwd_kernel[grid](out, inp, absmax if absmax is not None else out, n, i, BLOCK_R=block_r,
+                             BLOCK_I=block_i, ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_i))
 
 
 def swiglu_backward(dinp, dout, inp, absmax=None) -> None:
@@ -122,12 +119,11 @@ def _backward(dinp, dout, inp, absmax, store: bool, out_dtype: torch.dtype) -> N
     n, i = dout.shape
     block_r, block_i = _tiles(n, i)
     grid = (triton.cdiv(n, block_r), triton.cdiv(i, block_i))
-    part = torch.empty(grid[0] * grid[1], dtype=torch.float32, device=inp.device) if absmax is not None else inp
-    _swiglu_bwd_kernel[grid](dinp, dout, inp, part, n, i, BLOCK_R=block_r, BLOCK_I=block_i,
-                             ABSMAX=absmax is not None, STORE=store, OUT_DTYPE=_tl_dtype(out_dtype),
-                             num_warps=num_warps_for(block_r * block_i))
     if absmax is not None:
-        _reduce.finish(absmax, part, sum_=False, accumulate=False)
+        _reduce.start_amax(absmax)
+    _swiglu_bwd_kernel[grid](dinp, dout, inp, absmax if absmax is not None else inp, n, i, BLOCK_R=block_r,
+                             BLOCK_I=block_i, ABSMAX=absmax is not None, STORE=store, OUT_DTYPE=_tl_dtype(out_dtype),
+                             num_warps=num_warps_for(block_r * block_i))
 
 
 def swiglu_backward_fp8(q, qt, descale, dout, inp, absmax, out_dtype: torch.dtype) -> None:
