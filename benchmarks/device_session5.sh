@@ -23,6 +23,24 @@ run branch_05b_e4m3 40 $E05 --matmul-dtype e4m3
 run_in anchor_main main_05b_bf16 40 anchor_main/$E05
 run branch_05b_bf16 40 $E05
 run prof_branch_15b_e4m3 55 $E15 --profile
+run prof_branch_15b_bf16 55 benchmarks/engine_step.py --backend triton --cuda-graphs --model Qwen2.5-1.5B --batch-size 16 \
+  --steps 3 --grad-accumulation 4 --profile
+# Probe for the next change: can cuBLASLt be reached (FP8 GEMM with beta = 1 for the wgrad accumulation)?
+python3 - >> "$L" 2>&1 <<'PY'
+import glob, shutil, os, torch
+print("PROBE torch", torch.__version__, torch.version.cuda)
+tp = os.path.dirname(torch.__file__)
+hs = glob.glob("/usr/**/cublasLt.h", recursive=True) + glob.glob(tp + "/../nvidia/**/cublasLt.h", recursive=True)
+print("PROBE headers", hs[:6])
+if hs: shutil.copy(hs[0], os.environ.get("OUT", "/tmp/out") + "/cublasLt.h")
+libs = glob.glob(tp + "/../nvidia/**/libcublasLt.so*", recursive=True) + glob.glob("/usr/**/libcublasLt.so*", recursive=True)
+print("PROBE libs", libs[:6])
+try:
+    import cupy; print("PROBE cupy", cupy.__version__)
+    from cupy_backends.cuda.libs import cublaslt
+    print("PROBE cupy cublaslt", [n for n in dir(cublaslt) if not n.startswith("_")][:80])
+except Exception as e: print("PROBE no cupy cublaslt:", e)
+PY
 stop_smi 10
 grep -E "passed|failed|^FAILED|^ERROR|swiglu_backward_fp8|differs" "$L" | cut -c1-160 | tail -14
-grep -E "^== |^RESULT|^KERNELS [a-z]|^KERNELS wall" "$L" | cut -c1-200 | tail -40
+grep -E "^== |^RESULT|^KERNELS [a-z]|^KERNELS wall|^PROBE" "$L" | cut -c1-400 | tail -70
