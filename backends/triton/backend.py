@@ -1,10 +1,12 @@
 """TritonBackend: Triton kernels for every non-GEMM, non-attention op of backends/base.py.
 
 GEMMs (``matmul``, ``matmul_fp8``) and attention are inherited from TorchBackend: they go to cuBLAS(Lt) and the
-cuDNN / flash attention kernels through torch, as DESIGN §3 allows. Everything else is one (or, where a
-deterministic cross-program reduction is needed, two or three) Triton launches, with no host sync. On a machine
-without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set before triton is imported;
-backends/triton/__init__.py sets it when no GPU is visible) on CPU tensors.
+cuDNN / flash attention kernels through torch, as DESIGN §3 allows -- except the accumulating FP8 GEMM (the
+weight gradient of micro-steps after the first), which calls cuBLASLt itself for its beta = 1
+(backends/cublaslt.py). Everything else is one (or, where a deterministic cross-program reduction is needed, two
+or three) Triton launches, with no host sync. On a machine without CUDA the kernels run under the Triton
+interpreter (``TRITON_INTERPRET=1``, set before triton is imported; backends/triton/__init__.py sets it when no
+GPU is visible) on CPU tensors.
 """
 
 from __future__ import annotations
@@ -49,6 +51,21 @@ class TritonBackend(TorchBackend):
                                "before anything imports triton (or run on a CUDA device).")
         if self.device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"the triton backend runs on cuda (or cpu via the interpreter), not {self.device}")
+
+    # ------------------------------------------------------------------ FP8 GEMM
+    _cublaslt = None  # backends.cublaslt.CublasLtFp8 once loaded; False when it cannot be
+
+    def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
+        """As TorchBackend's, but ``accumulate`` (dw += dy^T x) adds in the GEMM's epilogue through cuBLASLt
+        (beta = 1) instead of a torch._scaled_mm into a temporary plus an add: one pass over dw less."""
+        if accumulate and bias is None and out.device.type == "cuda" and self._cublaslt is not False:
+            if self._cublaslt is None:
+                from backends import cublaslt
+                self._cublaslt = cublaslt.for_device(out.device) if cublaslt.available() else False
+            if self._cublaslt and self._cublaslt.supports(out, a, b):
+                self._cublaslt.matmul(out, a, b, a_descale, b_descale, accumulate=True)
+                return
+        super().matmul_fp8(out, a, b, a_descale, b_descale, bias=bias, accumulate=accumulate)
 
     # ------------------------------------------------------------------ attention
     def attention_backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
