@@ -1,24 +1,27 @@
-"""FP8 GEMMs through cuBLASLt (ctypes), for what torch._scaled_mm does not expose: beta = 1.
+"""GEMMs through cuBLASLt (ctypes): beta = 1 for FP8, and algorithms picked by timing instead of by heuristic.
 
-Why: with gradient accumulation, every micro-step after the first adds its FP8 weight gradient into the bf16
+Why, 1: with gradient accumulation, every micro-step after the first adds its FP8 weight gradient into the bf16
 gradient buffer. ``torch._scaled_mm`` has no C input, so the torch path writes the product to a temporary and
 adds it in a second kernel (an extra read and write of the [OC, K] gradient: 7.1 ms per 1.5B step of 4
 micro-steps on the H100, ~0.8%). cuBLASLt computes D = alpha * op(A) op(B) + beta * C in the GEMM's epilogue;
-with C = D = the gradient and beta = 1 the accumulation costs no extra pass, and the sum is rounded once (from
-fp32) instead of twice.
+with C = D = the gradient and beta = 1 the accumulation costs no extra pass.
 
-Layout. Our operands follow ``Backend.matmul_fp8``: out[M, N] = (a[M, K] * sa) @ (b[N, K] * sb)^T with a, b
-row-major (K contiguous) in FP8. cuBLASLt is column-major, so we compute out^T[N, M] = b a^T: cuBLAS's A is our
-b seen as a column-major [K, N] matrix (ld K) with op T, its B our a as column-major [K, M] (ld K) with op N, and
-C = D our row-major out as column-major [N, M] (ld N). That is the "TN" layout FP8 needs; A's scale is b's
-descale, B's is a's. Accumulation in fp32 (CUBLAS_COMPUTE_32F), no fast accumulation (the same numerics as
-``torch._scaled_mm``'s default).
+Why, 2: torch takes cuBLAS's heuristic choice of algorithm. On the H100 at Qwen2.5-1.5B's shapes the fastest of
+cuBLASLt's eight heuristic candidates was up to 19% faster for single bf16 GEMMs, 10% over all of a layer's
+(benchmarks/gemm_algos.py, results section 24). ``CublasLt.gemm`` times the candidates against the caller's own
+call once per problem and keeps the fastest.
+
+Layout. Our operands are row-major; cuBLASLt is column-major, so we compute out^T = op(b)^T op(a)^T: cuBLAS's A
+is our b, its B our a, and C = D our out seen as column-major [N, M] (``_Plan``). For FP8 (``matmul``:
+out[M, N] = (a[M, K] * sa) @ (b[N, K] * sb)^T, K contiguous in both) that is the "TN" layout FP8 needs; A's
+scale is b's descale, B's is a's. Accumulation in fp32 (CUBLAS_COMPUTE_32F), no FP8 fast accumulation (the same
+numerics as ``torch._scaled_mm``'s default).
 
 The library is the one torch already loaded (found in /proc/self/maps), so there is no second copy of cuBLASLt
-in the process. Enum values are cublasLt.h's / library_types.h's (CUDA 12 and 13 agree). The algorithm is
-cuBLASLt's first heuristic choice for the shape, cached; descriptors are cached per shape and dtype, and the scale
-pointers set per call (host-side only, so a CUDA-graph capture records the right pointers). The first call in a
-process must be eager (it allocates the workspace); the CUDA-graph runner's eager first micro-step sees to that.
+in the process. Enum values are cublasLt.h's / library_types.h's (CUDA 12 and 13 agree). Descriptors are cached
+per problem and the FP8 scale pointers set per call (host-side only, so a CUDA-graph capture records the right
+pointers). The first call in a process and each problem's first call must be eager (the workspace is allocated,
+the candidates timed); the CUDA-graph runner's eager first micro-step of each mode sees to that.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_FAST_ACCUM = 25
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 _WORKSPACE_BYTES = 32 << 20  # what torch gives cuBLASLt on Hopper
-_CANDIDATES = 8  # heuristic results kept per problem (the first is used; the others for benchmarks)
+_CANDIDATES = 8  # heuristic results kept per problem, timed against each other when tuning
+_TUNE_REPS = 5  # timed runs per candidate (median), after one warm-up run
+_MARGIN = 0.01  # a cuBLASLt candidate replaces the caller's fallback only if at least this much faster
 
 
 class _Algo(ctypes.Structure):
@@ -125,44 +130,61 @@ def available() -> bool:
 
 
 class _Plan:
-    """Descriptors and the chosen algorithm for one (M, N, K, dtypes, beta != 0) problem."""
+    """Descriptors, cuBLASLt's candidate algorithms and the chosen one for one problem: out[M, N] = op(a) op(b)
+    with the given operand shapes, transposes and dtypes.
 
-    def __init__(self, lib, handle, m, n, k, a_dtype, b_dtype, out_dtype, workspace_bytes):
+    Column-major view (see the module docstring): out^T[N, M] = op(b)^T op(a)^T. cuBLAS's A is b's memory, a
+    column-major [b.shape[1], b.shape[0]] matrix (ld b.shape[1]) taken transposed exactly when ``trans_b``; its B
+    is a's memory, [a.shape[1], a.shape[0]] (ld a.shape[1]) transposed exactly when ``trans_a``; C = D is out as
+    column-major [N, M] (ld N).
+    """
+
+    def __init__(self, lib, handle, a_shape, b_shape, trans_a, trans_b, a_dtype, b_dtype, out_dtype, n, m):
         vp = ctypes.c_void_p
         self.desc = vp()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
-        for attr, value in ((_DESC_TRANSA, _OP_T), (_DESC_TRANSB, _OP_N)):
+        for attr, value in ((_DESC_TRANSA, _OP_T if trans_b else _OP_N), (_DESC_TRANSB, _OP_T if trans_a else _OP_N)):
             v = ctypes.c_int32(value)
             _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), 4), "set trans")
-        fast = ctypes.c_int8(0)
-        _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_FAST_ACCUM, ctypes.byref(fast), 1), "set accum")
+        if a_dtype.itemsize == 1:  # FP8: no fast accumulation (torch._scaled_mm's default numerics)
+            fast = ctypes.c_int8(0)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_FAST_ACCUM, ctypes.byref(fast), 1),
+                   "set accum")
         self.layouts = []
-        for dtype, rows, cols in ((b_dtype, k, n), (a_dtype, k, m), (out_dtype, n, m), (out_dtype, n, m)):
+        for dtype, rows, cols in ((b_dtype, b_shape[1], b_shape[0]), (a_dtype, a_shape[1], a_shape[0]),
+                                  (out_dtype, n, m), (out_dtype, n, m)):
             lay = vp()
             _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(lay), _CUDA_TYPE[dtype], rows, cols, rows),
                    "MatrixLayoutCreate")
             self.layouts.append(lay)
         pref = vp()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
-        ws = ctypes.c_uint64(workspace_bytes)
+        ws = ctypes.c_uint64(_WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
                "set workspace")
         self.results = (_HeuristicResult * _CANDIDATES)()
         count = ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, _CANDIDATES, self.results,
-                                                  ctypes.byref(count)), "AlgoGetHeuristic")
+        _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, _CANDIDATES,
+                                                  self.results, ctypes.byref(count)), "AlgoGetHeuristic")
         lib.cublasLtMatmulPreferenceDestroy(pref)
         self.count = count.value
         if self.count == 0:
-            raise CublasLtError(f"cuBLASLt has no algorithm for M={m} N={n} K={k} "
-                                f"({a_dtype} x {b_dtype} -> {out_dtype})")
-        self.choice = 0
+            raise CublasLtError(f"cuBLASLt has no algorithm for out[{m}, {n}] = op(a{list(a_shape)}) "
+                                f"op(b{list(b_shape)}) ({a_dtype} x {b_dtype} -> {out_dtype})")
+        self.choice: int | None = None  # index into results; -1 = the caller's fallback; None = not tuned yet
+        self.timings: list[float] = []  # ms per candidate, fallback first (when tuned)
 
 
-class CublasLtFp8:
-    """out[M, N] (+)= (a[M, K] * a_descale) @ (b[N, K] * b_descale)^T through cublasLtMatmul, on the current
-    stream. One per device; plans cached per problem. (bf16 / fp16 operands also work, without scales: the
-    benchmarks' algorithm survey uses that.)"""
+class CublasLt:
+    """GEMMs through cublasLtMatmul on the current stream: out[M, N] (+)= op(a) @ op(b), in bf16 / fp16 / fp32
+    or FP8 with per-tensor descales. One per device; plans cached per problem.
+
+    ``gemm(..., fallback=f)`` picks, on a problem's first eager call, the fastest of ``f`` (the caller's usual
+    call, e.g. torch.mm) and cuBLASLt's heuristic candidates by timing each (median of a few runs), and keeps
+    that choice; a candidate must beat the fallback by ``_MARGIN`` to be taken, so where cuBLASLt offers nothing
+    better the numerics stay those of the fallback. Without a fallback (or while a CUDA graph is being captured)
+    the heuristic's first candidate is used.
+    """
 
     def __init__(self, device: torch.device):
         self.lib = _load()
@@ -172,62 +194,128 @@ class CublasLtFp8:
             _check(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "Create")
         self.plans: dict[tuple, _Plan] = {}
         # One workspace, allocated here (outside any CUDA-graph capture: the backend creates this object in an
-        # eager micro-step). Shared by all calls: our FP8 GEMMs run in order on the compute stream (or on the
+        # eager micro-step). Shared by all calls: our GEMMs run in order on the compute stream (or on the
         # capture stream while a graph is recorded), never two at once.
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._one = ctypes.c_float(1.0)
         self._zero = ctypes.c_float(0.0)
 
-    def supports(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
-        """Row-major contiguous operands with dimensions cuBLASLt's FP8 kernels take (multiples of 16), and not
-        both e5m2 (no such FP8 kernel)."""
-        return (a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (torch.float8_e4m3fn,
-                torch.float8_e5m2) and not (a.dtype == b.dtype == torch.float8_e5m2)
-                and out.dtype in (torch.bfloat16, torch.float16, torch.float32)
-                and a.is_contiguous() and b.is_contiguous() and out.is_contiguous()
-                and a.shape[1] == b.shape[1] and out.shape == (a.shape[0], b.shape[0])
-                and a.shape[1] % 16 == 0 and a.shape[0] % 16 == 0 and b.shape[0] % 16 == 0)
+    # ---------------------------------------------------------------- what it takes
+    def supports(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bool = False,
+                 trans_b: bool = True) -> bool:
+        """Contiguous 2-D operands of matching shapes and types cuBLASLt takes: both bf16 (or fp16, or fp32)
+        with out the same, or FP8 ("TN": trans_b and not trans_a; not both e5m2; dimensions multiples of 16)
+        with out bf16 / fp16 / fp32."""
+        if not (a.dim() == b.dim() == out.dim() == 2 and a.is_contiguous() and b.is_contiguous()
+                and out.is_contiguous() and a.device == b.device == out.device == self.device):
+            return False
+        m, k = (a.shape[1], a.shape[0]) if trans_a else tuple(a.shape)
+        kb, n = (b.shape[1], b.shape[0]) if trans_b else tuple(b.shape)
+        if k != kb or tuple(out.shape) != (m, n):
+            return False
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        if a.dtype in fp8 or b.dtype in fp8:
+            return (a.dtype in fp8 and b.dtype in fp8 and not (a.dtype == b.dtype == torch.float8_e5m2)
+                    and trans_b and not trans_a and out.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                    and m % 16 == 0 and n % 16 == 0 and k % 16 == 0)
+        return a.dtype == b.dtype == out.dtype and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
-    def plan(self, m: int, n: int, k: int, a_dtype, b_dtype, out_dtype) -> _Plan:
-        key = (m, n, k, a_dtype, b_dtype, out_dtype)
+    def plan(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool,
+             accumulate: bool) -> _Plan:
+        """The cached plan of this problem (beta = 0 and beta = 1 are separate problems: their fastest
+        algorithms differ)."""
+        key = (tuple(a.shape), tuple(b.shape), trans_a, trans_b, a.dtype, b.dtype, out.dtype, accumulate)
         p = self.plans.get(key)
         if p is None:
-            p = self.plans[key] = _Plan(self.lib, self.handle, m, n, k, a_dtype, b_dtype, out_dtype,
-                                        _WORKSPACE_BYTES)
+            m, n = out.shape
+            p = self.plans[key] = _Plan(self.lib, self.handle, tuple(a.shape), tuple(b.shape), trans_a, trans_b,
+                                        a.dtype, b.dtype, out.dtype, n, m)
         return p
 
-    def matmul(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_descale: torch.Tensor,
-               b_descale: torch.Tensor, accumulate: bool, algo_index: int | None = None) -> None:
-        """out (+)= the scaled product; ``accumulate`` adds into out (beta = 1). ``algo_index`` picks another of
-        the heuristic's candidates (benchmarks only). Check ``supports`` first."""
-        m, k = a.shape
-        n = b.shape[0]
-        p = self.plan(m, n, k, a.dtype, b.dtype, out.dtype)
-        idx = p.choice if algo_index is None else algo_index
-        if idx >= p.count:
-            raise CublasLtError(f"algorithm {idx} of {p.count}")
+    # ---------------------------------------------------------------- running
+    def _launch(self, p: _Plan, idx: int, out, a, b, a_descale, b_descale, accumulate: bool) -> None:
         lib = self.lib
         if a.element_size() == 1:  # FP8: per-tensor scales (device fp32 scalars); other types take none
             for attr, t in ((_DESC_A_SCALE_POINTER, b_descale), (_DESC_B_SCALE_POINTER, a_descale)):
                 ptr = ctypes.c_void_p(t.data_ptr())
                 _check(lib.cublasLtMatmulDescSetAttribute(p.desc, attr, ctypes.byref(ptr), 8), "set scale pointer")
         stream = torch.cuda.current_stream(self.device)
-        res = p.results[idx]
         la, lb, lc, ld = p.layouts
         beta = self._one if accumulate else self._zero
         _check(lib.cublasLtMatmul(self.handle, p.desc, ctypes.byref(self._one), b.data_ptr(), la, a.data_ptr(), lb,
-                                  ctypes.byref(beta), out.data_ptr(), lc, out.data_ptr(), ld, ctypes.byref(res.algo),
-                                  self.workspace.data_ptr(), _WORKSPACE_BYTES, stream.cuda_stream), "Matmul")
+                                  ctypes.byref(beta), out.data_ptr(), lc, out.data_ptr(), ld,
+                                  ctypes.byref(p.results[idx].algo), self.workspace.data_ptr(), _WORKSPACE_BYTES,
+                                  stream.cuda_stream), "Matmul")
+
+    def _tune(self, p: _Plan, run_candidate, fallback, out: torch.Tensor, accumulate: bool) -> int:
+        """Time the fallback and each candidate on the real operands; returns the chosen index (-1: fallback).
+        With ``accumulate`` the runs add into out again and again, so out is saved first and restored after."""
+        try:
+            saved = out.clone() if accumulate else None
+        except torch.cuda.OutOfMemoryError:  # no room for the copy: keep the safe choice, untimed
+            return -1 if fallback is not None else 0
+        cands = ([-1] if fallback is not None else []) + list(range(p.count))
+        times = []
+        for idx in cands:
+            fn = fallback if idx < 0 else (lambda i=idx: run_candidate(i))
+            fn()  # warm-up (and any lazy set-up of the fallback)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(_TUNE_REPS)]
+            for start, end in events:
+                start.record()
+                fn()
+                end.record()
+            end.synchronize()
+            times.append(sorted(s.elapsed_time(e) for s, e in events)[_TUNE_REPS // 2])
+        if saved is not None:
+            out.copy_(saved)
+        p.timings = times
+        best = min(range(len(cands)), key=times.__getitem__)
+        if fallback is not None and times[best] > (1.0 - _MARGIN) * times[0]:
+            return -1
+        return cands[best]
+
+    def gemm(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, trans_a: bool = False,
+             trans_b: bool = True, a_descale: torch.Tensor | None = None, b_descale: torch.Tensor | None = None,
+             accumulate: bool = False, fallback=None, algo_index: int | None = None) -> None:
+        """out[M, N] (+)= op(a) @ op(b) (FP8: times a_descale * b_descale). ``accumulate``: beta = 1.
+        ``fallback``: a callable doing the same with the caller's usual library call, tuned against (above).
+        ``algo_index`` forces a candidate (benchmarks). Check ``supports`` first."""
+        p = self.plan(out, a, b, trans_a, trans_b, accumulate)
+        if algo_index is not None:
+            if not 0 <= algo_index < p.count:
+                raise CublasLtError(f"algorithm {algo_index} of {p.count}")
+            self._launch(p, algo_index, out, a, b, a_descale, b_descale, accumulate)
+            return
+        if p.choice is None:
+            if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: decide at the next eager call
+                idx = -1 if fallback is not None else 0
+            else:
+                p.choice = idx = self._tune(
+                    p, lambda i: self._launch(p, i, out, a, b, a_descale, b_descale, accumulate), fallback, out,
+                    accumulate)
+        else:
+            idx = p.choice
+        if idx < 0:
+            fallback()
+        else:
+            self._launch(p, idx, out, a, b, a_descale, b_descale, accumulate)
+
+    def matmul(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_descale: torch.Tensor,
+               b_descale: torch.Tensor, accumulate: bool, algo_index: int | None = None) -> None:
+        """FP8 "TN": out (+)= (a[M, K] * a_descale) @ (b[N, K] * b_descale)^T (``Backend.matmul_fp8``'s form)."""
+        self.gemm(out, a, b, trans_b=True, a_descale=a_descale, b_descale=b_descale, accumulate=accumulate,
+                  algo_index=algo_index)
 
 
-_instances: dict[int, CublasLtFp8] = {}
+_instances: dict[int, CublasLt] = {}
 
 
-def for_device(device: torch.device) -> CublasLtFp8:
+def for_device(device: torch.device) -> CublasLt:
     """The per-device instance (created on first use)."""
     idx = torch.device(device).index
     idx = torch.cuda.current_device() if idx is None else idx
     inst = _instances.get(idx)
     if inst is None:
-        inst = _instances[idx] = CublasLtFp8(torch.device("cuda", idx))
+        inst = _instances[idx] = CublasLt(torch.device("cuda", idx))
     return inst

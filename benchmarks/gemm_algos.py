@@ -78,7 +78,7 @@ def main() -> None:
                 ref = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,  # noqa: E731
                                                out_dtype=torch.bfloat16, out=out)
             t_ref = _time(ref, args.reps)
-            plan = lt.plan(m, n, k, dtype, dtype, torch.bfloat16)
+            plan = lt.plan(out, a, b, False, True, acc)
             cands = [_time(lambda j=j: lt.matmul(out, a, b, one, one, accumulate=acc, algo_index=j), args.reps)
                      for j in range(plan.count)]
             best = min(range(len(cands)), key=cands.__getitem__)

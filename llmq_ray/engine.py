@@ -141,6 +141,8 @@ class TrainEngine:
             raise ConfigError(f"--deterministic-attention needs --backend triton (got {backend.name}).")
         if hasattr(backend, "deterministic_attention"):  # set both ways: a backend object may serve several engines
             backend.deterministic_attention = opts.deterministic_attention
+            # bit-reproducible runs also need GEMM algorithms that do not depend on timings (backends/cublaslt.py)
+            backend.gemm_tuning = not opts.deterministic_attention
         dtype = opts.torch_dtype
         self.device = backend.device
         world, rank = self.comm.world_size, self.comm.rank

@@ -1,4 +1,5 @@
-"""FP8 block GEMMs on the GPU (torch._scaled_mm, e4m3 / e5m2) with the torch and Triton backends.
+"""FP8 block GEMMs on the GPU (torch._scaled_mm, e4m3 / e5m2) with the torch and Triton backends, and the
+cuBLASLt GEMMs of backends/cublaslt.py (FP8 with beta = 1; bf16 in every layout; tuning).
 Run on the device with `pytest -m gpu`. The model and checks are in kernel_checks.py (shared with
 test_cupy_gpu.py, which runs the same checks on the CuPy backend)."""
 
@@ -24,7 +25,7 @@ def test_triton_fp8_gradients_follow_torch_fp8():
     assert kc.cosine(g_triton, g_torch) >= 0.99
 
 
-# ---------------------------------------------------------------- cuBLASLt FP8 GEMM with beta = 1 (backends/cublaslt.py)
+# ---------------------------------------------------------------- cuBLASLt FP8 GEMM, beta = 1 (backends/cublaslt.py)
 def _fp8_operands(m, n, k, a_dtype, b_dtype, gen):
     """Random FP8 operands (values spread over the format's range, no zeros forced) and positive descales."""
     a = (torch.randn(m, k, device="cuda", generator=gen) * 40).to(a_dtype)
@@ -49,7 +50,7 @@ def test_cublaslt_fp8_accumulate_matches_fp64(a_dtype, m, n, k):
     lt = cublaslt.for_device(torch.device("cuda"))
     assert lt.supports(out0, a, b)
     out_lt = out0.clone()
-    lt.matmul(out_lt, a, b, da, db, accumulate=True)
+    lt.gemm(out_lt, a, b, a_descale=da, b_descale=db, accumulate=True, algo_index=0)
     out_torch = out0.clone()
     TorchBackend("cuda").matmul_fp8(out_torch, a, b, da, db, accumulate=True)
     scale = ref.abs().max().item()
@@ -62,15 +63,15 @@ def test_cublaslt_fp8_accumulate_matches_fp64(a_dtype, m, n, k):
     assert err_lt.mean().item() <= 1.001 * err_torch.mean().item()
     # beta = 0 overwrites: the same as torch._scaled_mm up to one bf16 rounding of the same fp32 sum
     out_set = torch.full_like(out0, 7.0)
-    lt.matmul(out_set, a, b, da, db, accumulate=False)
+    lt.gemm(out_set, a, b, a_descale=da, b_descale=db, accumulate=False, algo_index=0)
     plain = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=torch.bfloat16)
     diff = (out_set.float() - plain.float()).abs().max().item()
     assert diff <= 2 ** -8 * plain.float().abs().max().item()
 
 
 def test_triton_backend_accumulates_fp8_through_cublaslt():
-    """The Triton backend's accumulating FP8 GEMM goes through cuBLASLt (a plan for the shape exists afterwards)
-    and gives its bits; the non-accumulating one stays on torch._scaled_mm (no plan for it)."""
+    """The Triton backend's accumulating FP8 GEMM goes through cuBLASLt (a tuned plan for the problem exists
+    afterwards) and gives the bits of that plan's choice; with gemm_tuning off it takes the heuristic's first."""
     from backends import cublaslt
     from backends.triton.backend import TritonBackend
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -82,10 +83,73 @@ def test_triton_backend_accumulates_fp8_through_cublaslt():
     be.matmul_fp8(out_be, a, b, da, db, accumulate=True)
     lt = cublaslt.for_device(torch.device("cuda"))
     assert be._cublaslt is lt
-    assert (m, n, k, a.dtype, b.dtype, torch.bfloat16) in lt.plans
+    plan = lt.plans[((m, k), (n, k), False, True, a.dtype, b.dtype, torch.bfloat16, True)]
+    assert plan.choice is not None and plan.choice >= 0 and len(plan.timings) == plan.count  # no fallback here
     out_lt = out0.clone()
-    lt.matmul(out_lt, a, b, da, db, accumulate=True)
+    lt.gemm(out_lt, a, b, a_descale=da, b_descale=db, accumulate=True, algo_index=plan.choice)
     assert torch.equal(out_be, out_lt)
-    a2 = a[:128].contiguous()  # a shape not used above, not accumulated
-    be.matmul_fp8(torch.empty(128, n, device="cuda", dtype=torch.bfloat16), a2, b, da, db)
-    assert (128, n, k, a2.dtype, b.dtype, torch.bfloat16) not in lt.plans
+    be.gemm_tuning = False
+    out_be0 = out0.clone()
+    be.matmul_fp8(out_be0, a, b, da, db, accumulate=True)
+    lt.gemm(out_lt.copy_(out0), a, b, a_descale=da, b_descale=db, accumulate=True, algo_index=0)
+    assert torch.equal(out_be0, out_lt)
+
+
+# ---------------------------------------------------------------- bf16 GEMMs through cuBLASLt, every layout
+LAYOUTS = {  # name: (a shape, b shape, transpose_a, transpose_b) for out[M, N] with M=384, N=256, K=512
+    "forward x W^T": ((384, 512), (256, 512), False, True),
+    "dgrad dy W": ((384, 512), (512, 256), False, False),
+    "wgrad dy^T x": ((512, 384), (512, 256), True, False),
+    "a^T b^T": ((512, 384), (256, 512), True, True),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_cublaslt_bf16_every_candidate_matches_fp64(layout, accumulate):
+    """Every cuBLASLt candidate algorithm, in each of the four transpose layouts, against an fp64 reference
+    (bf16 inputs, fp32 accumulation, one bf16 rounding: 2^-7 relative to max |ref|), beta = 0 and 1."""
+    from backends import cublaslt
+    a_shape, b_shape, ta, tb = LAYOUTS[layout]
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    a = torch.randn(*a_shape, device="cuda", generator=gen).to(torch.bfloat16)
+    b = torch.randn(*b_shape, device="cuda", generator=gen).to(torch.bfloat16)
+    out0 = torch.randn(384, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    op_a = a.double().t() if ta else a.double()
+    op_b = b.double().t() if tb else b.double()
+    ref = op_a @ op_b + (out0.double() if accumulate else 0)
+    lt = cublaslt.for_device(torch.device("cuda"))
+    assert lt.supports(out0, a, b, ta, tb)
+    plan = lt.plan(out0, a, b, ta, tb, accumulate)
+    scale = ref.abs().max().item()
+    for j in range(plan.count):
+        out = out0.clone()
+        lt.gemm(out, a, b, trans_a=ta, trans_b=tb, accumulate=accumulate, algo_index=j)
+        err = (out.double() - ref).abs().max().item() / scale
+        assert err <= 2 ** -7, f"candidate {j} of {plan.count}: error {err:.2e}"
+    print(f"  cuBLASLt bf16 {layout} beta={int(accumulate)}: {plan.count} candidates within 2^-7")
+
+
+def test_triton_backend_bf16_gemm_tuning():
+    """With gemm_tuning the backend's bf16 GEMM is timed against torch's once and its choice reused (the same
+    bits on the second call); with it off, the GEMM is torch's own (bit-equal to torch.mm)."""
+    from backends import cublaslt
+    from backends.triton.backend import TritonBackend
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(4096, 1536, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(8960, 1536, device="cuda", generator=gen).to(torch.bfloat16)
+    be = TritonBackend("cuda")
+    y1 = torch.empty(4096, 8960, device="cuda", dtype=torch.bfloat16)
+    be.matmul(y1, x, w, transpose_b=True)
+    plan = cublaslt.for_device(torch.device("cuda")).plan(y1, x, w, False, True, False)
+    assert plan.choice is not None and len(plan.timings) == plan.count + 1  # torch's call, then the candidates
+    print(f"  tuned bf16 4096x8960x1536: choice {plan.choice} (-1 = torch), ms {[round(t, 3) for t in plan.timings]}")
+    y2 = torch.empty_like(y1)
+    be.matmul(y2, x, w, transpose_b=True)
+    assert torch.equal(y1, y2)
+    ref = (x.double() @ w.double().t())
+    assert (y1.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item()
+    be.gemm_tuning = False
+    y3 = torch.empty_like(y1)
+    be.matmul(y3, x, w, transpose_b=True)
+    assert torch.equal(y3, torch.mm(x, w.t()))

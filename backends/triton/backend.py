@@ -1,12 +1,13 @@
 """TritonBackend: Triton kernels for every non-GEMM, non-attention op of backends/base.py.
 
-GEMMs (``matmul``, ``matmul_fp8``) and attention are inherited from TorchBackend: they go to cuBLAS(Lt) and the
-cuDNN / flash attention kernels through torch, as DESIGN §3 allows -- except the accumulating FP8 GEMM (the
-weight gradient of micro-steps after the first), which calls cuBLASLt itself for its beta = 1
-(backends/cublaslt.py). Everything else is one (or, where a deterministic cross-program reduction is needed, two
-or three) Triton launches, with no host sync. On a machine without CUDA the kernels run under the Triton
-interpreter (``TRITON_INTERPRET=1``, set before triton is imported; backends/triton/__init__.py sets it when no
-GPU is visible) on CPU tensors.
+GEMMs (``matmul``, ``matmul_fp8``) and attention come from TorchBackend, i.e. cuBLAS(Lt) and the cuDNN / flash
+attention kernels through torch, as DESIGN §3 allows; on CUDA the GEMMs go through backends/cublaslt.py, which
+adds the FP8 weight gradients of micro-steps after the first in the GEMM's epilogue (beta = 1) and takes the
+fastest of torch's call and cuBLASLt's candidate algorithms, timed once per problem (``gemm_tuning``).
+Everything else is one (or, where a deterministic cross-program reduction is needed, two or three) Triton
+launches, with no host sync. On a machine without CUDA the kernels run under the Triton interpreter
+(``TRITON_INTERPRET=1``, set before triton is imported; backends/triton/__init__.py sets it when no GPU is
+visible) on CPU tensors.
 """
 
 from __future__ import annotations
@@ -52,20 +53,46 @@ class TritonBackend(TorchBackend):
         if self.device.type not in ("cpu", "cuda"):
             raise RuntimeError(f"the triton backend runs on cuda (or cpu via the interpreter), not {self.device}")
 
-    # ------------------------------------------------------------------ FP8 GEMM
-    _cublaslt = None  # backends.cublaslt.CublasLtFp8 once loaded; False when it cannot be
+    # ------------------------------------------------------------------ GEMMs through cuBLASLt
+    # Tune GEMM algorithms by timing (backends/cublaslt.py): on by default; the engine turns it off for
+    # --deterministic-attention, since the choice (and with it the summation order) can differ between runs.
+    gemm_tuning = True
+    _cublaslt = None  # backends.cublaslt.CublasLt once loaded; False when it cannot be
+
+    def _lt(self, out: torch.Tensor):
+        if self._cublaslt is None:
+            from backends import cublaslt
+            self._cublaslt = cublaslt.for_device(out.device) if cublaslt.available() else False
+        return self._cublaslt
+
+    def matmul(self, out, a, b, *, transpose_a=False, transpose_b=False, bias=None, accumulate=False):
+        """As TorchBackend's; with ``gemm_tuning`` on CUDA (no bias), the fastest of torch's call and cuBLASLt's
+        candidate algorithms, timed at the problem's first call."""
+        torch_call = super().matmul
+        if self.gemm_tuning and bias is None and out.device.type == "cuda" and self._cublaslt is not False:
+            lt = self._lt(out)
+            if lt and lt.supports(out, a, b, transpose_a, transpose_b):
+                lt.gemm(out, a, b, trans_a=transpose_a, trans_b=transpose_b, accumulate=accumulate,
+                        fallback=lambda: torch_call(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b,
+                                                    accumulate=accumulate))
+                return
+        torch_call(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, accumulate=accumulate)
 
     def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
         """As TorchBackend's, but ``accumulate`` (dw += dy^T x) adds in the GEMM's epilogue through cuBLASLt
-        (beta = 1) instead of a torch._scaled_mm into a temporary plus an add: one pass over dw less."""
-        if accumulate and bias is None and out.device.type == "cuda" and self._cublaslt is not False:
-            if self._cublaslt is None:
-                from backends import cublaslt
-                self._cublaslt = cublaslt.for_device(out.device) if cublaslt.available() else False
-            if self._cublaslt and self._cublaslt.supports(out, a, b):
-                self._cublaslt.matmul(out, a, b, a_descale, b_descale, accumulate=True)
+        (beta = 1) instead of a torch._scaled_mm into a temporary plus an add: one pass over dw less. With
+        ``gemm_tuning`` the algorithm is the fastest of cuBLASLt's candidates (and, without accumulation, of
+        torch._scaled_mm's), timed at the problem's first call; without, cuBLASLt's heuristic choice."""
+        torch_call = super().matmul_fp8
+        if bias is None and out.device.type == "cuda" and self._cublaslt is not False:
+            lt = self._lt(out)
+            if lt and lt.supports(out, a, b) and (accumulate or self.gemm_tuning):
+                fallback = None if accumulate else (
+                    lambda: torch_call(out, a, b, a_descale, b_descale))
+                lt.gemm(out, a, b, a_descale=a_descale, b_descale=b_descale, accumulate=accumulate,
+                        fallback=fallback, algo_index=None if self.gemm_tuning else 0)
                 return
-        super().matmul_fp8(out, a, b, a_descale, b_descale, bias=bias, accumulate=accumulate)
+        torch_call(out, a, b, a_descale, b_descale, bias=bias, accumulate=accumulate)
 
     # ------------------------------------------------------------------ attention
     def attention_backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
