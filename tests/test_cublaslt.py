@@ -1,0 +1,42 @@
+"""backends/cublaslt.py on CPU: what can be checked without a GPU (the GPU checks are in test_fp8_gpu.py).
+
+The engine switches GEMM tuning off exactly when the run asks for bit-reproducibility, and without CUDA the
+Triton backend's GEMMs are torch's own.
+"""
+
+import pytest
+import torch
+
+from backends import cublaslt, get_backend
+from llmq_ray.config import PRESETS
+from llmq_ray.engine import TrainEngine
+from llmq_ray.options import TrainOptions
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_not_available_without_cuda():
+    assert cublaslt.available() is False
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_engine_turns_gemm_tuning_off_for_deterministic_runs(deterministic):
+    backend = get_backend("triton", "cpu")
+    backend.gemm_tuning = deterministic  # the opposite of what the engine must set
+    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, deterministic_attention=deterministic)
+    TrainEngine(PRESETS["tiny"], opts, backend)
+    assert backend.gemm_tuning is (not deterministic)
+
+
+@pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
+def test_triton_matmul_on_cpu_is_torchs(ta, tb):
+    """With tuning on but no CUDA, the GEMM is the reference's (bit-equal), in each layout the model uses."""
+    be = get_backend("triton", "cpu")
+    assert be.gemm_tuning
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(48, 32, generator=g) if not ta else torch.randn(32, 48, generator=g)
+    b = torch.randn(40, 32, generator=g) if tb else torch.randn(32, 40, generator=g)
+    out = torch.randn(48, 40, generator=g)
+    ref = out.clone().addmm_(a.t() if ta else a, b.t() if tb else b)
+    be.matmul(out, a, b, transpose_a=ta, transpose_b=tb, accumulate=True)
+    assert torch.equal(out, ref)
+    assert be._cublaslt is None  # never even loaded
