@@ -15,7 +15,8 @@ Layout. Our operands are row-major; cuBLASLt is column-major, so we compute out^
 is our b, its B our a, and C = D our out seen as column-major [N, M] (``_Plan``). For FP8 (``matmul``:
 out[M, N] = (a[M, K] * sa) @ (b[N, K] * sb)^T, K contiguous in both) that is the "TN" layout FP8 needs; A's
 scale is b's descale, B's is a's. Accumulation in fp32 (CUBLAS_COMPUTE_32F), no FP8 fast accumulation (the same
-numerics as ``torch._scaled_mm``'s default).
+numerics as ``torch._scaled_mm``'s default). Operands must sit at 16-byte aligned addresses (``supports``); the
+heuristic is told each one's real alignment (up to 256 bytes, its default assumption), which is part of the plan.
 
 The library is the one torch already loaded (found in /proc/self/maps), so there is no second copy of cuBLASLt
 in the process. Enum values are cublasLt.h's / library_types.h's (CUDA 12 and 13 agree). Descriptors are cached
@@ -43,6 +44,11 @@ _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_FAST_ACCUM = 25
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
+_PREF_MIN_ALIGNMENT_BYTES = (5, 6, 7, 8)  # ... MIN_ALIGNMENT_A/B/C/D_BYTES (uint32, default 256)
+_MIN_POINTER_ALIGNMENT = 16  # bytes; cuBLASLt's tensor-core kernels need at least this (FP8 requires it)
+# Accumulating problems whose out is larger are not timed (tuning needs a copy of out). The largest tuned one is
+# the LM-head gradient: 0.27 GB at 0.5B, 0.47 GB at 1.5B; at 7B (1.09 GB, with the GPU nearly full) it is not.
+_TUNE_MAX_SAVED_BYTES = 1 << 30
 _WORKSPACE_BYTES = 32 << 20  # what torch gives cuBLASLt on Hopper
 _CANDIDATES = 8  # heuristic results kept per problem, timed against each other when tuning
 _TUNE_REPS = 5  # timed runs per candidate (median), after one warm-up run
@@ -113,6 +119,12 @@ def _load():
         return lib
 
 
+def pointer_alignment(ptr: int) -> int:
+    """The largest power of two (at most 256) that divides the address ``ptr``: what cuBLASLt's heuristic must be
+    told, since by default it assumes 256-byte aligned operands (a view at an offset may be less)."""
+    return min(256, ptr & -ptr) if ptr else 256
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise CublasLtError(f"cuBLASLt {what} failed with status {status}")
@@ -139,7 +151,8 @@ class _Plan:
     column-major [N, M] (ld N).
     """
 
-    def __init__(self, lib, handle, a_shape, b_shape, trans_a, trans_b, a_dtype, b_dtype, out_dtype, n, m):
+    def __init__(self, lib, handle, a_shape, b_shape, trans_a, trans_b, a_dtype, b_dtype, out_dtype, n, m,
+                 alignments):
         vp = ctypes.c_void_p
         self.desc = vp()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
@@ -162,6 +175,9 @@ class _Plan:
         ws = ctypes.c_uint64(_WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
                "set workspace")
+        for attr, align in zip(_PREF_MIN_ALIGNMENT_BYTES, alignments):  # cuBLAS's A, B, C, D = our b, a, out, out
+            al = ctypes.c_uint32(align)
+            _check(lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ctypes.byref(al), 4), "set alignment")
         self.results = (_HeuristicResult * _CANDIDATES)()
         count = ctypes.c_int(0)
         _check(lib.cublasLtMatmulAlgoGetHeuristic(handle, self.desc, *self.layouts, pref, _CANDIDATES,
@@ -203,11 +219,13 @@ class CublasLt:
     # ---------------------------------------------------------------- what it takes
     def supports(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bool = False,
                  trans_b: bool = True) -> bool:
-        """Contiguous 2-D operands of matching shapes and types cuBLASLt takes: both bf16 (or fp16, or fp32)
-        with out the same, or FP8 ("TN": trans_b and not trans_a; not both e5m2; dimensions multiples of 16)
-        with out bf16 / fp16 / fp32."""
+        """Contiguous, non-empty 2-D operands at 16-byte aligned addresses, of matching shapes and types
+        cuBLASLt takes: both bf16 (or fp16, or fp32) with out the same, or FP8 ("TN": trans_b and not trans_a;
+        not both e5m2; dimensions multiples of 16) with out bf16 / fp16 / fp32. (FP8 descales: see ``gemm``.)"""
         if not (a.dim() == b.dim() == out.dim() == 2 and a.is_contiguous() and b.is_contiguous()
-                and out.is_contiguous() and a.device == b.device == out.device == self.device):
+                and out.is_contiguous() and a.device == b.device == out.device == self.device
+                and min(a.numel(), b.numel(), out.numel()) > 0
+                and all(pointer_alignment(t.data_ptr()) >= _MIN_POINTER_ALIGNMENT for t in (a, b, out))):
             return False
         m, k = (a.shape[1], a.shape[0]) if trans_a else tuple(a.shape)
         kb, n = (b.shape[1], b.shape[0]) if trans_b else tuple(b.shape)
@@ -224,12 +242,13 @@ class CublasLt:
              accumulate: bool) -> _Plan:
         """The cached plan of this problem (beta = 0 and beta = 1 are separate problems: their fastest
         algorithms differ)."""
-        key = (tuple(a.shape), tuple(b.shape), trans_a, trans_b, a.dtype, b.dtype, out.dtype, accumulate)
+        alignments = tuple(pointer_alignment(t.data_ptr()) for t in (b, a, out, out))
+        key = (tuple(a.shape), tuple(b.shape), trans_a, trans_b, a.dtype, b.dtype, out.dtype, accumulate, alignments)
         p = self.plans.get(key)
         if p is None:
             m, n = out.shape
             p = self.plans[key] = _Plan(self.lib, self.handle, tuple(a.shape), tuple(b.shape), trans_a, trans_b,
-                                        a.dtype, b.dtype, out.dtype, n, m)
+                                        a.dtype, b.dtype, out.dtype, n, m, alignments)
         return p
 
     # ---------------------------------------------------------------- running
@@ -249,27 +268,40 @@ class CublasLt:
 
     def _tune(self, p: _Plan, run_candidate, fallback, out: torch.Tensor, accumulate: bool) -> int:
         """Time the fallback and each candidate on the real operands; returns the chosen index (-1: fallback).
-        With ``accumulate`` the runs add into out again and again, so out is saved first and restored after."""
+        With ``accumulate`` the runs add into out again and again, so out is saved first and restored after
+        (also when a run fails; a candidate that fails counts as infinitely slow). An accumulating problem whose
+        out is too large to copy cheaply is not timed: the safe choice is kept."""
+        safe = -1 if fallback is not None else 0
+        if accumulate and out.numel() * out.element_size() > _TUNE_MAX_SAVED_BYTES:
+            return safe
         try:
             saved = out.clone() if accumulate else None
         except torch.cuda.OutOfMemoryError:  # no room for the copy: keep the safe choice, untimed
-            return -1 if fallback is not None else 0
+            return safe
         cands = ([-1] if fallback is not None else []) + list(range(p.count))
         times = []
-        for idx in cands:
-            fn = fallback if idx < 0 else (lambda i=idx: run_candidate(i))
-            fn()  # warm-up (and any lazy set-up of the fallback)
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(_TUNE_REPS)]
-            for start, end in events:
-                start.record()
-                fn()
-                end.record()
-            end.synchronize()
-            times.append(sorted(s.elapsed_time(e) for s, e in events)[_TUNE_REPS // 2])
-        if saved is not None:
-            out.copy_(saved)
+        try:
+            for idx in cands:
+                fn = fallback if idx < 0 else (lambda i=idx: run_candidate(i))
+                try:
+                    fn()  # warm-up (and any lazy set-up of the fallback)
+                except CublasLtError:
+                    times.append(float("inf"))
+                    continue
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(_TUNE_REPS)]
+                for start, end in events:
+                    start.record()
+                    fn()
+                    end.record()
+                end.synchronize()
+                times.append(sorted(s.elapsed_time(e) for s, e in events)[_TUNE_REPS // 2])
+        finally:
+            if saved is not None:
+                out.copy_(saved)
         p.timings = times
+        if min(times) == float("inf"):
+            raise CublasLtError(f"no cuBLASLt candidate ran for out{list(out.shape)} ({out.dtype})")
         best = min(range(len(cands)), key=times.__getitem__)
         if fallback is not None and times[best] > (1.0 - _MARGIN) * times[0]:
             return -1
@@ -280,7 +312,11 @@ class CublasLt:
              accumulate: bool = False, fallback=None, algo_index: int | None = None) -> None:
         """out[M, N] (+)= op(a) @ op(b) (FP8: times a_descale * b_descale). ``accumulate``: beta = 1.
         ``fallback``: a callable doing the same with the caller's usual library call, tuned against (above).
-        ``algo_index`` forces a candidate (benchmarks). Check ``supports`` first."""
+        ``algo_index`` forces a candidate (benchmarks). Check ``supports`` first; FP8 descales are fp32 tensors
+        of one element (per-tensor scaling)."""
+        if a.element_size() == 1 and not all(t is not None and t.dtype == torch.float32 and t.numel() == 1
+                                             for t in (a_descale, b_descale)):
+            raise CublasLtError("FP8 GEMM: a_descale and b_descale must be fp32 tensors of one element")
         p = self.plan(out, a, b, trans_a, trans_b, accumulate)
         if algo_index is not None:
             if not 0 <= algo_index < p.count:
@@ -288,14 +324,16 @@ class CublasLt:
             self._launch(p, algo_index, out, a, b, a_descale, b_descale, accumulate)
             return
         if p.choice is None:
-            if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: decide at the next eager call
-                idx = -1 if fallback is not None else 0
+            if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: pin the safe choice, so
+                p.choice = idx = -1 if fallback is not None else 0  # eager calls and the replays agree
             else:
                 p.choice = idx = self._tune(
                     p, lambda i: self._launch(p, i, out, a, b, a_descale, b_descale, accumulate), fallback, out,
                     accumulate)
         else:
             idx = p.choice
+        if idx < 0 and fallback is None:  # tuned with a fallback by another caller: take the heuristic's first
+            idx = 0
         if idx < 0:
             fallback()
         else:

@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(same results; for comparisons)")
     n.add_argument("--deterministic-attention", action="store_true",
                    help="triton backend: run the attention backward through llmq-ray's own kernels, which give the "
-                   "same bits on every run (cuDNN's may not), and take cuBLASLt's heuristic GEMM algorithms instead of "
-                   "timing them, so a resumed run reproduces the uninterrupted one")
+                   "same bits on every run (cuDNN's may not), and keep the libraries' default GEMM algorithms instead of "
+                   "timing alternatives, so a resumed run reproduces the uninterrupted one")
     n.add_argument("--attn-bwd-chunks", type=int, default=1,
                    help="run the attention backward over the batch in N chunks (less scratch memory; same result)")
     o = p.add_argument_group("host offloading (pinned host memory; the state streams through the GPU in pipelined chunks)")

@@ -18,6 +18,12 @@ def test_not_available_without_cuda():
     assert cublaslt.available() is False
 
 
+def test_pointer_alignment():
+    """The alignment cuBLASLt's heuristic is told: the largest power of two dividing the address, capped at 256."""
+    assert [cublaslt.pointer_alignment(p) for p in (0, 512, 768, 16, 48, 2, 1 << 40, 4096 + 8)] == \
+        [256, 256, 256, 16, 16, 2, 256, 8]
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_engine_turns_gemm_tuning_off_for_deterministic_runs(deterministic):
     backend = get_backend("triton", "cpu")

@@ -61,12 +61,15 @@ def test_cublaslt_fp8_accumulate_matches_fp64(a_dtype, m, n, k):
           f"(torch {err_torch.mean().item():.3e}); bit-equal to torch's path: {torch.equal(out_lt, out_torch)}")
     assert err_lt.max().item() <= 2 ** -7 * scale
     assert err_lt.mean().item() <= 1.001 * err_torch.mean().item()
-    # beta = 0 overwrites: the same as torch._scaled_mm up to one bf16 rounding of the same fp32 sum
-    out_set = torch.full_like(out0, 7.0)
-    lt.gemm(out_set, a, b, a_descale=da, b_descale=db, accumulate=False, algo_index=0)
-    plain = torch._scaled_mm(a, b.t(), scale_a=da, scale_b=db, out_dtype=torch.bfloat16)
-    diff = (out_set.float() - plain.float()).abs().max().item()
-    assert diff <= 2 ** -8 * plain.float().abs().max().item()
+    # every candidate (tuning may pick any), beta = 1 and beta = 0 (which overwrites), within one bf16 step
+    plain = (a.double() * da.double()) @ (b.double() * db.double()).t()
+    for acc, want in ((True, ref), (False, plain)):
+        plan = lt.plan(out0, a, b, False, True, acc)
+        for j in range(plan.count):
+            out_j = out0.clone() if acc else torch.full_like(out0, 7.0)
+            lt.gemm(out_j, a, b, a_descale=da, b_descale=db, accumulate=acc, algo_index=j)
+            err = (out_j.double() - want).abs().max().item() / want.abs().max().item()
+            assert err <= 2 ** -7, f"candidate {j} of {plan.count}, beta={int(acc)}: error {err:.2e}"
 
 
 def test_triton_backend_accumulates_fp8_through_cublaslt():
@@ -83,7 +86,7 @@ def test_triton_backend_accumulates_fp8_through_cublaslt():
     be.matmul_fp8(out_be, a, b, da, db, accumulate=True)
     lt = cublaslt.for_device(torch.device("cuda"))
     assert be._cublaslt is lt
-    plan = lt.plans[((m, k), (n, k), False, True, a.dtype, b.dtype, torch.bfloat16, True)]
+    plan = lt.plan(out0, a, b, False, True, True)
     assert plan.choice is not None and plan.choice >= 0 and len(plan.timings) == plan.count  # no fallback here
     out_lt = out0.clone()
     lt.gemm(out_lt, a, b, a_descale=da, b_descale=db, accumulate=True, algo_index=plan.choice)
@@ -153,3 +156,27 @@ def test_triton_backend_bf16_gemm_tuning():
     y3 = torch.empty_like(y1)
     be.matmul(y3, x, w, transpose_b=True)
     assert torch.equal(y3, torch.mm(x, w.t()))
+
+
+def test_cublaslt_views_at_16_byte_offsets():
+    """Operands that are views at 16- and 48-byte offsets (less than the 256 bytes cuBLASLt assumes unless told):
+    supported, planned with their real alignment, and every candidate exact to one bf16 step; an 8-byte offset
+    is refused (the backend then takes torch's call)."""
+    from backends import cublaslt
+    lt = cublaslt.for_device(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    m, n, k = 256, 128, 512
+    base_a = torch.randn(m * k + 64, device="cuda", generator=gen).to(torch.bfloat16)
+    base_b = torch.randn(n * k + 64, device="cuda", generator=gen).to(torch.bfloat16)
+    base_out = torch.zeros(m * n + 64, device="cuda", dtype=torch.bfloat16)
+    a = base_a[8:8 + m * k].view(m, k)  # 16 bytes in
+    b = base_b[24:24 + n * k].view(n, k)  # 48 bytes in
+    out = base_out[8:8 + m * n].view(m, n)
+    assert cublaslt.pointer_alignment(a.data_ptr()) == 16 and cublaslt.pointer_alignment(b.data_ptr()) == 16
+    assert lt.supports(out, a, b)
+    ref = a.double() @ b.double().t()
+    plan = lt.plan(out, a, b, False, True, False)
+    for j in range(plan.count):
+        lt.gemm(out, a, b, algo_index=j)
+        assert (out.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item(), f"candidate {j}"
+    assert not lt.supports(out, base_a[4:4 + m * k].view(m, k), b)  # 8 bytes in

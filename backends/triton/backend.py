@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from backends import cublaslt
 from backends.base import Backend
 from backends.torch_ref import TorchBackend
 from backends.triton import adamw as _adamw
@@ -61,8 +62,10 @@ class TritonBackend(TorchBackend):
 
     def _lt(self, out: torch.Tensor):
         if self._cublaslt is None:
-            from backends import cublaslt
-            self._cublaslt = cublaslt.for_device(out.device) if cublaslt.available() else False
+            try:
+                self._cublaslt = cublaslt.for_device(out.device) if cublaslt.available() else False
+            except cublaslt.CublasLtError:  # the library loads but a handle cannot be made: torch's GEMMs only
+                self._cublaslt = False
         return self._cublaslt
 
     def matmul(self, out, a, b, *, transpose_a=False, transpose_b=False, bias=None, accumulate=False):
@@ -72,10 +75,13 @@ class TritonBackend(TorchBackend):
         if self.gemm_tuning and bias is None and out.device.type == "cuda" and self._cublaslt is not False:
             lt = self._lt(out)
             if lt and lt.supports(out, a, b, transpose_a, transpose_b):
-                lt.gemm(out, a, b, trans_a=transpose_a, trans_b=transpose_b, accumulate=accumulate,
-                        fallback=lambda: torch_call(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b,
-                                                    accumulate=accumulate))
-                return
+                try:
+                    lt.gemm(out, a, b, trans_a=transpose_a, trans_b=transpose_b, accumulate=accumulate,
+                            fallback=lambda: torch_call(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b,
+                                                        accumulate=accumulate))
+                    return
+                except cublaslt.CublasLtError:  # no algorithm for this problem (before anything was written): torch's
+                    pass
         torch_call(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, accumulate=accumulate)
 
     def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
@@ -89,9 +95,12 @@ class TritonBackend(TorchBackend):
             if lt and lt.supports(out, a, b) and (accumulate or self.gemm_tuning):
                 fallback = None if accumulate else (
                     lambda: torch_call(out, a, b, a_descale, b_descale))
-                lt.gemm(out, a, b, a_descale=a_descale, b_descale=b_descale, accumulate=accumulate,
-                        fallback=fallback, algo_index=None if self.gemm_tuning else 0)
-                return
+                try:
+                    lt.gemm(out, a, b, a_descale=a_descale, b_descale=b_descale, accumulate=accumulate,
+                            fallback=fallback, algo_index=None if self.gemm_tuning else 0)
+                    return
+                except cublaslt.CublasLtError:  # no algorithm for this problem (before anything was written): torch's
+                    pass
         torch_call(out, a, b, a_descale, b_descale, bias=bias, accumulate=accumulate)
 
     # ------------------------------------------------------------------ attention

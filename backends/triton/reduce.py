@@ -44,7 +44,10 @@ def atomic_amax(amax_ptr, value):
 
 
 def start_amax(amax: torch.Tensor) -> None:
-    """Zero the fp32 0-d ``amax`` before kernels fold their maxima into it with ``atomic_amax``."""
+    """Zero the fp32 0-d ``amax`` before kernels fold their maxima into it with ``atomic_amax`` (which writes
+    fp32 bits: another dtype would be corrupted, so it is refused)."""
+    if amax.dtype != torch.float32:
+        raise ValueError(f"absmax must be an fp32 tensor, got {amax.dtype}")
     amax.zero_()
 
 
