@@ -21,21 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends import cublaslt  # noqa: E402
+from benchmarks.kernel_timing import median_ms  # noqa: E402
 from llmq_ray.config import PRESETS  # noqa: E402
-
-
-def _time(fn, reps: int) -> float:
-    """Median milliseconds of fn() over reps, after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for s, e in events:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in events)
-    return times[len(times) // 2]
 
 
 def shapes(cfg, tokens: int) -> list[tuple[str, int, int, int]]:
@@ -77,9 +64,9 @@ def main() -> None:
             else:
                 ref = lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,  # noqa: E731
                                                out_dtype=torch.bfloat16, out=out)
-            t_ref = _time(ref, args.reps)
+            t_ref = median_ms(ref, args.reps)
             plan = lt.plan(out, a, b, False, True, acc)
-            cands = [_time(lambda j=j: lt.matmul(out, a, b, one, one, accumulate=acc, algo_index=j), args.reps)
+            cands = [median_ms(lambda j=j: lt.matmul(out, a, b, one, one, accumulate=acc, algo_index=j), args.reps)
                      for j in range(plan.count)]
             best = min(range(len(cands)), key=cands.__getitem__)
             tot = totals.setdefault(kind, [0.0, 0.0, 0.0])
