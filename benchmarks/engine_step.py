@@ -115,6 +115,9 @@ def main():
                     help="the update before the next forward, not beside it")
     ap.add_argument("--unfused-attn-rope-bwd", action="store_true",
                     help="A/B: copy the attention gradients into dqkv, then RoPE backward in place (the old path)")
+    ap.add_argument("--swiglu-gemm", default="forward,backward",
+                    help="triton bf16: where the SwiGLU is fused into its GEMM (comma list of forward, backward; "
+                         "'none' runs every GEMM and SwiGLU kernel apart)")
     ap.add_argument("--deterministic-attention", action="store_true",
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
@@ -137,6 +140,8 @@ def main():
         from backends.base import Backend
 
         backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
+    if args.backend == "triton":
+        backend.fuse_swiglu_gemm = frozenset(args.swiglu_gemm.split(",")) - {"none"}
     engine = TrainEngine(cfg, opts, backend)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)

@@ -292,6 +292,25 @@ def test_swiglu_forward_backward(tri, ref, dtype):
     assert_close(res["tri"][2][:, i:], res["ref"][2][:, i:], TOL[dtype], "d gate")
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_swiglu_fused_into_gemms(tri, ref, dtype):
+    """The up+gate GEMM with the SwiGLU in its epilogue and the down dgrad with the SwiGLU backward in its
+    epilogue (swiglu_gemm.py) against the reference pair. 37 rows, C = 24, I = 40 leave partial 16 x 16 x 16
+    interpreter tiles on every axis, and the 4 persistent programs each walk several tiles."""
+    import kernel_checks as kc
+
+    kc.check_swiglu_gemm(tri, ref, dtype, n=37, c=24, i=40, device=DEVICE,
+                         fused=DEVICE == "cpu" or dtype != torch.float32)
+
+
+def test_swiglu_gemm_unsupported_layouts_take_the_unfused_pair(tri, ref):
+    """An I whose gate half starts off a 16-byte boundary (I = 36 bf16 values = 72 bytes) cannot be a TMA
+    descriptor: the backend runs the GEMM and the SwiGLU separately, with the same results."""
+    import kernel_checks as kc
+
+    kc.check_swiglu_gemm(tri, ref, torch.bfloat16, n=9, c=24, i=36, device=DEVICE, fused=False)
+
+
 # ---------------------------------------------------------------------------------------------- classifier
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_classifier(tri, ref, dtype):
