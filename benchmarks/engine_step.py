@@ -60,6 +60,17 @@ def print_kernel_categories(prof, wall_s):
         print(f"KERNELS   other: {name} {t / 1e3:.1f} ms")
 
 
+def print_top_kernels(prof, top: int = 25) -> None:
+    """The ``top`` GPU kernels of one profiled step by total time: calls, total ms, mean us, name."""
+    rows = []
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t > 0 and evt.device_type.name == "CUDA":
+            rows.append((t, evt.count, evt.key))
+    for t, count, name in sorted(rows, reverse=True)[:top]:
+        print(f"TOPKERNEL {t / 1e3:8.1f} ms {count:6d} x {t / count:8.1f} us  {name[:110]}")
+
+
 def print_stream_gaps(prof, top: int = 12) -> None:
     """Idle time of the busiest CUDA stream (the compute stream) inside one profiled step: the sum of the gaps
     between its kernels, how much of it is in gaps under 20 µs (launch spacing) and the longest gaps with the
@@ -115,9 +126,9 @@ def main():
                     help="the update before the next forward, not beside it")
     ap.add_argument("--unfused-attn-rope-bwd", action="store_true",
                     help="A/B: copy the attention gradients into dqkv, then RoPE backward in place (the old path)")
-    ap.add_argument("--swiglu-gemm", default="forward,backward",
-                    help="triton bf16: where the SwiGLU is fused into its GEMM (comma list of forward, backward; "
-                         "'none' runs every GEMM and SwiGLU kernel apart)")
+    ap.add_argument("--swiglu-gemm", default=None,
+                    help="triton bf16: where the SwiGLU is fused into its GEMM (comma list of forward, backward, "
+                         "or none; default: the backend's fuse_swiglu_gemm)")
     ap.add_argument("--deterministic-attention", action="store_true",
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
@@ -140,7 +151,7 @@ def main():
         from backends.base import Backend
 
         backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
-    if args.backend == "triton":
+    if args.backend == "triton" and args.swiglu_gemm is not None:
         backend.fuse_swiglu_gemm = frozenset(args.swiglu_gemm.split(",")) - {"none"}
     engine = TrainEngine(cfg, opts, backend)
     gen = torch.Generator().manual_seed(0)
@@ -181,6 +192,7 @@ def main():
                                         row_limit=25, max_name_column_width=60))
         if args.device == "cuda":
             print_kernel_categories(prof, wall_s=prof_wall)
+            print_top_kernels(prof)
             print_stream_gaps(prof)
     step_time = sorted(times[2:])[len(times[2:]) // 2]
     tokens = args.batch_size * args.seq_len * args.grad_accumulation

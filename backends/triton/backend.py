@@ -105,10 +105,13 @@ class TritonBackend(TorchBackend):
         torch_call(out, a, b, a_descale, b_descale, bias=bias, accumulate=accumulate)
 
     # ------------------------------------------------------------------ GEMMs with the SwiGLU fused in
-    # Which of the two fused kernels (swiglu_gemm.py) to use where they apply. They are autotuned at a problem's
-    # first call, which needs an eager call: a problem first met while a CUDA graph is being captured takes the
-    # unfused pair instead.
-    fuse_swiglu_gemm = frozenset({"forward", "backward"})
+    # Which of the two fused kernels (swiglu_gemm.py) to use where they apply: none by default, because on the
+    # H100 they lose inside a training step (1.5B bf16: 56,226 against 58,512 tokens/s apart; 0.5B: 149,999
+    # against 153,791; benchmarks/results/h100-2026-11-23.md section 26): their Triton GEMM is ~15% slower
+    # than cuBLAS's at these shapes, which the saved SwiGLU traffic does not pay for. The kernels pick their
+    # tile shape by timing at a problem's first call, which needs an eager call: a problem first met while a
+    # CUDA graph is being captured takes the unfused pair instead.
+    fuse_swiglu_gemm: frozenset = frozenset()
     _fused_problems: set | None = None
 
     def _fused_ok(self, which: str, half: int, *tensors: torch.Tensor) -> bool:
