@@ -9,7 +9,7 @@ with C = D = the gradient and beta = 1 the accumulation costs no extra pass.
 Why, 2: torch takes cuBLAS's heuristic choice of algorithm. On the H100 at Qwen2.5-1.5B's shapes the fastest of
 cuBLASLt's eight heuristic candidates was up to 19% faster for single bf16 GEMMs, 10% over all of a layer's
 (benchmarks/gemm_algos.py, results section 24). ``CublasLt.gemm`` times the candidates against the caller's own
-call once per problem, under sustained load (the clock the power cap allows), and keeps the fastest.
+call once per problem and keeps the fastest.
 
 Layout. Our operands are row-major; cuBLASLt is column-major, so we compute out^T = op(b)^T op(a)^T: cuBLAS's A
 is our b, its B our a, and C = D our out seen as column-major [N, M] (``_Plan``). For FP8 (``matmul``:
@@ -51,15 +51,7 @@ _MIN_POINTER_ALIGNMENT = 16  # bytes; cuBLASLt's tensor-core kernels need at lea
 _TUNE_MAX_SAVED_BYTES = 1 << 30
 _WORKSPACE_BYTES = 32 << 20  # what torch gives cuBLASLt on Hopper
 _CANDIDATES = 8  # heuristic results kept per problem, timed against each other when tuning
-# Timing under load. Inside a training step the H100 runs at its 700 W cap and lowers its clock; an algorithm that
-# is fastest on a cool GPU is not always fastest there (benchmarks/gemm_algos.py --sustain-ms, results section
-# 27: at 1.5B shapes the choices timed cold were 2.6% slower under sustained load than the best ones, several
-# slower than cuBLAS's heuristic). So the GPU is first heated with the problem itself for _TUNE_HEAT_MS, then the
-# candidates are timed round-robin (_TUNE_ROUNDS rounds of _TUNE_REPS runs each, median over all), so that each
-# is measured at the capped clock and none profits from coming first.
-_TUNE_HEAT_MS = 100.0
-_TUNE_ROUNDS = 3
-_TUNE_REPS = 4
+_TUNE_REPS = 5  # timed runs per candidate (median), after one warm-up run
 _MARGIN = 0.01  # a cuBLASLt candidate replaces the caller's fallback only if at least this much faster
 
 
@@ -204,7 +196,7 @@ class CublasLt:
     or FP8 with per-tensor descales. One per device; plans cached per problem.
 
     ``gemm(..., fallback=f)`` picks, on a problem's first eager call, the fastest of ``f`` (the caller's usual
-    call, e.g. torch.mm) and cuBLASLt's heuristic candidates by timing each under load (``_TUNE_HEAT_MS``), and keeps
+    call, e.g. torch.mm) and cuBLASLt's heuristic candidates by timing each (median of a few runs), and keeps
     that choice; a candidate must beat the fallback by ``_MARGIN`` to be taken, so where cuBLASLt offers nothing
     better the numerics stay those of the fallback. Without a fallback (or while a CUDA graph is being captured)
     the heuristic's first candidate is used.
@@ -287,28 +279,23 @@ class CublasLt:
         except torch.cuda.OutOfMemoryError:  # no room for the copy: keep the safe choice, untimed
             return safe
         cands = ([-1] if fallback is not None else []) + list(range(p.count))
-        fns = {idx: fallback if idx < 0 else (lambda i=idx: run_candidate(i)) for idx in cands}
-        samples: dict[int, list[float]] = {}
+        times = []
         try:
-            for idx in cands:  # one warm-up run each (and any lazy set-up of the fallback); failures drop out
+            for idx in cands:
+                fn = fallback if idx < 0 else (lambda i=idx: run_candidate(i))
                 try:
-                    fns[idx]()
-                    samples[idx] = []
+                    fn()  # warm-up (and any lazy set-up of the fallback)
                 except CublasLtError:
-                    pass
-            if samples:
-                _heat(fns[next(iter(samples))], _TUNE_HEAT_MS)
-            for _ in range(_TUNE_ROUNDS):
-                for idx in samples:
-                    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                              for _ in range(_TUNE_REPS)]
-                    for start, end in events:
-                        start.record()
-                        fns[idx]()
-                        end.record()
-                    end.synchronize()
-                    samples[idx] += [s.elapsed_time(e) for s, e in events]
-            times = [sorted(samples[i])[len(samples[i]) // 2] if i in samples else float("inf") for i in cands]
+                    times.append(float("inf"))
+                    continue
+                events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(_TUNE_REPS)]
+                for start, end in events:
+                    start.record()
+                    fn()
+                    end.record()
+                end.synchronize()
+                times.append(sorted(s.elapsed_time(e) for s, e in events)[_TUNE_REPS // 2])
         finally:
             if saved is not None:
                 out.copy_(saved)
@@ -357,19 +344,6 @@ class CublasLt:
         """FP8 "TN": out (+)= (a[M, K] * a_descale) @ (b[N, K] * b_descale)^T (``Backend.matmul_fp8``'s form)."""
         self.gemm(out, a, b, trans_b=True, a_descale=a_descale, b_descale=b_descale, accumulate=accumulate,
                   algo_index=algo_index)
-
-
-def _heat(fn, ms: float) -> None:
-    """Run fn back to back for about ``ms`` milliseconds of GPU time (checked every 8 runs)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        for _ in range(8):
-            fn()
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) >= ms:
-            return
 
 
 _instances: dict[int, CublasLt] = {}
