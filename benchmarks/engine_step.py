@@ -129,9 +129,6 @@ def main():
     ap.add_argument("--swiglu-gemm", default=None,
                     help="triton bf16: where the SwiGLU is fused into its GEMM (comma list of forward, backward, "
                          "or none; default: the backend's fuse_swiglu_gemm)")
-    ap.add_argument("--classifier-launch", default=None, metavar="PPS,WARPS,BLOCK_V",
-                    help="triton: the fused classifier's programs per SM (0: one per row), warps (0: by BLOCK_V) "
-                         "and BLOCK_V (benchmarks/classifier_bench.py)")
     ap.add_argument("--deterministic-attention", action="store_true",
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
@@ -154,11 +151,6 @@ def main():
         from backends.base import Backend
 
         backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
-    if args.backend == "triton" and args.classifier_launch:
-        from backends.triton import classifier
-
-        pps, warps, block_v = (int(x) for x in args.classifier_launch.split(","))
-        classifier.PROGRAMS_PER_SM, classifier.NUM_WARPS, classifier.BLOCK_V = pps, warps or None, block_v
     if args.backend == "triton" and args.swiglu_gemm is not None:
         backend.fuse_swiglu_gemm = frozenset(args.swiglu_gemm.split(",")) - {"none"}
     engine = TrainEngine(cfg, opts, backend)

@@ -10,7 +10,6 @@ all-zero dlogits. Everything in fp32; the logits are rounded once, when written 
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -18,16 +17,10 @@ from backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for
 
 
 @triton.jit
-def _classifier_kernel(logits_ptr, losses_ptr, targets_ptr, N, V, stride_row, dloss,
+def _classifier_kernel(logits_ptr, losses_ptr, targets_ptr, V, stride_row, dloss,
                        BLOCK_V: tl.constexpr, WRITE_DLOGITS: tl.constexpr):
-    for row in range(tl.program_id(0), N, tl.num_programs(0)):
-        _classifier_row(logits_ptr, losses_ptr, targets_ptr, row, V, stride_row, dloss, BLOCK_V, WRITE_DLOGITS)
-
-
-@triton.jit
-def _classifier_row(logits_ptr, losses_ptr, targets_ptr, row, V, stride_row, dloss,
-                    BLOCK_V: tl.constexpr, WRITE_DLOGITS: tl.constexpr):
-    base = logits_ptr + tl.cast(row, tl.int64) * stride_row
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride_row
     target = tl.load(targets_ptr + row).to(tl.int64)
     valid = target != -100
     tgt = tl.where(valid, target, 0)
@@ -53,14 +46,6 @@ def _classifier_row(logits_ptr, losses_ptr, targets_ptr, row, V, stride_row, dlo
             tl.store(base + idx, cast_to(p * scale, logits_ptr.dtype.element_ty), mask=m)
 
 
-# Programs per SM on the GPU (each walks rows n, n + programs, ...), or 0 for one program per row. With fewer rows
-# in flight at once their second read can come from L2 instead of HBM: a 152k-vocabulary bf16 row is 304 KB,
-# so 132 rows in flight are 40 MB of the H100's 50 MB L2, against ~1,000 rows (300 MB) with one program per row.
-PROGRAMS_PER_SM = 0
-BLOCK_V = 4096
-NUM_WARPS = None  # None: num_warps_for(BLOCK_V)
-
-
 def fused_classifier(logits, losses, targets, dloss: float = 1.0, write_dlogits: bool = True) -> None:
     """losses[n] (fp32) = logsumexp(logits[r]) - logits[r, t_r] (0 where t_r = -100); with write_dlogits,
     logits[n, V] (model dtype, row stride may exceed V) <- dloss * (softmax - onehot), zero on masked rows."""
@@ -69,11 +54,6 @@ def fused_classifier(logits, losses, targets, dloss: float = 1.0, write_dlogits:
         raise ValueError("fused_classifier: logits rows must be contiguous")
     if n == 0:
         return
-    block_v = min(next_pow2(v), 16384 if INTERPRET else BLOCK_V)
-    programs = n
-    if PROGRAMS_PER_SM and logits.device.type == "cuda":
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        programs = min(n, PROGRAMS_PER_SM * sms)
-    _classifier_kernel[(programs,)](logits, losses, targets, n, v, logits.stride(0), float(dloss),
-                                    BLOCK_V=block_v, WRITE_DLOGITS=write_dlogits,
-                                    num_warps=NUM_WARPS or num_warps_for(block_v))
+    block_v = min(next_pow2(v), 16384 if INTERPRET else 4096)
+    _classifier_kernel[(n,)](logits, losses, targets, v, logits.stride(0), float(dloss),
+                             BLOCK_V=block_v, WRITE_DLOGITS=write_dlogits, num_warps=num_warps_for(block_v))
