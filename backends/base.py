@@ -208,22 +208,6 @@ class Backend:
         """
         raise NotImplementedError
 
-    def matmul_swiglu_forward(self, up_gate: torch.Tensor, out: torch.Tensor, x: torch.Tensor,
-                              w: torch.Tensor) -> None:
-        """The MLP's up+gate GEMM and SwiGLU (model dtype): up_gate[N, 2I] = x[N, C] w[2I, C]^T, then
-        out[N, I] = swiglu_forward(up_gate). A backend may fuse the two (triton: the SwiGLU in the GEMM's
-        epilogue, no second read of up_gate); this default runs them one after the other."""
-        self.matmul(up_gate, x, w, transpose_b=True)
-        self.swiglu_forward(out, up_gate)
-
-    def matmul_swiglu_backward(self, d_up_gate: torch.Tensor, d_out: torch.Tensor, dy: torch.Tensor,
-                               w: torch.Tensor, up_gate: torch.Tensor) -> None:
-        """The down projection's dgrad and the SwiGLU backward (model dtype): d_out[N, I] = dy[N, C] w[C, I]
-        (w = W_down), then d_up_gate[N, 2I] = swiglu_backward(d_out, up_gate). ``d_out`` is scratch: a backend
-        that fuses the two (triton: the SwiGLU backward in the dgrad's epilogue) never writes it."""
-        self.matmul(d_out, dy, w)
-        self.swiglu_backward(d_up_gate, d_out, up_gate)
-
     def bias_backward(self, dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
         """dbias[N] += dout[M, N].sum(0) (accumulate; fp32 sum). absmax (fp32 0-d) = max|dout| when given: the
         FP8 scale of dout, taken in the same read (the QKV GEMM's backward needs it for dqkv)."""

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit ce64dd3 (its tools are there; main later removed what this call showed slower or inconclusive).
 # Session 6, call 2 (nvidia-h100-x1; carry .whl): the SwiGLU fused into its GEMMs (backends/triton/swiglu_gemm.py).
 # 1. GPU tests: the fused kernels at 0.5B / 1.5B / ragged shapes, the whole model triton vs torch (bf16, fused
 #    path), CUDA graphs (eager vs replay with the fused kernels).

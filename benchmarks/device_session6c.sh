@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 90fe610 (its tools are there; main later removed what this call showed slower or inconclusive).
 # Session 6, call 3 (nvidia-h100-x1; carry .whl). After call 2 (the fused SwiGLU GEMMs lose in the step; now off):
 # 1. Where a 1.5B bf16 step goes, with the top kernels by time (the attention's helper kernels, ~20 ms per step).
 # 2. Only the backward fused (alone 4% faster than dgrad + swiglu_backward at 1.5B): alternating A/B in the step.

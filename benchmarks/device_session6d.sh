@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit ca7b431 (its tools are there; main later removed what this call showed slower or inconclusive).
 # Session 6, call 4 (nvidia-h100-x1; carry .whl). GEMM algorithms timed under sustained load (backends/cublaslt.py
 # _TUNE_HEAT_MS / round-robin) against the cold timing of anchor_6 (untracked; = 90fe610):
 #   git archive 90fe610 backends llmq_ray benchmarks/engine_step.py benchmarks/bench_train.py | (mkdir -p anchor_6 && tar -x -C anchor_6)

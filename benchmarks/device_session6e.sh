@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 2d2ff80 (its tools are there; main later removed what this call showed slower or inconclusive).
 # Session 6, call 5 (nvidia-h100-x1; carry .whl). The fused classifier with a few programs per SM walking the rows
 # (so a row's second read can come from L2) instead of one program per row (its 2 reads + 1 write of the 1.5B
 # logits run at ~2.9 TB/s, 20.5 ms per step of 4 micro-steps).

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit e2a9f3e (its tools are there; main later removed what this call showed slower or inconclusive).
 # Session 6, call 6 (nvidia-h100-x1; carry .whl), on what is left of the session's device time:
 # 1. The RMSNorm backward's launch shapes alone at 1.5B (B=16) and 0.5B (B=32) sizes (data for the next session).
 # 2. The 1.5B bf16 bar through Ray twice more on main as it stands (kernels as measured in call 3).

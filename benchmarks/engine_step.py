@@ -126,9 +126,6 @@ def main():
                     help="the update before the next forward, not beside it")
     ap.add_argument("--unfused-attn-rope-bwd", action="store_true",
                     help="A/B: copy the attention gradients into dqkv, then RoPE backward in place (the old path)")
-    ap.add_argument("--swiglu-gemm", default=None,
-                    help="triton bf16: where the SwiGLU is fused into its GEMM (comma list of forward, backward, "
-                         "or none; default: the backend's fuse_swiglu_gemm)")
     ap.add_argument("--deterministic-attention", action="store_true",
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
@@ -151,8 +148,6 @@ def main():
         from backends.base import Backend
 
         backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
-    if args.backend == "triton" and args.swiglu_gemm is not None:
-        backend.fuse_swiglu_gemm = frozenset(args.swiglu_gemm.split(",")) - {"none"}
     engine = TrainEngine(cfg, opts, backend)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)

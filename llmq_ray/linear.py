@@ -319,21 +319,6 @@ class BlockLinears:
             self.be.quantize(xq, descale, x, x_amax)
         self.be.matmul_fp8(out, xq, w_q, descale, w_descale, bias=bias)
 
-    def forward_swiglu(self, up_gate: torch.Tensor, out: torch.Tensor, x: torch.Tensor, key: str) -> None:
-        """Model dtype only: up_gate[N, 2I] = x W^T (W = ``key``, the up+gate weight) and out = swiglu(up_gate),
-        through ``backend.matmul_swiglu_forward`` (fused where the backend can)."""
-        assert not self.fp8, "forward_swiglu is the model-dtype path; FP8 quantizes its GEMM inputs"
-        self.be.matmul_swiglu_forward(up_gate, out, x, self.w[key])
-
-    def backward_swiglu(self, d_up_gate: torch.Tensor, d_out: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor,
-                        x: torch.Tensor, up_gate: torch.Tensor, key: str, accumulate: bool = True) -> None:
-        """Model dtype only: the down projection's backward with the SwiGLU backward after its dgrad:
-        d_up_gate[N, 2I] = swiglu_backward(dy W, up_gate) (W = ``key`` [C, I]; ``d_out`` [N, I] is scratch that
-        a fused backend never writes) and dw (+)= dy^T x as in ``backward``."""
-        assert not self.fp8, "backward_swiglu is the model-dtype path; FP8 quantizes its GEMM inputs"
-        self.be.matmul_swiglu_backward(d_up_gate, d_out, dy, self.w[key], up_gate)
-        self.be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
-
     def dy_quant_buffers(self, n: int, oc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """FP8 scratch for a backward's dy[N, OC]: (q(dy) [N, OC], q(dy^T) [OC, N], descale, absmax), for a kernel
         that quantizes the gradient it produces (``backward(..., dy_quantized=True)`` then reads them)."""

@@ -433,11 +433,8 @@ class LlamaModel:
         be.fused_residual_rmsnorm_forward(mid, ln2, a.rstd2[layer], a.residual[layer], self.scratch_nc,
                                           w[p + "ln2_w"], cfg.rms_norm_eps, absmax=self._amax(layer, 2))
         up_gate, swiglu = a.get("up_gate", layer), a.get("swiglu", layer)
-        if lin.fp8:
-            lin.forward(up_gate, ln2, p + "up_gate_w", self._amax(layer, 2))
-            be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
-        else:  # one kernel where the backend fuses the SwiGLU into the GEMM's epilogue
-            lin.forward_swiglu(up_gate, swiglu, ln2, p + "up_gate_w")
+        lin.forward(up_gate, ln2, p + "up_gate_w", self._amax(layer, 2))
+        be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
         lin.forward(self.scratch_nc, swiglu, p + "down_w", self._amax(layer, 3))
         last = layer + 1 == cfg.num_layers
         next_ln = self.final_ln if last else a.get("ln1", layer + 1)
@@ -490,10 +487,6 @@ class LlamaModel:
         elif rc.norm:
             be.rmsnorm_forward(a.get("ln2", layer), a.rstd2[layer], a.get("residual_mid", layer),
                                w[p + "ln2_w"], eps, absmax=self._amax(layer, 2))
-        if rc.ffn and not lin.fp8:  # up+gate and the SwiGLU in one call (rc.ffn implies rc.swiglu)
-            lin.forward_swiglu(a.get("up_gate", layer), a.get("swiglu", layer), a.get("ln2", layer),
-                               p + "up_gate_w")
-            return
         if rc.ffn:
             lin.forward(a.get("up_gate", layer), a.get("ln2", layer), p + "up_gate_w", self._amax(layer, 2))
         if rc.swiglu:
@@ -509,14 +502,13 @@ class LlamaModel:
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
         lin, acc = self.lin, not (self._block_grads_zero or self.store.layer_grads_fresh)
         # dres and max|dres| (in lin.dy_amax under FP8) come from the RMSNorm backward above this block
+        lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3),
+                     acc, dy_amax_ready=True)
         if lin.fp8:  # the up+gate GEMM's FP8 gradient (both layouts) straight out of the SwiGLU backward
-            lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w",
-                         self._amax(layer, 3), acc, dy_amax_ready=True)
             q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
             be.swiglu_backward_fp8(q, q_t, descale, self.d_swiglu, a.get("up_gate", layer), amax, self.d_up_gate)
-        else:  # the SwiGLU backward in the down dgrad's epilogue where the backend fuses them
-            lin.backward_swiglu(self.d_up_gate, self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer),
-                                a.get("up_gate", layer), p + "down_w", acc)
+        else:
+            be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
         lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
                      self._amax(layer, 2), acc, dy_quantized=lin.fp8)
         be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],

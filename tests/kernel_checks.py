@@ -16,15 +16,15 @@ import torch
 from _helpers import perturb_norms_and_biases
 
 DEV = "cuda"
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
 N, C, I, V = 16 * 1024, 896, 4864, 151936
 HQ, HKV, D = 14, 2, 64
 
 
-def randn(*shape, seed=0, dtype=torch.float32, scale=1.0, device=DEV):
-    g = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(*shape, generator=g, device=device) * scale
+def randn(*shape, seed=0, dtype=torch.float32, scale=1.0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(*shape, generator=g, device=DEV) * scale
     x = torch.where(x.abs() < 1e-3, torch.full_like(x, 1e-3), x)
     return x.to(dtype)
 
@@ -183,40 +183,6 @@ def check_swiglu(fast, ref, dtype):
     assert res["fast"][1].item() == res["fast"][0].float().abs().max().item()
     assert res["fast"][3].item() == res["fast"][2].float().abs().max().item() > 0  # fused max|dinp|, exact
     assert_close(res["fast"][2], res["ref"][2], TOL[dtype], "swiglu dinp")
-
-
-def check_swiglu_gemm(fast, ref, dtype, n=N, c=C, i=I, device=DEV, fused=True):
-    """The SwiGLU fused into its GEMMs (backend.matmul_swiglu_forward / _backward) against the reference's
-    GEMM-then-SwiGLU pair, within the dtype's tolerance. The forward's ``out`` must be exactly the bits
-    swiglu_forward makes of the fused up_gate (same arithmetic on the stored values); the backward is checked
-    against an fp64 dgrad rounded to the model dtype followed by swiglu_backward. ``fused``: the backend is
-    expected to take the fused kernels, so the backward's d_out scratch must come back untouched (NaN)."""
-    x = randn(n, c, seed=51, dtype=dtype, device=device)
-    w_ug = randn(2 * i, c, seed=52, dtype=dtype, scale=c ** -0.5, device=device)
-    w_down = randn(c, i, seed=53, dtype=dtype, scale=i ** -0.5, device=device)
-    dy = randn(n, c, seed=54, dtype=dtype, device=device)
-    res = {}
-    for name, be in (("fast", fast), ("ref", ref)):
-        up_gate = torch.full((n, 2 * i), float("nan"), dtype=dtype, device=device)
-        out = torch.full((n, i), float("nan"), dtype=dtype, device=device)
-        be.matmul_swiglu_forward(up_gate, out, x, w_ug)
-        d_up_gate = torch.full((n, 2 * i), float("nan"), dtype=dtype, device=device)
-        d_out = torch.full((n, i), float("nan"), dtype=dtype, device=device)  # scratch
-        be.matmul_swiglu_backward(d_up_gate, d_out, dy, w_down, up_gate)
-        res[name] = (up_gate, out, d_up_gate)
-        if name == "fast":
-            assert d_out.isnan().all().item() == fused, f"fused={fused} but d_out was {'not ' * fused}written"
-    (ug, out, dug), (ug_ref, out_ref, dug_ref) = res["fast"], res["ref"]
-    assert_close(ug, ug_ref, TOL[dtype], "fused up+gate GEMM")
-    assert_close(out, out_ref, TOL[dtype], "fused swiglu out")
-    again = torch.empty_like(out)
-    fast.swiglu_forward(again, ug)
-    assert torch.equal(out, again), "the fused forward's SwiGLU differs from swiglu_forward on the same up_gate"
-    d_out64 = (dy.double() @ w_down.double()).to(dtype)
-    want = torch.empty_like(dug)
-    fast.swiglu_backward(want, d_out64, ug)
-    assert_close(dug, want, TOL[dtype], "fused swiglu backward vs fp64 dgrad + swiglu_backward")
-    assert_close(dug, dug_ref, TOL[dtype], "fused swiglu backward vs the reference pair")
 
 
 def check_swiglu_backward_fp8(fast, fp8, n=N, i=I):

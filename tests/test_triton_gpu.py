@@ -61,15 +61,6 @@ def test_swiglu(tri, ref, dtype):
     kc.check_swiglu(tri, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,c,i", [(N, C, I), (16384, 1536, 8960), (1000, 200, 360)])
-def test_swiglu_gemm(tri, ref, dtype, n, c, i):
-    """0.5B and 1.5B MLP shapes and a ragged one; fp32 takes the unfused pair (tl.dot would run it as TF32)."""
-    fused = get_backend("triton", DEV)
-    fused.fuse_swiglu_gemm = frozenset({"forward", "backward"})  # off by default (slower in a step)
-    kc.check_swiglu_gemm(fused, ref, dtype, n, c, i, fused=dtype != torch.float32)
-
-
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("n,i", [(N, I), (16000, 4860)])
 def test_swiglu_backward_fp8(tri, fp8, n, i):

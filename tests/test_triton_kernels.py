@@ -292,30 +292,6 @@ def test_swiglu_forward_backward(tri, ref, dtype):
     assert_close(res["tri"][2][:, i:], res["ref"][2][:, i:], TOL[dtype], "d gate")
 
 
-@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
-def test_swiglu_fused_into_gemms(tri, ref, dtype):
-    """The up+gate GEMM with the SwiGLU in its epilogue and the down dgrad with the SwiGLU backward in its
-    epilogue (swiglu_gemm.py) against the reference pair. 37 rows, C = 24, I = 40 leave partial 16 x 16 x 16
-    interpreter tiles on every axis, and the 4 persistent programs each walk several tiles."""
-    import kernel_checks as kc
-
-    fused = get_backend("triton", DEVICE)
-    fused.fuse_swiglu_gemm = frozenset({"forward", "backward"})  # off by default (slower in a step on the H100)
-    kc.check_swiglu_gemm(fused, ref, dtype, n=37, c=24, i=40, device=DEVICE,
-                         fused=DEVICE == "cpu" or dtype != torch.float32)
-    kc.check_swiglu_gemm(tri, ref, dtype, n=37, c=24, i=40, device=DEVICE, fused=False)  # the default: apart
-
-
-def test_swiglu_gemm_unsupported_layouts_take_the_unfused_pair(tri, ref):
-    """An I whose gate half starts off a 16-byte boundary (I = 36 bf16 values = 72 bytes) cannot be a TMA
-    descriptor: the backend runs the GEMM and the SwiGLU separately, with the same results."""
-    import kernel_checks as kc
-
-    fused = get_backend("triton", DEVICE)
-    fused.fuse_swiglu_gemm = frozenset({"forward", "backward"})
-    kc.check_swiglu_gemm(fused, ref, torch.bfloat16, n=9, c=24, i=36, device=DEVICE, fused=False)
-
-
 # ---------------------------------------------------------------------------------------------- classifier
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_classifier(tri, ref, dtype):
@@ -525,29 +501,17 @@ def test_stochastic_round_unbiased_reproducible(tri):
 
 
 # ---------------------------------------------------------------------------------------------- whole model
-@pytest.mark.parametrize("dtype,swiglu_gemm,recompute", [(torch.float32, False, None), (torch.bfloat16, False, None),
-                                                          (torch.float32, True, None), (torch.bfloat16, True, "ffn")])
-def test_tiny_model_gradients_triton_vs_torch(dtype, swiglu_gemm, recompute, monkeypatch):
-    """The whole explicit forward/backward of the tiny preset through both backends; ``swiglu_gemm``: the triton
-    backend with the SwiGLU fused into its GEMMs (model.py's forward, backward and, with ``recompute`` = ffn,
-    the recomputation all take the fused calls)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tiny_model_gradients_triton_vs_torch(dtype):
+    """The whole explicit forward/backward of the tiny preset through both backends."""
     from llmq_ray.config import PRESETS
-    from llmq_ray.model import LlamaModel, RecomputeOptions
+    from llmq_ray.model import LlamaModel
     from llmq_ray.params import init_params
 
-    from backends.triton import swiglu_gemm as sg
-
-    calls = []
-    for fn in ("up_gate_swiglu", "down_dgrad_swiglu_backward"):
-        monkeypatch.setattr(sg, fn, lambda *a, _f=getattr(sg, fn), _n=fn: (calls.append(_n), _f(*a)))
     cfg, b, t = PRESETS["tiny"], 2, 16
     results = {}
     for name in ("triton", "torch"):
-        be = get_backend(name, DEVICE)
-        if name == "triton" and swiglu_gemm:
-            be.fuse_swiglu_gemm = frozenset({"forward", "backward"})
-        rc = RecomputeOptions(ffn=recompute == "ffn").resolved()
-        model = LlamaModel(cfg, be, batch_size=b, seq_len=t, dtype=dtype, recompute=rc)
+        model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=dtype)
         flat = torch.zeros(model.layout.numel)
         init_params(model.layout, flat, seed=3)
         model.params[:model.layout.numel].copy_(flat.to(dtype))
@@ -558,8 +522,6 @@ def test_tiny_model_gradients_triton_vs_torch(dtype, swiglu_gemm, recompute, mon
         model.forward_backward(tokens[:, :-1].to(DEVICE), targets.to(DEVICE))
         results[name] = ((model.loss_sum / model.target_count).item(), model.grads.float().cpu())
     (loss, g), (loss_ref, g_ref) = results["triton"], results["torch"]
-    fused = swiglu_gemm and (DEVICE == "cpu" or dtype != torch.float32)  # CUDA fp32 stays unfused (TF32)
-    assert len(calls) == (cfg.num_layers * (2 + (recompute == "ffn")) if fused else 0), calls  # fwd, (rc,) bwd
     assert abs(loss - loss_ref) / loss_ref < (1e-6 if dtype == torch.float32 else 1e-2)
     cos = (g.double() @ g_ref.double() / (g.double().norm() * g_ref.double().norm())).item()
     assert cos >= (0.99999 if dtype == torch.float32 else 0.99), cos

@@ -27,7 +27,6 @@ from backends.triton import attention_bwd as _attention_bwd
 from backends.triton import bias as _bias
 from backends.triton import rope as _rope
 from backends.triton import swiglu as _swiglu
-from backends.triton import swiglu_gemm as _swiglu_gemm
 from backends.triton._common import INTERPRET
 
 
@@ -103,42 +102,6 @@ class TritonBackend(TorchBackend):
                 except cublaslt.CublasLtError:  # no algorithm for this problem (before anything was written): torch's
                     pass
         torch_call(out, a, b, a_descale, b_descale, bias=bias, accumulate=accumulate)
-
-    # ------------------------------------------------------------------ GEMMs with the SwiGLU fused in
-    # Which of the two fused kernels (swiglu_gemm.py) to use where they apply: none by default, because on the
-    # H100 they lose inside a training step (1.5B bf16: 56,226 against 58,512 tokens/s apart; 0.5B: 149,999
-    # against 153,791; benchmarks/results/h100-2026-11-23.md section 26): their Triton GEMM is ~15% slower
-    # than cuBLAS's at these shapes, which the saved SwiGLU traffic does not pay for. The kernels pick their
-    # tile shape by timing at a problem's first call, which needs an eager call: a problem first met while a
-    # CUDA graph is being captured takes the unfused pair instead.
-    fuse_swiglu_gemm: frozenset = frozenset()
-    _fused_problems: set | None = None
-
-    def _fused_ok(self, which: str, half: int, *tensors: torch.Tensor) -> bool:
-        if which not in self.fuse_swiglu_gemm or not _swiglu_gemm.supported(half, *tensors):
-            return False
-        if tensors[0].device.type != "cuda":
-            return True
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        if self._fused_problems is None:
-            self._fused_problems = set()
-        if key not in self._fused_problems:
-            if torch.cuda.is_current_stream_capturing():
-                return False
-            self._fused_problems.add(key)
-        return True
-
-    def matmul_swiglu_forward(self, up_gate, out, x, w):
-        if self._fused_ok("forward", w.shape[0] // 2, x, w, up_gate, out):
-            _swiglu_gemm.up_gate_swiglu(up_gate, out, x, w)
-        else:
-            super().matmul_swiglu_forward(up_gate, out, x, w)
-
-    def matmul_swiglu_backward(self, d_up_gate, d_out, dy, w, up_gate):
-        if self._fused_ok("backward", w.shape[1], dy, w, up_gate, d_up_gate):
-            _swiglu_gemm.down_dgrad_swiglu_backward(d_up_gate, dy, w, up_gate)
-        else:
-            super().matmul_swiglu_backward(d_up_gate, d_out, dy, w, up_gate)
 
     # ------------------------------------------------------------------ attention
     def attention_backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):

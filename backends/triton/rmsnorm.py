@@ -123,17 +123,14 @@ def rmsnorm_forward(out, rstd, inp, weight, eps, absmax=None, *, inp2=None, resi
         ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
 
 
-def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None, *,
-                     tile_elems: int = 2048, max_programs: int = BWD_MAX_PROGRAMS, num_warps: int | None = None) -> None:
+def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None) -> None:
     """dinp[N, C] = rmsnorm'(inp)^T dout (+ dresidual); dweight[C] += sum_n dout * inp * rstd; absmax (fp32
-    0-d) = max|dinp| when given (each program folds its tile's max in atomically).
-    Launch shape (GPU; the defaults are the library's, the others for benchmarks/rmsnorm_bwd_bench.py): rows per
-    tile = tile_elems // next_pow2(C), at most ``max_programs`` programs (= partial dweight rows), warps by tile."""
+    0-d) = max|dinp| when given (each program folds its tile's max in atomically)."""
     n, c = inp.shape
     block_c = next_pow2(c)
-    block_r = tile_rows(block_c, interpret_elems=16384, gpu_elems=tile_elems)
+    block_r = tile_rows(block_c, interpret_elems=16384, gpu_elems=2048)
     row_blocks = triton.cdiv(n, block_r)
-    programs = max(1, min(row_blocks, max_programs if not INTERPRET else 8))
+    programs = max(1, min(row_blocks, BWD_MAX_PROGRAMS if not INTERPRET else 8))
     rows_per_prog = triton.cdiv(row_blocks, programs) * block_r
     programs = triton.cdiv(n, rows_per_prog)
     part = torch.empty(programs, c, dtype=torch.float32, device=inp.device)
@@ -143,7 +140,7 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, abs
         dinp, part, dout, inp, weight, rstd, dresidual if dresidual is not None else dinp,
         absmax if absmax is not None else rstd, n, c,
         rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c, DRESIDUAL=dresidual is not None,
-        ABSMAX=absmax is not None, num_warps=num_warps or num_warps_for(block_r * block_c))
+        ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
     # Narrow column blocks: C/32 programs (28 for C=896) instead of C/256 (4), which left the GPU idle for
     # ~35 us per call (1.7 ms per 0.5B step, H100 profile); the reduction order per column is unchanged.
     col_block = min(block_c, 256 if INTERPRET else 32)
