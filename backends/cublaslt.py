@@ -43,6 +43,7 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _DESC_A_SCALE_POINTER, _DESC_B_SCALE_POINTER = 17, 18
 _DESC_FAST_ACCUM = 25
+_DESC_SM_COUNT_TARGET = 15  # int32; 0 = all of the device's SMs
 _PREF_MAX_WORKSPACE_BYTES = 1  # cublasLtMatmulPreferenceAttributes_t
 _PREF_MIN_ALIGNMENT_BYTES = (5, 6, 7, 8)  # ... MIN_ALIGNMENT_A/B/C/D_BYTES (uint32, default 256)
 _MIN_POINTER_ALIGNMENT = 16  # bytes; cuBLASLt's tensor-core kernels need at least this (FP8 requires it)
@@ -152,13 +153,17 @@ class _Plan:
     """
 
     def __init__(self, lib, handle, a_shape, b_shape, trans_a, trans_b, a_dtype, b_dtype, out_dtype, n, m,
-                 alignments):
+                 alignments, sm_count: int = 0):
         vp = ctypes.c_void_p
         self.desc = vp()
         _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R_32F), "MatmulDescCreate")
         for attr, value in ((_DESC_TRANSA, _OP_T if trans_b else _OP_N), (_DESC_TRANSB, _OP_T if trans_a else _OP_N)):
             v = ctypes.c_int32(value)
             _check(lib.cublasLtMatmulDescSetAttribute(self.desc, attr, ctypes.byref(v), 4), "set trans")
+        if sm_count:  # the heuristic sizes the kernels for this many SMs (leaving the rest to a concurrent stream)
+            v = ctypes.c_int32(sm_count)
+            _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_SM_COUNT_TARGET, ctypes.byref(v), 4),
+                   "set SM count target")
         if a_dtype.itemsize == 1:  # FP8: no fast accumulation (torch._scaled_mm's default numerics)
             fast = ctypes.c_int8(0)
             _check(lib.cublasLtMatmulDescSetAttribute(self.desc, _DESC_FAST_ACCUM, ctypes.byref(fast), 1),
@@ -239,16 +244,17 @@ class CublasLt:
         return a.dtype == b.dtype == out.dtype and a.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
     def plan(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bool, trans_b: bool,
-             accumulate: bool) -> _Plan:
+             accumulate: bool, sm_count: int = 0) -> _Plan:
         """The cached plan of this problem (beta = 0 and beta = 1 are separate problems: their fastest
-        algorithms differ)."""
+        algorithms differ; so are SM count targets, ``sm_count`` > 0: kernels sized for that many SMs)."""
         alignments = tuple(pointer_alignment(t.data_ptr()) for t in (b, a, out, out))
-        key = (tuple(a.shape), tuple(b.shape), trans_a, trans_b, a.dtype, b.dtype, out.dtype, accumulate, alignments)
+        key = (tuple(a.shape), tuple(b.shape), trans_a, trans_b, a.dtype, b.dtype, out.dtype, accumulate, alignments,
+               sm_count)
         p = self.plans.get(key)
         if p is None:
             m, n = out.shape
             p = self.plans[key] = _Plan(self.lib, self.handle, tuple(a.shape), tuple(b.shape), trans_a, trans_b,
-                                        a.dtype, b.dtype, out.dtype, n, m, alignments)
+                                        a.dtype, b.dtype, out.dtype, n, m, alignments, sm_count)
         return p
 
     # ---------------------------------------------------------------- running
@@ -309,15 +315,16 @@ class CublasLt:
 
     def gemm(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, trans_a: bool = False,
              trans_b: bool = True, a_descale: torch.Tensor | None = None, b_descale: torch.Tensor | None = None,
-             accumulate: bool = False, fallback=None, algo_index: int | None = None) -> None:
+             accumulate: bool = False, fallback=None, algo_index: int | None = None, sm_count: int = 0) -> None:
         """out[M, N] (+)= op(a) @ op(b) (FP8: times a_descale * b_descale). ``accumulate``: beta = 1.
         ``fallback``: a callable doing the same with the caller's usual library call, tuned against (above).
-        ``algo_index`` forces a candidate (benchmarks). Check ``supports`` first; FP8 descales are fp32 tensors
-        of one element (per-tensor scaling)."""
+        ``algo_index`` forces a candidate (benchmarks). ``sm_count``: run on about that many SMs (cuBLASLt's
+        SM count target; 0 = all), for a GEMM that shares the GPU with a concurrent stream. Check ``supports``
+        first; FP8 descales are fp32 tensors of one element (per-tensor scaling)."""
         if a.element_size() == 1 and not all(t is not None and t.dtype == torch.float32 and t.numel() == 1
                                              for t in (a_descale, b_descale)):
             raise CublasLtError("FP8 GEMM: a_descale and b_descale must be fp32 tensors of one element")
-        p = self.plan(out, a, b, trans_a, trans_b, accumulate)
+        p = self.plan(out, a, b, trans_a, trans_b, accumulate, sm_count)
         if algo_index is not None:
             if not 0 <= algo_index < p.count:
                 raise CublasLtError(f"algorithm {algo_index} of {p.count}")

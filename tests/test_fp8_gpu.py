@@ -112,6 +112,25 @@ LAYOUTS = {  # name: (a shape, b shape, transpose_a, transpose_b) for out[M, N] 
 def test_cublaslt_bf16_every_candidate_matches_fp64(layout, accumulate):
     """Every cuBLASLt candidate algorithm, in each of the four transpose layouts, against an fp64 reference
     (bf16 inputs, fp32 accumulation, one bf16 rounding: 2^-7 relative to max |ref|), beta = 0 and 1."""
+    _check_every_candidate(layout, accumulate, sm_count=0)
+
+
+@pytest.mark.parametrize("layout", ["forward x W^T", "wgrad dy^T x"])
+@pytest.mark.parametrize("sm_count", [66, 100])
+def test_cublaslt_sm_count_target(layout, sm_count):
+    """With an SM count target (a GEMM meant to share the GPU with a concurrent stream) the plan is a separate
+    one and every candidate it offers is as exact as without (beta = 1)."""
+    from backends import cublaslt
+    a_shape, b_shape, ta, tb = LAYOUTS[layout]
+    a = torch.ones(*a_shape, device="cuda", dtype=torch.bfloat16)
+    b = torch.ones(*b_shape, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros(384, 256, device="cuda", dtype=torch.bfloat16)
+    lt = cublaslt.for_device(torch.device("cuda"))
+    assert lt.plan(out, a, b, ta, tb, True, sm_count) is not lt.plan(out, a, b, ta, tb, True)
+    _check_every_candidate(layout, True, sm_count)
+
+
+def _check_every_candidate(layout: str, accumulate: bool, sm_count: int) -> None:
     from backends import cublaslt
     a_shape, b_shape, ta, tb = LAYOUTS[layout]
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -123,14 +142,15 @@ def test_cublaslt_bf16_every_candidate_matches_fp64(layout, accumulate):
     ref = op_a @ op_b + (out0.double() if accumulate else 0)
     lt = cublaslt.for_device(torch.device("cuda"))
     assert lt.supports(out0, a, b, ta, tb)
-    plan = lt.plan(out0, a, b, ta, tb, accumulate)
+    plan = lt.plan(out0, a, b, ta, tb, accumulate, sm_count)
     scale = ref.abs().max().item()
     for j in range(plan.count):
         out = out0.clone()
-        lt.gemm(out, a, b, trans_a=ta, trans_b=tb, accumulate=accumulate, algo_index=j)
+        lt.gemm(out, a, b, trans_a=ta, trans_b=tb, accumulate=accumulate, algo_index=j, sm_count=sm_count)
         err = (out.double() - ref).abs().max().item() / scale
         assert err <= 2 ** -7, f"candidate {j} of {plan.count}: error {err:.2e}"
-    print(f"  cuBLASLt bf16 {layout} beta={int(accumulate)}: {plan.count} candidates within 2^-7")
+    print(f"  cuBLASLt bf16 {layout} beta={int(accumulate)} SM target {sm_count}: {plan.count} candidates "
+          f"within 2^-7")
 
 
 def test_triton_backend_bf16_gemm_tuning():
