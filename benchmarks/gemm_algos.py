@@ -8,6 +8,7 @@ after the first). The question it answers: would picking algorithms by timing (i
 or the fused beta = 1 pay, and by how much per shape.
 
     python benchmarks/gemm_algos.py --model Qwen2.5-1.5B --tokens 16384
+    python benchmarks/gemm_algos.py --model Qwen2.5-1.5B --kinds bf16,bf16+= --sustain-ms 200   # under load
 """
 
 from __future__ import annotations
