@@ -84,6 +84,21 @@ class TritonBackend(TorchBackend):
                     pass
         torch_call(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, accumulate=accumulate)
 
+    def matmul_beside(self, out, a, b, *, transpose_a=False, transpose_b=False, accumulate=False, sm_count=0):
+        """On CUDA with ``sm_count``: cuBLASLt's heuristic choice for that many SMs, with its own workspace (the
+        compute stream's GEMMs may run at the same time); otherwise torch's call (cuBLAS keeps a workspace per
+        stream), never the tuned path, which shares one workspace with the compute stream."""
+        if sm_count and out.device.type == "cuda" and self._cublaslt is not False:
+            lt = self._lt(out)
+            if lt and lt.supports(out, a, b, transpose_a, transpose_b):
+                try:
+                    lt.gemm(out, a, b, trans_a=transpose_a, trans_b=transpose_b, accumulate=accumulate,
+                            algo_index=0, sm_count=sm_count)
+                    return
+                except cublaslt.CublasLtError:  # no algorithm for this target (before anything was written)
+                    pass
+        super().matmul(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate)
+
     def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
         """As TorchBackend's, but ``accumulate`` (dw += dy^T x) adds in the GEMM's epilogue through cuBLASLt
         (beta = 1) instead of a torch._scaled_mm into a temporary plus an add: one pass over dw less. With
