@@ -215,6 +215,9 @@ class Backend:
         does so, with scratch of its own; this default is plain ``matmul``."""
         self.matmul(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate)
 
+    def prepare_beside(self, stream) -> None:
+        """Make whatever ``matmul_beside`` will need on ``stream`` (scratch), before any CUDA graph captures it."""
+
     def bias_backward(self, dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
         """dbias[N] += dout[M, N].sum(0) (accumulate; fp32 sum). absmax (fp32 0-d) = max|dout| when given: the
         FP8 scale of dout, taken in the same read (the QKV GEMM's backward needs it for dqkv)."""

@@ -218,20 +218,24 @@ class CublasLt:
         # eager micro-step). Shared by all calls: our GEMMs run in order on the compute stream (or on the
         # capture stream while a graph is recorded), never two at once.
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        # GEMMs with an SM count target run on a side stream at the same time as the compute stream's
-        # (llmq_ray/wgrad_overlap.py): they get a workspace of their own (``side_workspace``, allocated eagerly).
-        self._side_workspace: torch.Tensor | None = None
+        # GEMMs with an SM count target may run on a side stream at the same time as the compute stream's
+        # (llmq_ray/wgrad_overlap.py): they get a workspace per stream (``side_workspace``), never the one above.
+        self._side_workspaces: dict[int, torch.Tensor] = {}
         self._one = ctypes.c_float(1.0)
         self._zero = ctypes.c_float(0.0)
 
-    def side_workspace(self) -> torch.Tensor:
-        """The workspace of the side-stream GEMMs (those with an SM count target); made at the first call, which
-        must be eager (not inside a CUDA-graph capture)."""
-        if self._side_workspace is None:
+    def side_workspace(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """The workspace of the GEMMs with an SM count target issued on ``stream`` (default: the current one):
+        one per stream, so that two such GEMMs running at once never share one. Made at the stream's first
+        call, which must be eager: call this before a CUDA graph captures work on that stream."""
+        stream = stream or torch.cuda.current_stream(self.device)
+        ws = self._side_workspaces.get(stream.cuda_stream)
+        if ws is None:
             if torch.cuda.is_current_stream_capturing():
-                raise CublasLtError("the side-stream workspace must be allocated before a CUDA graph is captured")
-            self._side_workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        return self._side_workspace
+                raise CublasLtError("a side-stream cuBLASLt workspace must be made before the CUDA graph is captured")
+            ws = self._side_workspaces[stream.cuda_stream] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                                           device=self.device)
+        return ws
 
     # ---------------------------------------------------------------- what it takes
     def supports(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bool = False,
@@ -294,6 +298,7 @@ class CublasLt:
         safe = -1 if fallback is not None else 0
         if accumulate and out.numel() * out.element_size() > _TUNE_MAX_SAVED_BYTES:
             return safe
+        torch.cuda.synchronize(self.device)  # nothing else running (e.g. wgrads on a side stream) while timing
         try:
             saved = out.clone() if accumulate else None
         except torch.cuda.OutOfMemoryError:  # no room for the copy: keep the safe choice, untimed

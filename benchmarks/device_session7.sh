@@ -3,8 +3,9 @@
 #   git checkout wgrad-overlap && bash benchmarks/device_session7.sh
 # Go / no-go for the block wgrads on a side stream beside the dgrad chain (llmq_ray/wgrad_overlap.py; results
 # "Against the bars (session 6)"), none of it run on a GPU yet:
-# 1. GPU tests: cuBLASLt's SM count target (every candidate exact, its own plan); the side stream under CUDA graphs
-#    (replay = eager) and against the plain order (losses to 1e-3, weights to 2^-6).
+# 1. GPU tests: cuBLASLt's SM count target (every candidate exact, its own plan); the side stream (made to start
+#    late) and its CUDA-graph replay give the bits of the same wgrads run in order; one micro-step's gradients
+#    against the plain order (block weight gradients within 2 bf16 steps, the rest bit-identical).
 # 2. benchmarks/overlap_probe.py: a GEMM's time under sustained load against its SM count target (power-bound?),
 #    and one wgrad beside swiglu_backward / rmsnorm_backward against the two in sequence.
 # 3. The step: 1.5B bf16 B=16 x 4, alternating plain / side-stream wgrads at 100 and 116 SMs.

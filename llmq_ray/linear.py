@@ -341,7 +341,7 @@ class BlockLinears:
                 be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
             else:  # tagged by the weight's name: the model waits for it before overwriting dy or x
                 self.overlap.submit(key.rsplit(".", 1)[-1], lambda sm: be.matmul_beside(
-                    dw, dy, x, transpose_a=True, accumulate=accumulate, sm_count=sm))
+                    dw, dy, x, transpose_a=True, accumulate=accumulate, sm_count=sm), reads=(dy, x))
             return
         if self.quants == "layer":
             wt_q, w_descale = self._copy(key, transposed=True)

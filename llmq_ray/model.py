@@ -492,17 +492,25 @@ class LlamaModel:
         if rc.swiglu:
             be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer), absmax=self._amax(layer, 3))
 
-    def enable_wgrad_overlap(self, sm_count: int, defer: bool = False) -> None:
+    def enable_wgrad_overlap(self, sm_count: int, mode: str = "stream", delay_cycles: int = 0) -> None:
         """Run the block wgrads on a side stream sized for ``sm_count`` SMs (llmq_ray/wgrad_overlap.py): model
         dtype only, with all weights resident (ZeRO-3 reduces each layer's gradients as its backward ends).
-        ``defer`` (CPU tests): each wgrad runs as late as the waits allow."""
+        Call it before the first micro-step (a captured CUDA graph keeps the order it was captured with).
+        ``mode`` / ``delay_cycles``: the test modes of WgradOverlap."""
         from llmq_ray.wgrad_overlap import WgradOverlap
 
         if self.lin.fp8:
             raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with --matmul-dtype e4m3")
         if not isinstance(self.store, ResidentWeights):
             raise ConfigError("the wgrad overlap needs all weights resident (not ZeRO-3)")
-        self.lin.overlap = WgradOverlap(self.device, sm_count, defer)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
+        if sm_count < 1 or (sms and sm_count > sms):
+            raise ConfigError(f"the wgrad overlap's SM count must be 1..{sms or 'the GPU SM count'}, got {sm_count}")
+        if self.lin.overlap is not None and self.lin.overlap.pending:
+            raise RuntimeError("enable_wgrad_overlap between micro-steps only (wgrads are still pending)")
+        self.lin.overlap = WgradOverlap(self.device, sm_count, mode, delay_cycles)
+        self.backend.prepare_beside(self.lin.overlap.stream if self.lin.overlap.stream is not None
+                                    else (torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None))
 
     def _wait_wgrad(self, *names: str) -> None:
         """Before overwriting an input of the wgrads ``names`` still running beside the compute stream."""
@@ -513,13 +521,13 @@ class LlamaModel:
         """Backward of one block. On entry d_residual = dL/dx_{l+1}; on exit dL/dx_l. Weight grads += .
 
         With the wgrad overlap, the waits below guard the buffers a pending wgrad reads: d_residual (down_w,
-        out_w), the shared d_up_gate and d_qkv (the layer above's up_gate_w, qkv_w), and, when recomputing,
-        the shared activations (all)."""
+        out_w), the shared d_up_gate and d_qkv (the layer above's up_gate_w, qkv_w; implied by the other two,
+        kept to name each hazard), and the recomputed ln1 (the layer above's qkv_w)."""
         be, a, w, g, cfg = self.backend, self.acts, self.w, self.g, self.cfg
         p = f"layers.{layer}."
         n = self.batch_size * self.seq_len
-        if any(dataclasses.astuple(self.recompute)):
-            self._wait_wgrad("qkv_w", "out_w", "up_gate_w", "down_w")
+        if self.recompute.norm:  # the recomputed ln1 is shared: the layer above's qkv wgrad reads it (the others
+            self._wait_wgrad("qkv_w")  # are done: its out_w wait covered them, the side stream runs in order)
         self._recompute(layer)
         dres = self.d_residual
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T

@@ -13,11 +13,18 @@ remembers the wgrad's completion under ``tag``; the model calls ``wait(tag)`` ri
 input of that wgrad (llmq_ray/model.py lists which), and ``wait_all()`` before anything reads the gradients
 (the end of the micro-step: optimizer, gradient reductions, the next micro-step's recomputation).
 
-On a CPU device there is no stream. ``submit`` then runs the wgrad at once, or, with ``defer`` (tests), as late as
-an in-order side stream could: only when the model waits for it or for a wgrad submitted after it. A wait the
-model is missing then shows as wrong gradients on the CPU. Under CUDA-graph capture the fork and join events
-become graph dependencies; ``wait_all`` at the end of the micro-step joins the side stream back before the
-capture ends.
+Modes (tests): on a CPU device there is no stream, so ``submit`` runs the wgrad at once, or with ``mode="defer"``
+as late as an in-order side stream could: only when the model waits for it or for a wgrad submitted after it.
+Each deferred wgrad also checks that the tensors it reads (``reads``) still hold what they held at submission,
+naming the wgrad whose input was overwritten too early. On CUDA, ``mode="serial"`` runs the same GEMMs on the
+compute stream (the bits the side stream must reproduce), and ``delay_cycles`` makes the side stream spin before
+each wgrad, so that a missing wait shows as wrong bits rather than as a rare race. Under CUDA-graph capture the
+fork and join events become graph dependencies; ``wait_all`` at the end of the micro-step joins the side stream
+back before the capture ends.
+
+The side stream has the lowest priority, so the compute stream's blocks go first when SMs free up. (torch hands
+out streams from a pool of 32 per priority: after many streams in one process this one can be shared with another
+side stream, e.g. the update's, which serialises their work but stays correct.)
 """
 
 from __future__ import annotations
@@ -27,39 +34,58 @@ from typing import Callable
 import torch
 
 
+MODES = ("stream", "serial", "defer")
+
+
 class WgradOverlap:
     """Issues wgrad GEMMs on one side stream (see the module docstring). ``sm_count``: SMs each wgrad is sized
-    for (the compute stream keeps the rest); ``defer`` (CPU only): run each wgrad as late as allowed;
-    ``submitted`` counts the wgrads issued."""
+    for (the compute stream keeps the rest); ``mode``: "stream" (CUDA: the side stream; CPU: at once), "serial"
+    (CUDA: on the compute stream) or "defer" (CPU: as late as allowed, inputs checked); ``delay_cycles`` (CUDA,
+    tests): spin the side stream this long before each wgrad; ``submitted`` counts the wgrads issued."""
 
-    def __init__(self, device: torch.device, sm_count: int, defer: bool = False):
+    def __init__(self, device: torch.device, sm_count: int, mode: str = "stream", delay_cycles: int = 0):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} must be one of {MODES}")
         self.device = torch.device(device)
-        self.sm_count = sm_count
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        if defer and self.stream is not None:
-            raise ValueError("defer is the CPU emulation of a side stream; on CUDA the stream itself runs late")
-        self.defer = defer
+        cuda = self.device.type == "cuda"
+        if mode == "defer" and cuda:
+            raise ValueError("mode='defer' emulates a side stream on the CPU; on CUDA use delay_cycles")
+        self.sm_count, self.mode, self.delay_cycles = sm_count, mode, delay_cycles
+        self.stream = None
+        if cuda and mode == "stream":
+            lowest, _ = torch.cuda.Stream.priority_range()
+            self.stream = torch.cuda.Stream(self.device, priority=lowest)
         # in submission order: (tag, the CUDA event recorded after the wgrad, or on the CPU its deferred call)
         self.pending: list[tuple[str, object]] = []
         self.submitted = 0
 
-    def submit(self, tag: str, fn: Callable[[int], None]) -> None:
-        """Run ``fn(sm_count)`` (a wgrad) on the side stream after everything issued so far on the compute stream."""
+    def submit(self, tag: str, fn: Callable[[int], None], reads: tuple[torch.Tensor, ...] = ()) -> None:
+        """Run ``fn(sm_count)`` (a wgrad reading ``reads``) after everything issued so far on the compute stream."""
         self.submitted += 1
         if self.stream is None:
-            if self.defer:
-                self.pending.append((tag, fn))
-            else:
-                fn(0)
+            if self.mode == "defer":
+                snapshot = tuple(t.clone() for t in reads)
+                self.pending.append((tag, lambda: self._run_deferred(tag, fn, reads, snapshot)))
+            else:  # CPU, or CUDA serial: in order on the compute stream
+                fn(self.sm_count if self.device.type == "cuda" else 0)
             return
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         self.stream.wait_event(ready)
         with torch.cuda.stream(self.stream):
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)
             fn(self.sm_count)
             done = torch.cuda.Event()
             done.record(self.stream)
         self.pending.append((tag, done))
+
+    @staticmethod
+    def _run_deferred(tag, fn, reads, snapshot) -> None:
+        for i, (now, then) in enumerate(zip(reads, snapshot)):
+            if not torch.equal(now, then):
+                raise AssertionError(f"input {i} of the pending wgrad {tag!r} was overwritten before it ran")
+        fn(0)
 
     def wait(self, *tags: str) -> None:
         """The compute stream waits for the last pending wgrad of each of ``tags`` (and so, the side stream being
@@ -69,8 +95,8 @@ class WgradOverlap:
             return
         done, self.pending = self.pending[:last + 1], self.pending[last + 1:]
         if self.stream is None:  # deferred calls, in submission order
-            for _, fn in done:
-                fn(0)
+            for _, run in done:
+                run()
         else:
             torch.cuda.current_stream(self.device).wait_event(done[-1][1])
 
