@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in session 6 for the next GPU session (nvidia-h100-x1; carry .whl): bash benchmarks/device_session7.sh
+# This is main's version: the probe only. Branch wgrad-overlap's version of this file also runs the branch's GPU
+# tests and an A/B in the step; run that one (git checkout wgrad-overlap) unless the branch was dropped.
 # Go / no-go for running memory-bound kernels underneath the wgrad GEMMs (results "Against the bars (session 6)"):
 # 1. GPU tests of cuBLASLt's SM count target (new, CPU-checked only): every candidate exact, a separate plan.
 # 2. benchmarks/overlap_probe.py: GEMM time under sustained load against its SM count target (is it power-bound?),
