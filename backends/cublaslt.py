@@ -338,9 +338,9 @@ class CublasLt:
         """out[M, N] (+)= op(a) @ op(b) (FP8: times a_descale * b_descale). ``accumulate``: beta = 1.
         ``fallback``: a callable doing the same with the caller's usual library call, tuned against (above).
         ``algo_index`` forces a candidate (benchmarks). ``sm_count``: run on about that many SMs (cuBLASLt's
-        SM count target; 0 = all), for a GEMM that shares the GPU with a concurrent stream; such a GEMM uses the
-        side workspace and needs ``algo_index`` (timing it alone would not say how it runs beside others). Check ``supports``
-        first; FP8 descales are fp32 tensors of one element (per-tensor scaling)."""
+        SM count target; 0 = all), for a GEMM that shares the GPU with a concurrent stream; such a GEMM uses its
+        stream's side workspace and needs ``algo_index`` (timed alone, it would not show how it runs beside
+        others). Check ``supports`` first; FP8 descales are fp32 tensors of one element (per-tensor scaling)."""
         if a.element_size() == 1 and not all(t is not None and t.dtype == torch.float32 and t.numel() == 1
                                              for t in (a_descale, b_descale)):
             raise CublasLtError("FP8 GEMM: a_descale and b_descale must be fp32 tensors of one element")
