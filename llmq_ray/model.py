@@ -500,7 +500,8 @@ class LlamaModel:
         from llmq_ray.wgrad_overlap import WgradOverlap
 
         if self.lin.fp8:
-            raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with --matmul-dtype e4m3")
+            raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with "
+                              "--matmul-dtype e4m3")
         if not isinstance(self.store, ResidentWeights):
             raise ConfigError("the wgrad overlap needs all weights resident (not ZeRO-3)")
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
@@ -509,8 +510,8 @@ class LlamaModel:
         if self.lin.overlap is not None and self.lin.overlap.pending:
             raise RuntimeError("enable_wgrad_overlap between micro-steps only (wgrads are still pending)")
         self.lin.overlap = WgradOverlap(self.device, sm_count, mode, delay_cycles)
-        self.backend.prepare_beside(self.lin.overlap.stream if self.lin.overlap.stream is not None
-                                    else (torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None))
+        if self.device.type == "cuda":  # the side stream's scratch (or, serial, the compute stream's) before capture
+            self.backend.prepare_beside(self.lin.overlap.stream or torch.cuda.current_stream(self.device))
 
     def _wait_wgrad(self, *names: str) -> None:
         """Before overwriting an input of the wgrads ``names`` still running beside the compute stream."""

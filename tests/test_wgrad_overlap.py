@@ -44,8 +44,9 @@ def _grads(model: LlamaModel, micro_steps: int = 2):
     return model.grads.clone(), (model.loss_sum / model.target_count).item()
 
 
-RECOMPUTE = {"stored": RecomputeOptions(), "norm": RecomputeOptions(norm=True), "swiglu": RecomputeOptions(swiglu=True),
-             "ffn": RecomputeOptions(ffn=True), "att": RecomputeOptions(att=True), "block": RecomputeOptions(block=True)}
+RECOMPUTE = {"stored": RecomputeOptions(), "norm": RecomputeOptions(norm=True),
+             "swiglu": RecomputeOptions(swiglu=True), "ffn": RecomputeOptions(ffn=True),
+             "att": RecomputeOptions(att=True), "block": RecomputeOptions(block=True)}
 
 
 @pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
