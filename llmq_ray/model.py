@@ -511,7 +511,8 @@ class LlamaModel:
             raise RuntimeError("enable_wgrad_overlap between micro-steps only (wgrads are still pending)")
         self.lin.overlap = WgradOverlap(self.device, sm_count, mode, delay_cycles)
         if self.device.type == "cuda":  # the side stream's scratch (or, serial, the compute stream's) before capture
-            self.backend.prepare_beside(self.lin.overlap.stream or torch.cuda.current_stream(self.device))
+            stream = self.lin.overlap.stream
+            self.backend.prepare_beside(stream if stream is not None else torch.cuda.current_stream(self.device))
 
     def _wait_wgrad(self, *names: str) -> None:
         """Before overwriting an input of the wgrads ``names`` still running beside the compute stream."""
