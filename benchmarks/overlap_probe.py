@@ -9,8 +9,9 @@ at the same time.
    200 ms of back-to-back runs (the capped clock), with cuBLASLt's SM count target at 0 (all SMs) and at
    fewer. Each runs with the heuristic's first algorithm for its target.
 2. Overlap. A wgrad GEMM (SM count target T) on a low-priority side stream, and on a high-priority main stream
-   the memory-bound kernel that follows it in the backward, against the two one after the other. The pairs are the down wgrad with
-   swiglu_backward, and the up+gate wgrad with rmsnorm_backward. Each loop is timed after 200 ms of itself.
+   the memory-bound kernel that follows it in the backward, against the two one after the other. The pairs
+   are the down wgrad with swiglu_backward, and the up+gate wgrad with rmsnorm_backward. Each loop is timed
+   after 200 ms of itself.
 
     python benchmarks/overlap_probe.py
 """
