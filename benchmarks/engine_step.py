@@ -36,19 +36,24 @@ KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match 
 )
 
 
+def gpu_kernels(prof):
+    """(total µs, calls, name) of every GPU kernel of a profile (the torch version's name for the time field)."""
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if t > 0 and evt.device_type.name == "CUDA":
+            yield t, evt.count, evt.key
+
+
 def print_kernel_categories(prof, wall_s):
     """Sum the GPU kernel time of one profiled step by kind of kernel (µs per category), next to the wall time.
 
     Overlapping kernels (side streams) are summed as they are, so the total can exceed the wall time."""
     sums, other = {}, {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if t <= 0 or evt.device_type.name != "CUDA":
-            continue
-        name = evt.key.lower()
+    for t, _, key in gpu_kernels(prof):
+        name = key.lower()
         cat = next((c for c, keys in KERNEL_CATEGORIES if any(k in name for k in keys)), None)
         if cat is None:
-            other[evt.key[:70]] = other.get(evt.key[:70], 0) + t
+            other[key[:70]] = other.get(key[:70], 0) + t
             cat = "other"
         sums[cat] = sums.get(cat, 0) + t
     total = sum(sums.values())
@@ -62,12 +67,7 @@ def print_kernel_categories(prof, wall_s):
 
 def print_top_kernels(prof, top: int = 25) -> None:
     """The ``top`` GPU kernels of one profiled step by total time: calls, total ms, mean us, name."""
-    rows = []
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if t > 0 and evt.device_type.name == "CUDA":
-            rows.append((t, evt.count, evt.key))
-    for t, count, name in sorted(rows, reverse=True)[:top]:
+    for t, count, name in sorted(gpu_kernels(prof), reverse=True)[:top]:
         print(f"TOPKERNEL {t / 1e3:8.1f} ms {count:6d} x {t / count:8.1f} us  {name[:110]}")
 
 
