@@ -506,7 +506,8 @@ class LlamaModel:
             raise ConfigError("the wgrad overlap needs all weights resident (not ZeRO-3)")
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
         if sm_count < 1 or (sms and sm_count > sms):
-            raise ConfigError(f"the wgrad overlap's SM count must be 1..{sms or 'the GPU SM count'}, got {sm_count}")
+            raise ConfigError(f"--overlap-wgrad-sms={sm_count} must be between 1 and this GPU's SM count "
+                              f"({sms or 'any'})")
         if self.lin.overlap is not None and self.lin.overlap.pending:
             raise RuntimeError("enable_wgrad_overlap between micro-steps only (wgrads are still pending)")
         self.lin.overlap = WgradOverlap(self.device, sm_count, mode, delay_cycles)

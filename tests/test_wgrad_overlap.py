@@ -15,8 +15,10 @@ import torch
 from _helpers import perturb_norms_and_biases
 from backends import get_backend
 from llmq_ray.config import PRESETS
+from llmq_ray.engine import TrainEngine
 from llmq_ray.errors import ConfigError
 from llmq_ray.model import LlamaModel, RecomputeOptions
+from llmq_ray.options import TrainOptions
 from llmq_ray.params import init_params
 from llmq_ray.wgrad_overlap import WgradOverlap
 
@@ -86,8 +88,46 @@ def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
                        matmul_dtype="e4m3")
     with pytest.raises(ConfigError, match="e4m3"):
         model.enable_wgrad_overlap(sm_count=100)
-    with pytest.raises(ConfigError, match="SM count must be"):
+    with pytest.raises(ConfigError, match="--overlap-wgrad-sms=0 must be between 1 and"):
         _model(False).enable_wgrad_overlap(sm_count=0)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(overlap_wgrad_sms=-1), "--overlap-wgrad-sms=-1 must be 0"),
+    (dict(model_dtype="bf16", matmul_dtype="e4m3"), "does not apply with --matmul-dtype=e4m3"),
+    (dict(zero_level=3), "--zero-level 3"),
+    (dict(offload_residual=True), "--offload-residual"),
+])
+def test_the_option_refuses_what_it_cannot_run(bad, message):
+    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, **{"overlap_wgrad_sms": 100, **bad})
+    with pytest.raises(ConfigError, match=message):
+        opts.validate()
+
+
+def test_the_flag_reaches_the_engine_and_keeps_the_results():
+    """--overlap-wgrad-sms from the command line to the engine's model (on the CPU each wgrad runs at once, so
+    two steps of two micro-steps give the same weights; the GPU tests below check the side stream)."""
+    from llmq_ray.cli import build_parser, resolve_args
+
+    weights = {}
+    for sms in (0, 64):
+        argv = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--synthetic-data",
+                "--device", "cpu", "--overlap-wgrad-sms", str(sms)]
+        opts = resolve_args(build_parser().parse_args(argv))[0].validate()
+        assert opts.overlap_wgrad_sms == sms
+        engine = TrainEngine(CFG, opts, get_backend("torch"))
+        assert (engine.model.lin.overlap is not None) == bool(sms)
+        gen = torch.Generator().manual_seed(5)
+        for step in range(2):
+            for _ in range(2):
+                tokens = torch.randint(0, CFG.vocab_size, (2, 17), generator=gen)
+                engine.micro_step(tokens[:, :-1], tokens[:, 1:])
+            engine.update(lr=1e-3, step=step + 1)
+        if sms:
+            assert engine.model.lin.overlap.sm_count == sms
+            assert engine.model.lin.overlap.submitted == 2 * 2 * 4 * CFG.num_layers
+        weights[sms] = engine.full_params().clone()
+    assert torch.equal(weights[0], weights[64])
 
 
 def test_wait_runs_everything_submitted_before_in_order():
