@@ -208,6 +208,16 @@ class Backend:
         """
         raise NotImplementedError
 
+    def matmul_beside(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose_a: bool = False,
+                      transpose_b: bool = False, accumulate: bool = False, sm_count: int = 0) -> None:
+        """``matmul`` for a GEMM that runs on a side stream beside the compute stream (llmq_ray/wgrad_overlap.py):
+        a backend that can size the GEMM for ``sm_count`` SMs (leaving the rest to the compute stream's kernels)
+        does so, with scratch of its own; this default is plain ``matmul``."""
+        self.matmul(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate)
+
+    def prepare_beside(self, stream) -> None:
+        """Make whatever ``matmul_beside`` will need on ``stream`` (scratch), before any CUDA graph captures it."""
+
     def bias_backward(self, dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
         """dbias[N] += dout[M, N].sum(0) (accumulate; fp32 sum). absmax (fp32 0-d) = max|dout| when given: the
         FP8 scale of dout, taken in the same read (the QKV GEMM's backward needs it for dqkv)."""

@@ -218,8 +218,24 @@ class CublasLt:
         # eager micro-step). Shared by all calls: our GEMMs run in order on the compute stream (or on the
         # capture stream while a graph is recorded), never two at once.
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # GEMMs with an SM count target may run on a side stream at the same time as the compute stream's
+        # (llmq_ray/wgrad_overlap.py): they get a workspace per stream (``side_workspace``), never the one above.
+        self._side_workspaces: dict[int, torch.Tensor] = {}
         self._one = ctypes.c_float(1.0)
         self._zero = ctypes.c_float(0.0)
+
+    def side_workspace(self, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """The workspace of the GEMMs with an SM count target issued on ``stream`` (default: the current one):
+        one per stream, so that two such GEMMs running at once never share one. Made at the stream's first
+        call, which must be eager: call this before a CUDA graph captures work on that stream."""
+        stream = stream or torch.cuda.current_stream(self.device)
+        ws = self._side_workspaces.get(stream.cuda_stream)
+        if ws is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise CublasLtError("a side-stream cuBLASLt workspace must be made before the CUDA graph is captured")
+            ws = self._side_workspaces[stream.cuda_stream] = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8,
+                                                                           device=self.device)
+        return ws
 
     # ---------------------------------------------------------------- what it takes
     def supports(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, trans_a: bool = False,
@@ -258,8 +274,10 @@ class CublasLt:
         return p
 
     # ---------------------------------------------------------------- running
-    def _launch(self, p: _Plan, idx: int, out, a, b, a_descale, b_descale, accumulate: bool) -> None:
+    def _launch(self, p: _Plan, idx: int, out, a, b, a_descale, b_descale, accumulate: bool,
+                side: bool = False) -> None:
         lib = self.lib
+        workspace = self.side_workspace() if side else self.workspace
         if a.element_size() == 1:  # FP8: per-tensor scales (device fp32 scalars); other types take none
             for attr, t in ((_DESC_A_SCALE_POINTER, b_descale), (_DESC_B_SCALE_POINTER, a_descale)):
                 ptr = ctypes.c_void_p(t.data_ptr())
@@ -269,7 +287,7 @@ class CublasLt:
         beta = self._one if accumulate else self._zero
         _check(lib.cublasLtMatmul(self.handle, p.desc, ctypes.byref(self._one), b.data_ptr(), la, a.data_ptr(), lb,
                                   ctypes.byref(beta), out.data_ptr(), lc, out.data_ptr(), ld,
-                                  ctypes.byref(p.results[idx].algo), self.workspace.data_ptr(), _WORKSPACE_BYTES,
+                                  ctypes.byref(p.results[idx].algo), workspace.data_ptr(), _WORKSPACE_BYTES,
                                   stream.cuda_stream), "Matmul")
 
     def _tune(self, p: _Plan, run_candidate, fallback, out: torch.Tensor, accumulate: bool) -> int:
@@ -280,6 +298,7 @@ class CublasLt:
         safe = -1 if fallback is not None else 0
         if accumulate and out.numel() * out.element_size() > _TUNE_MAX_SAVED_BYTES:
             return safe
+        torch.cuda.synchronize(self.device)  # nothing else running (e.g. wgrads on a side stream) while timing
         try:
             saved = out.clone() if accumulate else None
         except torch.cuda.OutOfMemoryError:  # no room for the copy: keep the safe choice, untimed
@@ -319,16 +338,19 @@ class CublasLt:
         """out[M, N] (+)= op(a) @ op(b) (FP8: times a_descale * b_descale). ``accumulate``: beta = 1.
         ``fallback``: a callable doing the same with the caller's usual library call, tuned against (above).
         ``algo_index`` forces a candidate (benchmarks). ``sm_count``: run on about that many SMs (cuBLASLt's
-        SM count target; 0 = all), for a GEMM that shares the GPU with a concurrent stream. Check ``supports``
-        first; FP8 descales are fp32 tensors of one element (per-tensor scaling)."""
+        SM count target; 0 = all), for a GEMM that shares the GPU with a concurrent stream; such a GEMM uses its
+        stream's side workspace and needs ``algo_index`` (timed alone, it would not show how it runs beside
+        others). Check ``supports`` first; FP8 descales are fp32 tensors of one element (per-tensor scaling)."""
         if a.element_size() == 1 and not all(t is not None and t.dtype == torch.float32 and t.numel() == 1
                                              for t in (a_descale, b_descale)):
             raise CublasLtError("FP8 GEMM: a_descale and b_descale must be fp32 tensors of one element")
+        if sm_count and algo_index is None:
+            raise CublasLtError("a GEMM with an SM count target takes an explicit algo_index")
         p = self.plan(out, a, b, trans_a, trans_b, accumulate, sm_count)
         if algo_index is not None:
             if not 0 <= algo_index < p.count:
                 raise CublasLtError(f"algorithm {algo_index} of {p.count}")
-            self._launch(p, algo_index, out, a, b, a_descale, b_descale, accumulate)
+            self._launch(p, algo_index, out, a, b, a_descale, b_descale, accumulate, side=sm_count > 0)
             return
         if p.choice is None:
             if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: pin the safe choice, so

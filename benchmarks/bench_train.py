@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
     p.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                    help="one GPU: the update before the next forward, not beside it")
+    p.add_argument("--overlap-wgrad-sms", type=int, default=0, metavar="SMS",
+                   help="the block wgrads on a side stream sized for SMS SMs (0: off)")
     p.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"], help="master weights dtype")
     p.add_argument("--opt-m-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam m dtype")
     p.add_argument("--opt-v-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam v dtype")
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
                   opt_resident_gib=a.opt_resident_gib,
                   use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
+                  overlap_wgrad_sms=a.overlap_wgrad_sms,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})
     runtime = dict(synthetic_data=True, device=a.device, backend=a.backend, export=False, final_eval=False,

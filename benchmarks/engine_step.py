@@ -126,6 +126,8 @@ def main():
                     help="the update before the next forward, not beside it")
     ap.add_argument("--unfused-attn-rope-bwd", action="store_true",
                     help="A/B: copy the attention gradients into dqkv, then RoPE backward in place (the old path)")
+    ap.add_argument("--overlap-wgrad", type=int, default=0, metavar="SMS",
+                    help="model dtype: the block wgrads on a side stream sized for SMS SMs (llmq_ray/wgrad_overlap.py)")
     ap.add_argument("--deterministic-attention", action="store_true",
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
@@ -149,6 +151,8 @@ def main():
 
         backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
     engine = TrainEngine(cfg, opts, backend)
+    if args.overlap_wgrad:
+        engine.model.enable_wgrad_overlap(args.overlap_wgrad)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     inputs, targets = batch[:, :-1].to(args.device), batch[:, 1:].to(args.device)

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                    help="one GPU, ZeRO-1: run the optimizer update before the next forward instead of beside it "
                    "(same results; for comparisons)")
+    n.add_argument("--overlap-wgrad-sms", type=int, default=0, metavar="SMS",
+                   help="model-dtype GEMMs: run each block's weight-gradient GEMMs on a side stream sized for SMS SMs, "
+                   "beside the memory-bound kernels of the backward (H100: 100 of 132; same gradients; default 0: off)")
     n.add_argument("--deterministic-attention", action="store_true",
                    help="triton backend: run the attention backward through llmq-ray's own kernels, which give the "
                    "same bits on every run (cuDNN's may not), and keep the libraries' default GEMM algorithms instead of "
@@ -198,7 +201,7 @@ def resolve_args(a: argparse.Namespace) -> tuple[TrainOptions, dict]:
         transient_quants=a.transient_quants,
         opt_chunk_size=a.opt_chunk_size, zero_level=a.zero_level, shard_gradients=a.shard_gradients,
         shard_weights=a.shard_weights, use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
-        deterministic_attention=a.deterministic_attention,
+        overlap_wgrad_sms=a.overlap_wgrad_sms, deterministic_attention=a.deterministic_attention,
         seed=a.seed)
     if opts.matmul_dtype == opts.model_dtype:
         opts.matmul_dtype = None

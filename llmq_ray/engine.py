@@ -189,6 +189,8 @@ class TrainEngine:
             else:
                 self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
                 self._grad_shard_tmp = torch.empty_like(self.grad_shard)
+        if opts.overlap_wgrad_sms:  # before any graph is captured: the graph keeps the order it was captured in
+            self.model.enable_wgrad_overlap(opts.overlap_wgrad_sms)
         # --use-cuda-graphs: the forward + backward of a micro-step replayed from a graph (llmq_ray/cuda_graphs.py)
         self._forward_backward = self.model.forward_backward
         if opts.use_cuda_graphs:

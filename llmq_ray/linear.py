@@ -84,6 +84,7 @@ class BlockLinears:
         self.fp8 = matmul_dtype == "e4m3"
         self.store_xt = self.fp8 and store_xt
         self.quants, self.sharded = quants, sharded
+        self.overlap = None  # a WgradOverlap (llmq_ray/wgrad_overlap.py): model-dtype wgrads on a side stream
         if not self.fp8:
             return
         dev = backend.device
@@ -336,7 +337,11 @@ class BlockLinears:
         be = self.be
         if not self.fp8:
             be.matmul(dx, dy, self.w[key])
-            be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
+            if self.overlap is None:
+                be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
+            else:  # tagged by the weight's name: the model waits for it before overwriting dy or x
+                self.overlap.submit(key.rsplit(".", 1)[-1], lambda sm: be.matmul_beside(
+                    dw, dy, x, transpose_a=True, accumulate=accumulate, sm_count=sm), reads=(dy, x))
             return
         if self.quants == "layer":
             wt_q, w_descale = self._copy(key, transposed=True)

@@ -492,11 +492,45 @@ class LlamaModel:
         if rc.swiglu:
             be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer), absmax=self._amax(layer, 3))
 
+    def enable_wgrad_overlap(self, sm_count: int, mode: str = "stream", delay_cycles: int = 0) -> None:
+        """Run the block wgrads on a side stream sized for ``sm_count`` SMs (llmq_ray/wgrad_overlap.py): model
+        dtype only, with all weights resident (ZeRO-3 reduces each layer's gradients as its backward ends).
+        Call it before the first micro-step (a captured CUDA graph keeps the order it was captured with).
+        ``mode`` / ``delay_cycles``: the test modes of WgradOverlap."""
+        from llmq_ray.wgrad_overlap import WgradOverlap
+
+        if self.lin.fp8:
+            raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with "
+                              "--matmul-dtype e4m3")
+        if not isinstance(self.store, ResidentWeights):
+            raise ConfigError("the wgrad overlap needs all weights resident (not ZeRO-3)")
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
+        if sm_count < 1 or (sms and sm_count > sms):
+            raise ConfigError(f"--overlap-wgrad-sms={sm_count} must be between 1 and this GPU's SM count "
+                              f"({sms or 'any'})")
+        if self.lin.overlap is not None and self.lin.overlap.pending:
+            raise RuntimeError("enable_wgrad_overlap between micro-steps only (wgrads are still pending)")
+        self.lin.overlap = WgradOverlap(self.device, sm_count, mode, delay_cycles)
+        if self.device.type == "cuda":  # the side stream's scratch (or, serial, the compute stream's) before capture
+            stream = self.lin.overlap.stream
+            self.backend.prepare_beside(stream if stream is not None else torch.cuda.current_stream(self.device))
+
+    def _wait_wgrad(self, *names: str) -> None:
+        """Before overwriting an input of the wgrads ``names`` still running beside the compute stream."""
+        if self.lin.overlap is not None:
+            self.lin.overlap.wait(*names)
+
     def _block_backward(self, layer: int) -> None:
-        """Backward of one block. On entry d_residual = dL/dx_{l+1}; on exit dL/dx_l. Weight grads += ."""
+        """Backward of one block. On entry d_residual = dL/dx_{l+1}; on exit dL/dx_l. Weight grads += .
+
+        With the wgrad overlap, the waits below guard the buffers a pending wgrad reads: d_residual (down_w,
+        out_w), the shared d_up_gate and d_qkv (the layer above's up_gate_w, qkv_w; implied by the other two,
+        kept to name each hazard), and the recomputed ln1 (the layer above's qkv_w)."""
         be, a, w, g, cfg = self.backend, self.acts, self.w, self.g, self.cfg
         p = f"layers.{layer}."
         n = self.batch_size * self.seq_len
+        if self.recompute.norm:  # the recomputed ln1 is shared: the layer above's qkv wgrad reads it (the others
+            self._wait_wgrad("qkv_w")  # are done: its out_w wait covered them, the side stream runs in order)
         self._recompute(layer)
         dres = self.d_residual
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
@@ -508,21 +542,25 @@ class LlamaModel:
             q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
             be.swiglu_backward_fp8(q, q_t, descale, self.d_swiglu, a.get("up_gate", layer), amax, self.d_up_gate)
         else:
+            self._wait_wgrad("up_gate_w")
             be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
         lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
                      self._amax(layer, 2), acc, dy_quantized=lin.fp8)
+        self._wait_wgrad("down_w")
         be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
                             a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
         att = a.get("att", layer)
         lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1),
                      acc, dy_amax_ready=True)
+        self._wait_wgrad("qkv_w")
         self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))  # d_qkv before RoPE
         d_qkv = self.d_qkv.view(n, -1)
         if cfg.qkv_bias:  # FP8: the same read of d_qkv gives the QKV GEMM's dy scale
             be.bias_backward(g[p + "qkv_b"], d_qkv, absmax=self._dy_amax())
         lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0), acc,
                      dy_amax_ready=cfg.qkv_bias)
+        self._wait_wgrad("out_w")
         be.rmsnorm_backward(dres, g[p + "ln1_w"], self.d_ln, a.residual[layer], w[p + "ln1_w"],
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
@@ -576,6 +614,8 @@ class LlamaModel:
         store.begin("embed", backward=True)
         self.backend.embedding_backward(self.g["embed"], tokens, self.d_residual)
         store.end("embed", backward=True)
+        if self.lin.overlap is not None:  # every gradient complete before anything reads them
+            self.lin.overlap.wait_all()
         self._block_grads_zero = False  # a second micro-step must accumulate
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:

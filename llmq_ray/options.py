@@ -76,6 +76,7 @@ class TrainOptions:
     use_cuda_graphs: bool = False     # replay each micro-step's forward + backward from a CUDA graph
     deterministic_attention: bool = False  # triton: the attention backward without atomics (bit-reproducible)
     overlap_update: bool = True       # one worker, ZeRO-1: the update runs beside the next forward (update_overlap.py)
+    overlap_wgrad_sms: int = 0        # >0: the block wgrads on a side stream sized for this many SMs (wgrad_overlap.py)
     # misc
     seed: int = 42
 
@@ -175,4 +176,15 @@ class TrainOptions:
         need(not self.use_cuda_graphs or not self.transient_quants,
              "--use-cuda-graphs cannot capture --transient-quants (which layers need quantizing is decided on the "
              "host at every pass); drop one of them.")
+        need(isinstance(self.overlap_wgrad_sms, int) and self.overlap_wgrad_sms >= 0,
+             f"--overlap-wgrad-sms={self.overlap_wgrad_sms!r} must be 0 (off) or a number of SMs.")
+        need(not self.overlap_wgrad_sms or self.matmul_dtype in (None, self.model_dtype),
+             f"--overlap-wgrad-sms runs the model-dtype weight-gradient GEMMs beside the backward; it does not apply "
+             f"with --matmul-dtype={self.matmul_dtype}.")
+        need(not self.overlap_wgrad_sms or self.effective_zero_level < 3,
+             "--overlap-wgrad-sms needs all weights resident; it cannot be combined with --zero-level 3 (which "
+             "reduces each layer's gradients as soon as its backward ends).")
+        need(not self.overlap_wgrad_sms or not self.offload_residual,
+             "--overlap-wgrad-sms is not verified with --offload-residual (whose fetches run on their own side "
+             "stream); drop one of them.")
         return self

@@ -43,12 +43,13 @@ def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
 
 def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulation: int = 2, overlap: bool = True,
            offload: bool = False, untied: bool = False, deterministic: bool = False, skip_step: int | None = None,
-           eval_after: int | None = None):
+           eval_after: int | None = None, wgrad_sms: int = 0, wgrad_mode: str = "stream", wgrad_delay: int = 0):
     """Losses, grad norms and final weights of a few steps of a 4-layer model with Qwen2.5-0.5B widths.
     ``overlap``: the update beside the next forward (the default); ``offload``: Adam m/v in host memory;
     ``untied``: a separate LM head (its own unit of the overlap); ``deterministic``: --deterministic-attention
     (cuDNN's backward is not bit-reproducible); ``skip_step``: that update is skipped (spike guard, max_loss=0);
-    ``eval_after``: an evaluation between that step and the next."""
+    ``eval_after``: an evaluation between that step and the next; ``wgrad_sms``: the block wgrads on a side stream
+    sized for that many SMs (llmq_ray/wgrad_overlap.py; ``wgrad_mode`` / ``wgrad_delay``: its test modes)."""
     cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers",
                               tie_word_embeddings=not untied)
     opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=accumulation,
@@ -56,6 +57,8 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
                         use_cuda_graphs=graphs, steps=steps, overlap_update=overlap,
                         offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic)
     engine = TrainEngine(cfg, opts, get_backend(backend, "cuda"))
+    if wgrad_sms:
+        engine.model.enable_wgrad_overlap(wgrad_sms, wgrad_mode, wgrad_delay)
     assert (engine.overlap is not None) == overlap  # also with graphs: the first micro-step's graph waits per unit
     gen = torch.Generator().manual_seed(1)
     losses = []
@@ -69,6 +72,8 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
         if step == eval_after:
             batch = torch.randint(0, cfg.vocab_size, (2, 257), generator=gen)
             losses.append(engine.evaluate([(batch[:, :-1].cuda(), batch[:, 1:].cuda())]))
+    if wgrad_sms:  # every side-stream wgrad took cuBLASLt's SM-targeted path (none fell back to torch's call)
+        assert engine.model.backend.beside_fallbacks == 0
     return losses, engine.full_params().clone()  # full_params waits for an update still on its side stream
 
 

@@ -84,6 +84,33 @@ class TritonBackend(TorchBackend):
                     pass
         torch_call(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, accumulate=accumulate)
 
+    beside_fallbacks = 0  # matmul_beside calls that could not take cuBLASLt's SM-targeted path (tests assert 0)
+
+    def matmul_beside(self, out, a, b, *, transpose_a=False, transpose_b=False, accumulate=False, sm_count=0):
+        """On CUDA with ``sm_count``: cuBLASLt's heuristic choice for that many SMs, with the current stream's own
+        workspace (the compute stream's GEMMs may run at the same time); otherwise torch's call (cuBLAS keeps a
+        workspace per stream), never the tuned path, which shares one workspace with the compute stream. Each
+        such fallback is counted in ``beside_fallbacks``."""
+        if sm_count and out.device.type == "cuda" and self._cublaslt is not False:
+            lt = self._lt(out)
+            if lt and lt.supports(out, a, b, transpose_a, transpose_b):
+                try:
+                    lt.gemm(out, a, b, trans_a=transpose_a, trans_b=transpose_b, accumulate=accumulate,
+                            algo_index=0, sm_count=sm_count)
+                    return
+                except cublaslt.CublasLtError:  # no algorithm for this target (raised before anything is written)
+                    pass
+        if sm_count:
+            self.beside_fallbacks += 1
+        super().matmul(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate)
+
+    def prepare_beside(self, stream) -> None:
+        if stream is not None and self._cublaslt is not False:
+            with torch.cuda.device(stream.device):
+                lt = self._lt(torch.empty(0, device=stream.device))
+            if lt:
+                lt.side_workspace(stream)
+
     def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
         """As TorchBackend's, but ``accumulate`` (dw += dy^T x) adds in the GEMM's epilogue through cuBLASLt
         (beta = 1) instead of a torch._scaled_mm into a temporary plus an add: one pass over dw less. With
