@@ -1,0 +1,123 @@
+"""benchmarks/speed_table.py: the grid it plans, the table it prints (SOL / MFU from the records, failed rows
+kept), the time limit of a row, and one real row through Ray on the CPU."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("speed_table", ROOT / "benchmarks" / "speed_table.py")
+speed_table = importlib.util.module_from_spec(spec)
+sys.modules["speed_table"] = speed_table  # dataclasses look their module up there
+spec.loader.exec_module(speed_table)
+
+from llmq_ray.config import PRESETS  # noqa: E402
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def arg(row, flag):
+    return row.argv[row.argv.index(flag) + 1]
+
+
+def test_plan_rows_is_the_issue_grid():
+    rows = speed_table.plan_rows(["Qwen2.5-0.5B", "Qwen2.5-1.5B"], ["triton", "torch"], ["bf16", "e4m3"], 1024,
+                                 overlap_wgrad_sms=100, hf_baseline=True)
+    setups = [(r.model, r.setup) for r in rows]
+    for model in ("Qwen2.5-0.5B", "Qwen2.5-1.5B"):
+        mine = [s for m, s in setups if m == model]
+        assert mine == ["llmq-ray triton, bf16, CUDA graphs, through Ray",
+                        "llmq-ray triton, bf16, CUDA graphs, wgrads on a side stream (100 SMs), through Ray",
+                        "llmq-ray triton, e4m3, CUDA graphs, through Ray",
+                        "llmq-ray torch, bf16, through Ray",
+                        "HF transformers + torch.compile + bf16 autocast + fused AdamW"]
+    by = {(r.model, r.setup): r for r in rows}
+    # the triton rows run at the shapes of issue 6's bars
+    r05 = by[("Qwen2.5-0.5B", "llmq-ray triton, e4m3, CUDA graphs, through Ray")]
+    assert [arg(r05, f) for f in ("--batch-size", "--grad-accumulation", "--matmul-dtype")] == ["32", "1", "e4m3"]
+    r15 = by[("Qwen2.5-1.5B", "llmq-ray triton, bf16, CUDA graphs, wgrads on a side stream (100 SMs), through Ray")]
+    assert [arg(r15, f) for f in ("--batch-size", "--grad-accumulation", "--overlap-wgrad-sms")] == ["16", "16", "100"]
+    assert "--matmul-dtype" not in r15.argv and r15.matmul_dtype == "bf16"
+    for r in rows:
+        if r.kind == "ours":
+            assert arg(r, "--opt-m-dtype") == arg(r, "--opt-v-dtype") == "bf16" and arg(r, "--seq-len") == "1024"
+            assert ("--use-cuda-graphs" in r.argv) == ("triton" in r.setup)
+        else:
+            assert r.argv[0].endswith("hf_baseline.py") and arg(r, "--model") == r.model
+
+
+def test_plan_rows_without_overlap_or_baseline_and_on_cpu():
+    rows = speed_table.plan_rows(["tiny"], ["torch"], ["bf16", "e4m3"], 64, 0, False, device="cpu")
+    assert [r.setup for r in rows] == ["llmq-ray torch, fp32, through Ray"]  # the reference runs bf16 only
+    assert arg(rows[0], "--device") == "cpu" and arg(rows[0], "--workers") == "1" and "--gpus" not in rows[0].argv
+
+
+def fake_row(model, matmul, tps, gpu=H100, **kw):
+    row = speed_table.Row(model, f"setup {matmul}", "ours", matmul, 16, 1, ["bench_train.py"])
+    row.record = {"gpu": gpu, "tokens_per_s_per_gpu": tps, "step_ms": 1000.0, "peak_memory_gib": 12.25, **kw}
+    return row
+
+
+def test_table_computes_sol_against_the_dtype_peak_and_mfu_against_bf16():
+    fpt = PRESETS["Qwen2.5-0.5B"].flops_per_token(1024)
+    tps = 0.5 * 989e12 / fpt  # 50% of the bf16 peak
+    bf16, fp8 = fake_row("Qwen2.5-0.5B", "bf16", tps), fake_row("Qwen2.5-0.5B", "e4m3", tps)
+    m_bf16, m_fp8 = speed_table.row_metrics(bf16, 1024), speed_table.row_metrics(fp8, 1024)
+    assert m_bf16["sol"] == pytest.approx(0.5) and m_bf16["mfu"] == pytest.approx(0.5)
+    assert m_fp8["sol"] == pytest.approx(0.5 * 989 / 1979) and m_fp8["mfu"] == pytest.approx(0.5)
+    failed = speed_table.Row("Qwen2.5-1.5B", "broken", "ours", "bf16", 16, 16, ["bench_train.py"],
+                             error="exit status 2")
+    table = speed_table.format_table([bf16, fp8, failed], 1024)
+    lines = table.splitlines()
+    assert f"**{tps:,.0f}**" in lines[4] and "| 50.0% | 50.0% | 12.2 GiB |" in lines[4]
+    assert "| 25.0% | 50.0% |" in lines[5]
+    assert "failed (exit status 2)" in lines[6]  # a failed row stays in the table
+    assert "[3] `python bench_train.py`" in table and H100 in table
+
+
+def test_unknown_gpu_gives_no_sol(tmp_path):
+    m = speed_table.row_metrics(fake_row("Qwen2.5-0.5B", "bf16", 1000.0, gpu=None), 1024)
+    assert m["sol"] is None and m["mfu"] is None
+
+
+def test_merge_refuses_mixed_sequence_lengths(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(speed_table.rows_to_json([fake_row("Qwen2.5-0.5B", "bf16", 1.0)], 1024)))
+    b.write_text(json.dumps(speed_table.rows_to_json([fake_row("Qwen2.5-1.5B", "bf16", 2.0)], 2048)))
+    rows, seq = speed_table.rows_from_json([str(a)])
+    assert seq == 1024 and rows[0].record["tokens_per_s_per_gpu"] == 1.0
+    with pytest.raises(SystemExit, match="different --seq-len"):
+        speed_table.rows_from_json([str(a), str(b)])
+
+
+def test_a_hanging_row_is_stopped_and_reported(tmp_path):
+    row = speed_table.Row("tiny", "sleeps", "ours", "bf16", 1, 1, ["-c", "import time; time.sleep(120)"])
+    t0 = time.monotonic()
+    speed_table.run_row(row, timeout_s=1.0, log_path=str(tmp_path / "log"))
+    assert time.monotonic() - t0 < 30
+    assert row.record is None and row.error == "timed out after 1 s"
+
+
+def test_a_failing_row_is_reported(tmp_path):
+    row = speed_table.Row("tiny", "fails", "ours", "bf16", 1, 1, ["-c", "import sys; sys.exit(3)"])
+    speed_table.run_row(row, timeout_s=60.0, log_path=str(tmp_path / "log"))
+    assert row.record is None and row.error == "exit status 3"
+
+
+def test_one_real_row_through_ray_on_cpu(tmp_path):
+    """The whole path: bench_train.py through Ray on a CPU worker, its JSON record, the table and --merge."""
+    out = tmp_path / "table.json"
+    argv = ["--device", "cpu", "--models", "tiny", "--backends", "torch", "--seq-len", "32", "--row-timeout-s", "180",
+            "--log", str(tmp_path / "log"), "--json-out", str(out), "--markdown-out", str(tmp_path / "table.md")]
+    assert speed_table.main(argv) == 0, (tmp_path / "log").read_text()[-3000:]
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["error"] is None and row["record"]["tokens_per_s"] > 0 and row["record"]["args"]["backend"] == "torch"
+    table = (tmp_path / "table.md").read_text()
+    assert "| tiny | llmq-ray torch, fp32, through Ray [1] | 8 x 1 | **" in table
+    assert speed_table.main(["--merge", str(out)]) == 0
+    assert not list(tmp_path.glob("*.tmp*"))  # the JSON and markdown were renamed into place
