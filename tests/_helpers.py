@@ -24,3 +24,13 @@ def perturb_norms_and_biases(model) -> None:
             view = model.params[slot.offset:slot.end]
             noise = torch.randn(view.shape, generator=gen).to(view.device)
             view.add_((0.5 * noise).to(view.dtype))
+
+
+def bf16_stochastic_neighbours(got_bf16, want_fp32):
+    """Every got is one of the two stochastic-rounding candidates of want: want truncated to bf16 (towards
+    zero) or the next bf16 away from zero."""
+    bits = want_fp32.float().contiguous().view(torch.int32)
+    toward_zero = (bits & -65536).view(torch.float32)
+    away = ((bits & -65536) + 65536).view(torch.float32)
+    got = got_bf16.float()
+    return ((got == toward_zero) | (got == away) | (got == want_fp32)).all().item()

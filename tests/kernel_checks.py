@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from _helpers import perturb_norms_and_biases
+from _helpers import bf16_stochastic_neighbours, perturb_norms_and_biases
 
 DEV = "cuda"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -297,7 +297,8 @@ def check_adamw_and_norm(fast, ref):
         out[name] = s
     for i, what in ((0, "param"), (2, "m"), (3, "v")):
         assert_close(out["fast"][i], out["ref"][i], 1e-6, f"adamw fp32 {what}")
-    # bf16 m/v/param with fp32 master: reproducible, master close to the reference
+    # bf16 m/v/param with fp32 master: reproducible, master close to the reference, param = master rounded to
+    # nearest, m and v one of the two stochastic-rounding neighbours of the reference's fp32 result
     runs = []
     for _ in range(2):
         s = dict(param=p.to(torch.bfloat16), m=m.to(torch.bfloat16), v=v.to(torch.bfloat16), master=p.clone())
@@ -306,6 +307,14 @@ def check_adamw_and_norm(fast, ref):
         runs.append(s)
     for k in runs[0]:
         assert torch.equal(runs[0][k], runs[1][k]), k
+    want = dict(param=p.clone(), m=m.to(torch.bfloat16).float(), v=v.to(torch.bfloat16).float())
+    ref.adamw_update(want["param"], gr.to(torch.bfloat16).float(), want["m"], want["v"], master=None,
+                     grad_scale=torch.tensor(0.5, device=DEV), **kw)
+    got = runs[0]
+    assert_close(got["master"], want["param"], 1e-6, "adamw bf16 states: master (fp32)")
+    assert torch.equal(got["param"], got["master"].to(torch.bfloat16)), "param = master rounded to nearest"
+    assert bf16_stochastic_neighbours(got["m"], want["m"]), "m is not a stochastic rounding of the reference"
+    assert bf16_stochastic_neighbours(got["v"], want["v"]), "v is not a stochastic rounding of the reference"
     nrm, nrm_ref = torch.zeros((), device=DEV), torch.zeros((), device=DEV)
     fast.global_norm_squared(nrm, gr)
     ref.global_norm_squared(nrm_ref, gr)

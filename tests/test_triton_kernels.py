@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 
 from backends import get_backend  # noqa: E402
 from backends import torch_ref_optim  # noqa: E402
+from _helpers import bf16_stochastic_neighbours  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -407,16 +408,6 @@ def test_adamw_fp32_matches_reference(tri, ref, scale_kind):
     assert not torch.equal(outs["tri"]["param"], st["param"])
 
 
-def _bf16_neighbours_ok(got_bf16, want_fp32):
-    """Every got is one of the two stochastic-rounding candidates of want: want truncated to bf16 (towards
-    zero) or the next bf16 away from zero."""
-    bits = want_fp32.float().contiguous().view(torch.int32)
-    toward_zero = (bits & -65536).view(torch.float32)
-    away = ((bits & -65536) + 65536).view(torch.float32)
-    got = got_bf16.float()
-    return ((got == toward_zero) | (got == away) | (got == want_fp32)).all().item()
-
-
 def test_adamw_bf16_states_with_master_stochastic_rounding(tri, ref):
     n = 4099
     st = _adam_state(n, {"m": torch.bfloat16, "v": torch.bfloat16})
@@ -436,7 +427,7 @@ def test_adamw_bf16_states_with_master_stochastic_rounding(tri, ref):
     s = runs[0]
     assert_close(s["master"], want["param"], 1e-6, "master (fp32)")
     assert torch.equal(s["param"], s["master"].to(torch.bfloat16)), "param = master rounded to nearest"
-    assert _bf16_neighbours_ok(s["m"], want["m"]) and _bf16_neighbours_ok(s["v"], want["v"])
+    assert bf16_stochastic_neighbours(s["m"], want["m"]) and bf16_stochastic_neighbours(s["v"], want["v"])
     # a different seed draws different bits
     s2 = dict(m=st["m"].clone(), v=st["v"].clone(), master=master.clone(), param=param.clone())
     tri.adamw_update(s2["param"], grad, s2["m"], s2["v"], master=s2["master"], grad_scale=1.0,
@@ -453,7 +444,7 @@ def test_adamw_bf16_param_without_master(tri, ref):
     tri.adamw_update(s["param"], s["grad"], s["m"], s["v"], master=None, grad_scale=2.0, **ADAM)
     assert_close(s["m"], want["m"], 1e-6, "m")
     assert_close(s["v"], want["v"], 1e-6, "v")
-    assert _bf16_neighbours_ok(s["param"], want["param"])
+    assert bf16_stochastic_neighbours(s["param"], want["param"])
 
 
 def test_global_norm_squared_accumulates(tri, ref):
@@ -485,7 +476,7 @@ def test_stochastic_round_unbiased_reproducible(tri):
     # mixed values: the mean error over many is ~0, each output is a neighbour, negatives symmetric
     y = randn(n, seed=42) * 3
     tri.stochastic_round(out, y, seed=8)
-    assert _bf16_neighbours_ok(out, y)
+    assert bf16_stochastic_neighbours(out, y)
     bias = (out.double() - y.double()).mean().item()
     assert abs(bias) < 3e-4, bias
     tri.stochastic_round(out2, y, seed=9)
