@@ -41,15 +41,15 @@ def main():
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg).cuda().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-    # --compile-loss: one compiled function, forward and loss; --no-compile-loss: the model compiled alone
-    run_model = torch.compile(model) if not (args.no_compile or args.compile_loss) else model
+    compiled = "nothing" if args.no_compile else "model and loss" if args.compile_loss else "model"
+    run_model = torch.compile(model) if compiled == "model" else model
 
     def forward_loss(inputs, labels):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = run_model(input_ids=inputs).logits
         return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
-    step_fn = torch.compile(forward_loss) if args.compile_loss and not args.no_compile else forward_loss
+    step_fn = torch.compile(forward_loss) if compiled == "model and loss" else forward_loss
     tokens = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), device="cuda")
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     times = []

@@ -40,7 +40,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from llmq_ray.config import PRESETS  # noqa: E402
-from llmq_ray.metrics import peak_tflops  # noqa: E402
+from llmq_ray.metrics import peak_tflops, sol_fraction  # noqa: E402
+from llmq_ray.runlog import atomic_write_json, atomic_write_text  # noqa: E402
 
 # model -> shapes: triton (batch, micro-steps, steps, warm-up steps), torch (the same), hf (batch, steps)
 ROW_SHAPES = {
@@ -140,12 +141,9 @@ def row_metrics(row: Row, seq_len: int) -> dict:
     r = row.record
     tps = r.get("tokens_per_s_per_gpu", r.get("tokens_per_s"))
     fpt = PRESETS[row.model].flops_per_token(seq_len) if row.model in PRESETS else None
-    achieved = tps * fpt / 1e12 if fpt else None
-    peak, peak_bf16 = peak_tflops(r.get("gpu"), row.matmul_dtype), peak_tflops(r.get("gpu"), "bf16")
-    return {"tokens_per_s": tps, "step_ms": r.get("step_ms"),
-            "sol": achieved / peak if achieved and peak else None,
-            "mfu": achieved / peak_bf16 if achieved and peak_bf16 else None,
-            "peak_memory_gib": r.get("peak_memory_gib")}
+    fraction = lambda dtype: sol_fraction(tps, fpt, peak_tflops(r.get("gpu"), dtype)) if fpt else None  # noqa: E731
+    return {"tokens_per_s": tps, "step_ms": r.get("step_ms"), "sol": fraction(row.matmul_dtype),
+            "mfu": fraction("bf16"), "peak_memory_gib": r.get("peak_memory_gib")}
 
 
 def format_table(rows: list[Row], seq_len: int) -> str:
@@ -170,14 +168,6 @@ def format_table(rows: list[Row], seq_len: int) -> str:
     shown = lambda a: os.path.relpath(a, os.path.dirname(HERE)) if a.startswith(HERE) else a  # noqa: E731
     lines += [f"[{i}] `python {' '.join(shown(a) for a in row.argv)}`" for i, row in enumerate(rows, 1)]
     return "\n".join(lines)
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, then rename it there: never a half-written file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def rows_to_json(rows: list[Row], seq_len: int) -> dict:
@@ -232,11 +222,11 @@ def main(argv=None) -> int:
             status = row.error or f"{row_metrics(row, seq_len)['tokens_per_s']:,.0f} tokens/s"
             print(f"[{i}/{len(rows)}] {row.model} | {row.setup}: {status}", flush=True)
             if a.json_out:  # after every row, so a cut-off run keeps what it measured
-                write_atomically(a.json_out, json.dumps(rows_to_json(rows[:i], seq_len), indent=1))
+                atomic_write_json(a.json_out, rows_to_json(rows[:i], seq_len))
     table = format_table(rows, seq_len)
     print("\n" + table)
     if a.markdown_out:
-        write_atomically(a.markdown_out, table + "\n")
+        atomic_write_text(a.markdown_out, table + "\n")
     return 0 if all(r.record is not None for r in rows) else 1
 
 

@@ -66,15 +66,14 @@ def checkpoint_line(step: int, path: str, seconds: float) -> str:
     return f"[C] step {step:5d} | time: {1000 * seconds:6.0f} ms | checkpoint {path}"
 
 
-def atomic_write_json(path: str, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` via a temporary sibling and os.replace (never half-written)."""
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary sibling and os.replace (never half-written)."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, default=_json_default)
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -82,6 +81,11 @@ def atomic_write_json(path: str, obj) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_json(path: str, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (``atomic_write_text``)."""
+    atomic_write_text(path, json.dumps(obj, indent=1, default=_json_default) + "\n")
 
 
 def _json_default(o):

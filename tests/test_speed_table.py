@@ -79,7 +79,7 @@ def test_table_computes_sol_against_the_dtype_peak_and_mfu_against_bf16():
     assert "[3] `python bench_train.py`" in table and H100 in table
 
 
-def test_unknown_gpu_gives_no_sol(tmp_path):
+def test_unknown_gpu_gives_no_sol():
     m = speed_table.row_metrics(fake_row("Qwen2.5-0.5B", "bf16", 1000.0, gpu=None), 1024)
     assert m["sol"] is None and m["mfu"] is None
 
