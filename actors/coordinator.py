@@ -30,6 +30,16 @@ run ends with one sentence naming that rank and the timeout.
 Step-level calls for custom loops (``LLMQTrainer.step`` / ``update`` / ``validate`` / ``export``) map onto
 ``micro_step`` / ``update`` / ``validate`` / ``export`` here.
 
+Stopping (SIGTERM, a scheduler's preemption, ``LLMQTrainer.request_stop()``): the driver calls
+``request_stop`` (in the probe concurrency group, beside a running step), so a ``train_step`` queued behind
+the running one returns at once without training; then ``stop`` writes a checkpoint of the last completed
+step (unless one exists or the caller says not to) and the log's "end" record. Every way a run ends leaves
+such a record: "finished" (``finish``), "stopped", "restarts_exhausted" (``_recover``) or "failed" (``end``,
+called by the driver with the error sentence).
+
+The log of a run continued from a checkpoint is appended to (llmq_ray/runlog.py); a step at or below the
+highest step already logged is marked ``"retrained": true``.
+
 The trainer schedules this actor on the driver's node, so ``out_dir`` and the log are local to the user.
 """
 
@@ -47,7 +57,7 @@ from actors.placement import create_workers
 from actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.metrics import sol_fraction, sol_record
-from llmq_ray.optim import learning_rate_at
+from llmq_ray.lr_schedule import learning_rate_at
 from llmq_ray.runlog import RunLog, checkpoint_line, eval_line, step_line, warning_line
 from llmq_ray.spike_guard import SpikeGuard
 
@@ -59,7 +69,8 @@ class Coordinator:
         self.spec = spec
         self.opts = spec.opts
         self.cfg, _ = resolve_model(spec.opts.model)
-        self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.json"))
+        self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.json"), resume=bool(spec.resume_from))
+        self.max_step_logged = self.log.previous_last_step  # steps at or below it are trained again
         self.wandb = None
         if spec.wandb_project:
             from llmq_ray.wandb_logger import WandbLogger
@@ -87,6 +98,7 @@ class Coordinator:
         self.warnings = 0
         self.eval_count = 0                # evals started (their tag, for progress())
         self._eval_running: dict | None = None
+        self.stop_requested = False        # set by request_stop(): queued train_steps return untrained
 
     # ------------------------------------------------------------------ set-up
     def start(self, notes: list | None = None) -> dict:
@@ -111,6 +123,8 @@ class Coordinator:
         if spec.resume_from:
             lines.append(self._resume(spec.resume_from, "continue"))
         self.log.flush()
+        if self.log.set_aside:
+            lines.append(f"log: an earlier run's log at {self.log.path} was kept as {self.log.set_aside}")
         return {"world_size": spec.world_size, "gpu": self.gpu_name, "device": infos[0]["device"],
                 "nodes": nodes, "memory": infos[0]["memory"], "memories": [i["memory"] for i in infos],
                 "dataset": infos[0]["dataset"],
@@ -207,6 +221,9 @@ class Coordinator:
                "worker_seconds": worker_s, "ray_overhead_seconds": max(wall - worker_s, 0.0),
                "data_seconds": max(r.get("data_seconds", 0.0) for r in results),
                "memory": [r.get("memory", 0) for r in results]}
+        if step <= self.max_step_logged:  # trained before, then lost to a restart or a resume from an older step
+            rec["retrained"] = True
+        self.max_step_logged = max(self.max_step_logged, step)
         rec["gc_seconds"] = max(r.get("gc_seconds", 0.0) for r in results)  # the cyclic collector's pauses
         rec["gc_collections"] = max(r.get("gc_collections", 0) for r in results)
         if r0.get("allocator_events"):  # CUDA caching-allocator mallocs/frees/retries in this step (rank 0)
@@ -260,6 +277,8 @@ class Coordinator:
         or None}."""
         if self.micro_pending:
             raise RuntimeError("train_step() after step() without update(): call update() first.")
+        if self.stop_requested:  # queued behind the step that was running when the stop came: not trained
+            return {"record": None, "lines": [], "eval": None, "stopped": True}
         if not self.workers:  # e.g. a second queued train_step after the first one failed and tore the group down
             raise WorkerError(f"train_step (step {self.step + 1}): the worker group is gone after an earlier "
                               f"failure; see the error of the step before.")
@@ -325,9 +344,10 @@ class Coordinator:
             self.log.flush()
             raise exc
         if self.restarts >= limit:
-            self.log.flush()
-            raise WorkerError(f"{str(exc).rstrip('.')}; gave up after {self.restarts} automatic restart(s) "
-                              f"(--max-restarts={limit}).") from None
+            final = WorkerError(f"{str(exc).rstrip('.')}; gave up after {self.restarts} automatic restart(s) "
+                                f"(--max-restarts={limit}).")
+            self.log.end("restarts_exhausted", step=self.step, error=str(final), restarts=self.restarts)
+            raise final from None
         self.restarts += 1
         if not (self.spec.fault or {}).get("every_group"):
             self.spec = dataclasses.replace(self.spec, fault=None)  # a test hook fires in the first group only
@@ -426,10 +446,49 @@ class Coordinator:
             self.export_path = self.export()
         summary = self.summary(final)
         self.log.add("summary", **summary)
-        self.log.flush()
+        self.log.end("finished", step=self.step)
         if self.wandb is not None:
             self.wandb.finish()
         return {"summary": summary, "lines": [final["line"]] if final else []}
+
+    # ------------------------------------------------------------------ stopping and the end record
+    def request_stop(self) -> None:
+        """Mark the run as stopping (called in the probe group, beside a running step): a train_step that
+        starts after this returns at once, untrained. The step running now finishes normally."""
+        self.stop_requested = True
+
+    def stop(self, reason: str, checkpoint: bool = True) -> dict:
+        """End a stopping run: a checkpoint of the last completed step (when ``checkpoint`` and the run has
+        trained or loaded something that has none yet), then the "end" record {"reason": "stopped",
+        "signal": reason, "step", "checkpoint"}. Micro-steps of a step-level caller that were not followed
+        by update() are discarded (the checkpoint holds the state after the last update).
+        Returns {"step", "checkpoint" (path or None), "written" (bool), "note" (why none, or "")}."""
+        self.stop_requested = True
+        path, written, note = None, False, ""
+        if self.micro_pending:
+            note = f"{self.micro_pending} micro-step(s) without update() were discarded"
+            self.micro_pending = 0
+        existing = [p for p in self.checkpoints + ([self.origin] if self.origin else [])
+                    if os.path.basename(p) == f"step_{self.step:08d}" and os.path.isdir(p)]
+        if existing:
+            path = existing[-1]
+        elif not checkpoint:
+            note = note or "no checkpoint on exit was asked for"
+        elif self.step == 0:
+            note = note or "no step was completed"
+        elif not self.workers:
+            note = note or "the worker group is gone"
+        else:
+            self.log.flush()  # the records so far are safe even if a second signal aborts the save below
+            path, written = self.save_checkpoint()["path"], True
+        self.log.end("stopped", signal=reason, step=self.step, checkpoint=path, checkpoint_written=written,
+                     **({"note": note} if note else {}))
+        return {"step": self.step, "checkpoint": path, "written": written, "note": note}
+
+    def end(self, reason: str, **fields) -> bool:
+        """Write the log's "end" record (the driver calls this for "failed"); False when it was written
+        already (e.g. "restarts_exhausted" by ``_recover``)."""
+        return self.log.end(reason, step=self.step, **fields) is not None
 
     def summary(self, final: dict | None = None) -> dict:
         steady = self.history[1:] or self.history  # the first step includes warm-up (allocations, first collectives)

@@ -9,13 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmq_ray.errors import ConfigError
-from llmq_ray.model import RecomputeOptions
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+if TYPE_CHECKING:  # torch and the model are imported only when a property needs them: the CLI validates its
+    import torch   # input before anything heavy is imported (a bad flag ends in well under a second)
+
+    from llmq_ray.model import RecomputeOptions
+
+DTYPE_NAMES = ("fp32", "bf16")
+
+
+def __getattr__(name: str):
+    """``DTYPES`` ({"fp32": torch.float32, "bf16": torch.bfloat16}) is built on first use, importing torch."""
+    if name == "DTYPES":
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass
@@ -81,11 +93,15 @@ class TrainOptions:
     seed: int = 42
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.model_dtype]
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.model_dtype]
 
     @property
-    def recompute(self) -> RecomputeOptions:
+    def recompute(self) -> "RecomputeOptions":
+        from llmq_ray.model import RecomputeOptions
+
         return RecomputeOptions(swiglu=self.recompute_swiglu, norm=self.recompute_norm, ffn=self.recompute_ffn,
                                 qkv=self.recompute_qkv, att=self.recompute_att, block=self.recompute_block)
 
@@ -125,7 +141,7 @@ class TrainOptions:
         need(self.grad_clip >= 0, f"--grad-clip={self.grad_clip} must be >= 0 (0 turns clipping off).")
         for flag in ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype"):
             value = getattr(self, flag)
-            need(value in DTYPES, f"--{flag.replace('_', '-')}={value!r} must be one of {sorted(DTYPES)}.")
+            need(value in DTYPE_NAMES, f"--{flag.replace('_', '-')}={value!r} must be one of {sorted(DTYPE_NAMES)}.")
         need(not (self.model_dtype == "fp32" and self.master_dtype == "bf16"),
              "--master-dtype=bf16 with --model-dtype=fp32 makes no sense: the master copy would be less precise "
              "than the weights it updates; use --master-dtype=fp32.")

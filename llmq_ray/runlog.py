@@ -10,16 +10,30 @@ JSON log: a list of records, each a dict with a "log" key naming its kind, in th
 peaks), "dataset" (files, token counts), "allocator" (memory table of rank 0), "step" (per optimizer
 step), "eval", "checkpoint" (one per checkpoint written), "resume" (the checkpoint a run started from, or went
 back to after a restart), "warning" (a skipped update, a loss or grad-norm spike, a skipped checkpoint;
-with a "kind"), "failure" and "restart" (a worker died or hung and the group was rebuilt), "summary". ``RunLog.flush()`` writes the whole list to a temporary file in the same folder and renames
-it over the log, so a reader (or a crash) never sees a half-written file.
+with a "kind"), "failure" and "restart" (a worker died or hung and the group was rebuilt), "summary", and last
+"end": why the run ended (``reason`` "finished", "stopped" (by a signal or ``request_stop()``; with
+``signal``, ``step`` and ``checkpoint``), "failed" (with ``error``, the one-sentence message) or
+"restarts_exhausted"). ``RunLog.flush()`` writes the whole list to a temporary file in the same folder and
+renames it over the log, so a reader (or a crash) never sees a half-written file.
+
+One log describes a whole run across resumes: a run started with ``--continue`` reads the existing log and
+appends to it (``RunLog(path, resume=True)``): its set-up records, a "resume" record, then the new steps. A
+step trained again after going back to a checkpoint (the steps between that checkpoint and a crash) carries
+``"retrained": true``; ``steps_as_one_run`` keeps the newest record of every step, which is what the plot
+script draws. A fresh run never overwrites another run's log: an earlier log at the same path is kept beside
+it as ``<name>.before-<UTC time>.json`` (the trainer refuses an explicit ``--log-file`` that exists unless
+the run continues it).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
 from typing import Optional
+
+END_REASONS = ("finished", "stopped", "failed", "restarts_exhausted")
 
 
 def _num(x: Optional[float], width: int, prec: int) -> str:
@@ -96,16 +110,67 @@ def _json_default(o):
     return str(o)
 
 
+def read_log(path: str) -> list[dict]:
+    """The records of a JSON log (a list of dicts with a "log" key); ValueError naming the file otherwise."""
+    with open(path) as f:
+        try:
+            records = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "log" in r for r in records):
+        raise ValueError(f"{path} is not an llmq-ray JSON log (expected a list of records with a 'log' key)")
+    return records
+
+
+def last_logged_step(records: list[dict]) -> int:
+    """The highest 0-based step of the log's step records (-1 when there is none)."""
+    return max((int(r["step"]) for r in records if r.get("log") == "step"), default=-1)
+
+
+def steps_as_one_run(records: list[dict]) -> list[dict]:
+    """The step records of a log as one run: the newest record of every step, in step order (a step that
+    was trained again after a restart or a resume replaces its earlier record)."""
+    newest: dict[int, dict] = {}
+    for r in records:
+        if r.get("log") == "step":
+            newest[int(r["step"])] = r
+    return [newest[k] for k in sorted(newest)]
+
+
+def append_records(path: str, new: list[dict]) -> None:
+    """Append records to the JSON log at ``path`` (read, extend, atomic rewrite); creates it if missing.
+    For the driver, which writes the last record itself when the coordinator is gone."""
+    records = read_log(path) if os.path.isfile(path) else []
+    atomic_write_json(path, records + list(new))
+
+
+def set_aside_name(path: str) -> str:
+    """Where a fresh run keeps an earlier run's log found at ``path``: ``<stem>.before-<UTC time>.json``."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.before-{stamp}{ext or '.json'}"
+
+
 class RunLog:
     """The JSON log of one run: ``add(kind, **fields)`` appends a record; ``flush()`` rewrites the file
-    atomically (called at set-up, after each eval, every ``flush_every`` steps and at the end)."""
+    atomically (called at set-up, after each eval, every ``flush_every`` steps and at the end).
 
-    def __init__(self, path: Optional[str], flush_every: int = 50):
+    ``resume=True``: the records already in the file are kept and the new ones appended (a run continued
+    from a checkpoint); ``resume=False``: a file already there is renamed to ``set_aside_name(path)`` at the
+    first flush, never overwritten. ``previous_last_step``: the highest step the earlier records logged."""
+
+    def __init__(self, path: Optional[str], flush_every: int = 50, resume: bool = False):
         self.path = os.path.abspath(path) if path else None
         self.records: list[dict] = []
         self.flush_every = flush_every
         self._since_flush = 0
         self.listeners: list = []  # callables fed every new record (e.g. the live W&B logger)
+        self.set_aside: Optional[str] = None  # where an earlier run's log went (fresh runs)
+        self._check_existing = not resume
+        if resume and self.path and os.path.isfile(self.path):
+            self.records = read_log(self.path)
+        self.previous_last_step = last_logged_step(self.records)
+        self.ended = False  # this session's "end" record is written (an earlier session's may be in records)
 
     def add(self, kind: str, /, **fields) -> dict:
         rec = {"log": kind, **fields}
@@ -117,7 +182,24 @@ class RunLog:
             self.flush()
         return rec
 
+    def end(self, reason: str, **fields) -> Optional[dict]:
+        """Add the run's last record, {"log": "end", "reason": ..., **fields}, and flush; a no-op when this
+        session already ended the log (the first reason given is the true one)."""
+        if reason not in END_REASONS:
+            raise ValueError(f"end reason {reason!r} is not one of {END_REASONS}")
+        if self.ended:
+            return None
+        self.ended = True
+        rec = self.add("end", reason=reason, **fields)
+        self.flush()
+        return rec
+
     def flush(self) -> None:
         if self.path is not None:
+            if self._check_existing:
+                self._check_existing = False
+                if os.path.exists(self.path):
+                    self.set_aside = set_aside_name(self.path)
+                    os.replace(self.path, self.set_aside)
             atomic_write_json(self.path, self.records)
         self._since_flush = 0

@@ -40,17 +40,20 @@ the runtime arguments of ``__init__`` below.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import importlib.util
+import inspect
 import os
 import sys
+import threading
 import warnings
 from typing import Optional
 
 from actors.failures import WorkerError, wrap_error
 from actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
-from llmq_ray.errors import ConfigError, LLMQError
+from llmq_ray.errors import ConfigError, DataError, LLMQError
 from llmq_ray.options import TrainOptions
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
@@ -78,6 +81,7 @@ class Result:
     export_path: Optional[str]
     checkpoint_paths: list
     log_file: Optional[str]
+    stopped: Optional[dict] = None  # a run stopped early (see LLMQTrainer.stop): None when it finished
 
 
 def fastest_backend(device: str) -> str:
@@ -93,56 +97,132 @@ class LLMQTrainer:
     def __init__(self, options: Optional[TrainOptions] = None, *, train_file: Optional[str] = None,
                  eval_file: Optional[str] = None, synthetic_data: bool = False, device: str = "auto",
                  backend: str = "auto", gpus: int = 0, workers: Optional[int] = None,
-                 cpus_per_worker: Optional[int] = None, eval_every_n_steps: int = 0, eval_num_steps: int = 8,
-                 final_eval: bool = True, out_dir: str = "out", log_file: Optional[str] = None,
-                 export: bool = True, export_dtype: Optional[str] = None, checkpoint_dir: Optional[str] = None,
-                 ckpt_interval: int = 0, ckpt_keep_n: int = 2, ckpt_major: int = 0, resume=False,
-                 max_restarts: int = 3, skip_update_on_spike: bool = False, spike_window: int = 128,
-                 spike_threshold: float = 6.0, use_ray_data: bool = True, ray_address: Optional[str] = None,
-                 verbose: bool = True, collective_timeout_s: float = 300.0, call_timeout_s: float = 1800.0,
-                 step_timeout_s: float = 1800.0,
-                 fault: Optional[dict] = None, wandb_project: Optional[str] = None,
-                 wandb_run_name: Optional[str] = None, log_gpu_util: int = 0, progress: bool = True,
-                 **option_fields):
-        unknown = set(option_fields) - _OPTION_FIELDS
-        if unknown:
-            raise ConfigError(f"LLMQTrainer got unknown argument(s) {sorted(unknown)}; run options are "
-                              f"{sorted(_OPTION_FIELDS)}.")
-        self.opts = dataclasses.replace(options or TrainOptions(), **option_fields).validate()
-        self.checkpoint_dir = os.path.abspath(checkpoint_dir or os.path.join(out_dir, "ckpt"))
-        self.resume = resume
-        self.runtime = dict(checkpoint_dir=self.checkpoint_dir, ckpt_interval=ckpt_interval, ckpt_keep_n=ckpt_keep_n,
-                            ckpt_major=ckpt_major, max_restarts=max_restarts,
-                            skip_update_on_spike=skip_update_on_spike, spike_window=spike_window,
-                            spike_threshold=spike_threshold, train_file=train_file, eval_file=eval_file, synthetic_data=synthetic_data,
-                            device=device, backend=backend, gpus=gpus, workers=workers,
-                            cpus_per_worker=cpus_per_worker, eval_every_n_steps=eval_every_n_steps,
-                            eval_num_steps=eval_num_steps, final_eval=final_eval, out_dir=out_dir,
-                            log_file=log_file, export=export, export_dtype=export_dtype,
-                            use_ray_data=use_ray_data, collective_timeout_s=collective_timeout_s,
-                            call_timeout_s=call_timeout_s, step_timeout_s=step_timeout_s, fault=fault, wandb_project=wandb_project,
-                            wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util)
-        self.progress = progress
-        self.ray_address = ray_address
-        self.verbose = verbose
-        self.spec: Optional[RuntimeSpec] = None
-        self.coordinator = None
-        self.info: Optional[dict] = None
-        self._started_ray = False
+                 cpus_per_worker: Optional[int] = None, eval_every_n_steps: "int | str" = "auto",
+                 eval_num_steps: "int | str" = "auto", final_eval: bool = True, out_dir: str = "out",
+                 log_file: Optional[str] = None, export: bool = True, export_dtype: Optional[str] = None,
+                 checkpoint_dir: Optional[str] = None, ckpt_interval: int = 0, ckpt_keep_n: int = 2,
+                 ckpt_major: int = 0, resume=False, checkpoint_on_exit: bool = True,
+                 allow_batch_change: bool = False, max_restarts: int = 3, skip_update_on_spike: bool = False,
+                 spike_window: int = 128, spike_threshold: float = 6.0, use_ray_data: bool = True,
+                 ray_address: Optional[str] = None, verbose: bool = True, collective_timeout_s: float = 300.0,
+                 call_timeout_s: float = 1800.0, step_timeout_s: float = 1800.0, fault: Optional[dict] = None,
+                 wandb_project: Optional[str] = None, wandb_run_name: Optional[str] = None, log_gpu_util: int = 0,
+                 progress: bool = True, handle_signals: bool = True, cli: bool = False, **option_fields):
+        self.cli = cli  # error sentences name CLI flags (--warmup) instead of keyword arguments (warmup)
         self.notes: list[str] = []       # warnings found before start (skipped checkpoints), printed there
+        self.lines: list[str] = []       # information found before start (the data used, a batch adjustment)
+        self.verbose = verbose
         try:
-            self._check_inputs()
-            self.resume_from = self._resolve_resume()
+            self._configure(options, option_fields, dict(
+                checkpoint_dir=checkpoint_dir, ckpt_interval=ckpt_interval, ckpt_keep_n=ckpt_keep_n,
+                ckpt_major=ckpt_major, max_restarts=max_restarts, skip_update_on_spike=skip_update_on_spike,
+                spike_window=spike_window, spike_threshold=spike_threshold, train_file=train_file,
+                eval_file=eval_file, synthetic_data=synthetic_data, device=device, backend=backend, gpus=gpus,
+                workers=workers, cpus_per_worker=cpus_per_worker, eval_every_n_steps=eval_every_n_steps,
+                eval_num_steps=eval_num_steps, final_eval=final_eval, out_dir=out_dir, log_file=log_file,
+                export=export, export_dtype=export_dtype, use_ray_data=use_ray_data,
+                collective_timeout_s=collective_timeout_s, call_timeout_s=call_timeout_s,
+                step_timeout_s=step_timeout_s, fault=fault, wandb_project=wandb_project,
+                wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util),
+                resume=resume, ray_address=ray_address, checkpoint_on_exit=checkpoint_on_exit,
+                allow_batch_change=allow_batch_change)
+        except LLMQError as exc:
+            raise self._named(exc) from None
         finally:
             if self.verbose:
                 for note in self.notes:
                     print(f"warning: {note}", file=sys.stderr, flush=True)
+        self.progress = progress
+        self.handle_signals = handle_signals
+        self.spec: Optional[RuntimeSpec] = None
+        self.coordinator = None
+        self.info: Optional[dict] = None
+        self._started_ray = False
+        self._stop_signal: Optional[int] = None  # the signal that asked to stop (None: request_stop())
+        self._stop_requested = threading.Event()
+        self._signals = None                     # the SignalStop of a running fit()
+        self._ended = False                      # the log's "end" record is written
+        self._steps_done = 0                     # optimizer steps completed (as far as the driver knows)
+
+    def _configure(self, options, option_fields: dict, runtime: dict, *, resume, ray_address, checkpoint_on_exit,
+                   allow_batch_change) -> None:
+        """Resolve the defaults and run every check that needs no Ray (``llmq_ray/preflight.py``); nothing is
+        written until all of them passed."""
+        from llmq_ray.preflight import check_local_resources, local_gpu_count
+        from llmq_ray.run_defaults import AUTO, resolve_eval, resolve_option_fields
+
+        unknown = set(option_fields) - _OPTION_FIELDS
+        if unknown:
+            raise ConfigError(f"LLMQTrainer got unknown argument(s) {sorted(unknown)}; run options are "
+                              f"{sorted(_OPTION_FIELDS)}.")
+        r = runtime
+        if r["device"] not in (AUTO, "cpu", "cuda"):
+            raise ConfigError(f"--device={r['device']!r} must be auto, cuda or cpu.")
+        ray_here = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+        local = ray_address is None and not ray_here  # this machine is the whole cluster
+        # the machine the defaults are for: what --device says, else whether this machine has a GPU
+        machine = r["device"] if r["device"] != AUTO else ("cuda" if local_gpu_count() > 0 else "cpu")
+        if options is None:
+            self.opts = resolve_option_fields(option_fields, machine).validate()
+        else:
+            self.opts = dataclasses.replace(options, **option_fields).validate()
+        self.checkpoint_dir = os.path.abspath(r["checkpoint_dir"] or os.path.join(r["out_dir"], "ckpt"))
+        r["checkpoint_dir"] = self.checkpoint_dir
+        self.resume = resume
+        self.ray_address = ray_address
+        self.checkpoint_on_exit = checkpoint_on_exit
+        self.allow_batch_change = allow_batch_change
+        self.runtime = r
+        self._check_inputs()
+        if local:
+            self.notes += check_local_resources(r["device"], r["workers"] or (1 if r["device"] == "cpu" else None),
+                                                r["gpus"], r["cpus_per_worker"])
+        self.resume_from = self._resolve_resume()
+        self._check_outputs()
+        default_data = not r["synthetic_data"] and not r["train_file"]
+        if default_data:  # the embedded tiny-shakespeare (tokenized once into the cache), as the CLI does
+            from llmq_ray.default_data import default_dataset
+
+            from llmq_ray.run_defaults import MACHINE_DEFAULTS
+
+            r["train_file"], default_eval, desc = default_dataset(
+                verbose=self.verbose, eval_tokens=MACHINE_DEFAULTS[machine]["eval_tokens"])
+            r["eval_file"] = r["eval_file"] or default_eval
+            self.lines.append(f"data: {desc}")
+        r["eval_every_n_steps"], r["eval_num_steps"] = resolve_eval(
+            r["eval_every_n_steps"], r["eval_num_steps"], bool(r["eval_file"]), machine)
+        for flag in ("eval_every_n_steps", "eval_num_steps"):
+            if isinstance(r[flag], bool) or not isinstance(r[flag], int) or r[flag] < 0:
+                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0 or 'auto'.")
+        self._check_data()
+        known_world = (r["workers"] or 1) if r["device"] == "cpu" else (r["gpus"] or r["workers"] or None)
+        if known_world:
+            self._keep_global_batch(known_world)
+        if self.verbose:
+            for line in self.lines:
+                print(line, flush=True)
+        self.lines = []
+
+    def _named(self, exc: LLMQError) -> LLMQError:
+        """``exc`` with its flag names written as this API's keyword arguments (unless used by the CLI)."""
+        if self.cli:
+            return exc
+        from llmq_ray.run_defaults import api_names
+
+        text = api_names(str(exc), _OPTION_FIELDS | _RUNTIME_ARGS)
+        if text == str(exc):
+            return exc
+        try:
+            return type(exc)(text)
+        except TypeError:  # an exception type with another constructor: keep it as it is
+            return exc
 
     # ------------------------------------------------------------------ validation before any Ray work
     def _check_inputs(self) -> None:
         o, r = self.opts, self.runtime
         cfg, _ = resolve_model(o.model)
-        from llmq_ray.optim import learning_rate_at
+        self.cfg = cfg
+        from llmq_ray.lr_schedule import learning_rate_at
 
         # the schedule's own checks (--warmup in [0, --steps), wsd cooldown room), before any actor starts
         learning_rate_at(0, base_lr=o.learning_rate, total_steps=o.steps, warmup_steps=o.warmup,
@@ -154,11 +234,8 @@ class LLMQTrainer:
         if o.seq_len > cfg.max_position_embeddings:
             raise ConfigError(f"--seq-len={o.seq_len} exceeds the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}).")
-        if r["device"] not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"--device={r['device']!r} must be auto, cuda or cpu.")
-        for flag in ("eval_every_n_steps", "eval_num_steps", "gpus"):
-            if not isinstance(r[flag], int) or r[flag] < 0:
-                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0.")
+        if not isinstance(r["gpus"], int) or isinstance(r["gpus"], bool) or r["gpus"] < 0:
+            raise ConfigError(f"--gpus={r['gpus']!r} must be an integer >= 0.")
         if r["workers"] is not None and (not isinstance(r["workers"], int) or r["workers"] < 1):
             raise ConfigError(f"--workers={r['workers']!r} must be an integer >= 1.")
         for flag in ("ckpt_interval", "ckpt_major", "max_restarts"):
@@ -179,20 +256,44 @@ class LLMQTrainer:
                               "can leave only that one, and a corrupt one leaves nothing to resume from.")
         if r["export_dtype"] not in (None, "fp32", "bf16"):
             raise ConfigError(f"--export-dtype={r['export_dtype']!r} must be fp32 or bf16.")
-        if not r["synthetic_data"]:
-            if not r["train_file"]:
-                raise ConfigError("no --train-file given: pass a glob of token shards (see `python -m "
-                                  "data_pipeline.tokenize`), or --synthetic-data for random tokens.")
-            from data_pipeline.sources import resolve_files
+        if r["device"] == "cpu" and r["gpus"]:
+            raise ConfigError(f"--gpus={r['gpus']} with --device=cpu: use --workers for CPU workers.")
+        if r["device"] == "cpu" and r["backend"] not in ("auto", "torch"):
+            raise ConfigError(f"--backend={r['backend']} needs a GPU; on --device=cpu use --backend=torch.")
 
-            resolve_files(r["train_file"])  # DataError naming the glob when it matches nothing
-            if r["eval_file"]:
-                resolve_files(r["eval_file"])
+    def _check_outputs(self) -> None:
+        """The output, checkpoint and log locations (``llmq_ray/preflight.py``); a fresh run refuses a
+        checkpoint folder that holds another run's checkpoints."""
+        from llmq_ray.preflight import check_fresh_checkpoint_dir, check_log_file, check_writable_dir
+
+        r = self.runtime
+        check_writable_dir(r["out_dir"], "--out-dir")
+        check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
+        explicit = r["log_file"] is not None
+        log = r["log_file"] or os.path.join(r["out_dir"], "log.json")
+        check_log_file(log, "--log-file" if explicit else "--out-dir", bool(self.resume_from), explicit)
+        if not self.resume_from and (self.checkpoint_on_exit or r["ckpt_interval"]):
+            check_fresh_checkpoint_dir(self.checkpoint_dir)
+
+    def _check_data(self) -> None:
+        """Every train/eval file: header, size, token ids against the model's vocabulary; one window at least."""
+        from llmq_ray.preflight import check_token_files
+
+        r = self.runtime
+        if r["synthetic_data"]:
+            return
+        _, total = check_token_files(r["train_file"], "--train-file", self.cfg.vocab_size)
+        need = self.opts.seq_len + 1
+        if total < need:
+            raise DataError(f"--train-file {r['train_file']} holds {total} tokens, fewer than one training window of "
+                            f"--seq-len + 1 = {need}.")
+        if r["eval_file"]:
+            check_token_files(r["eval_file"], "--eval-file", self.cfg.vocab_size)
 
     def _resolve_resume(self) -> Optional[str]:
         """The checkpoint folder ``resume`` names (None: start fresh). Checked here, before any Ray work:
-        the folder is complete, and of this model (CheckpointError, one sentence). Incomplete or corrupt
-        newer folders are skipped with a warning (in ``self.notes``)."""
+        the folder is complete, its files match their sha256, and it is of this model (CheckpointError, one
+        sentence). Incomplete or corrupt newer folders are skipped with a warning (in ``self.notes``)."""
         if self.resume is False or self.resume is None:
             return None
         from llmq_ray.checkpoint import CheckpointWarning, check_config, read_manifest, resolve_continue
@@ -201,9 +302,22 @@ class LLMQTrainer:
             warnings.simplefilter("always", CheckpointWarning)
             folder = resolve_continue(self.resume, self.checkpoint_dir)
         self.notes += [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
-        cfg, _ = resolve_model(self.opts.model)
-        check_config(read_manifest(folder), cfg, folder)
+        self.resume_manifest = read_manifest(folder)
+        check_config(self.resume_manifest, self.cfg, folder)
         return os.path.abspath(folder)
+
+    def _keep_global_batch(self, world: int) -> None:
+        """Resuming on another worker count: adjust --grad-accumulation so the checkpoint's global batch stays
+        (``preflight.keep_global_batch``), unless ``allow_batch_change``."""
+        if not self.resume_from or self.allow_batch_change:
+            return
+        from llmq_ray.preflight import keep_global_batch
+
+        ga, line = keep_global_batch(self.resume_manifest, self.resume_from, self.opts.batch_size,
+                                     self.opts.grad_accumulation, world)
+        if line:
+            self.opts = dataclasses.replace(self.opts, grad_accumulation=ga)
+            self.lines.append(line)
 
     # ------------------------------------------------------------------ Ray and the actors
     def _init_ray(self):
@@ -217,6 +331,8 @@ class LLMQTrainer:
                               dashboard_host="127.0.0.1")
             ray.init(**{k: v for k, v in kwargs.items() if v is not None})
             self._started_ray = True
+            if self._signals is not None:
+                self._signals.install()  # ray.init replaced SIGTERM's handler with one that exits mid-call
         return ray
 
     def _build_spec(self, ray) -> RuntimeSpec:
@@ -232,9 +348,10 @@ class LLMQTrainer:
                 raise ConfigError(f"--gpus={r['gpus']} and --workers={r['workers']} disagree; on CUDA there is "
                                   f"one worker per GPU, give only one of them.")
         else:
-            if r["gpus"]:
-                raise ConfigError(f"--gpus={r['gpus']} with --device=cpu: use --workers for CPU workers.")
             world = r["workers"] or 1
+        self._keep_global_batch(world)  # resuming on another worker count (a no-op when done before)
+        self._print(self.lines)
+        self.lines = []
         cpw = r["cpus_per_worker"]
         if cpw is None:
             if device == "cuda":
@@ -287,7 +404,8 @@ class LLMQTrainer:
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(self.spec)
         try:
             self.info = self._get(self.coordinator.start.remote(self.notes), "start-up")
-        except BaseException:
+        except BaseException as exc:
+            self._end_failed(str(exc) if isinstance(exc, LLMQError) else f"{type(exc).__name__}: {exc}")
             self.close()
             raise
         if self.verbose:
@@ -358,42 +476,217 @@ class LLMQTrainer:
     # ------------------------------------------------------------------ whole run
     def fit(self) -> Result:
         """Train ``steps`` optimizer steps (evals as configured), final eval, export; returns a Result.
-        The workers are released at the end (also on error)."""
-        self.start()
-        try:
-            done = self._get(self.coordinator.summary.remote(), "summary")["steps"]
-            in_flight: collections.deque = collections.deque()
-            submitted = done
-            from llmq_ray.progress import Progress
 
-            bar = Progress(self.opts.steps, "train", unit="step", stream=sys.stdout,
-                           enabled=self.verbose and self.progress, initial=done)
-            evals = self._eval_bar(under=bar)  # periodic evals run inside train_step
-            while done < self.opts.steps:
-                # keep one step queued behind the running one: the coordinator never waits for us
-                while len(in_flight) < 2 and submitted < self.opts.steps:
-                    in_flight.append(self.coordinator.train_step.remote())
-                    submitted += 1
-                out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout(), bar=evals)
-                done += 1
+        In the main thread (and with ``handle_signals``), SIGTERM / SIGINT / SIGHUP stop the run cleanly
+        (``llmq_ray/stop_signals.py``): the step under way finishes, a checkpoint of it is written and
+        ``Result.stopped`` says so; ``request_stop()`` from another thread does the same. The workers are
+        released at the end (also on error), and the log's last record says why the run ended."""
+        from llmq_ray.stop_signals import StopForced
+
+        with self._stop_signals(self.handle_signals):
+            try:
+                self.start()
+                if not self._stop_requested.is_set():
+                    self._train_loop()
+                if self._stop_requested.is_set():
+                    info = self.stop()
+                    return Result(metrics={}, history=[], evals=[], export_path=None,
+                                  checkpoint_paths=[info["checkpoint"]] if info["checkpoint"] else [],
+                                  log_file=self._log_path(), stopped=info)
+                fin = self._get(self.coordinator.finish.remote(), "final eval and export", bar=self._eval_bar())
+                self._ended = True
+                self._print(fin["lines"])
+                hist = self._get(self.coordinator.get_history.remote(), "history")
+                summary = fin["summary"]
                 if self.verbose:
-                    for line in out["lines"]:
-                        bar.write(line)
-                bar.update(1, loss=f"{out['record']['loss']:.4f}" if out.get("record") else "")
-            bar.close()
-            fin = self._get(self.coordinator.finish.remote(), "final eval and export", bar=self._eval_bar())
-            self._print(fin["lines"])
-            hist = self._get(self.coordinator.get_history.remote(), "history")
-            summary = fin["summary"]
+                    self._print_summary(summary)
+                return Result(metrics={k: summary[k] for k in ("steps", "train_loss", "eval_loss", "tokens_per_s",
+                                                                "step_seconds", "worker_seconds", "restarts",
+                                                                "skipped_steps", "warnings")},
+                              history=hist["steps"], evals=hist["evals"], export_path=summary["export_path"],
+                              checkpoint_paths=summary["checkpoints"], log_file=summary["log_file"])
+            except StopForced as exc:
+                return Result(metrics={}, history=[], evals=[], export_path=None, checkpoint_paths=[],
+                              log_file=self._log_path(), stopped=self._abandon(exc.signum))
+            except LLMQError as exc:
+                self._end_failed(str(exc))
+                raise self._named(exc) from None
+            except BaseException as exc:
+                self._end_failed(f"{type(exc).__name__}: {exc}".rstrip(": "))
+                raise
+            finally:
+                self.close()
+
+    def _train_loop(self) -> None:
+        """The steps of ``fit``, one queued behind the running one, until done or a stop is requested."""
+        done = self._get(self.coordinator.summary.remote(), "summary")["steps"]
+        self._steps_done = done
+        in_flight: collections.deque = collections.deque()
+        submitted = done
+        from llmq_ray.progress import Progress
+
+        bar = Progress(self.opts.steps, "train", unit="step", stream=sys.stdout,
+                       enabled=self.verbose and self.progress, initial=done)
+        evals = self._eval_bar(under=bar)  # periodic evals run inside train_step
+        while in_flight or (submitted < self.opts.steps and not self._stop_requested.is_set()):
+            # keep one step queued behind the running one: the coordinator never waits for us
+            while len(in_flight) < 2 and submitted < self.opts.steps and not self._stop_requested.is_set():
+                in_flight.append(self.coordinator.train_step.remote())
+                submitted += 1
+            out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout(), bar=evals)
+            if out.get("stopped"):
+                continue  # queued behind the stop request: nothing was trained
+            done += 1
+            self._steps_done = done
             if self.verbose:
-                self._print_summary(summary)
-            return Result(metrics={k: summary[k] for k in ("steps", "train_loss", "eval_loss", "tokens_per_s",
-                                                            "step_seconds", "worker_seconds", "restarts",
-                                                            "skipped_steps", "warnings")},
-                          history=hist["steps"], evals=hist["evals"], export_path=summary["export_path"],
-                          checkpoint_paths=summary["checkpoints"], log_file=summary["log_file"])
+                for line in out["lines"]:
+                    bar.write(line)
+            bar.update(1, loss=f"{out['record']['loss']:.4f}" if out.get("record") else "")
+        bar.close()
+
+    # ------------------------------------------------------------------ stopping
+    @property
+    def stop_requested(self) -> bool:
+        """True once ``request_stop()`` was called or a stop signal arrived (custom loops poll this)."""
+        return self._stop_requested.is_set()
+
+    def request_stop(self, signum: Optional[int] = None) -> None:
+        """Ask the run to stop after the step under way: ``fit()`` then writes a checkpoint of it (unless
+        ``checkpoint_on_exit=False``), the log's "stopped" record, and returns with ``Result.stopped``. Safe to
+        call from another thread or a signal handler (it only sets a flag and tells the coordinator from a
+        helper thread). In a step-level loop, ``train_step()`` returns None from then on; call ``stop()``."""
+        if self._stop_requested.is_set():
+            return
+        self._stop_signal = signum
+        self._stop_requested.set()
+        coordinator = self.coordinator
+        if coordinator is not None:
+            threading.Thread(target=self._tell_coordinator, args=(coordinator,), daemon=True).start()
+
+    @staticmethod
+    def _tell_coordinator(coordinator) -> None:
+        from actors.worker import PROBE_GROUP
+
+        try:
+            coordinator.request_stop.options(concurrency_group=PROBE_GROUP).remote()
+        except Exception:  # noqa: BLE001 - the coordinator may be gone; the driver stops anyway
+            pass
+
+    def stop(self) -> dict:
+        """Stop now: a checkpoint of the last completed update (unless ``checkpoint_on_exit=False`` or it
+        exists already), the log's "end" record (reason "stopped"), the workers shut down. Returns
+        {"signal" (name, or "request_stop()"), "step", "checkpoint" (path or None), "written", "exit_code"
+        (128 + the signal number; 0 for request_stop()), "line" (also printed to stderr)}."""
+        from llmq_ray.stop_signals import EXIT_CODE_REQUEST, EXIT_CODES, signal_name
+
+        self._stop_requested.set()
+        name = signal_name(self._stop_signal)
+        info = {"step": self._steps_done, "checkpoint": None, "written": False, "note": ""}
+        if self.coordinator is not None:
+            info = self._get(self.coordinator.stop.remote(name, self.checkpoint_on_exit), "stop")
+            self._ended = True
+        ckpt = info["checkpoint"]
+        if ckpt:
+            what = (f"checkpoint {os.path.basename(ckpt)} written" if info["written"]
+                    else f"checkpoint {os.path.basename(ckpt)} (written before)")
+            tail = f"{what} in {os.path.dirname(ckpt)}; resume with --continue"
+        else:
+            tail = f"no checkpoint ({info['note'] or 'none asked for'})"
+        line = f"stopped by {name} after step {info['step']}; {tail}"
+        if self.verbose:
+            print(line, file=sys.stderr, flush=True)
+        self.close()
+        code = EXIT_CODES.get(self._stop_signal, EXIT_CODE_REQUEST) if self._stop_signal else EXIT_CODE_REQUEST
+        return {"signal": name, "step": info["step"], "checkpoint": ckpt, "written": info["written"],
+                "exit_code": code, "line": line}
+
+    def _abandon(self, signum: int) -> dict:
+        """A second stop signal: kill the actors at once (a checkpoint being written is left as a temporary
+        folder, which no reader takes for a checkpoint; the previous one stays valid), write the log's "end"
+        record from here, and report it."""
+        import ray
+
+        from llmq_ray.stop_signals import EXIT_CODES, signal_name
+
+        first = signal_name(self._stop_signal)
+        step = self._steps_done
+        if self.coordinator is not None:
+            try:
+                ray.kill(self.coordinator)  # its workers and placement group go with it
+            except Exception:  # noqa: BLE001
+                pass
+            self.coordinator = None
+        note = (f"a second {signal_name(signum)} abandoned the stop; a checkpoint being written was left "
+                f"incomplete, the previous one is valid")
+        self._append_end({"reason": "stopped", "signal": first, "step": step, "checkpoint": None,
+                          "checkpoint_written": False, "note": note})
+        line = f"stopped by {first} after step {step}; {note}; resume with --continue"
+        if self.verbose:
+            print(line, file=sys.stderr, flush=True)
+        return {"signal": first, "step": step, "checkpoint": None, "written": False,
+                "exit_code": EXIT_CODES.get(self._stop_signal or signum, 128 + signum), "line": line}
+
+    def _log_path(self) -> str:
+        r = self.runtime
+        return os.path.abspath(r["log_file"] or os.path.join(r["out_dir"], "log.json"))
+
+    def _append_end(self, fields: dict) -> None:
+        """Write the "end" record into the log file from the driver (the coordinator is gone)."""
+        if self._ended:
+            return
+        self._ended = True
+        path = self._log_path()
+        if not os.path.isfile(path):
+            return  # the run never wrote its log: nothing to end
+        from llmq_ray.runlog import append_records
+
+        try:
+            append_records(path, [{"log": "end", **fields}])
+        except (OSError, ValueError):
+            pass
+
+    def _end_failed(self, error: str) -> None:
+        """The log's "end" record of a run that failed (through the coordinator while it lives)."""
+        if self._ended:
+            return
+        if self.coordinator is not None:
+            import ray
+
+            try:
+                ray.get(self.coordinator.end.remote("failed", error=error), timeout=30)
+                self._ended = True
+                return
+            except Exception:  # noqa: BLE001 - the coordinator failed too: write it from here
+                pass
+        self._append_end({"reason": "failed", "step": self._steps_done, "error": error})
+
+    def stop_on_signals(self):
+        """Context manager for step-level loops: SIGTERM / SIGINT / SIGHUP call ``request_stop()`` while it is
+        active (``fit()`` uses it too)::
+
+            with t.stop_on_signals():
+                for _ in range(n):
+                    if t.train_step() is None:   # a stop was requested
+                        break
+                if t.stop_requested:
+                    t.stop()                     # checkpoint, "stopped" record, workers shut down
+        """
+        return self._stop_signals(True)
+
+    @contextlib.contextmanager
+    def _stop_signals(self, enabled: bool):
+        from llmq_ray.stop_signals import SignalStop
+
+        if not enabled or self._signals is not None:
+            yield
+            return
+        self._signals = SignalStop(self.request_stop)
+        self._signals.install()
+        try:
+            yield
         finally:
-            self.close()
+            self._signals.restore()
+            self._signals = None
 
     def _step_timeout(self) -> float:
         """How long one train_step call on the coordinator may take: a step, a checkpoint, and room for the
@@ -421,12 +714,20 @@ class LLMQTrainer:
     def update(self, lr: Optional[float] = None) -> dict:
         """The optimizer update after step() calls: {"loss", "norm", "lr", "tokens", "seconds", ...}."""
         self.start()
-        return self._get(self.coordinator.update.remote(lr), "update")
+        rec = self._get(self.coordinator.update.remote(lr), "update")
+        self._steps_done = rec["step"] + 1
+        return rec
 
-    def train_step(self) -> dict:
-        """grad_accumulation micro-steps + update in one Ray call per worker; prints the [T] line."""
+    def train_step(self) -> Optional[dict]:
+        """grad_accumulation micro-steps + update in one Ray call per worker; prints the [T] line. Returns the
+        step record, or None once a stop was requested (then call ``stop()``)."""
+        if self._stop_requested.is_set():
+            return None
         self.start()
         out = self._get(self.coordinator.train_step.remote(), "train_step", bar=self._eval_bar())
+        if out.get("stopped"):
+            return None
+        self._steps_done = out["record"]["step"] + 1
         self._print(out["lines"])
         return out["record"]
 
@@ -461,6 +762,12 @@ class LLMQTrainer:
         import ray
 
         if self.coordinator is not None:
+            if not self._ended:  # a step-level loop that ends by closing: the run finished as its caller chose
+                try:
+                    ray.get(self.coordinator.end.remote("finished", note="closed by the caller"), timeout=30)
+                except Exception:  # noqa: BLE001 - best effort: the coordinator may be what failed
+                    pass
+                self._ended = True
             try:
                 ray.get(self.coordinator.shutdown.remote(), timeout=60)
             except Exception:  # noqa: BLE001 - best effort: it may be the thing that failed
@@ -476,6 +783,10 @@ class LLMQTrainer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+_RUNTIME_ARGS = {name for name, p in inspect.signature(LLMQTrainer.__init__).parameters.items()
+                 if p.kind is p.KEYWORD_ONLY}
 
 
 def _main_guard() -> None:  # pragma: no cover - for `python -m llmq_ray.trainer` by mistake

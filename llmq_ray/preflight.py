@@ -1,0 +1,283 @@
+"""Pre-flight: the checks of a run that need no GPU and no Ray, done in the driver before ``ray.init``.
+
+A mistake found after Ray and the workers have started costs 30-120 s on a small machine and minutes with a
+real model; found here it costs well under a second and ends in one sentence (the CLI exits with code 2).
+This module therefore imports nothing heavy (no torch, no Ray): numpy for the token files, pyarrow only when
+a Parquet/Arrow file is named, NVML only to count the local GPUs.
+
+What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is written until all passed):
+
+* every data file of ``--train-file`` / ``--eval-file``: the header and the file size it promises, the
+  token ids (every id for files up to ``FULL_SCAN_TOKENS``, evenly spaced samples of ``SAMPLE_TOKENS`` beyond:
+  the workers check the rest as they read), that they fit the model's vocabulary, and that there is at
+  least one training window;
+* ``--out-dir``, ``--checkpoint-dir`` and the folder of ``--log-file``: a folder or creatable as one, and
+  writable (tried with a probe file, since ``os.access`` says yes to root on a read-only mount);
+* ``--log-file`` naming an existing log is refused unless the run continues it; a fresh run whose
+  checkpoint folder already holds checkpoints is refused (its retention would delete them);
+* ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined).
+
+The ``--continue`` target (present, every file's sha256, the model) is checked by ``llmq_ray.checkpoint``;
+``keep_global_batch`` reconciles a resumed run's batch with the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional
+
+from llmq_ray.errors import CheckpointError, ConfigError, DataError
+
+FULL_SCAN_TOKENS = 1 << 26   # files up to 64M tokens (256 MB of int32) have every id checked (~0.1 s per 64M)
+SAMPLE_TOKENS = 1 << 22      # larger files: this many ids in 64 evenly spaced runs
+_TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".md", ".csv", ".tsv")
+
+
+# ---------------------------------------------------------------------------------------------------- data
+def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[str], int]:
+    """Resolve ``pattern`` and check every file it matches; returns (files, total tokens).
+
+    DataError (one sentence naming the file and, where it applies, the token index and byte offset) for an
+    empty glob, a file that is not a token shard (text, wrong magic), a truncated or over-long file, an
+    empty shard, or a token id outside [0, vocab_size)."""
+    from data_pipeline.sources import ARROW_SUFFIXES, resolve_files
+
+    try:
+        files = resolve_files(pattern)
+    except DataError as exc:
+        raise DataError(f"{flag}: {exc}") from None
+    total = 0
+    for path in files:
+        n = (_check_arrow_file(path, vocab_size) if path.endswith(ARROW_SUFFIXES)
+             else _check_bin_file(path, vocab_size))
+        total += n
+    return files, total
+
+
+def _check_bin_file(path: str, vocab_size: int) -> int:
+    import numpy as np
+
+    from data_pipeline.shards import HEADER_BYTES, check_token_ids, read_header
+
+    try:
+        info = read_header(path)
+    except DataError as exc:
+        if ("wrong magic" in str(exc) or "truncated token shard" in str(exc)) and _looks_like_text(path):
+            raise DataError(f"{path} is a text file, not a token shard; tokenize it first with `python -m "
+                            f"data_pipeline.tokenize --input {path} --out DIR` and pass --train-file 'DIR/train-*.bin'.") from None
+        raise
+    if info.n_tokens == 0:
+        raise DataError(f"{path}: the token shard holds no tokens.")
+    tokens = np.memmap(path, dtype=info.token_dtype, mode="r", offset=HEADER_BYTES, shape=(info.n_tokens,))
+    itemsize = info.token_dtype.itemsize
+    if info.n_tokens <= FULL_SCAN_TOKENS:
+        check_token_ids(tokens, vocab_size, path, HEADER_BYTES, itemsize)
+    else:
+        runs, per = 64, SAMPLE_TOKENS // 64
+        for k in range(runs):
+            lo = (info.n_tokens - per) * k // (runs - 1)
+            part = tokens[lo:lo + per]
+            try:
+                check_token_ids(part, vocab_size, path, HEADER_BYTES + itemsize * lo, itemsize)
+            except DataError:
+                bad = np.asarray(part)
+                i = lo + int(np.argmax((bad < 0) | (bad >= vocab_size)))
+                raise DataError(f"{path}: token id {int(tokens[i])} at token index {i} (byte offset "
+                                f"{HEADER_BYTES + itemsize * i}) does not fit the model's vocabulary of "
+                                f"{vocab_size}.") from None
+    return info.n_tokens
+
+
+def _looks_like_text(path: str) -> bool:
+    """A text suffix, or a non-empty start that is NUL-free UTF-8 (a token shard's header has NUL bytes)."""
+    if path.lower().endswith(_TEXT_SUFFIXES):
+        return True
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return bool(head) and b"\0" not in head
+
+
+def _check_arrow_file(path: str, vocab_size: int) -> int:
+    """Parquet: the row groups' min/max statistics when written (no data read), else the whole column;
+    Arrow IPC: the whole column (``ArrowSource`` reads it into memory anyway)."""
+    from data_pipeline.shards import check_token_ids
+    from data_pipeline.sources import ArrowSource
+
+    if path.endswith(".parquet"):
+        n = _parquet_tokens_by_statistics(path, vocab_size)
+        if n is not None:
+            return n
+    src = ArrowSource(path, check_ids=False, vocab_size=vocab_size)
+    if src.n_tokens == 0:
+        raise DataError(f"{path}: the token column holds no tokens.")
+    check_token_ids(src.tokens, vocab_size, path, 0, 0)
+    return src.n_tokens
+
+
+def _parquet_tokens_by_statistics(path: str, vocab_size: int, column: str = "tokens") -> Optional[int]:
+    """Token count from a Parquet file's metadata when every row group has min/max statistics of a flat
+    integer ``column`` (the ids are then checked against the vocabulary from them); None otherwise."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{path}: cannot read as Parquet: {exc}.") from None
+    names = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    if column not in names:
+        return None  # a list column ("tokens.list.element") or a missing one: read the column instead
+    idx, total = names.index(column), 0
+    for g in range(meta.num_row_groups):
+        col = meta.row_group(g).column(idx)
+        st = col.statistics
+        if st is None or not st.has_min_max or not isinstance(st.min, int):
+            return None
+        if st.min < 0 or st.max >= vocab_size:
+            bad = st.max if st.max >= vocab_size else st.min
+            raise DataError(f"{path}: row group {g} holds token id {bad}, outside the model's vocabulary of "
+                            f"{vocab_size}.")
+        total += meta.row_group(g).num_rows
+    if total == 0:
+        raise DataError(f"{path}: the token column holds no tokens.")
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------- folders
+def _nearest_existing(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    return p
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """``path`` is a writable folder, or can be created as one. Nothing is left behind: the write test is
+    a probe file (or folder) that is removed at once; a missing folder is not created here."""
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ConfigError(f"{flag}={path} is a file, not a folder; remove it or choose another folder.")
+    base = _nearest_existing(p)
+    if not os.path.isdir(base):
+        raise ConfigError(f"{flag}={path} cannot be created: {base} is a file, not a folder.")
+    try:
+        if base == p:
+            fd, probe = tempfile.mkstemp(prefix=".llmq-write-test-", dir=base)
+            os.close(fd)
+            os.unlink(probe)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".llmq-write-test-", dir=base))
+    except OSError as exc:
+        what = "is not writable" if base == p else f"cannot be created in {base}"
+        raise ConfigError(f"{flag}={path} {what} ({exc.strerror or exc}); choose a folder you can write "
+                          f"to.") from None
+
+
+def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
+    """The JSON log's folder is writable; an existing log is continued only by a continued run.
+
+    ``explicit``: the user named the file (``--log-file``): then a fresh run refuses to touch another run's
+    log. The default log of ``--out-dir`` is kept aside by the run instead (``runlog.set_aside_name``)."""
+    p = os.path.abspath(path)
+    if os.path.isdir(p):
+        raise ConfigError(f"{flag}={path} is a folder; name a file (e.g. {os.path.join(path, 'log.json')}).")
+    check_writable_dir(os.path.dirname(p), flag)
+    if os.path.exists(p):
+        from llmq_ray.runlog import read_log
+
+        if explicit and not resume:
+            raise ConfigError(f"{flag}={path} is the log of another run; pass --continue to resume that run and "
+                              f"append to its log, or name a new file.")
+        if resume:
+            try:
+                read_log(p)
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"{flag}: the run's log cannot be continued: {exc}; move it away or name "
+                                  f"another --log-file.") from None
+
+
+def check_fresh_checkpoint_dir(ckpt_dir: str) -> None:
+    """A fresh run (no --continue) must not write into a folder that holds another run's checkpoints:
+    their steps would mix, and retention would delete the older run's checkpoints."""
+    from llmq_ray.checkpoint import list_step_dirs, MANIFEST
+
+    have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if os.path.isfile(os.path.join(p, MANIFEST))]
+    if have:
+        raise CheckpointError(f"--checkpoint-dir {ckpt_dir} already holds checkpoints of a run (newest "
+                              f"{os.path.basename(have[0][1])}); pass --continue to resume it, or choose another "
+                              f"--checkpoint-dir / --out-dir.")
+
+
+# ---------------------------------------------------------------------------------------------------- resources
+def local_gpu_count() -> int:
+    """GPUs on this machine through NVML (fast, no CUDA context); 0 when there is no driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return 0
+    try:
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library: no GPU
+        return 0
+
+
+def check_local_resources(device: str, world: Optional[int], gpus: int, cpus_per_worker: Optional[int]) -> list[str]:
+    """Workers against this machine (a local Ray instance). Returns warnings; ConfigError when the run
+    cannot be placed at all."""
+    notes = []
+    cpus = os.cpu_count() or 1
+    if device == "cpu" and world:
+        if world > cpus:
+            raise ConfigError(f"--workers={world} asks for {world} CPU workers but this machine has {cpus} CPU(s); "
+                              f"use --workers {cpus} or fewer (or --ray-address of a larger Ray cluster).")
+        k = cpus_per_worker or 1
+        if world * k > cpus:
+            notes.append(f"--workers={world} x --cpus-per-worker={k} oversubscribes this machine's {cpus} CPU(s); "
+                         f"each step will be slower than with --workers {max(cpus // k, 1)}.")
+    if device == "cuda":
+        have = local_gpu_count()
+        if have == 0:
+            raise ConfigError("--device=cuda but this machine has no GPU (NVML finds none); use --device=cpu, or "
+                              "--ray-address of a cluster with GPUs.")
+        if gpus > have:
+            raise ConfigError(f"--gpus={gpus} asks for more GPUs than this machine has ({have}); use --gpus {have} "
+                              f"or fewer (or --ray-address of a larger Ray cluster).")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+def keep_global_batch(manifest: dict, folder: str, batch_size: int, grad_accumulation: int,
+                      world: int) -> tuple[int, Optional[str]]:
+    """The --grad-accumulation that keeps a checkpoint's global batch (rows per optimizer step) when a run
+    resumes it with ``batch_size`` rows per worker on ``world`` workers; returns (grad_accumulation, the
+    one line saying so, or None when nothing changes). ConfigError when no whole number divides it."""
+    saved = manifest.get("train_options") or {}
+    sw, sb, sga = int(manifest.get("world_size", 1)), saved.get("batch_size"), saved.get("grad_accumulation")
+    if not isinstance(sb, int) or not isinstance(sga, int):
+        return grad_accumulation, None  # an older checkpoint without the options: nothing to compare
+    target = sb * sga * sw
+    if batch_size * grad_accumulation * world == target:
+        return grad_accumulation, None
+    name = os.path.basename(os.path.normpath(folder))
+    per = batch_size * world
+    if target % per:
+        raise ConfigError(f"--continue: checkpoint {name} was trained with a global batch of {target} rows "
+                          f"({sb} x {sga} x {sw} worker(s)), which --batch-size={batch_size} on {world} worker(s) "
+                          f"cannot keep with a whole --grad-accumulation; change --batch-size or the worker count, "
+                          f"or pass --allow-batch-change to train on with the new batch.")
+    ga = target // per
+    return ga, (f"resuming {name} ({sb} rows x {sga} micro-steps on {sw} worker(s)) on {world} worker(s) with "
+                f"--batch-size {batch_size}: --grad-accumulation {ga} instead of {grad_accumulation} keeps its global "
+                f"batch of {target} rows (--allow-batch-change keeps {grad_accumulation}).")
