@@ -19,6 +19,10 @@ import math
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llmq_ray.runlog import steps_as_one_run  # noqa: E402
+
 
 def load_log(path: str) -> list[dict]:
     """The records of a JSON log (list of dicts with a "log" key)."""
@@ -38,17 +42,19 @@ def _f(v) -> float:
 
 def series(records: list[dict]) -> dict[str, list]:
     """Columns to plot: "step" (1-based steps done), "loss", "lr", "norm", "tps" from step records;
-    "eval_step", "eval_loss" from periodic eval records; "final_step", "final_loss" from full (final) evals."""
+    "eval_step", "eval_loss" from periodic eval records; "final_step", "final_loss" from full (final) evals.
+    A log that spans resumes is one run: a step trained again after a restart replaces its earlier record."""
     out: dict[str, list] = {k: [] for k in ("step", "loss", "lr", "norm", "tps", "eval_step", "eval_loss",
                                             "final_step", "final_loss")}
-    for r in records:
-        if r["log"] == "step" and not r.get("skipped"):
+    for r in steps_as_one_run(records):
+        if not r.get("skipped"):
             out["step"].append(int(r["step"]) + 1)
             out["loss"].append(_f(r.get("loss")))
             out["lr"].append(_f(r.get("lr")))
             out["norm"].append(_f(r.get("norm", r.get("grad_norm"))))
             out["tps"].append(_f(r.get("tokens_per_s")))
-        elif r["log"] == "eval":
+    for r in records:
+        if r["log"] == "eval":
             which = "final" if r.get("full") else "eval"
             out[f"{which}_step"].append(int(r["step"]))
             out[f"{which}_loss"].append(_f(r.get("loss")))

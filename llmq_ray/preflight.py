@@ -12,7 +12,7 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
   the workers check the rest as they read), that they fit the model's vocabulary, and that there is at
   least one training window;
 * ``--out-dir``, ``--checkpoint-dir`` and the folder of ``--log-file``: a folder or creatable as one, and
-  writable (tried with a probe file, since ``os.access`` says yes to root on a read-only mount);
+  writable (``os.access``, which also sees a read-only mount);
 * ``--log-file`` naming an existing log is refused unless the run continues it; a fresh run whose
   checkpoint folder already holds checkpoints is refused (its retention would delete them);
 * ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined).
@@ -24,7 +24,6 @@ The ``--continue`` target (present, every file's sha256, the model) is checked b
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Optional
 
 from llmq_ray.errors import CheckpointError, ConfigError, DataError
@@ -160,25 +159,26 @@ def _nearest_existing(path: str) -> str:
 
 
 def check_writable_dir(path: str, flag: str) -> None:
-    """``path`` is a writable folder, or can be created as one. Nothing is left behind: the write test is
-    a probe file (or folder) that is removed at once; a missing folder is not created here."""
+    """``path`` is a writable folder, or can be created as one (its nearest existing parent is a writable
+    folder). Asked with ``os.access``, which also reports a read-only mount to root; nothing is written or
+    created here (not even a probe file: a folder's modification time stays as it was)."""
     p = os.path.abspath(path)
     if os.path.exists(p) and not os.path.isdir(p):
         raise ConfigError(f"{flag}={path} is a file, not a folder; remove it or choose another folder.")
     base = _nearest_existing(p)
     if not os.path.isdir(base):
         raise ConfigError(f"{flag}={path} cannot be created: {base} is a file, not a folder.")
-    try:
-        if base == p:
-            fd, probe = tempfile.mkstemp(prefix=".llmq-write-test-", dir=base)
-            os.close(fd)
-            os.unlink(probe)
-        else:
-            os.rmdir(tempfile.mkdtemp(prefix=".llmq-write-test-", dir=base))
-    except OSError as exc:
+    if not os.access(base, os.W_OK | os.X_OK):
+        reason = "read-only file system" if _read_only_mount(base) else "permission denied"
         what = "is not writable" if base == p else f"cannot be created in {base}"
-        raise ConfigError(f"{flag}={path} {what} ({exc.strerror or exc}); choose a folder you can write "
-                          f"to.") from None
+        raise ConfigError(f"{flag}={path} {what} ({reason}); choose a folder you can write to.")
+
+
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:

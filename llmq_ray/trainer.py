@@ -385,6 +385,12 @@ class LLMQTrainer:
         """Join/start Ray, place the workers and build their engines (done lazily by every other call)."""
         if self.coordinator is not None:
             return self.info
+        try:
+            return self._start()
+        except LLMQError as exc:
+            raise self._named(exc) from None
+
+    def _start(self) -> dict:
         ray = self._init_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

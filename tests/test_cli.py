@@ -31,47 +31,93 @@ def test_every_flag_exists_with_help():
             assert a.help and len(a.help) > 10, a.option_strings
 
 
+def _trainer(argv, tmp_path):
+    """The LLMQTrainer the CLI would build for ``argv`` (its checks run; Ray is not started)."""
+    from llmq_ray.trainer import LLMQTrainer
+
+    args = cli.build_parser().parse_args(argv + ["--out-dir", str(tmp_path)])
+    return LLMQTrainer(cli=True, verbose=False, **cli.trainer_kwargs(args))
+
+
 def test_cpu_auto_defaults_and_explicit_flags(tmp_path):
-    a = cli.build_parser().parse_args(["--device", "cpu", "--train-file", "x*.bin", "--synthetic-data"])
-    opts, rt = cli.resolve_args(a)
+    t = _trainer(["--device", "cpu", "--synthetic-data"], tmp_path)
+    opts, rt = t.opts, t.runtime
     assert opts.model == "tiny-qwen" and opts.from_scratch and opts.model_dtype == "fp32"
-    assert rt["device"] == "cpu" and rt["synthetic_data"]
-    a = cli.build_parser().parse_args(["--device", "cpu", "--model", "tiny", "--batch-size", "3", "--seq-len", "32",
-                                       "--grad-accumulation", "2", "--zero-level", "2", "--lr", "1e-3",
-                                       "--recompute-block", "--train-file", "x.bin", "--eval-file", "e.bin"])
-    opts, rt = cli.resolve_args(a)
+    assert (opts.batch_size, opts.seq_len, opts.steps, opts.warmup) == (4, 128, 20, 2)
+    assert rt["device"] == "cpu" and rt["synthetic_data"] and rt["eval_every_n_steps"] == 0
+    t = _trainer(["--device", "cpu", "--model", "tiny", "--batch-size", "3", "--seq-len", "32",
+                  "--grad-accumulation", "2", "--zero-level", "2", "--lr", "1e-3", "--recompute-block",
+                  "--synthetic-data", "--adam-eps", "1e-6", "--cooldown-fraction", "0.3"], tmp_path)
+    opts, rt = t.opts, t.runtime
     assert (opts.batch_size, opts.seq_len, opts.grad_accumulation, opts.zero_level) == (3, 32, 2, 2)
     assert opts.learning_rate == 1e-3 and opts.recompute_block and opts.effective_zero_level == 2
-    assert rt["train_file"] == "x.bin" and rt["eval_file"] == "e.bin" and rt["eval_every_n_steps"] == 10
+    assert opts.adam_eps == 1e-6 and opts.cooldown_fraction == 0.3
+
+
+def test_api_and_cli_share_their_defaults(tmp_path):
+    """The CLI passes on only the flags given: LLMQTrainer() with the same arguments resolves every option
+    and runtime setting the same way, and --help prints the trainer's defaults."""
+    from llmq_ray.run_defaults import api_defaults
+    from llmq_ray.trainer import LLMQTrainer
+
+    for argv, kw in ((["--device", "cpu", "--synthetic-data"], dict(device="cpu", synthetic_data=True)),
+                     (["--device", "cpu", "--synthetic-data", "--model", "tiny", "--ckpt-interval", "5",
+                       "--no-ray-data", "--continue"],
+                      dict(device="cpu", synthetic_data=True, model="tiny", ckpt_interval=5, use_ray_data=False,
+                           resume="latest"))):
+        if "--continue" in argv:  # needs a checkpoint: compare the kwargs the CLI produces instead
+            args = cli.build_parser().parse_args(argv)
+            assert cli.trainer_kwargs(args) == kw
+            continue
+        via_cli = _trainer(argv, tmp_path)
+        via_api = LLMQTrainer(out_dir=str(tmp_path), verbose=False, **kw)
+        assert via_cli.opts == via_api.opts
+        assert via_cli.runtime == via_api.runtime
+    helps = {a.dest: a.help for a in cli.build_parser()._actions}
+    d = api_defaults()
+    for dest in ("grad_accumulation", "ckpt_keep_n", "max_restarts", "step_timeout_s", "beta_2", "opt_chunk_size"):
+        assert f"(default: {d[dest]})" in helps[dest], (dest, helps[dest])
+    assert "auto: tiny-qwen on CPU" in helps["model"]
+
+
+def test_api_errors_name_keyword_arguments(tmp_path):
+    """The same mistake through the CLI names the flag, through the API the keyword argument."""
+    from llmq_ray.errors import ConfigError
+    from llmq_ray.trainer import LLMQTrainer
+
+    with pytest.raises(ConfigError, match=r"^warmup must be an integer in \[0, steps\)"):
+        LLMQTrainer(device="cpu", synthetic_data=True, steps=10, warmup=50, out_dir=str(tmp_path), verbose=False)
+    with pytest.raises(ConfigError, match=r"^ckpt_keep_n=0 must be"):
+        LLMQTrainer(device="cpu", synthetic_data=True, ckpt_keep_n=0, out_dir=str(tmp_path), verbose=False)
+    with pytest.raises(ConfigError, match=r"^--warmup must be an integer in \[0, --steps\)"):
+        _trainer(["--device", "cpu", "--synthetic-data", "--steps", "10", "--warmup", "50"], tmp_path)
 
 
 def test_opt_resident_gib_takes_a_number_or_auto(capsys):
     base = ["--device", "cpu", "--synthetic-data", "--offload-opt-m"]
     for text, want in (("2.5", 2.5), ("auto", "auto"), ("AUTO", "auto")):
-        opts, _ = cli.resolve_args(cli.build_parser().parse_args(base + ["--opt-resident-gib", text]))
-        assert opts.opt_resident_gib == want
-        opts.validate()
+        kw = cli.trainer_kwargs(cli.build_parser().parse_args(base + ["--opt-resident-gib", text]))
+        assert kw["opt_resident_gib"] == want
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(base + ["--opt-resident-gib", "lots"])
     assert "--opt-resident-gib" in capsys.readouterr().err
 
 
-def test_checkpoint_flags_reach_the_trainer():
+def test_checkpoint_flags_reach_the_trainer(tmp_path):
+    t = _trainer(["--device", "cpu", "--synthetic-data"], tmp_path)
+    rt = t.runtime
+    assert t.resume is False and rt["ckpt_interval"] == 0 and rt["ckpt_keep_n"] == 2 and rt["max_restarts"] == 3
+    assert rt["step_timeout_s"] == 1800.0 and t.checkpoint_on_exit and not t.allow_batch_change
     base = ["--device", "cpu", "--synthetic-data"]
-    _, rt = cli.resolve_args(cli.build_parser().parse_args(base))
-    assert rt["resume"] is False and rt["ckpt_interval"] == 0 and rt["ckpt_keep_n"] == 2 and rt["max_restarts"] == 3
-    assert rt["step_timeout_s"] == 1800.0
-    a = cli.build_parser().parse_args(base + ["--ckpt-interval", "100", "--ckpt-keep-n", "3", "--ckpt-major", "1000",
-                                              "--continue", "--max-restarts", "5", "--skip-update-on-spike",
-                                              "--spike-window", "16", "--spike-threshold", "4.5",
-                                              "--step-timeout-s", "90"])
-    _, rt = cli.resolve_args(a)
-    assert rt["step_timeout_s"] == 90.0
-    assert (rt["ckpt_interval"], rt["ckpt_keep_n"], rt["ckpt_major"], rt["resume"]) == (100, 3, 1000, "latest")
-    assert (rt["max_restarts"], rt["skip_update_on_spike"], rt["spike_window"], rt["spike_threshold"]) == (5, True, 16, 4.5)
+    kw = cli.trainer_kwargs(cli.build_parser().parse_args(
+        base + ["--ckpt-interval", "100", "--ckpt-keep-n", "3", "--ckpt-major", "1000", "--continue",
+                "--max-restarts", "5", "--skip-update-on-spike", "--spike-window", "16", "--spike-threshold", "4.5",
+                "--step-timeout-s", "90", "--no-checkpoint-on-exit", "--allow-batch-change"]))
+    assert kw["step_timeout_s"] == 90.0 and kw["checkpoint_on_exit"] is False and kw["allow_batch_change"] is True
+    assert (kw["ckpt_interval"], kw["ckpt_keep_n"], kw["ckpt_major"], kw["resume"]) == (100, 3, 1000, "latest")
+    assert (kw["max_restarts"], kw["skip_update_on_spike"], kw["spike_window"], kw["spike_threshold"]) == (5, True, 16, 4.5)
     for arg in ("12", "/some/ckpt/step_00000012"):
-        _, rt = cli.resolve_args(cli.build_parser().parse_args(base + ["--continue", arg]))
-        assert rt["resume"] == arg
+        assert cli.trainer_kwargs(cli.build_parser().parse_args(base + ["--continue", arg]))["resume"] == arg
 
 
 def _micro_checkpoint(ckpt_dir: str, step: int) -> str:

@@ -171,14 +171,14 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
     train, _, folder = shards
     with pytest.raises(DataError, match="nothing-here"):
         LLMQTrainer(model="tiny", train_file=str(folder / "nothing-here-*.bin"), device="cpu", **FAST)
-    with pytest.raises(ConfigError, match=r"--warmup must be an integer in \[0, --steps\)"):
+    with pytest.raises(ConfigError, match=r"^warmup must be an integer in \[0, steps\)"):
         LLMQTrainer(model="tiny", train_file=train, steps=2, warmup=2, **FAST)  # refused before any actor starts
-    with pytest.raises(ConfigError, match="lmhead-chunks=3 must divide"):
+    with pytest.raises(ConfigError, match="^lmhead_chunks=3 must divide"):
         LLMQTrainer(model="tiny", train_file=train, batch_size=2, seq_len=16, lmhead_chunks=3, **FAST)
     for bad in (0, -5.0, float("nan"), "60"):
-        with pytest.raises(ConfigError, match=rf"^--step-timeout-s={bad!r} must be a number of seconds > 0"):
+        with pytest.raises(ConfigError, match=rf"^step_timeout_s={bad!r} must be a number of seconds > 0"):
             LLMQTrainer(model="tiny", train_file=train, step_timeout_s=bad, **FAST)
-    with pytest.raises(CheckpointError, match=r"^--continue: no valid checkpoint in .*nowhere"):
+    with pytest.raises(CheckpointError, match=r"^resume: no valid checkpoint in .*nowhere"):
         LLMQTrainer(model="tiny", train_file=train, resume=True, checkpoint_dir=str(tmp_path / "nowhere"), **FAST)
     with pytest.raises(ConfigError, match="no GPUs"):
         LLMQTrainer(model="tiny", train_file=train, device="cuda", gpus=2, **FAST).start()
@@ -196,13 +196,17 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
         check_resources(RuntimeSpec(opts=TrainOptions(), device="cuda", world_size=4))
 
 
-def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path):
+def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path, monkeypatch):
     """A user error raised inside the workers keeps its type and gets the rank in front (a shard whose ids
-    exceed the model's vocabulary: tiny-llama has 512 tokens, this shard claims ids up to 999)."""
+    exceed the model's vocabulary: tiny-llama has 512 tokens, this shard claims ids up to 999). The driver's
+    pre-flight catches this shard first; with the pre-flight's data check switched off, the workers do."""
     from data_pipeline.shards import write_shard
 
     bad = tmp_path / "big-vocab.bin"
     write_shard(str(bad), np.arange(600, dtype=np.int32) + 399, 1000)
+    with pytest.raises(DataError, match=r"^/.*big-vocab\.bin: token id 512 at token index 113"):
+        _run((str(bad), None, tmp_path), tmp_path / "o", workers=1, steps=2, warmup=0, eval_file=None)
+    monkeypatch.setattr(LLMQTrainer, "_check_data", lambda self: None)
     with pytest.raises(DataError, match=r"^rank \d: .*big-vocab\.bin"):
         _run((str(bad), None, tmp_path), tmp_path / "o", workers=1, steps=2, warmup=0, eval_file=None)
 

@@ -1,0 +1,181 @@
+"""Bad input ends before Ray starts: exit code 2, one sentence, nothing written (llmq_ray/preflight.py).
+
+Each case runs the real command (``examples/train.py`` through ``llmq_ray.cli.main``) in a fresh Python
+process, with ``RAY_TMPDIR`` pointed at an empty folder, and asserts:
+
+* exit code 2 and exactly one line on stderr, ``error: <one sentence naming the file, flag or value>``;
+* no Ray process was started: the process never imported ``ray`` (it reports ``sys.modules`` on exit) and
+  Ray's session folder under ``RAY_TMPDIR`` was never created;
+* nothing was written: the folder the run was pointed at holds the same files, with the same sizes and
+  modification times, afterwards (no out-dir, no checkpoint folder, no probe file left behind).
+
+The wall time of each case is printed (``pytest -s``): the target is under 3 s on the 2-core machine. It is
+reported, not asserted (timing belongs in benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from data_pipeline.shards import HEADER_BYTES, write_shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNNER = ("import sys\n"
+          "from llmq_ray.cli import main\n"
+          "try:\n"
+          "    rc = main(sys.argv[1:])\n"
+          "finally:\n"
+          "    print('RAY_IMPORTED=%s' % ('ray' in sys.modules))\n"
+          "sys.exit(rc)\n")
+TIMES: dict[str, float] = {}
+
+
+def _snapshot(folder) -> dict:
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            st = os.lstat(p)
+            out[os.path.relpath(p, folder)] = (st.st_size if not os.path.isdir(p) else -1, st.st_mtime_ns)
+    return out
+
+
+def _run_cli(args: list[str], cwd, prefix: list[str] | None = None) -> tuple[int, str, str, float]:
+    env = dict(os.environ, RAY_TMPDIR=str(cwd / "raytmp"), PYTHONPATH=REPO)
+    env.pop("TRITON_INTERPRET", None)
+    t0 = time.monotonic()
+    p = subprocess.run((prefix or []) + [sys.executable, "-c", RUNNER, *args], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=120)
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+    """The files the cases point at, made once (a good shard, a checkpoint of the tiny model, ...)."""
+    d = tmp_path_factory.mktemp("bad")
+    rng = np.random.default_rng(0)
+    good = rng.integers(0, 512, 2000).astype(np.int32)
+    write_shard(str(d / "good.bin"), good, 512)
+    (d / "notes.txt").write_text("To be, or not to be, that is the question.\n" * 50)
+    (d / "empty.bin").write_bytes(b"")
+    full = (d / "good.bin").read_bytes()
+    (d / "truncated.bin").write_bytes(full[:HEADER_BYTES + 4 * 1000])
+    (d / "magic.bin").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(4096))
+    big = good.copy()
+    big[1234] = 600  # >= the tiny model's vocabulary of 512
+    write_shard(str(d / "bigid.bin"), big, 1024)
+    (d / "afile").write_text("not a folder")
+    # a checkpoint of the tiny model, and a copy with one byte flipped in its shard (same size)
+    import torch
+
+    from llmq_ray import checkpoint as ck
+    from llmq_ray.config import PRESETS
+    from llmq_ray.params import ParamLayout
+
+    cfg = PRESETS["tiny"]
+    n = ParamLayout(cfg).numel
+    state = {"master": torch.zeros(n), "m": torch.zeros(n), "v": torch.zeros(n)}
+    good_ckpt = ck.save_checkpoint(str(d / "ckpt"), 3, [(0, n, state)], config=cfg, keep_n=None)
+    bad_ckpt = str(d / "corrupt" / "step_00000003")
+    shutil.copytree(good_ckpt, bad_ckpt)
+    shard = os.path.join(bad_ckpt, "rank_00000.safetensors")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) - 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    (d / "other-log.json").write_text(json.dumps([{"log": "options", "model": "tiny"}]))
+    return d
+
+
+def _readonly_prefix(folder) -> tuple[list[str], str]:
+    """A command prefix under which ``folder`` is read-only, and a description. As root (where mode bits do
+    not stop writes) a read-only tmpfs is mounted over it in a private mount namespace."""
+    if os.geteuid() != 0:
+        os.chmod(folder, 0o555)
+        return [], "chmod 555"
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {folder} && exit 0"],
+                           capture_output=True)
+    if probe.returncode == 0:
+        return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs -o ro tmpfs {folder} && exec "$@"', "sh"], "ro mount"
+    return None, "unavailable"
+
+
+CASES = {
+    # name: (extra args, substring the sentence must hold)
+    "text file as shard": (["--train-file", "{d}/notes.txt"], "is a text file, not a token shard"),
+    "empty file": (["--train-file", "{d}/empty.bin"], "empty.bin: truncated token shard: 0 bytes"),
+    "truncated shard": (["--train-file", "{d}/truncated.bin"], "truncated): the header promises 2000 tokens"),
+    "wrong magic": (["--train-file", "{d}/magic.bin"], "magic.bin: not a token shard: wrong magic"),
+    "token id >= vocab": (["--train-file", "{d}/bigid.bin"], "token id 600 at token index 1234"),
+    "empty glob": (["--train-file", "{d}/nothing-*.bin"], "nothing-*.bin' matched no token files"),
+    "eval file bad": (["--eval-file", "{d}/magic.bin"], "magic.bin: not a token shard"),
+    "checkpoint dir is a file": (["--checkpoint-dir", "{d}/afile"], "--checkpoint-dir={d}/afile is a file"),
+    "out dir is a file": (["--out-dir", "{d}/afile"], "--out-dir={d}/afile is a file"),
+    "read-only checkpoint dir": (["--checkpoint-dir", "{ro}/ckpt"], "cannot be created in {ro}"),
+    "--continue with nothing to continue": (["--continue"], "--continue: no valid checkpoint in"),
+    "corrupt --continue target": (["--continue", "{d}/corrupt/step_00000003"], "rank_00000.safetensors"),
+    "--workers above the CPUs": (["--workers", "{many}"], "this machine has"),
+    "--log-file of another run": (["--log-file", "{d}/other-log.json"], "is the log of another run"),
+    "fresh run into another run's checkpoints": (["--checkpoint-dir", "{d}/ckpt"], "already holds checkpoints"),
+    "bad flag value": (["--warmup", "30", "--steps", "10"], "--warmup must be an integer in [0, --steps)"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_ends_before_ray_in_one_sentence(case, bad_files, tmp_path):
+    args, needle = CASES[case]
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    prefix: list[str] | None = []
+    if case == "read-only checkpoint dir":
+        prefix, how = _readonly_prefix(ro)
+        if prefix is None:  # neither mode bits nor a mount can make a folder read-only here
+            ro = "/proc"
+            prefix = []
+    fill = dict(d=str(bad_files), ro=str(ro), many=str((os.cpu_count() or 1) + 1))
+    base = ["--device", "cpu", "--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--no-progress",
+            "--out-dir", str(tmp_path / "out")]
+    if "--train-file" not in args:
+        base += ["--train-file", f"{bad_files}/good.bin"]
+    argv = base + [a.format(**fill) for a in args]
+    before_bad, before_tmp = _snapshot(bad_files), _snapshot(tmp_path)
+    rc, out, err, seconds = _run_cli(argv, tmp_path, prefix)
+    TIMES[case] = seconds
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, (rc, out, err)
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle.format(**fill) in lines[0], (needle, lines[0])
+    assert "Traceback" not in err
+    assert "RAY_IMPORTED=False" in out, out
+    assert not (tmp_path / "raytmp").exists()  # Ray never made its session folder
+    assert not (tmp_path / "out").exists()
+    assert _snapshot(bad_files) == before_bad
+    assert _snapshot(tmp_path) == before_tmp
+
+
+def test_oversubscription_warns_and_suggests_workers(tmp_path):
+    """Two CPU workers with two cores each on the 2-core machine: a warning naming --workers (not an error)."""
+    from llmq_ray.preflight import check_local_resources
+
+    cpus = os.cpu_count() or 1
+    notes = check_local_resources("cpu", cpus, 0, 2)
+    assert len(notes) == 1 and "oversubscribes" in notes[0] and "--workers" in notes[0]
+    assert check_local_resources("cpu", 1, 0, 1) == []
+
+
+def test_print_wall_times():
+    """Not a check: the wall time of every case above, for the record (run with -s to see it)."""
+    if TIMES:
+        width = max(map(len, TIMES))
+        print("\npre-flight wall times (2-core machine target: < 3 s)")
+        for case, s in TIMES.items():
+            print(f"  {case:<{width}}  {s:5.2f} s")

@@ -1,0 +1,164 @@
+"""Stopping without losing work, and one log across resumes (CPU workers over gloo).
+
+* SIGTERM to the driver of ``examples/train.py`` (its own local Ray, 2 workers, --ckpt-interval 0): it exits
+  with 143 within 30 s, without a C++ stack dump, after writing a checkpoint of the last completed step and a
+  "stopped" end record; ``--continue`` then finishes with per-step losses bit-identical to an uninterrupted
+  run, and the one log holds every step once.
+* A run stopped twice through the step-level API (``request_stop()`` + ``stop()``) and resumed twice has one
+  log: all steps in order, two "resume" records, an "end" record per session; resuming from an older
+  checkpoint marks the steps trained again as ``retrained`` and the plot script draws one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from llmq_ray.checkpoint import validate_checkpoint
+from llmq_ray.runlog import read_log, steps_as_one_run
+from llmq_ray.trainer import LLMQTrainer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = dict(collective_timeout_s=15.0, call_timeout_s=60.0, use_ray_data=False, verbose=False)
+
+
+def _argv(shards, out, steps: int) -> list[str]:
+    return ["--device", "cpu", "--model", "tiny", "--workers", "2", "--batch-size", "2", "--seq-len", "16",
+            "--steps", str(steps), "--lr", "3e-3", "--train-file", shards.train, "--no-export", "--no-ray-data",
+            "--no-progress", "--sample-tokens", "0", "--out-dir", str(out)]
+
+
+def _trainer_from_cli(argv: list[str]) -> LLMQTrainer:
+    """The trainer ``examples/train.py argv`` builds, run in this process (on the test session's Ray)."""
+    from llmq_ray import cli
+
+    kw = cli.trainer_kwargs(cli.build_parser().parse_args(argv))
+    return LLMQTrainer(cli=True, **{**kw, **FAST})
+
+
+def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster, shards, tmp_path):
+    steps = 400
+    ref = _trainer_from_cli(_argv(shards, tmp_path / "ref", steps)).fit()
+    out = tmp_path / "run"
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
+    env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "examples", "train.py"), *_argv(shards, out, steps)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    seen = []
+    try:
+        for line in proc.stdout:  # wait until it is training
+            seen.append(line)
+            if line.startswith("[T] step    20 "):
+                break
+        assert proc.poll() is None, "".join(seen) + proc.stderr.read()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 143, (proc.returncode, err)
+    assert seconds < 30, seconds
+    assert "SIGTERM received" not in err and "logging.cc" not in err and "Traceback" not in err, err
+    records = read_log(str(out / "log.json"))
+    end = records[-1]
+    assert end["log"] == "end" and end["reason"] == "stopped" and end["signal"] == "SIGTERM", end
+    done = end["step"]
+    assert 20 <= done < steps
+    assert f"stopped by SIGTERM after step {done}; checkpoint step_{done:08d} written" in err, err
+    assert end["checkpoint"] == str(out / "ckpt" / f"step_{done:08d}") and end["checkpoint_written"]
+    validate_checkpoint(end["checkpoint"], verify_checksums=True)
+    logged = [r["step"] for r in records if r["log"] == "step"]
+    assert logged == list(range(done)), "every completed step is in the log, once"
+
+    resumed = _trainer_from_cli(_argv(shards, out, steps) + ["--continue"]).fit()
+    assert resumed.stopped is None and resumed.history[0]["step"] == done
+    records = read_log(str(out / "log.json"))
+    assert [r["log"] for r in records].count("resume") == 1 and records[-1]["reason"] == "finished"
+    steps_logged = [r for r in records if r["log"] == "step"]
+    assert [r["step"] for r in steps_logged] == list(range(steps))
+    assert [r["loss"] for r in steps_logged] == [r["loss"] for r in ref.history]  # bit for bit
+
+
+def _api_run(shards, out, **kw) -> LLMQTrainer:
+    args = dict(model="tiny", train_file=shards.train, device="cpu", workers=1, batch_size=2, seq_len=16, steps=12,
+                learning_rate=3e-3, warmup=2, out_dir=str(out), export=False, final_eval=False, **FAST)
+    return LLMQTrainer(**{**args, **kw})
+
+
+def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tmp_path):
+    out = tmp_path / "run"
+    for session, resume in enumerate((False, True)):
+        with _api_run(shards, out, resume=resume) as t:
+            for _ in range(4):
+                assert t.train_step() is not None
+            t.request_stop()
+            assert t.stop_requested and t.train_step() is None
+            info = t.stop()
+        assert info["step"] == 4 * (session + 1) and info["written"] and info["exit_code"] == 0
+        assert info["checkpoint"].endswith(f"step_{4 * (session + 1):08d}")
+    result = _api_run(shards, out, resume=True).fit()
+    assert result.stopped is None
+    records = read_log(str(out / "log.json"))
+    assert [r["step"] for r in records if r["log"] == "step"] == list(range(12))
+    assert [r["log"] for r in records].count("resume") == 2
+    ends = [r for r in records if r["log"] == "end"]
+    assert [e["reason"] for e in ends] == ["stopped", "stopped", "finished"] and records[-1] is not None
+    assert records[-1]["log"] == "end"
+    assert not any(r.get("retrained") for r in records if r["log"] == "step")
+    uninterrupted = _api_run(shards, tmp_path / "ref").fit()
+    assert [r["loss"] for r in steps_as_one_run(records)] == [r["loss"] for r in uninterrupted.history]
+
+    # go back to step 4 (older than the newest checkpoint, 8): steps 5-8 are trained again and marked
+    again = _api_run(shards, out, resume=4).fit()
+    assert again.history[0]["step"] == 4
+    records = read_log(str(out / "log.json"))
+    steps = [r for r in records if r["log"] == "step"]
+    assert [r["step"] for r in steps] == list(range(12)) + list(range(4, 12))
+    assert [r["step"] for r in steps if r.get("retrained")] == list(range(4, 12))
+    one = steps_as_one_run(records)
+    assert [r["step"] for r in one] == list(range(12)) and all(r.get("retrained") for r in one[4:])
+
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import plot_training_run
+    finally:
+        sys.path.pop(0)
+    s = plot_training_run.series(records)
+    assert s["step"] == list(range(1, 13))
+    png = tmp_path / "plot.png"
+    subprocess.run([sys.executable, os.path.join(REPO, "examples", "plot_training_run.py"), str(out / "log.json"),
+                    "--out", str(png)], check=True, capture_output=True, timeout=120)
+    assert png.stat().st_size > 1000
+
+
+def test_a_fresh_run_keeps_an_earlier_log(ray_cluster, shards, tmp_path):
+    """The default log of --out-dir is never overwritten by a fresh run: the earlier one is kept beside it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.json").write_text(json.dumps([{"log": "options", "model": "earlier"}]))
+    t = _api_run(shards, out, steps=2, warmup=0, checkpoint_on_exit=False)
+    t.fit()
+    kept = [n for n in os.listdir(out) if n.startswith("log.before-")]
+    assert len(kept) == 1 and json.loads((out / kept[0]).read_text())[0]["model"] == "earlier"
+    assert read_log(str(out / "log.json"))[-1]["reason"] == "finished"
+
+
+def test_a_failed_run_says_why_in_its_last_record(ray_cluster, shards, tmp_path):
+    from actors.failures import WorkerError
+
+    out = tmp_path / "run"
+    with pytest.raises(WorkerError, match="injected fault"):
+        _api_run(shards, out, steps=5, warmup=0, fault={"rank": 0, "step": 2}).fit()
+    end = read_log(str(out / "log.json"))[-1]
+    assert end["log"] == "end" and end["reason"] == "failed" and "injected fault at step 2" in end["error"]
