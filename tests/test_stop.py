@@ -162,3 +162,24 @@ def test_a_failed_run_says_why_in_its_last_record(ray_cluster, shards, tmp_path)
         _api_run(shards, out, steps=5, warmup=0, fault={"rank": 0, "step": 2}).fit()
     end = read_log(str(out / "log.json"))[-1]
     assert end["log"] == "end" and end["reason"] == "failed" and "injected fault at step 2" in end["error"]
+
+
+def test_resuming_on_fewer_workers_keeps_the_global_batch(ray_cluster, shards, tmp_path, capsys):
+    """A 2-worker checkpoint (2 rows x 1 micro-step x 2 workers) resumed on 1 worker with the same flags:
+    --grad-accumulation becomes 2, one line says so, and the losses follow the 2-worker run within 1e-5."""
+    two = _api_run(shards, tmp_path / "two", workers=2, ckpt_interval=6).fit()
+    ckpt = os.path.join(tmp_path / "two", "ckpt", "step_00000006")
+    t = _api_run(shards, tmp_path / "one", workers=1, resume=ckpt, verbose=True, progress=False)
+    assert t.opts.grad_accumulation == 2
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resuming step_00000006")]
+    assert len(line) == 1 and "--grad-accumulation 2 instead of 1 keeps its global batch of 4 rows" in line[0]
+    one = t.fit()
+    assert [r["step"] for r in one.history] == list(range(6, 12))
+    assert one.history[0]["tokens"] == two.history[6]["tokens"]
+    for a, b in zip(one.history, two.history[6:]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+
+    kept = _api_run(shards, tmp_path / "one-b", workers=1, resume=ckpt, allow_batch_change=True)
+    assert kept.opts.grad_accumulation == 1  # opted out: the batch is halved, as asked
+    with pytest.raises(Exception, match=r"global batch of 4 rows .* cannot keep with a whole grad_accumulation"):
+        _api_run(shards, tmp_path / "one-c", workers=1, batch_size=3, resume=ckpt)
