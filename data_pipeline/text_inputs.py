@@ -5,14 +5,21 @@ a piece that ends a document. Large plain-text documents are cut into pieces of 
 characters, only where a line ends and the next starts with a letter: with a regex pre-tokenizer
 (Qwen's) no token spans such a point, so pieces encode to exactly the ids of the whole text, and several
 processes can share one big file. Tokenizers without that guarantee get whole documents (chunk_chars=0).
+
+The input name ``tiny-shakespeare`` needs no download: the corpus (Shakespeare's text, public domain, as
+collected in karpathy/char-rnn; 1,115,394 bytes) ships with this package, gzip-compressed, as
+``corpora/tinyshakespeare.txt.gz``; ``tiny_shakespeare_path`` says where it is read from.
 """
 
 from __future__ import annotations
 
 import glob as _glob
+import gzip
 import json
 import os
 import urllib.request
+import uuid
+import zlib
 from typing import Iterator
 
 from llmq_ray.errors import DataError
@@ -20,6 +27,9 @@ from llmq_ray.errors import DataError
 TINY_SHAKESPEARE_FILE = "tinyshakespeare.txt"
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 TINY_SHAKESPEARE_BYTES = 1_115_394
+# the copy shipped with the package (declared in pyproject.toml's [tool.setuptools.package-data])
+EMBEDDED_TINY_SHAKESPEARE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpora",
+                                         TINY_SHAKESPEARE_FILE + ".gz")
 
 
 def _cache_dir() -> str:
@@ -27,31 +37,69 @@ def _cache_dir() -> str:
 
 
 def tiny_shakespeare_path() -> str:
-    """$LLMQ_DATA_DIR/tinyshakespeare.txt, else the cache, else a one-time download into the cache."""
-    candidates = []
+    """The path of tinyshakespeare.txt, looked up in this order:
+
+    1. ``$LLMQ_DATA_DIR/tinyshakespeare.txt``, when that variable is set and the file exists;
+    2. the copy embedded in this package (``corpora/tinyshakespeare.txt.gz``), decompressed once into the
+       cache folder (``$XDG_CACHE_HOME/llmq_ray``, default ``~/.cache/llmq_ray``): written to a temporary
+       file, its byte count checked against ``TINY_SHAKESPEARE_BYTES``, then renamed into place, so
+       concurrent callers never see a partial file; later calls reuse it;
+    3. only when the embedded copy is missing (a broken install): a file already in the cache, else a
+       one-time download into the cache.
+
+    Raises DataError when none of these gives the file.
+    """
     if os.environ.get("LLMQ_DATA_DIR"):
-        candidates.append(os.path.join(os.environ["LLMQ_DATA_DIR"], TINY_SHAKESPEARE_FILE))
+        user = os.path.join(os.environ["LLMQ_DATA_DIR"], TINY_SHAKESPEARE_FILE)
+        if os.path.isfile(user):
+            return user
     cached = os.path.join(_cache_dir(), TINY_SHAKESPEARE_FILE)
-    candidates.append(cached)
-    for c in candidates:
-        if os.path.isfile(c):
-            return c
-    os.makedirs(os.path.dirname(cached), exist_ok=True)
-    tmp = cached + f".{os.getpid()}.tmp"
+    if os.path.isfile(EMBEDDED_TINY_SHAKESPEARE):
+        if os.path.isfile(cached) and os.path.getsize(cached) == TINY_SHAKESPEARE_BYTES:
+            return cached
+        try:
+            with gzip.open(EMBEDDED_TINY_SHAKESPEARE, "rb") as f:
+                _write_atomically(cached, f.read())
+        except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+            raise DataError(
+                f"cannot decompress the embedded tiny-shakespeare ({EMBEDDED_TINY_SHAKESPEARE}) into {cached}: "
+                f"{e}; set XDG_CACHE_HOME to a writable folder, or put {TINY_SHAKESPEARE_FILE} in $LLMQ_DATA_DIR."
+            ) from None
+        return cached
+    if os.path.isfile(cached):
+        return cached
     try:
-        with urllib.request.urlopen(TINY_SHAKESPEARE_URL, timeout=30) as r, open(tmp, "wb") as f:
-            f.write(r.read())
-        if os.path.getsize(tmp) != TINY_SHAKESPEARE_BYTES:
-            raise OSError(f"got {os.path.getsize(tmp)} bytes, expected {TINY_SHAKESPEARE_BYTES}")
-        os.replace(tmp, cached)
+        with urllib.request.urlopen(TINY_SHAKESPEARE_URL, timeout=30) as r:
+            _write_atomically(cached, r.read())
     except OSError as e:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        looked = [EMBEDDED_TINY_SHAKESPEARE, cached]
+        if os.environ.get("LLMQ_DATA_DIR"):
+            looked.insert(0, os.path.join(os.environ["LLMQ_DATA_DIR"], TINY_SHAKESPEARE_FILE))
         raise DataError(
-            f"tiny-shakespeare is not in {' or '.join(candidates)} and downloading it failed ({e}); "
+            f"tiny-shakespeare is not in {' or '.join(looked)} and downloading it failed ({e}); "
             f"put {TINY_SHAKESPEARE_FILE} in $LLMQ_DATA_DIR or pass the file path as --input."
         ) from None
     return cached
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    """Write tiny-shakespeare's bytes to ``path`` via a temporary file in the same folder and os.replace,
+    after checking their count (OSError, and nothing left behind, when it is wrong)."""
+    if len(data) != TINY_SHAKESPEARE_BYTES:
+        raise OSError(f"got {len(data)} bytes, expected {TINY_SHAKESPEARE_BYTES}")
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"  # unique per caller, in the target's folder
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+        if os.path.getsize(tmp) != TINY_SHAKESPEARE_BYTES:
+            raise OSError(f"wrote {os.path.getsize(tmp)} bytes to {tmp}, expected {TINY_SHAKESPEARE_BYTES}")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 def expand_inputs(inputs: list[str]) -> list[str]:

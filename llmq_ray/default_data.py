@@ -1,11 +1,13 @@
 """The data a first run trains on when the user names none: tiny-shakespeare, tokenized once and cached.
 
 ``default_dataset()`` returns (train glob, eval file, a short description). The text comes from
-``data_pipeline.text_inputs.tiny_shakespeare_path`` ($LLMQ_DATA_DIR, then ~/.cache/llmq_ray, then a
-one-time download). On a machine with neither the file nor a network it falls back -- saying so in one
-line -- to a corpus every Python installation carries: the interpreter's own documentation text
-(``pydoc_data.topics``, about 465 KB of English). Shards are written by ``data_pipeline.tokenize`` (Qwen
-vocabulary) into ``~/.cache/llmq_ray/data/<name>-qwen-eval<N>/`` and reused while their ``meta.json`` exists.
+``data_pipeline.text_inputs.tiny_shakespeare_path`` ($LLMQ_DATA_DIR, else the copy shipped with the
+``data_pipeline`` package, decompressed once into ~/.cache/llmq_ray, else -- only when an install lacks that
+copy -- a one-time download). If all of these fail (a broken install on a machine without a network, or an
+unwritable cache) it falls back -- saying so in one line -- to a corpus every Python installation carries:
+the interpreter's own documentation text (``pydoc_data.topics``, about 465 KB of English). Shards are written
+by ``data_pipeline.tokenize`` (Qwen vocabulary) into ``~/.cache/llmq_ray/data/<name>-qwen-eval<N>/`` and reused
+while their ``meta.json`` exists.
 """
 
 from __future__ import annotations

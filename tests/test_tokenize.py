@@ -10,16 +10,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from data_pipeline import text_inputs
 from data_pipeline.shards import open_shard
 from data_pipeline.tokenize import tokenize_files
 from data_pipeline.vocab import QWEN_EOS_ID, QwenTiktoken
 from llmq_ray.errors import DataError
 
-SHAKESPEARE_DIR = "/work/shared/data"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDED = os.path.join(REPO, "data_pipeline", "corpora", "tinyshakespeare.txt.gz")
 
 # Ids that Qwen2 / Qwen2.5 tokenizers are published to give for these strings (collected from public
-# tokenizer tests and tokenize-endpoint outputs; see data_pipeline/README_DATA.md).
+# tokenizer tests and tokenize-endpoint outputs; see README.md, "Is the default vocabulary Qwen2.5's?").
 QWEN25_GOLDEN = {
     "Hello world": [9707, 1879],
     "Hello, world!": [9707, 11, 1879, 0],
@@ -54,23 +55,83 @@ def test_qwen_vocabulary_gives_published_qwen25_ids(qwen):
 
 @pytest.fixture(scope="module")
 def shakespeare_out(tmp_path_factory):
-    if not os.path.isfile(os.path.join(SHAKESPEARE_DIR, "tinyshakespeare.txt")):
-        pytest.skip("tinyshakespeare.txt not available")
-    old = os.environ.get("LLMQ_DATA_DIR")
-    os.environ["LLMQ_DATA_DIR"] = SHAKESPEARE_DIR  # how the command finds the corpus without a download
-    try:
+    """tiny-shakespeare tokenized by tokenize_files from the copy in the repository: $LLMQ_DATA_DIR unset and
+    XDG_CACHE_HOME a fresh folder, so neither the user's data nor the user's cache takes part."""
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("LLMQ_DATA_DIR", raising=False)
+        mp.setenv("XDG_CACHE_HOME", str(cache))
         out = str(tmp_path_factory.mktemp("ts") / "tiny-shakespeare-qwen")
         meta = tokenize_files(["tiny-shakespeare"], out, shard_tokens=100_000, eval_tokens=32768, workers=1)
-    finally:
-        if old is None:
-            del os.environ["LLMQ_DATA_DIR"]
-        else:
-            os.environ["LLMQ_DATA_DIR"] = old
-    return out, meta
+    return out, meta, cache
+
+
+def test_embedded_corpus_is_package_data():
+    """The corpus lives in the repository (gzip, ~434 KB) and pyproject.toml ships it with data_pipeline."""
+    import ast
+    import fnmatch
+    import gzip
+    import re
+
+    assert os.path.abspath(text_inputs.EMBEDDED_TINY_SHAKESPEARE) == os.path.abspath(EMBEDDED)
+    assert 300_000 < os.path.getsize(EMBEDDED) < 600_000
+    with gzip.open(EMBEDDED, "rb") as f:
+        text = f.read()
+    assert len(text) == text_inputs.TINY_SHAKESPEARE_BYTES and text.startswith(b"First Citizen:\nBefore we proceed")
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
+        pyproject = f.read()
+    try:
+        import tomllib  # Python 3.11+
+
+        patterns = tomllib.loads(pyproject)["tool"]["setuptools"]["package-data"]["data_pipeline"]
+    except ImportError:  # 3.10: the line itself (a TOML list of plain strings is a Python literal)
+        section = pyproject.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
+        patterns = ast.literal_eval(re.search(r'^"data_pipeline"\s*=\s*(\[.*\])$', section, re.M).group(1))
+    rel = os.path.relpath(EMBEDDED, os.path.join(REPO, "data_pipeline"))
+    assert any(fnmatch.fnmatch(rel, p) for p in patterns), (rel, patterns)
+
+
+def test_tiny_shakespeare_lookup_order(tmp_path, monkeypatch):
+    """$LLMQ_DATA_DIR first, else the embedded copy decompressed once into the cache (atomically, byte count
+    checked), and a download only when the embedded copy is missing."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.delenv("LLMQ_DATA_DIR", raising=False)
+
+    def no_network(*a, **k):
+        raise OSError("no network in this test")
+
+    monkeypatch.setattr(text_inputs.urllib.request, "urlopen", no_network)
+    path = text_inputs.tiny_shakespeare_path()
+    assert path == str(cache / "llmq_ray" / "tinyshakespeare.txt")
+    assert os.path.getsize(path) == text_inputs.TINY_SHAKESPEARE_BYTES
+    assert os.listdir(cache / "llmq_ray") == ["tinyshakespeare.txt"]  # no temporary file left behind
+    mtime = os.stat(path).st_mtime_ns
+    assert text_inputs.tiny_shakespeare_path() == path and os.stat(path).st_mtime_ns == mtime  # decompressed once
+
+    with open(path, "r+b") as f:  # a truncated cache file is replaced
+        f.truncate(1000)
+    assert text_inputs.tiny_shakespeare_path() == path and os.path.getsize(path) == text_inputs.TINY_SHAKESPEARE_BYTES
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "tinyshakespeare.txt").write_text("my own copy\n")
+    monkeypatch.setenv("LLMQ_DATA_DIR", str(mine))
+    assert text_inputs.tiny_shakespeare_path() == str(mine / "tinyshakespeare.txt")
+    monkeypatch.setenv("LLMQ_DATA_DIR", str(tmp_path / "empty"))  # set, but without the file: embedded copy
+    assert text_inputs.tiny_shakespeare_path() == path
+
+    # a broken install without the embedded file: the cache if it has the file, else a download (here failing)
+    monkeypatch.setattr(text_inputs, "EMBEDDED_TINY_SHAKESPEARE", str(tmp_path / "missing.txt.gz"))
+    assert text_inputs.tiny_shakespeare_path() == path
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache2"))
+    with pytest.raises(DataError, match="downloading it failed .no network in this test."):
+        text_inputs.tiny_shakespeare_path()
+    assert not os.path.exists(tmp_path / "cache2" / "llmq_ray" / "tinyshakespeare.txt")
 
 
 def test_tiny_shakespeare_shards(shakespeare_out):
-    out, meta = shakespeare_out
+    out, meta, _ = shakespeare_out
     assert sorted(os.listdir(out)) == ["eval.bin", "meta.json", "train-000.bin", "train-001.bin", "train-002.bin"]
     ev = _tokens(os.path.join(out, "eval.bin"))
     train = [_tokens(os.path.join(out, f"train-00{i}.bin")) for i in range(3)]
@@ -85,12 +146,13 @@ def test_tiny_shakespeare_shards(shakespeare_out):
 
 
 def test_cli_with_two_processes_writes_identical_shards(shakespeare_out, tmp_path):
-    out, _ = shakespeare_out
+    out, _, cache = shakespeare_out
     out2 = str(tmp_path / "mp")
+    env = {k: v for k, v in os.environ.items() if k != "LLMQ_DATA_DIR"}
+    env["XDG_CACHE_HOME"] = str(cache)  # the fixture's cache: the embedded copy, already decompressed
     r = subprocess.run([sys.executable, "-m", "data_pipeline.tokenize", "--input", "tiny-shakespeare", "--out", out2,
                         "--shard-tokens", "100000", "--workers", "2", "--chunk-chars", "100000"],
-                       cwd=REPO, env={**os.environ, "LLMQ_DATA_DIR": SHAKESPEARE_DIR}, capture_output=True, text=True,
-                       timeout=120)
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("wrote") and "\r" not in r.stdout  # no progress bar when not a tty
     for name in ("eval.bin", "train-000.bin", "train-001.bin", "train-002.bin"):

@@ -7,6 +7,10 @@ on 2 cores) it trains on the first train shard of 4096 tokens: 200 steps of 8 x 
 it. So this is largely memorization, and that is the point: the loss must fall far below the unigram level
 (~7 nats, where a model that only learned token frequencies stops), which needs working gradients through
 attention and every block. Seen on the CPU machine: 11.96 at step 0, ~5.0 at step 120, 4.13 at step 199.
+
+The text is the copy in the repository (data_pipeline/corpora/tinyshakespeare.txt.gz), found the way the
+tokenize command finds it, with $LLMQ_DATA_DIR unset and a fresh cache folder: no file outside the repository
+is read and nothing is downloaded.
 """
 
 import math
@@ -17,20 +21,21 @@ import torch
 
 from backends import get_backend
 from data_pipeline.stream import TokenStream
+from data_pipeline.text_inputs import TINY_SHAKESPEARE_BYTES, tiny_shakespeare_path
 from data_pipeline.tokenize import tokenize_files
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.options import TrainOptions
 from llmq_ray.train_loop import train_steps
 
-SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "tinyshakespeare.txt")
-
 
 @pytest.mark.slow
-def test_tiny_qwen_learns_tiny_shakespeare(tmp_path):
-    if not os.path.exists(SHAKESPEARE):
-        pytest.skip(f"{SHAKESPEARE} not found")
-    tokenize_files([SHAKESPEARE], str(tmp_path / "data"), shard_tokens=4096, eval_tokens=32768)
+def test_tiny_qwen_learns_tiny_shakespeare(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLMQ_DATA_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    shakespeare = tiny_shakespeare_path()  # the embedded copy, decompressed into tmp_path/cache
+    assert shakespeare.startswith(str(tmp_path)) and os.path.getsize(shakespeare) == TINY_SHAKESPEARE_BYTES
+    tokenize_files([shakespeare], str(tmp_path / "data"), shard_tokens=4096, eval_tokens=32768)
     cfg = PRESETS["tiny-qwen"]
     opts = TrainOptions(model="tiny-qwen", batch_size=8, seq_len=64, steps=200, learning_rate=1e-2, warmup=10,
                         lr_schedule="cosine", final_lr_fraction=0.1, weight_decay=0.0, seed=1)
