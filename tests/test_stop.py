@@ -183,3 +183,17 @@ def test_resuming_on_fewer_workers_keeps_the_global_batch(ray_cluster, shards, t
     assert kept.opts.grad_accumulation == 1  # opted out: the batch is halved, as asked
     with pytest.raises(Exception, match=r"global batch of 4 rows .* cannot keep with a whole grad_accumulation"):
         _api_run(shards, tmp_path / "one-c", workers=1, batch_size=3, resume=ckpt)
+
+
+def test_api_with_no_data_arguments_trains_on_the_default_corpus(ray_cluster, tmp_path, monkeypatch):
+    """LLMQTrainer() without train_file uses the tiny-shakespeare that ships with llmq-ray, as the CLI does."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("LLMQ_DATA_DIR", raising=False)
+    t = LLMQTrainer(steps=2, batch_size=2, seq_len=32, out_dir=str(tmp_path / "out"), export=False,
+                    final_eval=False, **FAST)
+    assert t.opts.model == "tiny-qwen" and t.runtime["device"] == "auto"
+    assert t.runtime["train_file"].startswith(str(tmp_path / "cache")) and t.runtime["eval_file"].endswith("eval.bin")
+    result = t.fit()
+    assert [r["step"] for r in result.history] == [0, 1] and all(r["loss"] > 0 for r in result.history)
+    dataset = next(r for r in read_log(result.log_file) if r["log"] == "dataset")
+    assert "tiny-shakespeare" in json.dumps(dataset)
