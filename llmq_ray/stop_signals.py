@@ -26,9 +26,12 @@ EXIT_CODES = {int(s): 128 + int(s) for s in STOP_SIGNALS}
 EXIT_CODE_REQUEST = 0  # a stop asked for through the API ends like a finished run
 
 
-class StopForced(BaseException):
+class StopForced(KeyboardInterrupt):
     """A second stop signal arrived while the run was stopping: abandon the stop at once.
-    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` on the way swallows it."""
+
+    A KeyboardInterrupt, because that is the one exception ``ray.get`` lets out of a signal handler that
+    runs while it waits (it re-raises it as a plain KeyboardInterrupt: ``SignalStop.forced`` tells the two
+    apart)."""
 
     def __init__(self, signum: int):
         super().__init__(f"a second {signal.Signals(signum).name} while stopping")
@@ -47,7 +50,8 @@ class SignalStop:
 
     def __init__(self, on_first: Callable[[int], None]):
         self.on_first = on_first
-        self.received: Optional[int] = None
+        self.received: Optional[int] = None   # the first stop signal
+        self.forced: Optional[int] = None     # a second one: the stop is abandoned
         self._previous: dict[int, object] = {}
         self.active = False
 
@@ -56,6 +60,7 @@ class SignalStop:
             self.received = signum
             self.on_first(signum)
         else:
+            self.forced = signum
             raise StopForced(signum)
 
     def install(self) -> bool:

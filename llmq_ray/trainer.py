@@ -511,9 +511,13 @@ class LLMQTrainer:
                                                                 "skipped_steps", "warnings")},
                               history=hist["steps"], evals=hist["evals"], export_path=summary["export_path"],
                               checkpoint_paths=summary["checkpoints"], log_file=summary["log_file"])
-            except StopForced as exc:
+            except KeyboardInterrupt as exc:  # ray.get turns our StopForced into a plain KeyboardInterrupt
+                forced = self._signals.forced if self._signals is not None else None
+                if forced is None and not isinstance(exc, StopForced):
+                    self._end_failed("interrupted (KeyboardInterrupt)")
+                    raise
                 return Result(metrics={}, history=[], evals=[], export_path=None, checkpoint_paths=[],
-                              log_file=self._log_path(), stopped=self._abandon(exc.signum))
+                              log_file=self._log_path(), stopped=self._abandon(forced or exc.signum))
             except LLMQError as exc:
                 self._end_failed(str(exc))
                 raise self._named(exc) from None
@@ -622,11 +626,21 @@ class LLMQTrainer:
             except Exception:  # noqa: BLE001
                 pass
             self.coordinator = None
-        note = (f"a second {signal_name(signum)} abandoned the stop; a checkpoint being written was left "
-                f"incomplete, the previous one is valid")
+        from llmq_ray.checkpoint import CheckpointWarning, find_latest_valid
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
+            try:
+                newest = find_latest_valid(self.checkpoint_dir, verify_checksums=False)
+            except Exception:  # noqa: BLE001 - a report, not a reason to fail now
+                newest = None
+        valid = (f"the newest valid checkpoint is {os.path.basename(newest)}" if newest
+                 else "there is no valid checkpoint")
+        note = (f"a second {signal_name(signum)} abandoned the stop (a checkpoint being written is left as a "
+                f"temporary folder, never taken for a checkpoint); {valid}")
         self._append_end({"reason": "stopped", "signal": first, "step": step, "checkpoint": None,
                           "checkpoint_written": False, "note": note})
-        line = f"stopped by {first} after step {step}; {note}; resume with --continue"
+        line = f"stopped by {first} after step {step}; {note}" + ("; resume with --continue" if newest else "")
         if self.verbose:
             print(line, file=sys.stderr, flush=True)
         return {"signal": first, "step": step, "checkpoint": None, "written": False,

@@ -197,3 +197,48 @@ def test_api_with_no_data_arguments_trains_on_the_default_corpus(ray_cluster, tm
     assert [r["step"] for r in result.history] == [0, 1] and all(r["loss"] > 0 for r in result.history)
     dataset = next(r for r in read_log(result.log_file) if r["log"] == "dataset")
     assert "tiny-shakespeare" in json.dumps(dataset)
+
+
+SECOND_SIGNAL_SCRIPT = """
+import sys
+from llmq_ray.trainer import LLMQTrainer
+t = LLMQTrainer(model="tiny", train_file=sys.argv[1], device="cpu", workers=2, batch_size=2, seq_len=16, steps=50,
+                ckpt_interval=5, out_dir=sys.argv[2], export=False, progress=False, use_ray_data=False,
+                collective_timeout_s=600.0, fault={"rank": 1, "step": 7, "kind": sys.argv[3]})
+r = t.fit()
+sys.exit(r.stopped["exit_code"] if r.stopped else 0)
+"""
+
+
+def test_a_second_signal_abandons_the_stop(shards, tmp_path):
+    """The first SIGTERM waits for the step under way, which here never ends (rank 1 hangs at step 8); the
+    second one kills the actors at once: exit 143, the log's last record says so, and the checkpoint of step 5
+    (--ckpt-interval 5) is still the newest valid one."""
+    out = tmp_path / "run"
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
+    proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL_SCRIPT, shards.train, str(out), "hang"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        for line in proc.stdout:
+            if line.startswith("[T] step     7 "):
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2.0)
+        assert proc.poll() is None  # still waiting for the hung step
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 143 and seconds < 30, (proc.returncode, seconds, err)
+    assert "a second SIGTERM abandoned the stop" in err and "logging.cc" not in err, err
+    end = read_log(str(out / "log.json"))[-1]
+    assert end["log"] == "end" and end["reason"] == "stopped" and end["checkpoint"] is None
+    assert "the newest valid checkpoint is step_00000005" in end["note"]
+    assert sorted(n for n in os.listdir(out / "ckpt") if n.startswith("step_")) == ["step_00000005"]
+    validate_checkpoint(str(out / "ckpt" / "step_00000005"), verify_checksums=True)
