@@ -175,7 +175,7 @@ class LLMQTrainer:
         self.runtime = r
         self._check_inputs()
         if local:
-            self.notes += check_local_resources(r["device"], r["workers"] or (1 if r["device"] == "cpu" else None),
+            self.notes += check_local_resources(machine, r["workers"] or (1 if machine == "cpu" else None),
                                                 r["gpus"], r["cpus_per_worker"])
         self.resume_from = self._resolve_resume()
         self._check_outputs()
@@ -195,7 +195,7 @@ class LLMQTrainer:
             if isinstance(r[flag], bool) or not isinstance(r[flag], int) or r[flag] < 0:
                 raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0 or 'auto'.")
         self._check_data()
-        known_world = (r["workers"] or 1) if r["device"] == "cpu" else (r["gpus"] or r["workers"] or None)
+        known_world = (r["workers"] or 1) if machine == "cpu" and local else (r["gpus"] or r["workers"] or None)
         if known_world:
             self._keep_global_batch(known_world)
         if self.verbose:

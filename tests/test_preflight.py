@@ -123,7 +123,7 @@ CASES = {
     "read-only checkpoint dir": (["--checkpoint-dir", "{ro}/ckpt"], "cannot be created in {ro}"),
     "--continue with nothing to continue": (["--continue"], "--continue: no valid checkpoint in"),
     "corrupt --continue target": (["--continue", "{d}/corrupt/step_00000003"], "rank_00000.safetensors"),
-    "--workers above the CPUs": (["--workers", "{many}"], "this machine has"),
+    "--workers above the CPUs": (["--workers", "{many}", "--device", "auto"], "this machine has"),
     "--log-file of another run": (["--log-file", "{d}/other-log.json"], "is the log of another run"),
     "fresh run into another run's checkpoints": (["--checkpoint-dir", "{d}/ckpt"], "already holds checkpoints"),
     "bad flag value": (["--warmup", "30", "--steps", "10"], "--warmup must be an integer in [0, --steps)"),
