@@ -15,7 +15,17 @@ removed and the error goes on to the coordinator's restart logic. Either way not
 appears unless the whole checkpoint is complete.
 
 Load: every worker calls ``load_checkpoint(folder)`` together (restoring the weights is a collective);
-the saved world size may differ from the group's (resharding is done by llmq_ray/checkpoint.py).
+the saved world size may differ from the group's (resharding is done by llmq_ray/checkpoint.py). Each
+worker hashes the files it reads against the manifest, unless the caller passes ``verified=True``: the
+folder came from ``resolve_continue`` (--continue), which has just hashed every file of it, and hashing a
+7B checkpoint twice would double the time to resume.
+
+Restart: ``restart_point`` keeps to the cheap checks (manifest, coverage, sizes). Its candidates are
+checkpoints this run wrote minutes ago (their sha256 computed from the bytes read back after fsync) or
+the one it started from, so a same-size corruption there is unlikely; and the load that follows
+(``verified=False``) still hashes every file it reads, so one would end the run in its one sentence
+rather than train on bad state. Hashing in the chooser as well would add a full read of the checkpoint
+to every automatic restart.
 """
 
 from __future__ import annotations
@@ -60,10 +70,15 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
             "warnings": [str(w.message) for w in caught]}
 
 
-def load_group_checkpoint(workers: list, folder: str, timeout_s: float) -> dict:
-    """Every worker loads ``folder`` (together); returns its manifest (read here, without the tensors)."""
+def load_group_checkpoint(workers: list, folder: str, timeout_s: float, *, verified: bool = False) -> dict:
+    """Every worker loads ``folder`` (together); returns its manifest (read here, without the tensors).
+
+    ``verified``: every file of ``folder`` was just hashed against its sha256 (``resolve_continue`` /
+    ``verify_checkpoint`` returned it), so the workers skip hashing again (they still check each file's
+    size). False (the default): each worker verifies the sha256 of the files it reads."""
     manifest = read_manifest(folder)
-    steps = gather([w.load_checkpoint.remote(folder) for w in workers], timeout_s, f"loading checkpoint {folder}")
+    steps = gather([w.load_checkpoint.remote(folder, verified=bool(verified)) for w in workers], timeout_s,
+                   f"loading checkpoint {folder}")
     if len(set(steps)) != 1 or steps[0] != int(manifest["step"]):
         raise CheckpointError(f"checkpoint {folder}: the workers loaded steps {sorted(set(steps))}, its manifest "
                               f"says {manifest['step']}; it changed while being loaded.")
@@ -72,7 +87,8 @@ def load_group_checkpoint(workers: list, folder: str, timeout_s: float) -> dict:
 
 def restart_point(candidates: list[str], max_step: int) -> tuple[str | None, list[str]]:
     """The newest valid checkpoint among ``candidates`` (folders this run wrote or started from) whose
-    step is at most ``max_step``; returns (folder or None, messages about the ones skipped)."""
+    step is at most ``max_step``; returns (folder or None, messages about the ones skipped). Cheap checks
+    only (see the module docstring): load the folder with ``verified=False``."""
     skipped = []
     ordered = sorted({os.path.abspath(c) for c in candidates}, key=lambda p: step_of(p) or -1, reverse=True)
     for folder in ordered:

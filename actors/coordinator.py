@@ -154,7 +154,9 @@ class Coordinator:
         """Load checkpoint ``folder`` into the current group and go on from its step; returns the [C] line."""
         t0 = time.perf_counter()
         try:
-            manifest = load_group_checkpoint(self.workers, folder, self.spec.call_timeout_s)
+            # --continue's folder was hashed whole before Ray started (resolve_continue): not again per rank
+            manifest = load_group_checkpoint(self.workers, folder, self.spec.call_timeout_s,
+                                             verified=reason == "continue")
         except BaseException:
             self.failed = True
             raise

@@ -332,18 +332,27 @@ class GPUWorker:
                 os.fsync(f.fileno())
             os.kill(os.getpid(), signal.SIGKILL)
         rec = write_rank_shard(tmp_dir, self.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
+        f = self.spec.fault or {}
+        if f.get("kind") == "save_slow" and int(f.get("rank", -1)) == self.rank and step >= int(f.get("step", 0)):
+            time.sleep(float(f.get("seconds", 60.0)))  # test hook: a slow disk; the manifest is not written yet
         return rec, self.data_state()
 
-    def load_checkpoint(self, folder: str) -> int:
+    def load_checkpoint(self, folder: str, verified: bool = False) -> int:
         """Put this rank into the state of checkpoint ``folder`` (any saved world size): optimizer shard,
-        weights (a collective: every rank calls this together) and data position. Returns the step."""
+        weights (a collective: every rank calls this together) and data position. Returns the step.
+
+        The files this rank reads are checked for their recorded size and, unless ``verified``, hashed
+        against their sha256 first. ``verified=True`` means the caller has just hashed every file of the
+        folder (``resolve_continue`` in --continue's pre-flight): hashing again would make the ranks read
+        the whole checkpoint (~91 GB at 7B) a second time for nothing. Automatic restarts pass False (their
+        chooser, ``restart_point``, only does the cheap checks)."""
         from llmq_ray.checkpoint import data_state_for_rank, load_checkpoint
         from llmq_ray.resume import restore_engine
 
         e = self.engine
         tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,
                                             rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
-                                            device=e.device)
+                                            verify_checksums=not verified, device=e.device)
         restore_engine(e, tensors)  # also resets the gradient accumulators (ZeRO-2's grad shard included)
         state = data_state_for_rank(manifest, self.rank, self.world_size)
         if state and self._train is not None:

@@ -24,10 +24,23 @@ Multi-rank protocol (ranks share the filesystem of one node; the coordinator run
     apply_retention(ckpt_dir, keep_n=2, major_every=0)
     # if any worker raised: abort_checkpoint(tmp, step, cause) -> raises the one-sentence CheckpointError
 
-Reading: ``find_latest_valid`` / ``resolve_continue`` pick the folder (cheap checks: manifest parses, files
-exist with the recorded sizes); ``load_checkpoint`` verifies the sha256 of every file it reads, compares
-the model config, and assembles any flat range [start, end) from the saved shards, so a run may resume on
-another world size.
+Reading: ``find_latest_valid`` / ``resolve_continue`` pick the folder a run resumes from. They run the
+cheap checks first (manifest parses, ranges tile the layout, files exist with the recorded sizes), so an
+incomplete folder is refused without reading a byte of it, and then ``verify_checkpoint`` hashes every file
+against the manifest's sha256: a same-size corruption (a flipped bit, a file replaced by one of equal size)
+of the newest checkpoint is skipped with a warning there, instead of being picked and then failing the
+workers' load -- which, under a wrapper that always passes --continue, would crash-loop. Hashing streams
+each file in 4 MiB reads on a thread pool, one thread per file up to the usable cores (hashlib and file
+reads release the GIL): a checkpoint of N rank files hashes about min(N, cores) times as fast as one by one.
+``load_checkpoint`` compares the model config and assembles any flat range [start, end) from the saved
+shards, so a run may resume on another world size; it verifies the sha256 of every file it reads unless
+its caller says the folder was just verified (``verify_checksums=False``). ``apply_retention`` and the
+restart path (actors/checkpointing.py) keep to the cheap checks: they run after every save or restart, on
+checkpoints this run has just written and hashed, and a restart's load still verifies what it reads.
+
+Importing this module does not import torch (``import torch`` takes about a second): the CLI resolves
+--continue in a pre-flight before anything heavy is loaded. The functions that handle tensors import it
+(and ``llmq_ray.params``) when called.
 """
 
 from __future__ import annotations
@@ -41,16 +54,18 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
-
-import torch
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from llmq_ray.config import ModelConfig
 from llmq_ray.errors import CheckpointError, ConfigError
-from llmq_ray.params import ParamLayout
+
+if TYPE_CHECKING:  # annotations only: the functions that need torch import it when called
+    import torch
 
 FORMAT = "llmq-ray-checkpoint"
 FORMAT_VERSION = 1
@@ -59,7 +74,15 @@ STATE_NAMES = ("master", "m", "v")
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 _TMP_RE = re.compile(r"^\.step_(\d{8})\.tmp-[0-9a-zA-Z]+$")
 _HASH_CHUNK = 1 << 22  # 4 MiB per read when hashing
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_HASH_THREADS_MAX = 32  # beyond this many concurrent readers a disk only seeks more
+# dtype names by str(torch dtype) and by safetensors' dtype names, so no torch import is needed here
+_DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16",
+                "F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """The short name (fp32, bf16, fp16) of a torch dtype or of a safetensors dtype name, else its str()."""
+    return _DTYPE_NAMES.get(str(dtype), str(dtype))
 
 
 class CheckpointWarning(UserWarning):
@@ -134,8 +157,35 @@ def _fsync_and_hash(path: str) -> tuple[int, str]:
 
 def file_sha256(path: str) -> str:
     """sha256 (hex) of a file's bytes."""
-    with open(path, "rb") as f:
-        return _size_and_sha256(f)[1]
+    return _stream_sha256(path)[1]
+
+
+def _stream_sha256(path: str, stop: threading.Event | None = None) -> tuple[int, str] | tuple[None, None]:
+    """(size, sha256 hex) of a file, read in ``_HASH_CHUNK`` pieces into one reused buffer (constant memory
+    whatever the file's size); (None, None) when ``stop`` was set before the end (another file of the same
+    checkpoint already failed, so finishing this one is wasted reading).
+
+    Both the reads and ``hashlib``'s update of a large buffer release the GIL, so several of these run
+    truly in parallel on a thread pool. The kernel is told the access is sequential (more read-ahead)."""
+    h = hashlib.sha256()
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:  # not supported by this filesystem: only a hint
+                pass
+        while True:
+            if stop is not None and stop.is_set():
+                return None, None
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
 
 
 def _save_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -193,7 +243,7 @@ def _write_failed(tmp_dir: str, step: int | None, exc: BaseException, *, remove:
     name = step_name(step) if step is not None else os.path.basename(tmp_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
-        prev = find_latest_valid(ckpt_dir)
+        prev = find_latest_valid(ckpt_dir, verify_checksums=False)  # a message only: no hashing on this path
     tail = (f"the previous checkpoint {os.path.basename(prev)} is still valid" if prev
             else "there is no earlier valid checkpoint in it")
     return CheckpointError(f"checkpoint {name} could not be written to {ckpt_dir} ({_reason(exc)}); {tail}.")
@@ -276,7 +326,7 @@ def write_rank_shard(tmp_dir: str, rank: int, tensors: Mapping[str, torch.Tensor
             raise _write_failed(tmp_dir, step, exc, remove=False) from exc
         raise
     return {"name": name, "rank": rank, "start": start, "end": end, "size": size, "sha256": sha,
-            "dtypes": {k: _DTYPE_NAMES.get(v.dtype, str(v.dtype)) for k, v in out.items()}}
+            "dtypes": {k: _dtype_name(v.dtype) for k, v in out.items()}}
 
 
 def rng_state(seed: int | None = None) -> dict:
@@ -285,6 +335,8 @@ def rng_state(seed: int | None = None) -> dict:
     The training math itself draws no random numbers from global generators (init and the stochastic
     rounding seeds are pure functions of the run's seed, the step and the flat offset), so ``seed`` is what
     reproduces a run; the torch CPU state is saved for code that does use the global generator."""
+    import torch
+
     state = torch.get_rng_state().numpy().tobytes()
     return {"seed": None if seed is None else int(seed), "torch_cpu": base64.b64encode(state).decode("ascii")}
 
@@ -293,6 +345,8 @@ def restore_rng(rng: Mapping[str, Any]) -> None:
     """Set torch's CPU generator back to a ``rng_state()`` (no-op when the entry is absent)."""
     encoded = rng.get("torch_cpu") if rng else None
     if encoded:
+        import torch
+
         raw = base64.b64decode(encoded)
         torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
@@ -313,6 +367,8 @@ def build_manifest(step: int, *, config: ModelConfig, world_size: int, options: 
     (or None) per rank. rng: ``rng_state(seed)``. extra: more JSON keys (e.g. the loss history, the export
     dtype); they must not collide with the reserved ones.
     """
+    from llmq_ray.params import ParamLayout
+
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -419,7 +475,7 @@ def _records_from_files(tmp_dir: str) -> list[dict]:
         path = os.path.join(tmp_dir, fname)
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            dtypes = {k: _DTYPE_NAMES.get(f.get_slice(k).get_dtype(), f.get_slice(k).get_dtype()) for k in f.keys()}
+            dtypes = {k: _dtype_name(f.get_slice(k).get_dtype()) for k in f.keys()}
         out.append({"name": fname, "rank": int(m.group(1)), "start": int(meta["start"]), "end": int(meta["end"]),
                     "size": os.path.getsize(path), "sha256": file_sha256(path), "dtypes": dtypes})
     return out
@@ -527,6 +583,18 @@ def read_manifest(folder: str) -> dict:
     return manifest
 
 
+def _checksum_error(folder: str, path: str) -> CheckpointError:
+    name = os.path.basename(os.path.normpath(folder))
+    return CheckpointError(f"shard file {path} fails its sha256 checksum (the bytes changed after the "
+                           f"checkpoint was written); checkpoint {name} is corrupt, resume from another one.")
+
+
+def _size_error(folder: str, path: str, size: int, recorded: Any) -> CheckpointError:
+    name = os.path.basename(os.path.normpath(folder))
+    return CheckpointError(f"shard file {path} has {size} bytes, the manifest records {recorded}: it is "
+                           f"truncated or was replaced, so checkpoint {name} fails its checksum.")
+
+
 def _check_file(folder: str, entry: Mapping, *, verify: bool) -> str:
     """Existence + size (and with ``verify`` the sha256) of one shard file; returns its path."""
     name = os.path.basename(os.path.normpath(folder))
@@ -537,31 +605,104 @@ def _check_file(folder: str, entry: Mapping, *, verify: bool) -> str:
         raise CheckpointError(f"checkpoint {name} is missing its shard file {entry['name']} (in {folder}); it "
                               f"cannot be loaded, resume from another checkpoint.") from None
     if size != int(entry["size"]):
-        raise CheckpointError(f"shard file {path} has {size} bytes, the manifest records {entry['size']}: it is "
-                              f"truncated or was replaced, so checkpoint {name} fails its checksum.")
-    if verify and file_sha256(path) != entry["sha256"]:
-        raise CheckpointError(f"shard file {path} fails its sha256 checksum (the bytes changed after the "
-                              f"checkpoint was written); checkpoint {name} is corrupt, resume from another one.")
+        raise _size_error(folder, path, size, entry["size"])
+    if verify:
+        _verify_files(folder, [entry])
     return path
 
 
-def validate_checkpoint(folder: str, *, verify_checksums: bool = False) -> dict:
-    """Cheap validity check of a checkpoint folder: the manifest parses, the ranges tile the layout and every
-    file exists with its recorded size (``verify_checksums`` also hashes them). Returns the manifest."""
+def hash_workers(n_files: int) -> int:
+    """Threads that hash ``n_files`` files at once: one per file, at most the CPUs this process may run on
+    (sha256 is CPU-bound at 0.5-2 GB/s a core, so more threads than cores gain nothing) and at most 32
+    (concurrent readers past that only make a disk seek). Always >= 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(int(n_files), cpus, _HASH_THREADS_MAX))
+
+
+def _verify_files(folder: str, entries: Sequence[Mapping], *, max_workers: int | None = None) -> None:
+    """Hash the shard files ``entries`` of ``folder`` (whose sizes were already checked) and compare each
+    with its recorded sha256, in parallel (``hash_workers``, or ``max_workers``). The first failure stops
+    the others at their next chunk; the CheckpointError names the failing file (the first in the manifest's
+    order when several were caught)."""
+    entries = list(entries)
+    if not entries:
+        return
+    workers = max(1, min(len(entries), max_workers or hash_workers(len(entries))))
+    stop = threading.Event()
+
+    def check(entry: Mapping) -> CheckpointError | None:
+        path = os.path.join(folder, entry["name"])
+        try:
+            size, digest = _stream_sha256(path, stop)
+        except OSError as exc:
+            err = CheckpointError(f"shard file {path} could not be read ({_reason(exc)}); checkpoint "
+                                  f"{os.path.basename(os.path.normpath(folder))} cannot be verified, resume from "
+                                  f"another one.")
+        else:
+            if size is None:  # stopped: another file already failed
+                return None
+            if size != int(entry["size"]):  # changed since the size check
+                err = _size_error(folder, path, size, entry["size"])
+            elif digest != entry.get("sha256"):
+                err = _checksum_error(folder, path)
+            else:
+                return None
+        stop.set()
+        return err
+
+    if workers == 1:
+        errors = [check(e) for e in entries]
+    else:
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-sha256")
+        try:
+            errors = list(pool.map(check, entries))
+        finally:
+            stop.set()  # also on KeyboardInterrupt: the threads leave at their next chunk
+            pool.shutdown(wait=True, cancel_futures=True)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise failed[0]
+
+
+def validate_checkpoint(folder: str, *, verify_checksums: bool = False, max_workers: int | None = None) -> dict:
+    """Validity check of a checkpoint folder; returns its manifest.
+
+    Cheap part (always): the manifest parses, the ranges tile the layout and every file exists with its
+    recorded size -- an incomplete or truncated checkpoint is refused here without reading any shard.
+    With ``verify_checksums`` every file is then hashed against its recorded sha256 (``verify_checkpoint``).
+    CheckpointError (one sentence naming the folder or the file) otherwise."""
     manifest = read_manifest(folder)
     name = os.path.basename(os.path.normpath(folder))
     _check_coverage(manifest["files"], int(manifest["layout_numel"]), f"checkpoint {name}")
     for entry in manifest["files"]:
-        _check_file(folder, entry, verify=verify_checksums)
+        _check_file(folder, entry, verify=False)
+    if verify_checksums:
+        _verify_files(folder, manifest["files"], max_workers=max_workers)
     return manifest
 
 
-def find_latest_valid(ckpt_dir: str, *, verify_checksums: bool = False) -> str | None:
-    """The newest ``step_*`` folder of ``ckpt_dir`` that passes ``validate_checkpoint``, or None.
+def verify_checkpoint(folder: str, *, max_workers: int | None = None) -> dict:
+    """Full integrity check of a checkpoint folder; returns its manifest.
 
-    Incomplete or corrupt folders are skipped with a CheckpointWarning that names them; tmp folders
-    (``.step_*.tmp-*``, checkpoints being written or abandoned by a crash) are ignored. sha256 sums are
-    checked when loading, not here, unless ``verify_checksums``."""
+    The cheap checks of ``validate_checkpoint`` come first, then the sha256 of EVERY shard file is
+    compared with the manifest's: each file is streamed in 4 MiB reads (constant memory) and the files are
+    hashed concurrently on a thread pool of ``hash_workers(number of files)`` threads (or ``max_workers``).
+    The first file that fails stops the rest. Raises CheckpointError, one sentence naming the failing file
+    (or, for the cheap checks, the folder or the missing file)."""
+    return validate_checkpoint(folder, verify_checksums=True, max_workers=max_workers)
+
+
+def find_latest_valid(ckpt_dir: str, *, verify_checksums: bool = True) -> str | None:
+    """The newest ``step_*`` folder of ``ckpt_dir`` that passes ``verify_checkpoint``, or None.
+
+    Incomplete or corrupt folders are skipped with a CheckpointWarning that names them and the failing
+    file; tmp folders (``.step_*.tmp-*``, checkpoints being written or abandoned by a crash) are ignored.
+    Only the candidates down to the first good one are hashed. ``verify_checksums=False`` keeps to the
+    cheap checks (manifest, coverage, sizes): for messages and bookkeeping, never to pick a folder to
+    resume from."""
     for _, path in list_step_dirs(ckpt_dir):
         try:
             validate_checkpoint(path, verify_checksums=verify_checksums)
@@ -571,14 +712,18 @@ def find_latest_valid(ckpt_dir: str, *, verify_checksums: bool = False) -> str |
     return None
 
 
-def resolve_continue(arg: Any, ckpt_dir: str) -> str:
-    """The folder that ``--continue [ARG]`` names.
+def resolve_continue(arg: Any, ckpt_dir: str, *, verify_checksums: bool = True) -> str:
+    """The folder that ``--continue [ARG]`` names, verified (``verify_checkpoint``).
 
-    ARG None / True / "" / "latest": the newest valid checkpoint of ckpt_dir; an int (or digit string): that
-    step in ckpt_dir; anything else: a checkpoint folder path. The folder is validated (cheaply); any
-    problem raises CheckpointError naming the flag and the folder."""
+    ARG None / True / "" / "latest": the newest checkpoint of ckpt_dir that passes, newer incomplete or
+    corrupt ones skipped with a CheckpointWarning naming the failing file; an int (or digit string): that
+    step in ckpt_dir; anything else: a checkpoint folder path. A named folder that is absent, incomplete or
+    corrupt raises CheckpointError (one sentence naming the flag, the folder or the failing file). When
+    this returns, every file of the folder matched its sha256, so the load that follows may skip hashing
+    again (``load_checkpoint(verify_checksums=False)``, ``GPUWorker.load_checkpoint(verified=True)``).
+    ``verify_checksums=False``: cheap checks only."""
     if arg is None or arg is True or (isinstance(arg, str) and arg.strip().lower() in ("", "latest")):
-        found = find_latest_valid(ckpt_dir)
+        found = find_latest_valid(ckpt_dir, verify_checksums=verify_checksums)
         if found is None:
             raise CheckpointError(f"--continue: no valid checkpoint in {ckpt_dir}; train without --continue or "
                                   f"point --checkpoint-dir at the run's checkpoints.")
@@ -595,7 +740,7 @@ def resolve_continue(arg: Any, ckpt_dir: str) -> str:
         folder = os.fspath(arg)
         if not os.path.isdir(folder):
             raise CheckpointError(f"--continue={arg}: no such checkpoint folder.")
-    validate_checkpoint(folder)
+    validate_checkpoint(folder, verify_checksums=verify_checksums)
     return folder
 
 
@@ -624,11 +769,17 @@ def load_checkpoint(folder: str, *, expected_config: ModelConfig, world_size: in
 
     The range defaults to ZeRO rank ``rank`` of ``world_size``'s (``ParamLayout.shard_range``). It is
     assembled from every saved rank file whose [start, end) overlaps it (resharding), reading only those
-    slices; the sha256 of each file read is verified first. Returns ({name: 1-D tensor of shard_end -
-    shard_start elements in the saved dtype}, manifest). CheckpointError (one sentence naming the folder or
-    file) for: another model config, a missing shard file, a size or checksum mismatch, a manifest that is
-    not JSON."""
+    slices. Every file read is checked for its size, and with ``verify_checksums`` (the default) hashed
+    against its sha256 first (the files concurrently, as ``verify_checkpoint`` does). Pass
+    ``verify_checksums=False`` only when the caller has just verified the whole folder (``resolve_continue``
+    / ``verify_checkpoint``): hashing a 7B checkpoint again costs as long as reading it. Returns ({name: 1-D
+    tensor of shard_end - shard_start elements in the saved dtype}, manifest). CheckpointError (one sentence
+    naming the folder or file) for: another model config, a missing shard file, a size or checksum
+    mismatch, a manifest that is not JSON."""
+    import torch
     from safetensors import SafetensorError, safe_open
+
+    from llmq_ray.params import ParamLayout
 
     manifest = read_manifest(folder)
     name = os.path.basename(os.path.normpath(folder))
@@ -646,13 +797,17 @@ def load_checkpoint(folder: str, *, expected_config: ModelConfig, world_size: in
     if not 0 <= lo <= hi <= layout.numel:
         raise CheckpointError(f"load_checkpoint: range [{lo}, {hi}) is not inside [0, {layout.numel}).")
 
+    needed = [entry for entry in sorted(manifest["files"], key=lambda e: int(e["start"]))
+              if max(int(entry["start"]), lo) < min(int(entry["end"]), hi)]
+    for entry in needed:  # cheap checks of every file first, then hash them together
+        _check_file(folder, entry, verify=False)
+    if verify_checksums:
+        _verify_files(folder, needed)
     pieces: dict[str, list[torch.Tensor]] = {k: [] for k in names}
-    for entry in sorted(manifest["files"], key=lambda e: int(e["start"])):
+    for entry in needed:
         s, e = int(entry["start"]), int(entry["end"])
         a, b = max(s, lo), min(e, hi)
-        if a >= b:
-            continue
-        path = _check_file(folder, entry, verify=verify_checksums)
+        path = os.path.join(folder, entry["name"])
         try:
             with safe_open(path, framework="pt", device=str(device)) as f:
                 meta = f.metadata() or {}

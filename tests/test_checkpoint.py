@@ -8,6 +8,10 @@
 * Crash safety: an exception after the first rank file, or a full disk, never leaves a checkpoint that
   looks valid; the previous one stays the newest valid one.
 * Corruption and mismatches end in one CheckpointError sentence naming the file/folder/field.
+* Integrity when choosing where to resume: a newest checkpoint with a flipped byte (same size) is skipped
+  with a warning naming the file, and naming it explicitly is an error naming the file; every rank file
+  is hashed, concurrently; incomplete folders are refused before any hashing; the module imports (and
+  picks a checkpoint) without torch.
 * Retention (newest keep_n + majors) and --continue resolution.
 """
 
@@ -17,6 +21,10 @@ import dataclasses
 import errno
 import json
 import os
+import re
+import subprocess
+import sys
+import threading
 import warnings
 
 import numpy as np
@@ -328,10 +336,11 @@ def test_truncated_flipped_missing_and_bad_manifest(tmp_path):
     rank1 = os.path.join(bad, "rank_00001.safetensors")
     raw = bytearray(open(rank1, "rb").read())
 
-    # flipped byte, same size: the cheap scan still accepts it, loading fails the checksum
+    # flipped byte, same size: the cheap scan still accepts it (the verifying one does not, see
+    # test_flipped_byte_in_newest_checkpoint_is_skipped), loading fails the checksum
     raw[-3] ^= 0x40
     open(rank1, "wb").write(bytes(raw))
-    assert ck.find_latest_valid(str(tmp_path)) == bad
+    assert ck.find_latest_valid(str(tmp_path), verify_checksums=False) == bad
     with pytest.raises(CheckpointError, match=r"rank_00001\.safetensors fails its sha256 checksum.*step_00000004"):
         ck.load_checkpoint(bad, expected_config=MICRO, world_size=1, rank=0)
     # loading only rank 0's range does not need (and does not read) rank 1's file
@@ -362,6 +371,158 @@ def test_truncated_flipped_missing_and_bad_manifest(tmp_path):
     os.remove(os.path.join(bad, "manifest.json"))
     with pytest.warns(ck.CheckpointWarning, match=r"step_00000004 has no manifest\.json"):
         assert ck.resolve_continue(None, str(tmp_path)) == good
+
+
+def _one_sentence(msg: str) -> bool:
+    return "\n" not in msg and msg.endswith(".") and ". " not in msg
+
+
+def _flip_byte(path: str, where: int | None = None) -> None:
+    """Flip one bit of a file in place (the middle byte by default): same size, other bytes."""
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2 if where is None else where)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert os.path.getsize(path) == size
+
+
+def test_flipped_byte_in_newest_checkpoint_is_skipped(tmp_path):
+    """The chooser hashes: a same-size corruption of the newest checkpoint's one rank file makes --continue
+    take the previous one (warning naming the file); naming the corrupt one is an error naming the file."""
+    state = _flat_state(MICRO)
+    good = _save(tmp_path, 6, state, keep_n=None)
+    bad = _save(tmp_path, 12, _flat_state(MICRO, seed=1), keep_n=None)
+    rank1 = os.path.join(bad, "rank_00001.safetensors")
+    _flip_byte(rank1)
+    assert ck.validate_checkpoint(bad)["step"] == 12  # the cheap checks cannot see it
+
+    with pytest.warns(ck.CheckpointWarning) as caught:
+        assert ck.find_latest_valid(str(tmp_path)) == good
+    msgs = [str(w.message) for w in caught if issubclass(w.category, ck.CheckpointWarning)]
+    assert len(msgs) == 1 and rank1 in msgs[0] and "fails its sha256 checksum" in msgs[0], msgs
+    for arg in (None, "latest"):
+        with pytest.warns(ck.CheckpointWarning, match=re.escape(rank1)):
+            assert ck.resolve_continue(arg, str(tmp_path)) == good
+
+    for arg in (12, "12", bad):  # the step, and the folder
+        with pytest.raises(CheckpointError) as info:
+            ck.resolve_continue(arg, str(tmp_path))
+        msg = str(info.value)
+        assert msg == (f"shard file {rank1} fails its sha256 checksum (the bytes changed after the checkpoint was "
+                       f"written); checkpoint step_00000012 is corrupt, resume from another one."), msg
+        assert _one_sentence(msg), msg
+    assert ck.resolve_continue(6, str(tmp_path)) == good
+    # the previous checkpoint is what the run then loads, and its data is intact
+    tensors, manifest = ck.load_checkpoint(good, expected_config=MICRO)
+    assert manifest["step"] == 6 and torch.equal(tensors["master"], state["master"])
+
+
+def test_verify_checkpoint_hashes_every_rank_file_concurrently(tmp_path, monkeypatch):
+    """verify_checkpoint hashes all rank files of a 4-rank checkpoint on 4 threads at once (a barrier that
+    only 4 concurrent callers pass), a good one passes, a bad rank file is named in one sentence."""
+    folder = _save(tmp_path, 3, _flat_state(MICRO), world=4, keep_n=None)
+    manifest = ck.read_manifest(folder)
+    assert len(manifest["files"]) == 4
+
+    real, barrier, threads = ck._stream_sha256, threading.Barrier(4, timeout=20), set()
+
+    def together(path, stop=None):
+        threads.add(threading.get_ident())
+        barrier.wait()  # BrokenBarrierError unless the 4 files are being hashed at the same time
+        return real(path, stop)
+
+    monkeypatch.setattr(ck, "_stream_sha256", together)
+    assert ck.verify_checkpoint(folder, max_workers=4) == manifest
+    assert len(threads) == 4 and threading.get_ident() not in threads
+    monkeypatch.undo()
+    assert ck.verify_checkpoint(folder)["step"] == 3  # default pool size (hash_workers)
+    assert ck.validate_checkpoint(folder, verify_checksums=True) == manifest
+
+    rank2 = os.path.join(folder, "rank_00002.safetensors")
+    _flip_byte(rank2, where=os.path.getsize(rank2) - 7)
+    for workers in (None, 1, 4):
+        with pytest.raises(CheckpointError) as info:
+            ck.verify_checkpoint(folder, max_workers=workers)
+        msg = str(info.value)
+        assert msg.startswith(f"shard file {rank2} fails its sha256 checksum") and _one_sentence(msg), msg
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    assert ck.hash_workers(4) == min(4, cpus) and ck.hash_workers(1) == 1 and ck.hash_workers(0) == 1
+    assert ck.hash_workers(10_000) == min(cpus, 32)
+    recorded = {f["name"]: f["sha256"] for f in manifest["files"]}
+    assert ck.file_sha256(rank2) != recorded["rank_00002.safetensors"]
+
+
+def test_incomplete_checkpoint_is_refused_before_hashing(tmp_path, monkeypatch):
+    """Missing manifest, a missing or truncated rank file: the cheap checks refuse them, no file is hashed;
+    a load of a folder the caller verified (verify_checksums=False) does not hash either, but still checks
+    sizes."""
+    state = _flat_state(MICRO)
+    good = _save(tmp_path, 2, state, keep_n=None)
+    trunc = _save(tmp_path, 4, state, keep_n=None)
+    gone = _save(tmp_path, 5, state, keep_n=None)
+    nomani = _save(tmp_path, 6, state, keep_n=None)
+    with open(os.path.join(trunc, "rank_00000.safetensors"), "r+b") as f:
+        f.truncate(100)
+    os.remove(os.path.join(gone, "rank_00001.safetensors"))
+    os.remove(os.path.join(nomani, "manifest.json"))
+
+    hashed = []
+    real = ck._stream_sha256
+
+    def spy(path, stop=None):
+        hashed.append(os.path.basename(os.path.dirname(path)))
+        return real(path, stop)
+
+    monkeypatch.setattr(ck, "_stream_sha256", spy)
+    with pytest.warns(ck.CheckpointWarning) as caught:
+        assert ck.find_latest_valid(str(tmp_path)) == good
+    assert len([w for w in caught if issubclass(w.category, ck.CheckpointWarning)]) == 3
+    assert hashed == ["step_00000002", "step_00000002"]  # only the one that passed the cheap checks
+    for folder, pattern in ((trunc, r"rank_00000\.safetensors has 100 bytes"),
+                            (gone, r"missing its shard file rank_00001\.safetensors"),
+                            (nomani, r"has no manifest\.json")):
+        hashed.clear()
+        with pytest.raises(CheckpointError, match=pattern):
+            ck.verify_checkpoint(folder)
+        assert hashed == []
+
+    hashed.clear()
+    tensors, _ = ck.load_checkpoint(good, expected_config=MICRO, verify_checksums=False)
+    assert hashed == [] and torch.equal(tensors["v"], state["v"])
+    ck.load_checkpoint(good, expected_config=MICRO)
+    assert hashed == ["step_00000002", "step_00000002"]  # the default load verifies what it reads
+    with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors has 100 bytes"):
+        ck.load_checkpoint(trunc, expected_config=MICRO, verify_checksums=False)
+
+
+def test_choosing_a_checkpoint_does_not_import_torch(tmp_path):
+    """The CLI's pre-flight resolves --continue before anything heavy: importing llmq_ray.checkpoint and
+    reading, verifying, choosing and config-checking a checkpoint must not import torch."""
+    folder = _save(tmp_path, 6, _flat_state(MICRO), keep_n=None)
+    _save(tmp_path, 8, _flat_state(MICRO), keep_n=None)
+    _flip_byte(os.path.join(tmp_path, "step_00000008", "rank_00000.safetensors"))
+    code = f"""
+import sys, warnings
+import llmq_ray.checkpoint as ck
+from llmq_ray.config import ModelConfig
+assert "torch" not in sys.modules, "import"
+micro = ModelConfig("qwen2", 16, 32, 1, 2, 1, 64, tie_word_embeddings=True, qkv_bias=True, name="micro")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    folder = ck.resolve_continue(None, {str(tmp_path)!r})
+assert folder == {folder!r} and len(caught) == 1 and "step_00000008" in str(caught[0].message), caught
+ck.check_config(ck.read_manifest(folder), micro, folder)
+assert ck.verify_checkpoint(folder)["step"] == 6 and ck.validate_checkpoint(folder)["step"] == 6
+assert ck.find_latest_valid({str(tmp_path)!r}, verify_checksums=False).endswith("step_00000008")
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
+print("ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_config_mismatch_names_the_field(tmp_path):

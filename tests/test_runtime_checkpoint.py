@@ -11,6 +11,8 @@ up to float summation order, see test_runtime.py), each writing checkpoints at s
   hanging ends the run in one sentence naming its rank and the timeout;
 * a worker killed halfway through writing a checkpoint: no step_* folder for it, and --continue takes the
   previous one (skipping a newer incomplete folder with a warning), here on another world size;
+* a newest checkpoint with one flipped byte (same size): --continue skips it with a warning naming the
+  file and resumes bit-exactly from the one before;
 * a NaN gradient is skipped and logged; the spike guard's skips agree across ranks;
 * a checksum mismatch and a full disk end in one CheckpointError sentence.
 
@@ -162,8 +164,8 @@ def test_worker_that_keeps_hanging_ends_the_run_in_one_sentence(ray_cluster, sha
         _run(shards, tmp_path, 2, steps=4, ckpt_interval=2, max_restarts=1, step_timeout_s=3.0, export=False,
              fault={"kind": "hang", "rank": 1, "step": 2, "every_group": True})
     assert re.fullmatch(r"rank 1 hung in step 3, at the start of the step, with no progress for \d+ s while rank 0 "
-                        r"waited for it: the step did not finish within --step-timeout-s=3; gave up after 1 "
-                        r"automatic restart\(s\) \(--max-restarts=1\)\.", str(info.value))
+                        r"waited for it: the step did not finish within step_timeout_s=3; gave up after 1 "
+                        r"automatic restart\(s\) \(max_restarts=1\)\.", str(info.value))  # API: keyword names
 
 
 def test_crash_while_saving_then_continue(reference, shards, tmp_path):
@@ -214,9 +216,39 @@ def test_nan_gradient_is_skipped_and_spike_guard_agrees_across_ranks(ray_cluster
     assert res.metrics["skipped_steps"] == len(skipped) and res.metrics["warnings"] >= len(skipped)
 
 
+def test_continue_skips_a_newest_checkpoint_with_a_flipped_byte(reference, shards, tmp_path):
+    """A copy of the 2-worker reference's checkpoints whose newest (step 12) has one byte of rank 1's shard
+    flipped (same size, so only its sha256 tells): --continue hashes the candidates before Ray starts, skips
+    step 12 with a warning naming the file, and resumes from step 6 -- steps 7-12 and the final weights are
+    bit-identical to the uninterrupted run (as in test_resume_is_bit_exact)."""
+    ref = reference[2]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.dirname(_ckpt(ref, 12)), ckpt)
+    assert sorted(os.listdir(ckpt)) == ["step_00000006", "step_00000012"]
+    bad = ckpt / "step_00000012" / "rank_00001.safetensors"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    bad.write_bytes(bytes(data))
+    assert bad.stat().st_size == len(data)
+
+    trainer = LLMQTrainer(**dict(BASE, train_file=shards.train, out_dir=str(tmp_path / "run"), **SHAPE[2], **FAST,
+                                 checkpoint_dir=str(ckpt), resume=True))
+    res = trainer.fit()
+    assert len(trainer.notes) == 1 and str(bad) in trainer.notes[0] and "sha256" in trainer.notes[0], trainer.notes
+    log = _log(res)
+    warned = [r for r in log if r["log"] == "warning" and r["kind"] == "checkpoint"]
+    assert len(warned) == 1 and str(bad) in warned[0]["message"], warned
+    resumed = [r for r in log if r["log"] == "resume"]
+    assert len(resumed) == 1 and resumed[0]["step"] == 6 and resumed[0]["path"] == str(ckpt / "step_00000006")
+    assert [r["step"] for r in res.history] == list(range(6, 12))
+    assert _losses(res) == _losses(ref)[6:]  # exact float equality
+    assert torch.equal(_weights(res), _weights(ref))
+
+
 def test_checksum_mismatch_and_full_disk_are_one_sentence(reference, shards, tmp_path):
-    """A shard whose bytes changed (same size) is refused by the worker that reads it; a disk that fills up
-    while a worker writes its shard ends the run, and the previous checkpoint stays valid."""
+    """A shard whose bytes changed (same size), named by --continue, is refused before Ray work starts
+    (resolving --continue hashes every file); a disk that fills up while a worker writes its shard ends the
+    run, and the previous checkpoint stays valid."""
     bad = tmp_path / "copy" / "step_00000006"
     shutil.copytree(_ckpt(reference[1], 6), bad)
     path = bad / "rank_00000.safetensors"

@@ -204,29 +204,41 @@ import sys
 from llmq_ray.trainer import LLMQTrainer
 t = LLMQTrainer(model="tiny", train_file=sys.argv[1], device="cpu", workers=2, batch_size=2, seq_len=16, steps=50,
                 ckpt_interval=5, out_dir=sys.argv[2], export=False, progress=False, use_ray_data=False,
-                collective_timeout_s=600.0, fault={"rank": 1, "step": 7, "kind": sys.argv[3]})
+                collective_timeout_s=600.0, fault={"rank": 1, "step": int(sys.argv[4]), "kind": sys.argv[3],
+                                                   "seconds": 600})
 r = t.fit()
 sys.exit(r.stopped["exit_code"] if r.stopped else 0)
 """
 
 
-def test_a_second_signal_abandons_the_stop(shards, tmp_path):
-    """The first SIGTERM waits for the step under way, which here never ends (rank 1 hangs at step 8); the
-    second one kills the actors at once: exit 143, the log's last record says so, and the checkpoint of step 5
-    (--ckpt-interval 5) is still the newest valid one."""
+@pytest.mark.parametrize("during", ["a hung step", "the save"])
+def test_a_second_signal_abandons_the_stop(shards, tmp_path, during):
+    """The first SIGTERM waits for the step under way and then writes a checkpoint. Here either the step never
+    ends (rank 1 hangs at step 8) or the checkpoint's write never ends (rank 1 sleeps after writing its file
+    of any checkpoint after step 5, before the manifest exists). The second SIGTERM kills the actors at once:
+    exit 143, the log's last record says so, nothing named step_* appears for the abandoned checkpoint (its
+    temporary folder stays hidden), and the checkpoint of step 5 (--ckpt-interval 5) is the newest valid one."""
     out = tmp_path / "run"
+    kind, step = ("hang", 7) if during == "a hung step" else ("save_slow", 6)
     ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
     env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
-    proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL_SCRIPT, shards.train, str(out), "hang"],
+    proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL_SCRIPT, shards.train, str(out), kind, str(step)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+
+    def tmp_folders():
+        return [n for n in os.listdir(out / "ckpt") if ".tmp-" in n] if (out / "ckpt").is_dir() else []
+
     try:
         for line in proc.stdout:
             if line.startswith("[T] step     7 "):
                 break
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while during == "the save" and not tmp_folders() and time.monotonic() < deadline:
+            time.sleep(0.2)  # the stop's checkpoint is being written (and will not finish)
         time.sleep(2.0)
-        assert proc.poll() is None  # still waiting for the hung step
+        assert proc.poll() is None  # still stopping
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -241,4 +253,5 @@ def test_a_second_signal_abandons_the_stop(shards, tmp_path):
     assert end["log"] == "end" and end["reason"] == "stopped" and end["checkpoint"] is None
     assert "the newest valid checkpoint is step_00000005" in end["note"]
     assert sorted(n for n in os.listdir(out / "ckpt") if n.startswith("step_")) == ["step_00000005"]
+    assert bool(tmp_folders()) == (during == "the save")
     validate_checkpoint(str(out / "ckpt" / "step_00000005"), verify_checksums=True)
