@@ -8,9 +8,9 @@ a Parquet/Arrow file is named, NVML only to count the local GPUs.
 What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is written until all passed):
 
 * every data file of ``--train-file`` / ``--eval-file``: the header and the file size it promises, the
-  token ids (every id for files up to ``FULL_SCAN_TOKENS``, evenly spaced samples of ``SAMPLE_TOKENS`` beyond:
-  the workers check the rest as they read), that they fit the model's vocabulary, and that there is at
-  least one training window;
+  token ids (every id for files up to ``FULL_SCAN_TOKENS``, evenly spaced samples of ``SAMPLE_TOKENS`` beyond,
+  ``SCAN_BUDGET_TOKENS`` over all files; the workers scan every id when they open the files), that they fit
+  the model's vocabulary, and that there is at least one training window;
 * ``--out-dir``, ``--checkpoint-dir`` and the folder of ``--log-file``: a folder or creatable as one, and
   writable (``os.access``, which also sees a read-only mount);
 * ``--log-file`` naming an existing log is refused unless the run continues it; a fresh run whose
@@ -28,8 +28,9 @@ from typing import Optional
 
 from llmq_ray.errors import CheckpointError, ConfigError, DataError
 
-FULL_SCAN_TOKENS = 1 << 26   # files up to 64M tokens (256 MB of int32) have every id checked (~0.1 s per 64M)
-SAMPLE_TOKENS = 1 << 22      # larger files: this many ids in 64 evenly spaced runs
+FULL_SCAN_TOKENS = 1 << 24   # files up to 16M tokens (64 MB of int32) have every id checked (~0.02 s each)
+SAMPLE_TOKENS = 1 << 20      # larger files: this many ids in 64 evenly spaced runs
+SCAN_BUDGET_TOKENS = 1 << 28  # ids read over all files; beyond it only headers and sizes (a dataset of 1000s of files)
 _TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".md", ".csv", ".tsv")
 
 
@@ -46,15 +47,16 @@ def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[st
         files = resolve_files(pattern)
     except DataError as exc:
         raise DataError(f"{flag}: {exc}") from None
-    total = 0
+    total, budget = 0, [SCAN_BUDGET_TOKENS]
     for path in files:
         n = (_check_arrow_file(path, vocab_size) if path.endswith(ARROW_SUFFIXES)
-             else _check_bin_file(path, vocab_size))
+             else _check_bin_file(path, vocab_size, budget))
         total += n
     return files, total
 
 
-def _check_bin_file(path: str, vocab_size: int) -> int:
+def _check_bin_file(path: str, vocab_size: int, budget: list) -> int:
+    """Header, size and (within ``budget[0]`` tokens, decreased here) the token ids of one shard."""
     import numpy as np
 
     from data_pipeline.shards import HEADER_BYTES, check_token_ids, read_header
@@ -70,6 +72,10 @@ def _check_bin_file(path: str, vocab_size: int) -> int:
         raise DataError(f"{path}: the token shard holds no tokens.")
     tokens = np.memmap(path, dtype=info.token_dtype, mode="r", offset=HEADER_BYTES, shape=(info.n_tokens,))
     itemsize = info.token_dtype.itemsize
+    scan = min(info.n_tokens, FULL_SCAN_TOKENS if info.n_tokens <= FULL_SCAN_TOKENS else SAMPLE_TOKENS)
+    if scan > budget[0]:
+        return info.n_tokens  # the budget is spent: the workers check these ids when they open the file
+    budget[0] -= scan
     if info.n_tokens <= FULL_SCAN_TOKENS:
         check_token_ids(tokens, vocab_size, path, HEADER_BYTES, itemsize)
     else:

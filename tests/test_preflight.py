@@ -179,3 +179,29 @@ def test_print_wall_times():
         print("\npre-flight wall times (2-core machine target: < 3 s)")
         for case, s in TIMES.items():
             print(f"  {case:<{width}}  {s:5.2f} s")
+
+
+def test_large_files_are_sampled_within_a_budget(tmp_path, monkeypatch):
+    """Above FULL_SCAN_TOKENS a shard's ids are checked in 64 evenly spaced runs (the error names the true
+    token index); once SCAN_BUDGET_TOKENS ids were read, later files get their header and size checked only."""
+    from llmq_ray import preflight
+    from llmq_ray.errors import DataError
+
+    monkeypatch.setattr(preflight, "FULL_SCAN_TOKENS", 1000)
+    monkeypatch.setattr(preflight, "SAMPLE_TOKENS", 64 * 10)
+    toks = np.zeros(10_000, dtype=np.int32)
+    toks[9_995] = 700  # inside the last run [9990, 10000)
+    write_shard(str(tmp_path / "a.bin"), toks, 1024)
+    with pytest.raises(DataError, match=r"a\.bin: token id 700 at token index 9995 \(byte offset 41004\)"):
+        preflight.check_token_files(str(tmp_path / "a.bin"), "--train-file", 512)
+    toks[9_995], toks[5_000] = 0, 700  # between two runs: not sampled
+    write_shard(str(tmp_path / "a.bin"), toks, 1024)
+    assert preflight.check_token_files(str(tmp_path / "a.bin"), "--train-file", 512)[1] == 10_000
+    monkeypatch.setattr(preflight, "SCAN_BUDGET_TOKENS", 900)
+    write_shard(str(tmp_path / "b.bin"), np.full(800, 600, dtype=np.int32), 1024)
+    write_shard(str(tmp_path / "c.bin"), np.full(800, 600, dtype=np.int32), 1024)
+    with pytest.raises(DataError, match=r"b\.bin: token id 600 at token index 0"):  # scanned: within budget
+        preflight.check_token_files(str(tmp_path / "[bc].bin"), "--train-file", 512)
+    write_shard(str(tmp_path / "b.bin"), np.zeros(800, dtype=np.int32), 1024)
+    files, total = preflight.check_token_files(str(tmp_path / "[bc].bin"), "--train-file", 512)
+    assert total == 1600  # c.bin's bad ids are past the budget: left to the workers' full check

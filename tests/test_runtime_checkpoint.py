@@ -166,6 +166,8 @@ def test_worker_that_keeps_hanging_ends_the_run_in_one_sentence(ray_cluster, sha
     assert re.fullmatch(r"rank 1 hung in step 3, at the start of the step, with no progress for \d+ s while rank 0 "
                         r"waited for it: the step did not finish within step_timeout_s=3; gave up after 1 "
                         r"automatic restart\(s\) \(max_restarts=1\)\.", str(info.value))  # API: keyword names
+    end = json.load(open(tmp_path / "log.json"))[-1]  # the log says why the run ended
+    assert end["log"] == "end" and end["reason"] == "restarts_exhausted" and "rank 1 hung" in end["error"]
 
 
 def test_crash_while_saving_then_continue(reference, shards, tmp_path):
