@@ -28,10 +28,11 @@ def test_torch_backend_refuses_graphs():
 
 
 def test_cuda_graphs_flag_reaches_the_options():
-    from llmq_ray.cli import build_parser, resolve_args
+    from llmq_ray.cli import build_parser, trainer_kwargs
+    from llmq_ray.run_defaults import OPTION_FIELDS, resolve_option_fields
 
-    args = build_parser().parse_args(["--use-cuda-graphs", "--device", "cpu", "--synthetic-data"])
-    opts, _ = resolve_args(args)
+    kw = trainer_kwargs(build_parser().parse_args(["--use-cuda-graphs", "--device", "cpu", "--synthetic-data"]))
+    opts = resolve_option_fields({k: v for k, v in kw.items() if k in OPTION_FIELDS}, "cpu")
     assert opts.use_cuda_graphs
 
 

@@ -107,13 +107,15 @@ def test_the_option_refuses_what_it_cannot_run(bad, message):
 def test_the_flag_reaches_the_engine_and_keeps_the_results():
     """--overlap-wgrad-sms from the command line to the engine's model (on the CPU each wgrad runs at once, so
     two steps of two micro-steps give the same weights; the GPU tests below check the side stream)."""
-    from llmq_ray.cli import build_parser, resolve_args
+    from llmq_ray.cli import build_parser, trainer_kwargs
+    from llmq_ray.run_defaults import OPTION_FIELDS, resolve_option_fields
 
     weights = {}
     for sms in (0, 64):
         argv = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--synthetic-data",
                 "--device", "cpu", "--overlap-wgrad-sms", str(sms)]
-        opts = resolve_args(build_parser().parse_args(argv))[0].validate()
+        kw = trainer_kwargs(build_parser().parse_args(argv))
+        opts = resolve_option_fields({k: v for k, v in kw.items() if k in OPTION_FIELDS}, "cpu").validate()
         assert opts.overlap_wgrad_sms == sms
         engine = TrainEngine(CFG, opts, get_backend("torch"))
         assert (engine.model.lin.overlap is not None) == bool(sms)
