@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})
     runtime = dict(synthetic_data=True, device=a.device, backend=a.backend, export=False, final_eval=False,
-                   out_dir="/tmp/llmq-bench", verbose=False)
+                   out_dir="/tmp/llmq-bench", verbose=False, checkpoint_on_exit=False)
     if a.device == "cuda":
         runtime["gpus"] = a.gpus
     else:

@@ -5,7 +5,8 @@
         --eval-file data/web/eval.bin --batch-size 16 --seq-len 1024 --steps 2000 --gpus 8
     python examples/train.py --help               # every flag, with its default
 
-See llmq_ray/cli.py for what the "auto" defaults pick, and actors/README_RUNTIME.md for the Ray dashboard.
+See llmq_ray/run_defaults.py for what the "auto" defaults pick, the README for the Ray dashboard, and
+docs/stopping-and-resuming.md for SIGTERM / Ctrl-C, --continue and the exit codes.
 """
 
 import os
