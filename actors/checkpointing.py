@@ -65,7 +65,7 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
     final = finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=[rec for rec, _ in out])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointWarning)
-        deleted = apply_retention(ckpt_dir, keep_n=spec.ckpt_keep_n, major_every=spec.ckpt_major)
+        deleted = apply_retention(ckpt_dir, keep_n=spec.ckpt_keep_n, major_every=spec.ckpt_major, protect=[final])
     return {"path": final, "seconds": time.perf_counter() - t0, "deleted": deleted,
             "warnings": [str(w.message) for w in caught]}
 

@@ -497,8 +497,31 @@ def save_checkpoint(ckpt_dir: str, step: int, shards: Sequence[tuple[int, int, M
         discard_tmp(tmp)  # a no-op when the failure path already removed it
         raise
     if keep_n is not None:
-        apply_retention(ckpt_dir, keep_n=keep_n, major_every=major_every)
+        apply_retention(ckpt_dir, keep_n=keep_n, major_every=major_every, protect=[final])
     return final
+
+
+def set_aside_newer(ckpt_dir: str, step: int) -> tuple[str | None, list[str]]:
+    """Move the ``step_*`` folders of ``ckpt_dir`` above ``step`` into ``ckpt_dir/superseded-<UTC time>/``.
+
+    A run that resumes from an older checkpoint (``--continue 1000`` after a divergence at 1900) starts a new
+    branch: the newer checkpoints of the abandoned branch must not be taken by a later ``--continue`` (the
+    newest wins) nor deleted by retention (the newest are kept). Moved, not deleted: nothing is lost. Returns
+    (the folder they went to, or None when there were none; their names)."""
+    newer = [(s, p) for s, p in list_step_dirs(ckpt_dir) if s > int(step)]
+    if not newer:
+        return None, []
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    dest = os.path.join(ckpt_dir, f"superseded-{stamp}")
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(ckpt_dir, f"superseded-{stamp}-{n}")
+    os.mkdir(dest)
+    for _, path in newer:
+        os.rename(path, os.path.join(dest, os.path.basename(path)))
+    _fsync_dir(ckpt_dir)
+    return dest, sorted(os.path.basename(p) for _, p in newer)
 
 
 # ---------------------------------------------------------------------------------------------------- retention
@@ -514,9 +537,12 @@ def check_retention(keep_n: int, major_every: int = 0) -> None:
                       stacklevel=3)
 
 
-def apply_retention(ckpt_dir: str, *, keep_n: int = 2, major_every: int = 0) -> list[str]:
+def apply_retention(ckpt_dir: str, *, keep_n: int = 2, major_every: int = 0,
+                    protect: Sequence[str] = ()) -> list[str]:
     """Delete old checkpoints: keep the newest ``keep_n`` valid ones plus every step that is a multiple of
-    ``major_every`` (when > 0) forever. Call only after the newest checkpoint is complete.
+    ``major_every`` (when > 0) forever, and the folders in ``protect`` (the checkpoint just written: never
+    deleted by its own save, even when the folder holds higher steps). Call only after the newest checkpoint
+    is complete.
 
     Invalid folders older than the newest valid one go too (it supersedes them); folders newer than it are
     never deleted (an invalid newer folder is left for a human to look at); stale tmp folders of steps up
@@ -538,8 +564,11 @@ def apply_retention(ckpt_dir: str, *, keep_n: int = 2, major_every: int = 0) -> 
         return []
     newest_kept = max(kept)
     deleted = []
+    protected = {os.path.abspath(p) for p in protect}
     for step, path in steps:
         if step in kept or step > newest_kept or (major_every and step % major_every == 0):
+            continue
+        if os.path.abspath(path) in protected:
             continue
         shutil.rmtree(path, ignore_errors=True)
         deleted.append(path)

@@ -194,7 +194,8 @@ def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
     log. The default log of ``--out-dir`` is kept aside by the run instead (``runlog.set_aside_name``)."""
     p = os.path.abspath(path)
     if os.path.isdir(p):
-        raise ConfigError(f"{flag}={path} is a folder; name a file (e.g. {os.path.join(path, 'log.json')}).")
+        where = f"--log-file={path}" if explicit else f"the log {path} (in --out-dir)"
+        raise ConfigError(f"{where} is a folder; name a log file with --log-file, or move the folder away.")
     check_writable_dir(os.path.dirname(p), flag)
     if os.path.exists(p):
         from llmq_ray.runlog import read_log
@@ -224,7 +225,8 @@ def check_fresh_checkpoint_dir(ckpt_dir: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- resources
 def local_gpu_count() -> int:
-    """GPUs on this machine through NVML (fast, no CUDA context); 0 when there is no driver."""
+    """GPUs this process may use: NVML's count (fast, no CUDA context; 0 when there is no driver), limited
+    by ``CUDA_VISIBLE_DEVICES`` when it is set (NVML ignores it; "" or "-1" hide every GPU)."""
     try:
         import pynvml
     except ImportError:
@@ -232,11 +234,18 @@ def local_gpu_count() -> int:
     try:
         pynvml.nvmlInit()
         try:
-            return int(pynvml.nvmlDeviceGetCount())
+            count = int(pynvml.nvmlDeviceGetCount())
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001 - no driver, no library: no GPU
         return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if "-1" in entries:  # CUDA stops at the first invalid entry
+            entries = entries[:entries.index("-1")]
+        count = min(count, len(entries))
+    return count
 
 
 def check_local_resources(device: str, world: Optional[int], gpus: int, cpus_per_worker: Optional[int]) -> list[str]:
@@ -247,18 +256,18 @@ def check_local_resources(device: str, world: Optional[int], gpus: int, cpus_per
     if device == "cpu" and world:
         if world > cpus:
             raise ConfigError(f"--workers={world} asks for {world} CPU workers but this machine has {cpus} CPU(s); "
-                              f"use --workers {cpus} or fewer (or --ray-address of a larger Ray cluster).")
+                              f"use --workers={cpus} or fewer (or --ray-address of a larger Ray cluster).")
         k = cpus_per_worker or 1
         if world * k > cpus:
             notes.append(f"--workers={world} x --cpus-per-worker={k} oversubscribes this machine's {cpus} CPU(s); "
-                         f"each step will be slower than with --workers {max(cpus // k, 1)}.")
+                         f"each step will be slower than with --workers={max(cpus // k, 1)}.")
     if device == "cuda":
         have = local_gpu_count()
         if have == 0:
             raise ConfigError("--device=cuda but this machine has no GPU (NVML finds none); use --device=cpu, or "
                               "--ray-address of a cluster with GPUs.")
         if gpus > have:
-            raise ConfigError(f"--gpus={gpus} asks for more GPUs than this machine has ({have}); use --gpus {have} "
+            raise ConfigError(f"--gpus={gpus} asks for more GPUs than this machine has ({have}); use --gpus={have} "
                               f"or fewer (or --ray-address of a larger Ray cluster).")
     return notes
 
@@ -267,15 +276,16 @@ def check_local_resources(device: str, world: Optional[int], gpus: int, cpus_per
 def keep_global_batch(manifest: dict, folder: str, batch_size: int, grad_accumulation: int,
                       world: int) -> tuple[int, Optional[str]]:
     """The --grad-accumulation that keeps a checkpoint's global batch (rows per optimizer step) when a run
-    resumes it with ``batch_size`` rows per worker on ``world`` workers; returns (grad_accumulation, the
-    one line saying so, or None when nothing changes). ConfigError when no whole number divides it."""
+    resumes it on another worker count, ``world``, with ``batch_size`` rows per worker; returns
+    (grad_accumulation, the one line saying so, or None when nothing changes). On the checkpoint's own worker
+    count the flags are taken as given. ConfigError when no whole number of micro-steps gives the batch."""
     saved = manifest.get("train_options") or {}
     sw, sb, sga = int(manifest.get("world_size", 1)), saved.get("batch_size"), saved.get("grad_accumulation")
     if not isinstance(sb, int) or not isinstance(sga, int):
         return grad_accumulation, None  # an older checkpoint without the options: nothing to compare
     target = sb * sga * sw
-    if batch_size * grad_accumulation * world == target:
-        return grad_accumulation, None
+    if world == sw or batch_size * grad_accumulation * world == target:
+        return grad_accumulation, None  # the checkpoint's own worker count: the batch flags mean what they say
     name = os.path.basename(os.path.normpath(folder))
     per = batch_size * world
     if target % per:

@@ -148,7 +148,11 @@ def set_aside_name(path: str) -> str:
     """Where a fresh run keeps an earlier run's log found at ``path``: ``<stem>.before-<UTC time>.json``."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     stem, ext = os.path.splitext(path)
-    return f"{stem}.before-{stamp}{ext or '.json'}"
+    name, n = f"{stem}.before-{stamp}{ext or '.json'}", 1
+    while os.path.exists(name):  # two fresh runs in one second: never replace the first one's kept log
+        n += 1
+        name = f"{stem}.before-{stamp}-{n}{ext or '.json'}"
+    return name
 
 
 class RunLog:

@@ -11,8 +11,9 @@ leaves the previous one valid.
 
 Why our own handlers: ``ray.init`` replaces SIGTERM's handler with one that raises SystemExit wherever the
 main thread happens to be (inside ``ray.get``, it dies with a C++ stack dump and no checkpoint), so
-``install()`` is called again after Ray is initialised. The handlers are restored when the block ends. In a
-thread other than the main one Python cannot install handlers; ``request_stop()`` still works there.
+``install()`` is called again after Ray is initialised. The handlers are restored when the block ends. A
+signal that is ignored when the block starts stays ignored (SIGHUP under ``nohup``). In a thread other than
+the main one Python cannot install handlers; ``request_stop()`` still works there.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class SignalStop:
             return False
         for s in STOP_SIGNALS:
             current = signal.getsignal(s)
+            if current is signal.SIG_IGN:
+                continue  # ignored on purpose (SIGHUP under nohup): a closed terminal must not stop the run
             if current is not self._handle:
                 self._previous.setdefault(int(s), current)
                 signal.signal(s, self._handle)

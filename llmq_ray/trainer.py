@@ -143,6 +143,7 @@ class LLMQTrainer:
         self._signals = None                     # the SignalStop of a running fit()
         self._ended = False                      # the log's "end" record is written
         self._steps_done = 0                     # optimizer steps completed (as far as the driver knows)
+        self._stopped: Optional[dict] = None     # what stop() returned
 
     def _configure(self, options, option_fields: dict, runtime: dict, *, resume, ray_address, checkpoint_on_exit,
                    allow_batch_change) -> None:
@@ -159,7 +160,8 @@ class LLMQTrainer:
         if r["device"] not in (AUTO, "cpu", "cuda"):
             raise ConfigError(f"--device={r['device']!r} must be auto, cuda or cpu.")
         ray_here = "ray" in sys.modules and sys.modules["ray"].is_initialized()
-        local = ray_address is None and not ray_here  # this machine is the whole cluster
+        # this machine is the whole cluster (`ray job submit` sets RAY_ADDRESS for its entrypoint)
+        local = ray_address is None and not ray_here and not os.environ.get("RAY_ADDRESS")
         # the machine the defaults are for: what --device says, else whether this machine has a GPU
         machine = r["device"] if r["device"] != AUTO else ("cuda" if local_gpu_count() > 0 else "cpu")
         if options is None:
@@ -177,7 +179,7 @@ class LLMQTrainer:
         if local:
             self.notes += check_local_resources(machine, r["workers"] or (1 if machine == "cpu" else None),
                                                 r["gpus"], r["cpus_per_worker"])
-        self.resume_from = self._resolve_resume()
+        self.resume_from = None
         self._check_outputs()
         default_data = not r["synthetic_data"] and not r["train_file"]
         if default_data:  # the embedded tiny-shakespeare (tokenized once into the cache), as the CLI does
@@ -193,11 +195,20 @@ class LLMQTrainer:
             r["eval_every_n_steps"], r["eval_num_steps"], bool(r["eval_file"]), machine)
         for flag in ("eval_every_n_steps", "eval_num_steps"):
             if isinstance(r[flag], bool) or not isinstance(r[flag], int) or r[flag] < 0:
-                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0 or 'auto'.")
+                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0.")
         self._check_data()
+        self.resume_from = self._resolve_resume()  # last: it hashes the whole checkpoint (a minute at 7B, cold)
         known_world = (r["workers"] or 1) if machine == "cpu" and local else (r["gpus"] or r["workers"] or None)
         if known_world:
             self._keep_global_batch(known_world)
+        if self.resume_from and os.path.dirname(self.resume_from) == self.checkpoint_dir:
+            # every check passed: a run that goes back to an older checkpoint starts a new branch
+            from llmq_ray.checkpoint import set_aside_newer, step_of
+
+            moved_to, names = set_aside_newer(self.checkpoint_dir, step_of(self.resume_from) or 0)
+            if moved_to:
+                self.lines.append(f"continuing from {os.path.basename(self.resume_from)}: the newer checkpoints "
+                                  f"{', '.join(names)} were moved to {moved_to} (kept, no longer resumed from)")
         if self.verbose:
             for line in self.lines:
                 print(line, flush=True)
@@ -271,8 +282,8 @@ class LLMQTrainer:
         check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         explicit = r["log_file"] is not None
         log = r["log_file"] or os.path.join(r["out_dir"], "log.json")
-        check_log_file(log, "--log-file" if explicit else "--out-dir", bool(self.resume_from), explicit)
-        if not self.resume_from and (self.checkpoint_on_exit or r["ckpt_interval"]):
+        check_log_file(log, "--log-file" if explicit else "--out-dir", self.resume not in (False, None), explicit)
+        if self.resume in (False, None) and (self.checkpoint_on_exit or r["ckpt_interval"]):
             check_fresh_checkpoint_dir(self.checkpoint_dir)
 
     def _check_data(self) -> None:
@@ -414,6 +425,7 @@ class LLMQTrainer:
             self._end_failed(str(exc) if isinstance(exc, LLMQError) else f"{type(exc).__name__}: {exc}")
             self.close()
             raise
+        threading.Thread(target=self._notify_coordinator_on_stop, daemon=True, name="llmq-stop-notifier").start()
         if self.verbose:
             self._print_setup()
         self._print(self.info["lines"])
@@ -550,7 +562,10 @@ class LLMQTrainer:
             self._steps_done = done
             if self.verbose:
                 for line in out["lines"]:
-                    bar.write(line)
+                    try:
+                        bar.write(line)
+                    except OSError:  # the terminal closed (SIGHUP): keep training, and stopping, without it
+                        pass
             bar.update(1, loss=f"{out['record']['loss']:.4f}" if out.get("record") else "")
         bar.close()
 
@@ -565,22 +580,25 @@ class LLMQTrainer:
         ``checkpoint_on_exit=False``), the log's "stopped" record, and returns with ``Result.stopped``. Safe to
         call from another thread or a signal handler (it only sets a flag and tells the coordinator from a
         helper thread). In a step-level loop, ``train_step()`` returns None from then on; call ``stop()``."""
-        if self._stop_requested.is_set():
-            return
-        self._stop_signal = signum
-        self._stop_requested.set()
-        coordinator = self.coordinator
-        if coordinator is not None:
-            threading.Thread(target=self._tell_coordinator, args=(coordinator,), daemon=True).start()
+        if self._stop_signal is None:
+            self._stop_signal = signum  # a signal after request_stop() still sets the exit code
+        self._stop_requested.set()  # wakes the notifier thread (started with the coordinator): no work here
 
-    @staticmethod
-    def _tell_coordinator(coordinator) -> None:
+    def _notify_coordinator_on_stop(self) -> None:
+        """Daemon thread: when a stop is requested, tell the coordinator (in its probe group, beside a running
+        step) so that a queued step is not started. A thread of its own, started before any signal can come,
+        because a signal handler must not start threads or call Ray."""
         from actors.worker import PROBE_GROUP
 
-        try:
-            coordinator.request_stop.options(concurrency_group=PROBE_GROUP).remote()
-        except Exception:  # noqa: BLE001 - the coordinator may be gone; the driver stops anyway
-            pass
+        while not self._stop_requested.wait(0.5):
+            if self.coordinator is None:
+                return  # the run ended without a stop
+        coordinator = self.coordinator
+        if coordinator is not None:
+            try:
+                coordinator.request_stop.options(concurrency_group=PROBE_GROUP).remote()
+            except Exception:  # noqa: BLE001 - the coordinator may be gone; the driver stops anyway
+                pass
 
     def stop(self) -> dict:
         """Stop now: a checkpoint of the last completed update (unless ``checkpoint_on_exit=False`` or it
@@ -603,12 +621,12 @@ class LLMQTrainer:
         else:
             tail = f"no checkpoint ({info['note'] or 'none asked for'})"
         line = f"stopped by {name} after step {info['step']}; {tail}"
-        if self.verbose:
-            print(line, file=sys.stderr, flush=True)
-        self.close()
         code = EXIT_CODES.get(self._stop_signal, EXIT_CODE_REQUEST) if self._stop_signal else EXIT_CODE_REQUEST
-        return {"signal": name, "step": info["step"], "checkpoint": ckpt, "written": info["written"],
-                "exit_code": code, "line": line}
+        self._stopped = {"signal": name, "step": info["step"], "checkpoint": ckpt, "written": info["written"],
+                         "exit_code": code, "line": line}
+        self._say(line, sys.stderr)
+        self.close()
+        return self._stopped
 
     def _abandon(self, signum: int) -> dict:
         """A second stop signal: kill the actors at once (a checkpoint being written is left as a temporary
@@ -620,6 +638,14 @@ class LLMQTrainer:
 
         first = signal_name(self._stop_signal)
         step = self._steps_done
+        if self._stopped is not None:  # the stop had completed (a second signal while closing): it stands
+            if self.coordinator is not None:
+                try:
+                    ray.kill(self.coordinator)
+                except Exception:  # noqa: BLE001
+                    pass
+                self.coordinator = None
+            return self._stopped
         if self.coordinator is not None:
             try:
                 ray.kill(self.coordinator)  # its workers and placement group go with it
@@ -641,8 +667,7 @@ class LLMQTrainer:
         self._append_end({"reason": "stopped", "signal": first, "step": step, "checkpoint": None,
                           "checkpoint_written": False, "note": note})
         line = f"stopped by {first} after step {step}; {note}" + ("; resume with --continue" if newest else "")
-        if self.verbose:
-            print(line, file=sys.stderr, flush=True)
+        self._say(line, sys.stderr)
         return {"signal": first, "step": step, "checkpoint": None, "written": False,
                 "exit_code": EXIT_CODES.get(self._stop_signal or signum, 128 + signum), "line": line}
 
@@ -656,8 +681,8 @@ class LLMQTrainer:
             return
         self._ended = True
         path = self._log_path()
-        if not os.path.isfile(path):
-            return  # the run never wrote its log: nothing to end
+        if not os.path.isfile(path) or (self.info is None and not self.resume_from):
+            return  # this run never wrote its log (a file there is an earlier run's): nothing to end
         from llmq_ray.runlog import append_records
 
         try:
@@ -716,9 +741,16 @@ class LLMQTrainer:
         return (s.step_timeout_s + s.call_timeout_s + 120.0) * (2 + 2 * s.max_restarts)
 
     def _print(self, lines) -> None:
+        for line in lines:
+            self._say(line, sys.stdout)
+
+    def _say(self, line: str, stream) -> None:
+        """Print a line (verbose only). A console that went away (a closed terminal: EIO) never stops a run."""
         if self.verbose:
-            for line in lines:
-                print(line, flush=True)
+            try:
+                print(line, file=stream, flush=True)
+            except OSError:
+                pass
 
     def _print_summary(self, s: dict) -> None:
         tps = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "-"
@@ -801,7 +833,9 @@ class LLMQTrainer:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and not self._ended:  # a step-level loop that raised: the log says it failed
+            self._end_failed(str(exc) if isinstance(exc, LLMQError) else f"{type(exc).__name__}: {exc}")
         self.close()
 
 

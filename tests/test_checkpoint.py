@@ -598,3 +598,18 @@ def test_resolve_continue(tmp_path):
     with pytest.raises(CheckpointError, match=r"--continue=/no/such/dir: no such checkpoint folder"):
         ck.resolve_continue("/no/such/dir", str(tmp_path))
     assert ck.step_of(newest) == 15 and ck.step_of(str(tmp_path)) is None
+
+
+def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
+    """A run that branched from an older step writes step 3 into a folder that still holds 5 and 6 (keep 2):
+    the newest two by step stay, and so does the one just written; set_aside_newer moves 5 and 6 away."""
+    state = _flat_state(MICRO)
+    for step in (5, 6):
+        _save(tmp_path, step, state, world=1, keep_n=None)
+    path = _save(tmp_path, 3, state, world=1, keep_n=2)  # save_checkpoint protects what it wrote
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000005", "step_00000006"]
+    deleted = ck.apply_retention(str(tmp_path), keep_n=2, protect=[path])
+    assert deleted == [] and sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000005", "step_00000006"]
+    dest, names = ck.set_aside_newer(str(tmp_path), 3)
+    assert names == ["step_00000005", "step_00000006"] and sorted(os.listdir(dest)) == names
+    assert ck.find_latest_valid(str(tmp_path)) == path

@@ -205,3 +205,18 @@ def test_large_files_are_sampled_within_a_budget(tmp_path, monkeypatch):
     write_shard(str(tmp_path / "b.bin"), np.zeros(800, dtype=np.int32), 1024)
     files, total = preflight.check_token_files(str(tmp_path / "[bc].bin"), "--train-file", 512)
     assert total == 1600  # c.bin's bad ids are past the budget: left to the workers' full check
+
+
+def test_local_gpu_count_honours_cuda_visible_devices(monkeypatch):
+    """NVML counts every GPU of the machine; CUDA_VISIBLE_DEVICES limits what this process may use."""
+    import types
+
+    from llmq_ray import preflight
+
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 4)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert preflight.local_gpu_count() == 4
+    for visible, want in (("", 0), ("1,3", 2), ("0,-1,2", 1), ("0,1,2,3,4,5", 4)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert preflight.local_gpu_count() == want, visible

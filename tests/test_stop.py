@@ -119,8 +119,12 @@ def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tm
     uninterrupted = _api_run(shards, tmp_path / "ref").fit()
     assert [r["loss"] for r in steps_as_one_run(records)] == [r["loss"] for r in uninterrupted.history]
 
-    # go back to step 4 (older than the newest checkpoint, 8): steps 5-8 are trained again and marked
+    # go back to step 4 (older than the newest checkpoint, 8): steps 5-8 are trained again and marked, and the
+    # abandoned branch's checkpoint of step 8 is moved aside (kept, but no longer what --continue picks)
     again = _api_run(shards, out, resume=4).fit()
+    superseded = [n for n in os.listdir(out / "ckpt") if n.startswith("superseded-")]
+    assert len(superseded) == 1 and os.listdir(out / "ckpt" / superseded[0]) == ["step_00000008"]
+    assert sorted(n for n in os.listdir(out / "ckpt") if n.startswith("step_")) == ["step_00000004"]
     assert again.history[0]["step"] == 4
     records = read_log(str(out / "log.json"))
     steps = [r for r in records if r["log"] == "step"]
@@ -255,3 +259,31 @@ def test_a_second_signal_abandons_the_stop(shards, tmp_path, during):
     assert sorted(n for n in os.listdir(out / "ckpt") if n.startswith("step_")) == ["step_00000005"]
     assert bool(tmp_folders()) == (during == "the save")
     validate_checkpoint(str(out / "ckpt" / "step_00000005"), verify_checksums=True)
+
+
+def test_signal_handlers_leave_ignored_signals_alone(monkeypatch):
+    """Under nohup SIGHUP is ignored: a closed terminal must not stop the run. The others become stop requests,
+    the second one raises StopForced (a KeyboardInterrupt, which ray.get lets through), and restore() puts
+    the previous handlers back."""
+    from llmq_ray.stop_signals import SignalStop, StopForced
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    got = []
+    stop = SignalStop(got.append)
+    try:
+        assert stop.install()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGHUP)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert got == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt) as info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+        assert isinstance(info.value, StopForced) and stop.forced == signal.SIGTERM
+    finally:
+        stop.restore()
+        for s, h in previous.items():
+            signal.signal(s, h)
+    assert signal.getsignal(signal.SIGTERM) is previous[signal.SIGTERM]
