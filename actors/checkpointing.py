@@ -34,8 +34,8 @@ import os
 import time
 import warnings
 
-from actors.failures import gather
-from actors.spec import RuntimeSpec
+from llmq_ray.actors.failures import gather
+from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.checkpoint import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
                                  build_manifest, discard_tmp, finalize_checkpoint, read_manifest, rng_state,
                                  step_dir, step_of, validate_checkpoint)

@@ -50,11 +50,11 @@ import math
 import os
 import time
 
-from actors import telemetry
-from actors.checkpointing import load_group_checkpoint, restart_point, save_group_checkpoint
-from actors.failures import WorkerError, find_hung_ranks, gather, probe_activities
-from actors.placement import create_workers
-from actors.spec import RuntimeSpec
+from llmq_ray.actors import telemetry
+from llmq_ray.actors.checkpointing import load_group_checkpoint, restart_point, save_group_checkpoint
+from llmq_ray.actors.failures import WorkerError, find_hung_ranks, gather, probe_activities
+from llmq_ray.actors.placement import create_workers
+from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.metrics import sol_fraction, sol_record
 from llmq_ray.lr_schedule import learning_rate_at

@@ -10,7 +10,7 @@ import base64
 
 import torch
 
-from actors.spec import RuntimeSpec
+from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.errors import DataError
 
 
@@ -55,7 +55,7 @@ def train_source(spec: RuntimeSpec, vocab_size: int, rank: int):
         return RandomTokenStream(vocab_size, o.seq_len, o.batch_size, rank, o.seed)
     if not spec.train_file:
         raise DataError("no --train-file given (pass a glob of token shards, or --synthetic-data for random tokens).")
-    from data_pipeline.stream import TokenStream
+    from llmq_ray.data_pipeline.stream import TokenStream
 
     return TokenStream(spec.train_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.world_size,
                        seed=o.seed, use_ray=spec.use_ray_data, vocab_size=vocab_size)
@@ -65,7 +65,7 @@ def eval_source(spec: RuntimeSpec, vocab_size: int, rank: int, max_batches=None)
     """An EvalStream over ``spec.eval_file`` (None when there is no eval file)."""
     if not spec.eval_file:
         return None
-    from data_pipeline.stream import EvalStream
+    from llmq_ray.data_pipeline.stream import EvalStream
 
     o = spec.opts
     return EvalStream(spec.eval_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.world_size,

@@ -94,7 +94,7 @@ def probe_activities(workers: list, ranks: list[int], timeout_s: float = 10.0) -
     """{rank: its ``GPUWorker.activity()`` dict, or None when it did not answer within timeout_s}."""
     import ray
 
-    from actors.worker import PROBE_GROUP
+    from llmq_ray.actors.worker import PROBE_GROUP
 
     refs = {r: workers[r].activity.options(concurrency_group=PROBE_GROUP).remote() for r in ranks}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)

@@ -10,9 +10,9 @@ itself is awaited with a timeout for the same reason (resources held by other jo
 
 from __future__ import annotations
 
-from actors.failures import WorkerError, gather
-from actors.spec import RuntimeSpec
-from actors.worker import PROBE_GROUP, GPUWorker, worker_env
+from llmq_ray.actors.failures import WorkerError, gather
+from llmq_ray.actors.spec import RuntimeSpec
+from llmq_ray.actors.worker import PROBE_GROUP, GPUWorker, worker_env
 from llmq_ray.errors import ConfigError
 
 PLACEMENT_TIMEOUT_S = 120.0

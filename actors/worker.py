@@ -31,10 +31,10 @@ import time
 
 import torch
 
-from actors import telemetry
-from actors.collectives import destroy_group, free_port, init_group, node_ip, set_worker_threads
-from actors.data import eval_source, train_source
-from actors.spec import RuntimeSpec
+from llmq_ray.actors import telemetry
+from llmq_ray.actors.collectives import destroy_group, free_port, init_group, node_ip, set_worker_threads
+from llmq_ray.actors.data import eval_source, train_source
+from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.engine import TrainEngine
 from llmq_ray.errors import ConfigError
@@ -119,7 +119,7 @@ class GPUWorker:
         else:
             self.device = torch.device("cpu")
         comm = init_group(init_method, self.rank, self.world_size, self.device, spec.collective_timeout_s)
-        from backends import get_backend
+        from llmq_ray.backends import get_backend
 
         cfg, weights = resolve_model(o.model)
         backend = get_backend(spec.backend, self.device)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib
 
-from backends.base import Backend
+from llmq_ray.backends.base import Backend
 
 _REGISTRY = {
-    "torch": ("backends.torch_ref", "TorchBackend"),
-    "torch_ref": ("backends.torch_ref", "TorchBackend"),
-    "triton": ("backends.triton", "TritonBackend"),
-    "cupy": ("backends.cupy", "CupyBackend"),
+    "torch": ("llmq_ray.backends.torch_ref", "TorchBackend"),
+    "torch_ref": ("llmq_ray.backends.torch_ref", "TorchBackend"),
+    "triton": ("llmq_ray.backends.triton", "TritonBackend"),
+    "cupy": ("llmq_ray.backends.cupy", "CupyBackend"),
 }
 
 

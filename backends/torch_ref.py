@@ -14,8 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from backends import torch_ref_optim
-from backends.base import Backend
+from llmq_ray.backends import torch_ref_optim
+from llmq_ray.backends.base import Backend
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -39,7 +39,7 @@ class TorchBackend(Backend):
         super().__init__(device)
         self._aten_attention = None
         if self.device.type == "cuda":
-            from backends import _aten_attention
+            from llmq_ray.backends import _aten_attention
 
             self._aten_attention = _aten_attention
 

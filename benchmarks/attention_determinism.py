@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from backends import _aten_attention
+from llmq_ray.backends import _aten_attention
 
 SHAPES = {"Qwen2.5-0.5B": (14, 2, 64), "Qwen2.5-1.5B": (12, 2, 128), "Qwen2.5-7B": (28, 4, 128)}
 

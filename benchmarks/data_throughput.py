@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from data_pipeline.shards import write_shard  # noqa: E402
-from data_pipeline.stream import TokenStream  # noqa: E402
+from llmq_ray.data_pipeline.shards import write_shard  # noqa: E402
+from llmq_ray.data_pipeline.stream import TokenStream  # noqa: E402
 
 
 def measure(stream: TokenStream, seconds: float, warmup: int) -> tuple[float, int]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on nvidia-h200-x2 (carry .whl and runs/shake = tiny-shakespeare tokenized with
-# `python -m data_pipeline.tokenize --input tinyshakespeare.txt --out runs/shake`):
+# `python -m llmq_ray.data_pipeline.tokenize --input tinyshakespeare.txt --out runs/shake`):
 # 1) the loss curve of 2 GPUs (ZeRO-1, grad-accumulation 1) against 1 GPU (grad-accumulation 2) over the same
 #    global batch and data order; 2) scaling: tokens/s per GPU on 1 and 2 GPUs, random tokens.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

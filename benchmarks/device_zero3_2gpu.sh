@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on nvidia-h200-x2 (carry .whl and runs/shake = tiny-shakespeare tokenized with
-# `python -m data_pipeline.tokenize --input tinyshakespeare.txt --out runs/shake`):
+# `python -m llmq_ray.data_pipeline.tokenize --input tinyshakespeare.txt --out runs/shake`):
 # 1) ZeRO-3 on 2 GPUs (grad-accumulation 1) against ZeRO-1 on 1 GPU (grad-accumulation 2): the same global batch
 #    and data order, so the loss curves must agree to bf16 noise; 2) ZeRO-3 speed on 2 GPUs vs ZeRO-1, random tokens.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.cli import gib_or_auto
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
@@ -147,7 +147,7 @@ def main():
     cfg = PRESETS[args.model]
     backend = get_backend(args.backend, args.device)
     if args.unfused_attn_rope_bwd:
-        from backends.base import Backend
+        from llmq_ray.backends.base import Backend
 
         backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
     engine = TrainEngine(cfg, opts, backend)

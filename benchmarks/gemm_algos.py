@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends import cublaslt  # noqa: E402
+from llmq_ray.backends import cublaslt  # noqa: E402
 from benchmarks.kernel_timing import median_ms  # noqa: E402
 from llmq_ray.config import PRESETS  # noqa: E402
 

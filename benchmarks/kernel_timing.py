@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from backends import get_backend  # noqa: E402
+from llmq_ray.backends import get_backend  # noqa: E402
 
 DEV = "cuda"
 B, T, C, I, V, HQ, HKV, D = 16, 1024, 896, 4864, 151936, 14, 2, 64

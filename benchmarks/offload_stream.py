@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from backends import get_backend  # noqa: E402
+from llmq_ray.backends import get_backend  # noqa: E402
 from llmq_ray.config import PRESETS  # noqa: E402
 from llmq_ray.optim import ShardedAdamW  # noqa: E402
 from llmq_ray.params import ParamLayout  # noqa: E402

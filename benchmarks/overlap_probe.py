@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends import cublaslt, get_backend  # noqa: E402
+from llmq_ray.backends import cublaslt, get_backend  # noqa: E402
 from benchmarks.gemm_algos import timed  # noqa: E402
 
 N, C, I = 16384, 1536, 8960

@@ -1,4 +1,4 @@
-"""Tokenize text into llm.q token shards: ``python -m data_pipeline.tokenize --input ... --out DIR``.
+"""Tokenize text into llm.q token shards: ``python -m llmq_ray.data_pipeline.tokenize --input ... --out DIR``.
 
 Output in DIR:
     eval.bin                    the first --eval-tokens tokens of the stream (a fixed split: same input,
@@ -12,9 +12,9 @@ is one document. All files are first written into DIR/.partial-<pid>/ and moved 
 the whole run succeeded, so an interrupted run never leaves shards that look complete.
 
 Examples:
-    python -m data_pipeline.tokenize --input tiny-shakespeare --out data/tiny-shakespeare-qwen
-    python -m data_pipeline.tokenize --input 'web/*.jsonl' --field text --out data/web --workers 8
-    python -m data_pipeline.tokenize --input docs.parquet --field content --tokenizer /models/Llama-3.2-1B --out d
+    python -m llmq_ray.data_pipeline.tokenize --input tiny-shakespeare --out data/tiny-shakespeare-qwen
+    python -m llmq_ray.data_pipeline.tokenize --input 'web/*.jsonl' --field text --out data/web --workers 8
+    python -m llmq_ray.data_pipeline.tokenize --input docs.parquet --field content --tokenizer /models/Llama-3.2-1B --out d
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str = "qwen", fmt: st
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data_pipeline.tokenize", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m llmq_ray.data_pipeline.tokenize", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--input", nargs="+", required=True,
                    help="'tiny-shakespeare', files or globs (text, .jsonl, .parquet)")

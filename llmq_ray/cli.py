@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--from-scratch", action="store_true", help="random init instead of the model's weights "
                    "(implied for presets, which have no weights)")
     m.add_argument("--train-file", help="glob of token shards (.bin/.parquet, see `python -m "
-                   "data_pipeline.tokenize`); default: tiny-shakespeare, tokenized once into ~/.cache/llmq_ray")
+                   "llmq_ray.data_pipeline.tokenize`); default: tiny-shakespeare, tokenized once into ~/.cache/llmq_ray")
     m.add_argument("--eval-file", help="glob of eval shards; default: the eval split of the default data")
     m.add_argument("--synthetic-data", action="store_true", help="train on uniform random tokens (benchmarks; no files)")
     m.add_argument("--no-ray-data", dest="use_ray_data", action="store_false",
@@ -206,7 +206,7 @@ def print_sample(export_path: str, prompt: str, n_tokens: int, seed: int, device
     gen = load_for_generation(export_path, device=device, dtype="fp32")
     tok = None
     if gen.cfg.vocab_size >= 151643:
-        from data_pipeline.vocab import QwenTiktoken
+        from llmq_ray.data_pipeline.vocab import QwenTiktoken
 
         tok = QwenTiktoken()
     ids = tok.encode(prompt) if tok is not None else [gen.cfg.bos_token_id or 0]
@@ -231,7 +231,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          trainer.spec.device if trainer.spec else "cpu")
     except LLMQError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        from actors.failures import WorkerError
+        from llmq_ray.actors.failures import WorkerError
 
         return 1 if isinstance(exc, WorkerError) else 2  # 2: the input is at fault; 1: the run failed
     except KeyboardInterrupt:  # before fit() took over the signals (e.g. while the default data is tokenized)

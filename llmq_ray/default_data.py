@@ -1,12 +1,12 @@
 """The data a first run trains on when the user names none: tiny-shakespeare, tokenized once and cached.
 
 ``default_dataset()`` returns (train glob, eval file, a short description). The text comes from
-``data_pipeline.text_inputs.tiny_shakespeare_path`` ($LLMQ_DATA_DIR, else the copy shipped with the
+``llmq_ray.data_pipeline.text_inputs.tiny_shakespeare_path`` ($LLMQ_DATA_DIR, else the copy shipped with the
 ``data_pipeline`` package, decompressed once into ~/.cache/llmq_ray, else -- only when an install lacks that
 copy -- a one-time download). If all of these fail (a broken install on a machine without a network, or an
 unwritable cache) it falls back -- saying so in one line -- to a corpus every Python installation carries:
 the interpreter's own documentation text (``pydoc_data.topics``, about 465 KB of English). Shards are written
-by ``data_pipeline.tokenize`` (Qwen vocabulary) into ``~/.cache/llmq_ray/data/<name>-qwen-eval<N>/`` and reused
+by ``llmq_ray.data_pipeline.tokenize`` (Qwen vocabulary) into ``~/.cache/llmq_ray/data/<name>-qwen-eval<N>/`` and reused
 while their ``meta.json`` exists.
 """
 
@@ -40,7 +40,7 @@ def tokenized(name: str, text_file: str, eval_tokens: int = 32768) -> tuple[str,
     returns (train glob, eval file)."""
     folder = os.path.join(cache_root(), "data", f"{name}-qwen-eval{eval_tokens}")
     if not os.path.isfile(os.path.join(folder, "meta.json")):
-        from data_pipeline.tokenize import tokenize_files
+        from llmq_ray.data_pipeline.tokenize import tokenize_files
 
         print(f"tokenizing {text_file} into {folder} (once) ...", flush=True)
         tokenize_files([text_file], folder, eval_tokens=eval_tokens, progress=False)
@@ -49,7 +49,7 @@ def tokenized(name: str, text_file: str, eval_tokens: int = 32768) -> tuple[str,
 
 def default_dataset(verbose: bool = True, eval_tokens: int = 32768) -> tuple[str, str, str]:
     """(train glob, eval file, description) of tiny-shakespeare, or of the pydoc fallback."""
-    from data_pipeline.text_inputs import tiny_shakespeare_path
+    from llmq_ray.data_pipeline.text_inputs import tiny_shakespeare_path
 
     try:
         text = tiny_shakespeare_path()

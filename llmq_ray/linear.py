@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import Backend
+from llmq_ray.backends.base import Backend
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 BLOCK_WEIGHTS = ("qkv_w", "out_w", "up_gate_w", "down_w")

@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from backends.base import Backend
+from llmq_ray.backends.base import Backend
 from llmq_ray.config import ModelConfig
 from llmq_ray.errors import ConfigError
 from llmq_ray.linear import BlockLinears

@@ -41,7 +41,7 @@ def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[st
     DataError (one sentence naming the file and, where it applies, the token index and byte offset) for an
     empty glob, a file that is not a token shard (text, wrong magic), a truncated or over-long file, an
     empty shard, or a token id outside [0, vocab_size)."""
-    from data_pipeline.sources import ARROW_SUFFIXES, resolve_files
+    from llmq_ray.data_pipeline.sources import ARROW_SUFFIXES, resolve_files
 
     try:
         files = resolve_files(pattern)
@@ -59,14 +59,14 @@ def _check_bin_file(path: str, vocab_size: int, budget: list) -> int:
     """Header, size and (within ``budget[0]`` tokens, decreased here) the token ids of one shard."""
     import numpy as np
 
-    from data_pipeline.shards import HEADER_BYTES, check_token_ids, read_header
+    from llmq_ray.data_pipeline.shards import HEADER_BYTES, check_token_ids, read_header
 
     try:
         info = read_header(path)
     except DataError as exc:
         if ("wrong magic" in str(exc) or "truncated token shard" in str(exc)) and _looks_like_text(path):
             raise DataError(f"{path} is a text file, not a token shard; tokenize it first with `python -m "
-                            f"data_pipeline.tokenize --input {path} --out DIR` and pass --train-file 'DIR/train-*.bin'.") from None
+                            f"llmq_ray.data_pipeline.tokenize --input {path} --out DIR` and pass --train-file 'DIR/train-*.bin'.") from None
         raise
     if info.n_tokens == 0:
         raise DataError(f"{path}: the token shard holds no tokens.")
@@ -110,8 +110,8 @@ def _looks_like_text(path: str) -> bool:
 def _check_arrow_file(path: str, vocab_size: int) -> int:
     """Parquet: the row groups' min/max statistics when written (no data read), else the whole column;
     Arrow IPC: the whole column (``ArrowSource`` reads it into memory anyway)."""
-    from data_pipeline.shards import check_token_ids
-    from data_pipeline.sources import ArrowSource
+    from llmq_ray.data_pipeline.shards import check_token_ids
+    from llmq_ray.data_pipeline.sources import ArrowSource
 
     if path.endswith(".parquet"):
         n = _parquet_tokens_by_statistics(path, vocab_size)

@@ -21,7 +21,7 @@ import os
 import tempfile
 from typing import Optional
 
-from data_pipeline.vocab import QWEN_EOS_ID, QWEN_SPECIALS
+from llmq_ray.data_pipeline.vocab import QWEN_EOS_ID, QWEN_SPECIALS
 
 # What export_hf copies from a tokenizer source (a subset of hf_io.TOKENIZER_FILES).
 WRITTEN_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -43,7 +43,7 @@ def _qwen_ranks_path() -> tuple[str, str]:
 
 
 def build_qwen_tokenizer():
-    """A ``tokenizers.Tokenizer`` equal to ``data_pipeline.vocab.QwenTiktoken`` (same ids), with the
+    """A ``tokenizers.Tokenizer`` equal to ``llmq_ray.data_pipeline.vocab.QwenTiktoken`` (same ids), with the
     specials of ``QWEN_SPECIALS`` as added special tokens."""
     from tokenizers import normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter

@@ -50,8 +50,8 @@ import threading
 import warnings
 from typing import Optional
 
-from actors.failures import WorkerError, wrap_error
-from actors.spec import RuntimeSpec
+from llmq_ray.actors.failures import WorkerError, wrap_error
+from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.errors import ConfigError, DataError, LLMQError
 from llmq_ray.options import TrainOptions
@@ -86,7 +86,7 @@ class Result:
 
 def fastest_backend(device: str) -> str:
     """triton on CUDA when that backend is present in this install, else the torch reference."""
-    if device == "cuda" and importlib.util.find_spec("backends.triton") is not None:
+    if device == "cuda" and importlib.util.find_spec("llmq_ray.backends.triton") is not None:
         return "triton"
     return "torch"
 
@@ -405,11 +405,11 @@ class LLMQTrainer:
         ray = self._init_ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from actors.coordinator import Coordinator
-        from actors.worker import PROBE_GROUP
+        from llmq_ray.actors.coordinator import Coordinator
+        from llmq_ray.actors.worker import PROBE_GROUP
 
         self.spec = self._build_spec(ray)
-        from actors.placement import check_resources
+        from llmq_ray.actors.placement import check_resources
 
         check_resources(self.spec)  # --gpus above what exists: one sentence, before any actor starts
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
@@ -478,7 +478,7 @@ class LLMQTrainer:
         or if it does not answer within 2 s."""
         import ray
 
-        from actors.worker import PROBE_GROUP
+        from llmq_ray.actors.worker import PROBE_GROUP
 
         try:
             return ray.get(self.coordinator.progress.options(concurrency_group=PROBE_GROUP).remote(), timeout=2.0)
@@ -588,7 +588,7 @@ class LLMQTrainer:
         """Daemon thread: when a stop is requested, tell the coordinator (in its probe group, beside a running
         step) so that a queued step is not started. A thread of its own, started before any signal can come,
         because a signal handler must not start threads or call Ray."""
-        from actors.worker import PROBE_GROUP
+        from llmq_ray.actors.worker import PROBE_GROUP
 
         while not self._stop_requested.wait(0.5):
             if self.coordinator is None:

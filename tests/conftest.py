@@ -82,7 +82,7 @@ def shards(tmp_path_factory) -> RuntimeShards:
     windows of 17 (seq_len 16), so short runs cross no epoch boundary. eval.bin: its first 1,200 tokens."""
     import numpy as np
 
-    from data_pipeline.shards import write_shard
+    from llmq_ray.data_pipeline.shards import write_shard
 
     folder = tmp_path_factory.mktemp("shards")
     rng = np.random.default_rng(0)

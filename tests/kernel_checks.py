@@ -112,8 +112,8 @@ def check_deterministic_attention_backward(fast):
     """bf16, B=16 x T=1024 at 0.5B and 7B head shapes: the triton backend's own attention backward
     (--deterministic-attention) against the reference math in fp32 (tolerance bf16's), the same bits in three
     runs; and how often cuDNN's backward (the default) differs between runs of the same inputs."""
-    from backends import _aten_attention
-    from backends.triton import attention_bwd
+    from llmq_ray.backends import _aten_attention
+    from llmq_ray.backends.triton import attention_bwd
 
     for b, hq, hkv, d in ((16, HQ, HKV, D), (4, 28, 4, 128)):
         t = 1024
@@ -143,7 +143,7 @@ def check_deterministic_attention_backward(fast):
 def check_deterministic_attention_backward_fp32():
     """fp32 (--model-dtype fp32 --deterministic-attention): true fp32 products, not TF32 (Triton's default for
     fp32 dots on NVIDIA, ~1e-3 relative error), so within the fp32 tolerance of the plain reference math."""
-    from backends.triton import attention_bwd
+    from llmq_ray.backends.triton import attention_bwd
 
     b, t, hq, hkv, d = 2, 256, HQ, HKV, D
     qkv = randn(b, t, hq + 2 * hkv, d, seed=43)
@@ -161,7 +161,7 @@ def check_deterministic_attention_backward_fp32():
 
 def get_backend_plain():
     """The torch reference with its plain math even on CUDA (no cuDNN): the fp32 ground truth."""
-    from backends import get_backend
+    from llmq_ray.backends import get_backend
 
     be = get_backend("torch", DEV)
     be._aten_attention = None
@@ -336,7 +336,7 @@ def check_stochastic_round_unbiased(fast):
 
 # ---------------------------------------------------------------------------------------------- whole model
 def model_grads(cfg, backend_name, b, t, dtype):
-    from backends import get_backend
+    from llmq_ray.backends import get_backend
     from llmq_ray.model import LlamaModel
     from llmq_ray.params import init_params
 
@@ -396,7 +396,7 @@ FP8_B, FP8_T = 4, 512
 
 def fp8_run(backend, matmul_dtype=None, gradient_dtype=None):
     """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8."""
-    from backends import get_backend
+    from llmq_ray.backends import get_backend
     from llmq_ray.model import LlamaModel
     from llmq_ray.params import init_params
 

@@ -31,9 +31,9 @@ import numpy as np
 import pytest
 import torch
 
-from backends import get_backend
-from data_pipeline.shards import write_shard
-from data_pipeline.stream import TokenStream
+from llmq_ray.backends import get_backend
+from llmq_ray.data_pipeline.shards import write_shard
+from llmq_ray.data_pipeline.stream import TokenStream
 from llmq_ray import checkpoint as ck
 from llmq_ray.config import PRESETS, ModelConfig
 from llmq_ray.engine import TrainEngine

@@ -177,7 +177,7 @@ def test_glob_that_matches_nothing(tmp_path, capsys):
 
 def test_pydoc_fallback_when_no_shakespeare(tmp_path, monkeypatch, capsys):
     """Without tiny-shakespeare and without a network, the default data is Python's pydoc topics."""
-    from data_pipeline import text_inputs
+    from llmq_ray.data_pipeline import text_inputs
     from llmq_ray import default_data
     from llmq_ray.errors import DataError
 
@@ -189,7 +189,7 @@ def test_pydoc_fallback_when_no_shakespeare(tmp_path, monkeypatch, capsys):
     train, evalf, desc = default_data.default_dataset(eval_tokens=4096)
     out = capsys.readouterr().out
     assert "pydoc_data.topics" in out and desc.startswith("pydoc-topics")
-    from data_pipeline.sources import resolve_files
+    from llmq_ray.data_pipeline.sources import resolve_files
 
     assert resolve_files(train) and os.path.isfile(evalf)
     with open(os.path.join(os.path.dirname(evalf), "meta.json")) as f:

@@ -7,7 +7,7 @@ Triton backend's GEMMs are torch's own.
 import pytest
 import torch
 
-from backends import cublaslt, get_backend
+from llmq_ray.backends import cublaslt, get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.options import TrainOptions

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.errors import ConfigError

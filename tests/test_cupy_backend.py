@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from backends import get_backend
-from backends.cupy import _runtime as rt
-from backends.cupy.backend import CupyBackend
-from backends.torch_ref import TorchBackend
+from llmq_ray.backends import get_backend
+from llmq_ray.backends.cupy import _runtime as rt
+from llmq_ray.backends.cupy.backend import CupyBackend
+from llmq_ray.backends.torch_ref import TorchBackend
 from llmq_ray.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def test_without_a_gpu_get_backend_is_one_clear_sentence(device):
 
 # ---------------------------------------------------------------------------------------------- NVRTC
 def test_every_kernel_source_compiles_with_nvrtc():
-    from backends.cupy import nvrtc_check
+    from llmq_ray.backends.cupy import nvrtc_check
 
     try:
         nvrtc_check.load_nvrtc()
@@ -77,7 +77,7 @@ def test_every_kernel_file_is_a_module_and_package_data():
 
     files = {p.name for p in rt.KERNEL_DIR.iterdir()}
     assert files == {f"{m}.cu" for m in rt.MODULES} | {rt.COMMON_HEADER}
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["backends.cupy"]
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["llmq_ray.backends.cupy"]
     for f in files:
         assert any(fnmatch.fnmatch(f"kernels/{f}", p) for p in patterns), f
 
@@ -180,7 +180,7 @@ def test_host_side_launches_match_the_kernels(rec, dtype, n, c, i, v, d):
 
 
 def test_row_layout_for_real_hidden_sizes():
-    from backends.cupy.backend import _row_layout
+    from llmq_ray.backends.cupy.backend import _row_layout
 
     # Qwen2.5-0.5B bf16: 112 vectors of 8 -> a warp per row with 4 vectors each in the forward
     assert _row_layout(896 // 8, 8, prefer_small_k=False) == (4, 32)

@@ -23,8 +23,8 @@ if not _CUDA:
     pytest.skip("needs a CUDA GPU that both torch and CuPy can use", allow_module_level=True)
 
 import kernel_checks as kc  # noqa: E402
-from backends import get_backend  # noqa: E402
-from backends.cupy import _runtime as rt  # noqa: E402
+from llmq_ray.backends import get_backend  # noqa: E402
+from llmq_ray.backends.cupy import _runtime as rt  # noqa: E402
 from kernel_checks import DEV, DTYPES, TOL, assert_close, randn  # noqa: E402
 
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -41,8 +41,8 @@ def test_cublaslt_fp8_accumulate_matches_fp64(a_dtype, m, n, k):
     """dw[M, N] += dy^T x through cuBLASLt (beta = 1) against an fp64 reference: within one bf16 step (2^-7
     relative to max |ref|; the H100 showed 4.4e-3, the same as torch's path), and on average no farther from it
     than torch's _scaled_mm-then-add (on the H100 the two gave the same errors to four digits)."""
-    from backends import cublaslt
-    from backends.torch_ref import TorchBackend
+    from llmq_ray.backends import cublaslt
+    from llmq_ray.backends.torch_ref import TorchBackend
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     a, b, da, db = _fp8_operands(m, n, k, a_dtype, torch.float8_e4m3fn, gen)
     out0 = torch.randn(m, n, device="cuda", generator=gen).to(torch.bfloat16)
@@ -75,8 +75,8 @@ def test_cublaslt_fp8_accumulate_matches_fp64(a_dtype, m, n, k):
 def test_triton_backend_accumulates_fp8_through_cublaslt():
     """The Triton backend's accumulating FP8 GEMM goes through cuBLASLt (a tuned plan for the problem exists
     afterwards) and gives the bits of that plan's choice; with gemm_tuning off it takes the heuristic's first."""
-    from backends import cublaslt
-    from backends.triton.backend import TritonBackend
+    from llmq_ray.backends import cublaslt
+    from llmq_ray.backends.triton.backend import TritonBackend
     gen = torch.Generator(device="cuda").manual_seed(5)
     m, n, k = 256, 384, 512
     a, b, da, db = _fp8_operands(m, n, k, torch.float8_e5m2, torch.float8_e4m3fn, gen)
@@ -120,7 +120,7 @@ def test_cublaslt_bf16_every_candidate_matches_fp64(layout, accumulate):
 def test_cublaslt_sm_count_target(layout, sm_count):
     """With an SM count target (a GEMM meant to share the GPU with a concurrent stream) the plan is a separate
     one and every candidate it offers is as exact as without (beta = 1)."""
-    from backends import cublaslt
+    from llmq_ray.backends import cublaslt
     a_shape, b_shape, ta, tb = LAYOUTS[layout]
     a = torch.ones(*a_shape, device="cuda", dtype=torch.bfloat16)
     b = torch.ones(*b_shape, device="cuda", dtype=torch.bfloat16)
@@ -131,7 +131,7 @@ def test_cublaslt_sm_count_target(layout, sm_count):
 
 
 def _check_every_candidate(layout: str, accumulate: bool, sm_count: int) -> None:
-    from backends import cublaslt
+    from llmq_ray.backends import cublaslt
     a_shape, b_shape, ta, tb = LAYOUTS[layout]
     gen = torch.Generator(device="cuda").manual_seed(11)
     a = torch.randn(*a_shape, device="cuda", generator=gen).to(torch.bfloat16)
@@ -156,8 +156,8 @@ def _check_every_candidate(layout: str, accumulate: bool, sm_count: int) -> None
 def test_triton_backend_bf16_gemm_tuning():
     """With gemm_tuning the backend's bf16 GEMM is timed against torch's once and its choice reused (the same
     bits on the second call); with it off, the GEMM is torch's own (bit-equal to torch.mm)."""
-    from backends import cublaslt
-    from backends.triton.backend import TritonBackend
+    from llmq_ray.backends import cublaslt
+    from llmq_ray.backends.triton.backend import TritonBackend
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(4096, 1536, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.randn(8960, 1536, device="cuda", generator=gen).to(torch.bfloat16)
@@ -182,7 +182,7 @@ def test_cublaslt_views_at_16_byte_offsets():
     """Operands that are views at 16- and 48-byte offsets (less than the 256 bytes cuBLASLt assumes unless told):
     supported, planned with their real alignment, and every candidate exact to one bf16 step; an 8-byte offset
     is refused (the backend then takes torch's call)."""
-    from backends import cublaslt
+    from llmq_ray.backends import cublaslt
     lt = cublaslt.for_device(torch.device("cuda"))
     gen = torch.Generator(device="cuda").manual_seed(9)
     m, n, k = 256, 128, 512

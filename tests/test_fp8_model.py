@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _helpers import perturb_norms_and_biases
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import ModelConfig
 from llmq_ray.model import LlamaModel, RecomputeOptions
 from llmq_ray.params import init_params

@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from backends import get_backend  # noqa: E402
+from llmq_ray.backends import get_backend  # noqa: E402
 from llmq_ray.generate import Generator, load_for_generation, sample_next  # noqa: E402
 from llmq_ray.model import LlamaModel  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import config_from_hf_dict
 from llmq_ray.hf_io import export_hf, hf_state_dict, load_hf_weights
 from llmq_ray.model import LlamaModel, RecomputeOptions

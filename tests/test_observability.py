@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from _helpers import FakeTTY
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.options import TrainOptions
@@ -343,7 +343,7 @@ def _reachable_bytes(engine) -> int:
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
-        elif hasattr(o, "__dict__") and type(o).__module__.split(".")[0] in ("llmq_ray", "backends"):
+        elif hasattr(o, "__dict__") and type(o).__module__.split(".")[0] == "llmq_ray":
             stack.extend(vars(o).values())
     return total
 
@@ -432,10 +432,10 @@ def qwen_tok_dir(tmp_path_factory):
 
 def test_export_with_qwen_tokenizer_files_loads_in_autotokenizer(qwen_tok_dir, tmp_path):
     """The export folder (weights + our tokenizer files) is what lm_eval --model hf opens: AutoTokenizer gives
-    data_pipeline.vocab's Qwen ids."""
+    llmq_ray.data_pipeline.vocab's Qwen ids."""
     from transformers import AutoTokenizer
 
-    from data_pipeline.vocab import QWEN_EOS_ID, QwenTiktoken
+    from llmq_ray.data_pipeline.vocab import QWEN_EOS_ID, QwenTiktoken
     from llmq_ray.hf_io import export_hf
     from llmq_ray.params import ParamLayout
 

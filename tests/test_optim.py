@@ -1,6 +1,6 @@
 """The optimizer: reference AdamW vs torch.optim.AdamW, ZeRO sharding, clipping, stochastic rounding, schedules.
 
-The backend here is a thin shim over ``backends.torch_ref_optim`` so that these tests pin the optimizer
+The backend here is a thin shim over ``llmq_ray.backends.torch_ref_optim`` so that these tests pin the optimizer
 functions themselves (TorchBackend delegates to the same functions).
 """
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends import torch_ref_optim as ref
+from llmq_ray.backends import torch_ref_optim as ref
 from llmq_ray.config import PRESETS
 from llmq_ray.errors import ConfigError
 from llmq_ray.optim import ShardedAdamW, clip_coefficient, global_grad_norm_squared, learning_rate_at

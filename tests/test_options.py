@@ -2,7 +2,7 @@
 
 import pytest
 
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.errors import ConfigError
 from llmq_ray.model import LlamaModel, RecomputeOptions

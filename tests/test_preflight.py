@@ -25,7 +25,7 @@ import time
 import numpy as np
 import pytest
 
-from data_pipeline.shards import HEADER_BYTES, write_shard
+from llmq_ray.data_pipeline.shards import HEADER_BYTES, write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = ("import sys\n"

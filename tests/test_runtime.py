@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.failures import WorkerError
+from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError, ConfigError, DataError
 from llmq_ray.trainer import LLMQTrainer, Result
 
@@ -187,8 +187,8 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
     # more GPUs asked for than the cluster has (the cluster's resources faked)
     import ray
 
-    from actors.placement import check_resources
-    from actors.spec import RuntimeSpec
+    from llmq_ray.actors.placement import check_resources
+    from llmq_ray.actors.spec import RuntimeSpec
     from llmq_ray.options import TrainOptions
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "CPU": 32.0})
@@ -200,7 +200,7 @@ def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path, monkeyp
     """A user error raised inside the workers keeps its type and gets the rank in front (a shard whose ids
     exceed the model's vocabulary: tiny-llama has 512 tokens, this shard claims ids up to 999). The driver's
     pre-flight catches this shard first; with the pre-flight's data check switched off, the workers do."""
-    from data_pipeline.shards import write_shard
+    from llmq_ray.data_pipeline.shards import write_shard
 
     bad = tmp_path / "big-vocab.bin"
     write_shard(str(bad), np.arange(600, dtype=np.int32) + 399, 1000)

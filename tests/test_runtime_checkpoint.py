@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.failures import WorkerError
+from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError
 from llmq_ray.trainer import LLMQTrainer, Result
 
@@ -272,7 +272,7 @@ def test_checksum_mismatch_and_full_disk_are_one_sentence(reference, shards, tmp
 # ---------------------------------------------------------------------------------------------------- no Ray
 def test_hang_is_pinned_on_the_rank_behind_the_others():
     """find_hung_ranks: where each rank stands inside the step (``GPUWorker.activity``) decides who hung."""
-    from actors.failures import find_hung_ranks
+    from llmq_ray.actors.failures import find_hung_ranks
 
     def at(step, where):
         return {"step": step, "at": where, "what": "...", "seconds": 9.0}
@@ -318,7 +318,7 @@ def test_spike_guard_zscores_limits_and_state():
 def test_engine_skips_an_update_above_the_limits():
     """engine.update(max_loss=..., max_norm=...): a step above either limit leaves weights and optimizer
     state untouched and says why; below them the update happens."""
-    from backends import get_backend
+    from llmq_ray.backends import get_backend
     from llmq_ray.config import PRESETS
     from llmq_ray.engine import TrainEngine
     from llmq_ray.options import TrainOptions

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_pipeline.shards import (HEADER_BYTES, ShardWriter, open_shard, read_header, write_llmc_shard,
+from llmq_ray.data_pipeline.shards import (HEADER_BYTES, ShardWriter, open_shard, read_header, write_llmc_shard,
                                   write_shard)
-from data_pipeline.sources import open_source, resolve_files
+from llmq_ray.data_pipeline.sources import open_source, resolve_files
 from llmq_ray.errors import DataError
 
 

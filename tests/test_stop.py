@@ -159,7 +159,7 @@ def test_a_fresh_run_keeps_an_earlier_log(ray_cluster, shards, tmp_path):
 
 
 def test_a_failed_run_says_why_in_its_last_record(ray_cluster, shards, tmp_path):
-    from actors.failures import WorkerError
+    from llmq_ray.actors.failures import WorkerError
 
     out = tmp_path / "run"
     with pytest.raises(WorkerError, match="injected fault"):

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_pipeline.order import epoch_order, rank_order, windows_per_file
-from data_pipeline.shards import write_llmc_shard, write_shard
-from data_pipeline.stream import EvalStream, TokenStream
+from llmq_ray.data_pipeline.order import epoch_order, rank_order, windows_per_file
+from llmq_ray.data_pipeline.shards import write_llmc_shard, write_shard
+from llmq_ray.data_pipeline.stream import EvalStream, TokenStream
 from llmq_ray.errors import DataError
 
 T, B = 16, 4
@@ -170,7 +170,7 @@ def test_prefetcher_hands_over_items_errors_and_stops_on_close():
     its end); close() with a full queue stops the thread instead of leaving it blocked on put()."""
     import threading
 
-    from data_pipeline.stream import _Prefetcher
+    from llmq_ray.data_pipeline.stream import _Prefetcher
 
     def failing():
         yield from range(3)

@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data_pipeline import text_inputs
-from data_pipeline.shards import open_shard
-from data_pipeline.tokenize import tokenize_files
-from data_pipeline.vocab import QWEN_EOS_ID, QwenTiktoken
+from llmq_ray.data_pipeline import text_inputs
+from llmq_ray.data_pipeline.shards import open_shard
+from llmq_ray.data_pipeline.tokenize import tokenize_files
+from llmq_ray.data_pipeline.vocab import QWEN_EOS_ID, QwenTiktoken
 from llmq_ray.errors import DataError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,10 +83,10 @@ def test_embedded_corpus_is_package_data():
     try:
         import tomllib  # Python 3.11+
 
-        patterns = tomllib.loads(pyproject)["tool"]["setuptools"]["package-data"]["data_pipeline"]
+        patterns = tomllib.loads(pyproject)["tool"]["setuptools"]["package-data"]["llmq_ray.data_pipeline"]
     except ImportError:  # 3.10: the line itself (a TOML list of plain strings is a Python literal)
         section = pyproject.split("[tool.setuptools.package-data]", 1)[1].split("\n[", 1)[0]
-        patterns = ast.literal_eval(re.search(r'^"data_pipeline"\s*=\s*(\[.*\])$', section, re.M).group(1))
+        patterns = ast.literal_eval(re.search(r'^"llmq_ray\.data_pipeline"\s*=\s*(\[.*\])$', section, re.M).group(1))
     rel = os.path.relpath(EMBEDDED, os.path.join(REPO, "data_pipeline"))
     assert any(fnmatch.fnmatch(rel, p) for p in patterns), (rel, patterns)
 
@@ -150,7 +150,7 @@ def test_cli_with_two_processes_writes_identical_shards(shakespeare_out, tmp_pat
     out2 = str(tmp_path / "mp")
     env = {k: v for k, v in os.environ.items() if k != "LLMQ_DATA_DIR"}
     env["XDG_CACHE_HOME"] = str(cache)  # the fixture's cache: the embedded copy, already decompressed
-    r = subprocess.run([sys.executable, "-m", "data_pipeline.tokenize", "--input", "tiny-shakespeare", "--out", out2,
+    r = subprocess.run([sys.executable, "-m", "llmq_ray.data_pipeline.tokenize", "--input", "tiny-shakespeare", "--out", out2,
                         "--shard-tokens", "100000", "--workers", "2", "--chunk-chars", "100000"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

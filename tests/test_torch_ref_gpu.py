@@ -4,8 +4,8 @@ model in bf16 on the GPU against fp32 on the CPU. Run on the device with `pytest
 import pytest
 import torch
 
-from backends import get_backend
-from backends.torch_ref import TorchBackend
+from llmq_ray.backends import get_backend
+from llmq_ray.backends.torch_ref import TorchBackend
 from llmq_ray.config import ModelConfig
 from llmq_ray.model import LlamaModel
 from llmq_ray.params import init_params

@@ -19,10 +19,10 @@ import os
 import pytest
 import torch
 
-from backends import get_backend
-from data_pipeline.stream import TokenStream
-from data_pipeline.text_inputs import TINY_SHAKESPEARE_BYTES, tiny_shakespeare_path
-from data_pipeline.tokenize import tokenize_files
+from llmq_ray.backends import get_backend
+from llmq_ray.data_pipeline.stream import TokenStream
+from llmq_ray.data_pipeline.text_inputs import TINY_SHAKESPEARE_BYTES, tiny_shakespeare_path
+from llmq_ray.data_pipeline.tokenize import tokenize_files
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.options import TrainOptions

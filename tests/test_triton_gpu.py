@@ -20,7 +20,7 @@ if torch.cuda.is_available():
     pytest.importorskip("triton")
 
 import kernel_checks as kc  # noqa: E402
-from backends import get_backend  # noqa: E402
+from llmq_ray.backends import get_backend  # noqa: E402
 from kernel_checks import DEV, DTYPES, HKV, HQ, C, D, I, N, V, randn  # noqa: E402
 
 
@@ -104,8 +104,8 @@ def test_adamw_seeds_never_cause_a_recompile(tri):
     """Seeds change every step; Triton keys compiled variants on whether an int is 1 or a multiple of 16. If
     the seeds were specialized, a step whose seeds first hit a new combination would JIT-compile mid-update
     (the slow 4th 7B update). Seeds of both kinds, same shapes: one compiled variant of each kernel."""
-    from backends.torch_ref_optim import derive_seed
-    from backends.triton import adamw as tri_adamw
+    from llmq_ray.backends.torch_ref_optim import derive_seed
+    from llmq_ray.backends.triton import adamw as tri_adamw
 
     n = 4096
     p, g = randn(n, dtype=torch.bfloat16), randn(n, dtype=torch.bfloat16)

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from backends import get_backend  # noqa: E402
-from backends import torch_ref_optim  # noqa: E402
+from llmq_ray.backends import get_backend  # noqa: E402
+from llmq_ray.backends import torch_ref_optim  # noqa: E402
 from _helpers import bf16_stochastic_neighbours  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -243,7 +243,7 @@ def test_deterministic_attention_backward(tri, ref, dtype, b, t, hq, hkv, d):
     """--deterministic-attention: our own backward (no atomics) against the reference math, at odd lengths
     (T not a multiple of the tile), a head dim that is not a power of two and GQA groups of 2 and 3; two runs
     give the same bits."""
-    from backends.triton import attention_bwd
+    from llmq_ray.backends.triton import attention_bwd
 
     qkv = randn(b, t, hq + 2 * hkv, d, seed=31, dtype=dtype)
     dout = randn(b, t, hq, d, seed=32, dtype=dtype)
@@ -523,7 +523,7 @@ def test_tiny_model_gradients_triton_vs_torch(dtype):
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_quantize_with_transpose_equals_the_two_kernels(fp8):
     """The fused dual-layout quantization writes exactly what quantize and quantize_transpose write."""
-    from backends import get_backend
+    from llmq_ray.backends import get_backend
 
     be = get_backend("triton", DEVICE)
     gen = torch.Generator().manual_seed(21)
@@ -602,7 +602,7 @@ def test_swiglu_backward_fp8_equals_backward_then_quantize(tri, ref, dtype, fp8)
         assert torch.equal(qt.view(torch.uint8), qt_want.view(torch.uint8)), name
         assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t()), name
         if name == "tri":  # the fused kernels themselves (the backend sends fp32 to the composition, see fp8.py)
-            from backends.triton import swiglu as _swiglu
+            from llmq_ray.backends.triton import swiglu as _swiglu
 
             q3, qt3, amax3, d3 = torch.empty_like(q), torch.empty_like(qt), torch.zeros((), device=DEVICE), \
                 torch.zeros((), device=DEVICE)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.options import TrainOptions

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _helpers import perturb_norms_and_biases
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import TrainEngine
 from llmq_ray.errors import ConfigError

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends import get_backend
+from llmq_ray.backends import get_backend
 from llmq_ray.config import PRESETS
 from llmq_ray.engine import Communicator, TrainEngine
 from llmq_ray.options import TrainOptions
@@ -153,7 +153,7 @@ def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: ZeRO-3 e4m3, per-layer and persistent FP8 copies, 3 steps of 1 micro-step each;
     rank r takes micro-batch r of the single worker's 2. Rank 0 saves losses and the gathered weights."""
     torch.set_num_threads(1)
-    from actors.collectives import destroy_group, init_group
+    from llmq_ray.actors.collectives import destroy_group, init_group
 
     comm = init_group(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), timeout_s=60)
     try:
@@ -181,7 +181,7 @@ def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
     differs between 1 and 2 ranks)."""
     import multiprocessing
 
-    from actors.collectives import free_port
+    from llmq_ray.actors.collectives import free_port
 
     ctx = multiprocessing.get_context("spawn")
     port = free_port("127.0.0.1")

@@ -9,6 +9,6 @@ instantiated: without CuPy or without a GPU, that ends in one ConfigError senten
 
 from __future__ import annotations
 
-from backends.cupy.backend import CupyBackend
+from llmq_ray.backends.cupy.backend import CupyBackend
 
 __all__ = ["CupyBackend"]

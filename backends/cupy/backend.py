@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from backends.cupy import _runtime as rt
-from backends.cupy._runtime import T_NAME, VEC, aligned, cdiv, f32, i32, i64, ptr, u64
-from backends.base import check_adamw_shards, check_stochastic_round_args
-from backends.torch_ref import TorchBackend
-from backends.torch_ref_optim import derive_seed
+from llmq_ray.backends.cupy import _runtime as rt
+from llmq_ray.backends.cupy._runtime import T_NAME, VEC, aligned, cdiv, f32, i32, i64, ptr, u64
+from llmq_ray.backends.base import check_adamw_shards, check_stochastic_round_args
+from llmq_ray.backends.torch_ref import TorchBackend
+from llmq_ray.backends.torch_ref_optim import derive_seed
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16)
 BWD_MAX_BLOCKS = 1024   # partial dweight rows of rmsnorm_backward: fixed, so the sum order depends on N only

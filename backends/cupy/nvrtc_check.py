@@ -6,7 +6,7 @@ PTX before any GPU time is spent. This talks to ``libnvrtc`` through ctypes (fro
 wheel, or wherever the loader finds it), so it needs neither CuPy nor CUDA. The options mirror what CuPy's
 RawModule passes on the GPU machine (backends/cupy/_runtime.py).
 
-    python -m backends.cupy.nvrtc_check            # every module, PTX for compute_90 + an sm_90 PTX-assembly probe
+    python -m llmq_ray.backends.cupy.nvrtc_check            # every module, PTX for compute_90 + an sm_90 PTX-assembly probe
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from backends.cupy import _runtime as rt
+from llmq_ray.backends.cupy import _runtime as rt
 
 CUPY_ADDED_OPTIONS = ("--device-as-default-execution-space", "-ftz=true")
 

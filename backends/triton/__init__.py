@@ -18,6 +18,6 @@ if "triton" not in sys.modules:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from backends.triton.backend import TritonBackend  # noqa: E402
+from llmq_ray.backends.triton.backend import TritonBackend  # noqa: E402
 
 __all__ = ["TritonBackend"]

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.base import check_adamw_shards, check_stochastic_round_args
-from backends.torch_ref_optim import derive_seed
-from backends.triton._common import cast_to, elementwise_block, num_warps_for
+from llmq_ray.backends.base import check_adamw_shards, check_stochastic_round_args
+from llmq_ray.backends.torch_ref_optim import derive_seed
+from llmq_ray.backends.triton._common import cast_to, elementwise_block, num_warps_for
 
 _SEED_MASK = (1 << 63) - 1
 

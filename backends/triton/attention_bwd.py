@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton._common import INTERPRET, cast_to, next_pow2
+from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2
 
 
 @triton.jit

@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import torch
 
-from backends import cublaslt
-from backends.base import Backend
-from backends.torch_ref import TorchBackend
-from backends.triton import adamw as _adamw
-from backends.triton import classifier as _classifier
-from backends.triton import embedding as _embedding
-from backends.triton import fp8 as _fp8
-from backends.triton import reduce as _reduce
-from backends.triton import rmsnorm as _rmsnorm
-from backends.triton import attention_bwd as _attention_bwd
-from backends.triton import bias as _bias
-from backends.triton import rope as _rope
-from backends.triton import swiglu as _swiglu
-from backends.triton._common import INTERPRET
+from llmq_ray.backends import cublaslt
+from llmq_ray.backends.base import Backend
+from llmq_ray.backends.torch_ref import TorchBackend
+from llmq_ray.backends.triton import adamw as _adamw
+from llmq_ray.backends.triton import classifier as _classifier
+from llmq_ray.backends.triton import embedding as _embedding
+from llmq_ray.backends.triton import fp8 as _fp8
+from llmq_ray.backends.triton import reduce as _reduce
+from llmq_ray.backends.triton import rmsnorm as _rmsnorm
+from llmq_ray.backends.triton import attention_bwd as _attention_bwd
+from llmq_ray.backends.triton import bias as _bias
+from llmq_ray.backends.triton import rope as _rope
+from llmq_ray.backends.triton import swiglu as _swiglu
+from llmq_ray.backends.triton._common import INTERPRET
 
 
 def _contiguous(*tensors: torch.Tensor | None) -> None:
@@ -58,7 +58,7 @@ class TritonBackend(TorchBackend):
     # Tune GEMM algorithms by timing (backends/cublaslt.py): on by default; the engine turns it off for
     # --deterministic-attention, since the choice (and with it the summation order) can differ between runs.
     gemm_tuning = True
-    _cublaslt = None  # backends.cublaslt.CublasLt once loaded; False when it cannot be
+    _cublaslt = None  # llmq_ray.backends.cublaslt.CublasLt once loaded; False when it cannot be
 
     def _lt(self, out: torch.Tensor):
         if self._cublaslt is None:

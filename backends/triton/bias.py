@@ -17,10 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton import reduce as _reduce
-from backends.triton.reduce import atomic_amax
-from backends.triton._common import INTERPRET, next_pow2
-from backends.triton.rmsnorm import _column_sum_kernel
+from llmq_ray.backends.triton import reduce as _reduce
+from llmq_ray.backends.triton.reduce import atomic_amax
+from llmq_ray.backends.triton._common import INTERPRET, next_pow2
+from llmq_ray.backends.triton.rmsnorm import _column_sum_kernel
 
 ROW_CHUNKS = 64  # row programs per column block (GPU); enough partial rows to fill an H100 at C >= 1024
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for
+from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for
 
 
 @triton.jit

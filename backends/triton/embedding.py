@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
+from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
 
 CHUNK = 32
 

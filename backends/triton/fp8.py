@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton._common import (INTERPRET, cast_fp8, elementwise_block, fp8_max, fp8_params, fp8_store_view,
+from llmq_ray.backends.triton._common import (INTERPRET, cast_fp8, elementwise_block, fp8_max, fp8_params, fp8_store_view,
                                      num_warps_for)
 
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton._common import MAX_REDUCE_PROGRAMS, elementwise_block, next_pow2, num_warps_for
+from llmq_ray.backends.triton._common import MAX_REDUCE_PROGRAMS, elementwise_block, next_pow2, num_warps_for
 
 
 @triton.jit

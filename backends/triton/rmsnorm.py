@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton import reduce as _reduce
-from backends.triton.reduce import atomic_amax
-from backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
+from llmq_ray.backends.triton import reduce as _reduce
+from llmq_ray.backends.triton.reduce import atomic_amax
+from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
 
 BWD_MAX_PROGRAMS = 512  # partial dweight rows; fixed so the reduction order depends on N only
 

@@ -12,10 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from backends.triton import reduce as _reduce
-from backends.triton.reduce import atomic_amax
-from backends.triton._common import INTERPRET, cast_to, fp8_store_view, next_pow2, num_warps_for
-from backends.triton.fp8 import _fp8_args, _scale_and_descale, _to_fp8
+from llmq_ray.backends.triton import reduce as _reduce
+from llmq_ray.backends.triton.reduce import atomic_amax
+from llmq_ray.backends.triton._common import INTERPRET, cast_to, fp8_store_view, next_pow2, num_warps_for
+from llmq_ray.backends.triton.fp8 import _fp8_args, _scale_and_descale, _to_fp8
 
 
 @triton.jit
