@@ -1,7 +1,7 @@
 # Shared preamble of the benchmarks/device_*.sh scripts (sourced, not run): `source benchmarks/device_lib.sh LOG SMI`
 # on the device machine, from the repository root, with .whl carried.
 #   - installs the Ray wheels of .whl into /tmp/site and exports the environment every run needs
-#     (../shared/ENVIRONMENT.md: NCCL_NVLS_ENABLE=0, no usage stats, no auth; expandable segments);
+#     (NCCL_NVLS_ENABLE=0: NVLink multicast off; no usage stats, no auth; expandable segments);
 #   - OUT (default /tmp/out), L = $OUT/LOG (the log), S = $OUT/SMI (nvidia-smi: SM clock, power, temperature,
 #     utilisation every second, from now until stop_smi), T0 = the start time;
 #   - run NAME TIMEOUT ARGS...: `python3 ARGS` with this tree on the path, its output appended to $L, cut with

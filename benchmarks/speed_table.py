@@ -13,7 +13,7 @@ is appended to ``--log``.
 
 What runs per model (``ROW_SHAPES``: the batch and micro-steps of issue 6's bars for the triton rows; smaller
 and shorter for the torch reference, which is slow and keeps fp32 logits; the baseline at the batch of the
-anchors in ../shared/ENVIRONMENT.md):
+llm.q and PyTorch anchors measured on the H100, B=16 at 0.5B):
 - triton, bf16 and e4m3 (``--matmul-dtypes``), with CUDA graphs;
 - triton, bf16, with the block wgrads on a side stream, if ``--overlap-wgrad-sms`` > 0;
 - torch (the reference backend), bf16;

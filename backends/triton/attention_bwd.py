@@ -15,7 +15,7 @@ Math (S = scale * Q K^T, P = exp(S - lse), causal): dV = P^T dO, dP = dO V^T, dS
 dQ = scale * dS K, dK = scale * dS^T Q. Layouts as the rest of the backend: qkv/dqkv [B, T, Hq + 2 Hkv, D],
 out/dout [B, T, Hq, D], lse [B, Hq, T] fp32 (natural log, scaled scores). Tiles are loaded in the model dtype;
 the products run on tensor cores with fp32 accumulation on the GPU (fp32 models: in full fp32, not TF32), and
-in fp32 under the interpreter (which computes bf16 dots wrongly, ../shared/ENVIRONMENT.md).
+in fp32 under the interpreter (which computes bf16 arithmetic wrongly; seen with triton 3.9 on the CPU).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepared in session 6 for the next GPU session, on branch wgrad-overlap (nvidia-h100-x1; carry .whl):
-#   git checkout wgrad-overlap && bash benchmarks/device_session7.sh
+#   git checkout wgrad-overlap && bash benchmarks/archive/device_session7.sh
 # Go / no-go for the block wgrads on a side stream beside the dgrad chain (llmq_ray/wgrad_overlap.py; results
 # "Against the bars (session 6)"), none of it run on a GPU yet:
 # 1. GPU tests: cuBLASLt's SM count target (every candidate exact, its own plan); the side stream (made to start

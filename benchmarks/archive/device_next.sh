@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepared 2026-11-23 for the next GPU session (nvidia-h100-x1; carry .whl), two calls:
-#   bash benchmarks/device_next.sh 1   GPU tests of what changed without a GPU (per-layout FP8 weight copies with
+#   bash benchmarks/archive/device_next.sh 1   GPU tests of what changed without a GPU (per-layout FP8 weight copies with
 #                                      absmax once per step, heap freeze), then 7B e4m3 --transient-quants
-#   bash benchmarks/device_next.sh 2   7B bf16 (is the slow 4th update gone?), then a torch-profiler table of
+#   bash benchmarks/archive/device_next.sh 2   7B bf16 (is the slow 4th update gone?), then a torch-profiler table of
 #                                      one 7B micro-step + update (where the time goes against the 14k bar)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0

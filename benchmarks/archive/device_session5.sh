@@ -2,7 +2,7 @@
 # Prepared 2026-11-23 (session 4) for the next GPU session (nvidia-h100-x1; carry .whl). Run from branch
 # atomic-absmax with ./anchor_main = `git archive main` (untracked) beside it:
 #   git archive main backends llmq_ray benchmarks/engine_step.py | (mkdir -p anchor_main && tar -x -C anchor_main)
-#   bash benchmarks/device_session5.sh
+#   bash benchmarks/archive/device_session5.sh
 # 1. GPU tests not yet run on a GPU: the FP8 SwiGLU backward at a ragged shape (16000 x 4860), the SwiGLU kernels
 #    and the FP8 quantize / deterministic attention kernels after main's tidies (799b3fb, 5159a82: shared code moved
 #    into jit helpers), and this branch (absmax folded in with an

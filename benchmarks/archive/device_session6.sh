@@ -2,7 +2,7 @@
 # Prepared in session 5 for the next GPU session (nvidia-h100-x1; carry .whl). Run from main with ./anchor_5 =
 # the tree measured in session 5's calls 3-5 (untracked):
 #   git archive 6f47fd5 backends llmq_ray benchmarks/engine_step.py | (mkdir -p anchor_5 && tar -x -C anchor_5)
-#   bash benchmarks/device_session6.sh
+#   bash benchmarks/archive/device_session6.sh
 # 1. GPU tests after the review fixes of e8f6be9 (not yet run on a GPU): every FP8 cuBLASLt candidate with beta 0
 #    and 1, views at 16-byte offsets (alignment preferences), the tuned backend GEMMs, CUDA graphs, whole model.
 # 2. The review fixes must not change speed: alternating A/B against anchor_5 at 0.5B bf16 and 1.5B e4m3.

@@ -8,7 +8,7 @@
 #   5. a short check that the Triton GPU tests still pass on the shared checks (tests/kernel_checks.py).
 # 5. the full Triton GPU tests (they share tests/kernel_checks.py with the CuPy ones).
 # Logs go to $OUT; the summary table is printed last.
-#   bash benchmarks/device_cupy.sh
+#   bash benchmarks/archive/device_cupy.sh
 set -u
 export PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

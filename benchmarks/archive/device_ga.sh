@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 4 (2026-11-23), calls 3 and 4 (nvidia-h100-x1; carry .whl). After the Triton bias gradient (e845cca):
-#   bash benchmarks/device_ga.sh 1   does amortizing the update over 4 micro-steps help at 0.5B and 1.5B (the GPU is
+#   bash benchmarks/archive/device_ga.sh 1   does amortizing the update over 4 micro-steps help at 0.5B and 1.5B (the GPU is
 #        at its 700 W cap, so the update's ~34 GB of traffic per 1.5B step slows the GEMMs even when overlapped)?
 #        And the 0.5B B=32 CUDA-graph figures through the Ray worker (bench_train), bf16 Adam moments.
-#   bash benchmarks/device_ga.sh 2   Qwen2.5-7B bf16 through Ray, 32 micro-steps, 12 GiB of Adam state kept (the
+#   bash benchmarks/archive/device_ga.sh 2   Qwen2.5-7B bf16 through Ray, 32 micro-steps, 12 GiB of Adam state kept (the
 #        configuration of session 3's 13,910)
 source benchmarks/device_lib.sh "ga_$1.log" "smi_ga_$1.csv"
 if [ "$1" = 1 ]; then

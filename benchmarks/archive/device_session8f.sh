@@ -3,9 +3,9 @@
 # on today's main (last measured 2026-11-22, before the FP8 SwiGLU backward, the atomic absmax and cuBLASLt's
 # beta = 1 FP8 accumulation). 300 steps of Qwen2.5-0.5B from scratch on tiny-shakespeare, bf16 vs e4m3, two
 # seeds, the setup of h100-2026-11-22.md: B=4, T=1024, lr 6e-4 cosine, warmup 30, eval every 50 steps.
-# runs/shake: LLMQ_DATA_DIR=../shared/data python -m llmq_ray.data_pipeline.tokenize --input tiny-shakespeare --out runs/shake
-#   bash benchmarks/device_session8f.sh 42 43     (call 7)
-#   bash benchmarks/device_session8f.sh 44 45     (call 8: two more seeds, after call 7's bf16 seed-to-seed spread of 4.8%)
+# runs/shake: python -m llmq_ray.data_pipeline.tokenize --input tiny-shakespeare --out runs/shake
+#   bash benchmarks/archive/device_session8f.sh 42 43     (call 7)
+#   bash benchmarks/archive/device_session8f.sh 44 45     (call 8: two more seeds, after call 7's bf16 seed-to-seed spread of 4.8%)
 SEEDS="${*:-42 43}"
 source benchmarks/device_lib.sh "session8f_${SEEDS// /_}.log" "smi8f_${SEEDS// /_}.csv"
 C="examples/train.py --model Qwen2.5-0.5B --from-scratch --train-file runs/shake/train-*.bin --eval-file runs/shake/eval.bin --batch-size 4 --seq-len 1024 --steps 300 --gpus 1 --backend triton --learning-rate 6e-4 --lr-schedule cosine --warmup 30 --eval-every-n-steps 50 --no-export --sample-tokens 0 --no-progress"

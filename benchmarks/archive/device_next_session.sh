@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Prepared 2026-11-23 (session 2) for the next GPU session, on branch fused-attn-rope-bwd (nvidia-h100-x1; carry
 # .whl). Two calls of <= ~8 minutes:
-#   bash benchmarks/device_next_session.sh 1
+#   bash benchmarks/archive/device_next_session.sh 1
 #     GPU tests of what only ran on CPU: the one-pass RoPE backward from cuDNN's dq/dk/dv (branch), the AdamW
 #     no-recompile test, the ZeRO-1 kept-chunks offload case, FP8 with shared bf16 GEMM-input buffers, CUDA
 #     graphs (they capture the new paths); is cuDNN's attention backward bit-reproducible; then 7B e4m3 two ways
 #     now that FP8 keeps no per-layer bf16 ln1/ln2/swiglu (~10.8 GiB freed): --transient-quants with 13 GiB of
 #     the Adam state kept, and the default all-layer FP8 copies with 2 GiB kept (was 18,006 with 3 GiB kept).
-#   bash benchmarks/device_next_session.sh 2
+#   bash benchmarks/archive/device_next_session.sh 2
 #     0.5B fused/unfused A/B (B=32, graphs, bf16 and e4m3), 7B bf16 through Ray at 32 micro-steps per update
 #     with 12 GiB kept over 6 updates (was 13,970 on 2 steady updates), then one profiled 7B bf16 micro-step
 #     with the compute-stream gaps (last: it may be cut).

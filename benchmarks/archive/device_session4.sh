@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Prepared 2026-11-23 (session 3) for the next GPU session (nvidia-h100-x1; carry .whl). Two calls of ~6 minutes:
 # Run call 1 from branch classifier-strided (main + the classifier's strided launch, not yet on a GPU).
-#   bash benchmarks/device_session4.sh 1   GPU tests written after the last call (graphs + overlapped update with
+#   bash benchmarks/archive/device_session4.sh 1   GPU tests written after the last call (graphs + overlapped update with
 #       an untied head, a skipped update and an eval; fp32 deterministic attention not TF32; classifier launch
 #       shapes), the classifier launch sweep, the two 0.5B profiles
-#   bash benchmarks/device_session4.sh 2   B=48, 1.5B, and 0.5B e4m3 through Ray with graphs
+#   bash benchmarks/archive/device_session4.sh 2   B=48, 1.5B, and 0.5B e4m3 through Ray with graphs
 # Issue 6 is 1.7% short at 0.5B e4m3 (162,290 best vs 165k) and 2-4% at 0.5B bf16: where does a CUDA-graph step
 # go now (kernel kinds, gaps between steps)? Does a bigger micro-batch help? Is the GPU power- or clock-limited
 # at 0.5B as it is at 7B? And the issue's figure through the Ray worker with graphs.

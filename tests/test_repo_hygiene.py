@@ -1,0 +1,51 @@
+"""The repository documents itself: no file cites a document outside it, and the paths the docs name exist.
+
+* No tracked file mentions a path outside the repository that a reader cannot open (``../shared``,
+  ``/work/shared``): facts learnt from such notes are written down where they are used instead.
+* Every repository path named in the README, docs/, the examples, the tests and the modules' docstrings
+  (``benchmarks/bench_train.py``, ``docs/stopping-and-resuming.md``, ...) exists. The dated records
+  (``benchmarks/results/``, ``benchmarks/LOG.md``, ``benchmarks/archive/``) may name files that were removed
+  since (reverted experiments): they are history, and are only held to the first rule.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUTSIDE = re.compile(r"\.\./shared|/work/shared")
+PATH = re.compile(r"(?<![\w./-])((?:benchmarks|docs|examples|tests|llmq_ray|actors|backends|data_pipeline)/"
+                  r"[\w./-]+\.(?:sh|py|md|png|json|toml))")
+HISTORY = ("benchmarks/results/", "benchmarks/archive/", "benchmarks/LOG.md")
+
+
+def _tracked_text_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [p for p in out.split() if p.endswith((".md", ".py", ".sh", ".toml", ".txt", ".cfg"))
+            and os.path.isfile(os.path.join(REPO, p))]
+
+
+def test_no_file_cites_a_path_outside_the_repository():
+    bad = []
+    for p in _tracked_text_files():
+        with open(os.path.join(REPO, p), errors="replace") as f:
+            bad += [f"{p}:{i}: {line.strip()[:100]}" for i, line in enumerate(f, 1) if OUTSIDE.search(line)]
+    assert not bad, "\n".join(bad)
+
+
+def test_paths_named_in_the_docs_exist():
+    missing = []
+    for p in _tracked_text_files():
+        if p.startswith(HISTORY) or p == "tests/test_repo_hygiene.py":
+            continue
+        with open(os.path.join(REPO, p), errors="replace") as f:
+            for i, line in enumerate(f, 1):
+                for m in PATH.finditer(line):
+                    ref = m.group(1).rstrip(".")
+                    if ref.startswith("llmq_ray/") and p == "tests/test_packaging.py":
+                        continue  # paths inside the built wheel
+                    if not os.path.exists(os.path.join(REPO, ref)):
+                        missing.append(f"{p}:{i}: {ref}")
+    assert not missing, "\n".join(missing)
