@@ -3,7 +3,8 @@
 Flags follow llm.q's names; each maps onto a keyword argument of ``LLMQTrainer`` (a ``TrainOptions`` field such
 as ``--grad-accumulation`` -> ``grad_accumulation``, or a runtime argument such as ``--checkpoint-dir``). The
 CLI keeps no defaults of its own: a flag not given is not passed on, so the API and the CLI share one set of
-defaults (``llmq_ray/run_defaults.py``), which ``--help`` prints. Defaults that say "auto" suit the machine:
+defaults (``llmq_ray/run_defaults.py``), which ``--help`` prints. ``--config run.toml`` reads settings from a file
+(``llmq_ray/config_file.py``; flags on the command line win) and ``--print-config`` prints the resolved ones. Defaults that say "auto" suit the machine:
 on a CPU a tiny Qwen-vocabulary model, fp32, the torch backend and a run of about two minutes; on a GPU
 Qwen2.5-0.5B from scratch in bf16 with the fastest backend. With no ``--train-file`` the run uses the
 tiny-shakespeare corpus that ships with llmq-ray (see ``llmq_ray/default_data.py``). The run ends by printing the
@@ -27,7 +28,23 @@ from typing import Optional
 from llmq_ray.errors import LLMQError
 
 AUTO = "auto"
-CLI_ONLY = {"sample_tokens": 48, "prompt": "\n"}  # flags of this command, not of the trainer
+CLI_ONLY = {"sample_tokens": 48, "prompt": "\n", "config": None, "print_config": False}  # not the trainer's
+API_ONLY = ("verbose", "fault", "handle_signals", "cli")  # trainer keywords with no flag: for programs and tests
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an unknown flag is answered with the closest valid one."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        if message.startswith("unrecognized arguments:"):
+            from llmq_ray.config_file import closest
+
+            flags = [o for a in self._actions for o in a.option_strings]
+            unknown = message.split(":", 1)[1].split()
+            first = next((u.split("=")[0] for u in unknown if u.startswith("--")), None)
+            if first:
+                message = f"unrecognized argument {first}{closest(first, flags)}"
+        super().error(message)
 
 
 def gib_or_auto(text: str) -> float | str:
@@ -41,9 +58,14 @@ def gib_or_auto(text: str) -> float | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="examples/train.py", description="Train a Llama-family model with llmq-ray (one Ray worker per GPU).",
         argument_default=argparse.SUPPRESS)  # a flag not given is not passed on: the trainer's default applies
+    g = p.add_argument_group("config file")
+    g.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys: the flags' names with "
+                   "underscores, at the top level or in tables); flags on the command line win")
+    g.add_argument("--print-config", action="store_true",
+                   help="print every resolved setting as TOML (a config file for this run) and exit without training")
     m = p.add_argument_group("model and data")
     m.add_argument("--model", help="preset name (e.g. Qwen2.5-0.5B, tiny-qwen), HF folder or HF id in the "
                    "local cache")
@@ -83,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar (it is off anyway when stdout is not a terminal)")
     e.add_argument("--no-export", dest="export", action="store_false", help="do not write the HF export at the end")
+    e.add_argument("--no-final-eval", dest="final_eval", action="store_false",
+                   help="skip the eval over the whole eval file at the end")
     e.add_argument("--export-dtype", choices=["fp32", "bf16"], help="dtype of the export (default: model dtype)")
     e.add_argument("--sample-tokens", type=int, default=48, help="tokens of the generated sample printed at the end (0: none)")
     e.add_argument("--prompt", default="\n", help="prompt of the sample at the end")
@@ -103,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "to keep the checkpoint's global batch")
     c.add_argument("--max-restarts", type=int, help="after a worker dies or hangs, rebuild the group and "
                    "resume from the last checkpoint up to N times (needs --ckpt-interval)")
+    c.add_argument("--collective-timeout-s", type=float,
+                   help="a torch.distributed collective that waits longer than this (seconds) fails its rank")
+    c.add_argument("--call-timeout-s", type=float,
+                   help="seconds a worker call other than a step may take (set-up, eval, checkpoints, export)")
     c.add_argument("--step-timeout-s", type=float,
                    help="a step that takes longer than this (seconds) counts as a hung worker: the group is "
                         "rebuilt from the last checkpoint (1800 s is Ray Train's process-group timeout)")
@@ -193,6 +221,13 @@ def _add_defaults_to_help(parser: argparse.ArgumentParser) -> None:
         a.help = f"{a.help} (default: {shown})".replace("%", "%%")
 
 
+def config_keys() -> set[str]:
+    """The settings a config file may hold: every keyword of LLMQTrainer but the API-only ones."""
+    from llmq_ray.run_defaults import api_defaults
+
+    return set(api_defaults()) - set(API_ONLY)
+
+
 def trainer_kwargs(args: argparse.Namespace) -> dict:
     """The keyword arguments of ``LLMQTrainer`` that the user gave on the command line (the flags of this
     command alone, ``--sample-tokens`` and ``--prompt``, left out)."""
@@ -222,7 +257,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         from llmq_ray.trainer import LLMQTrainer
 
-        trainer = LLMQTrainer(cli=True, **trainer_kwargs(args))
+        kwargs = trainer_kwargs(args)
+        if getattr(args, "config", None):
+            from llmq_ray.config_file import read_config
+
+            kwargs = {**read_config(args.config, config_keys()), **kwargs}  # the command line wins
+        trainer = LLMQTrainer(cli=True, **kwargs)
+        if getattr(args, "print_config", False):
+            from llmq_ray.config_file import resolved_toml
+
+            print(resolved_toml(trainer.resolved_settings(), args.config or ""), end="")
+            return 0
         result = trainer.fit()
         if result.stopped:
             return result.stopped["exit_code"]  # its line ("stopped by SIGTERM after step N; ...") is printed

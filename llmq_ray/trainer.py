@@ -214,6 +214,16 @@ class LLMQTrainer:
                 print(line, flush=True)
         self.lines = []
 
+    def resolved_settings(self) -> dict:
+        """Every setting of this run after the defaults were resolved: the TrainOptions fields and the runtime
+        keywords (what ``--print-config`` prints; a config file with these reproduces the run)."""
+        out = dataclasses.asdict(self.opts)
+        out.update({k: v for k, v in self.runtime.items() if k != "fault"})
+        out.update(resume=self.resume if self.resume is not False else None, ray_address=self.ray_address,
+                   checkpoint_on_exit=self.checkpoint_on_exit, allow_batch_change=self.allow_batch_change,
+                   progress=self.progress)
+        return out
+
     def _named(self, exc: LLMQError) -> LLMQError:
         """``exc`` with its flag names written as this API's keyword arguments (unless used by the CLI)."""
         if self.cli:

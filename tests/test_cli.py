@@ -235,3 +235,43 @@ def test_sol_table():
     assert peak_tflops("Some Future GPU") is None and peak_tflops(None) is None
     assert sol_fraction(100_000, 3e9, 989.0) == pytest.approx(100_000 * 3e9 / 989e12)
     assert sol_fraction(1.0, 1.0, None) is None
+
+
+def test_every_setting_has_a_flag():
+    """Every TrainOptions field and every LLMQTrainer keyword is a flag (but the few for programs and tests)."""
+    from llmq_ray.run_defaults import api_defaults
+
+    dests = {a.dest for a in cli.build_parser()._actions if a.option_strings}
+    missing = sorted(set(api_defaults()) - set(cli.API_ONLY) - dests)
+    assert not missing, f"settings without a flag: {missing}"
+
+
+def test_config_file_with_command_line_overrides_and_print_config(tmp_path, capsys):
+    """--config x.toml --steps 5 --print-config: the file's settings, the flag on top, every resolved setting
+    printed as TOML; that output is itself a config file that resolves to the same settings."""
+    cfg = tmp_path / "x.toml"
+    cfg.write_text('model = "tiny"\nsteps = 3\n[optim]\nlearning_rate = 1e-3\n[data]\nsynthetic_data = true\n'
+                   'device = "cpu"\n')
+    out = str(tmp_path / "out")
+    assert cli.main(["--config", str(cfg), "--steps", "5", "--out-dir", out, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "\nsteps = 5\n" in printed and "\nlearning_rate = 0.001\n" in printed and '\nmodel = "tiny"\n' in printed
+    again = tmp_path / "again.toml"
+    again.write_text(printed)
+    assert cli.main(["--config", str(again), "--print-config"]) == 0
+    assert capsys.readouterr().out.split("\n")[1:] == printed.split("\n")[1:]  # the same, but the source line
+    assert not os.path.exists(out)  # printing trains nothing and writes nothing
+
+
+def test_unknown_names_are_refused_with_the_closest_valid_one(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[optim]\nlearnig_rate = 3e-4\n")
+    err = _cli_error(["--config", str(bad), "--device", "cpu", "--synthetic-data"], capsys)
+    assert "[optim] 'learnig_rate' is not a setting (did you mean 'learning_rate'?)" in err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--learnig-rate", "3e-4"])
+    assert info.value.code == 2
+    assert "unrecognized argument --learnig-rate (did you mean '--learning-rate'?)" in capsys.readouterr().err
+    (tmp_path / "twice.toml").write_text("steps = 3\n[optim]\nsteps = 4\n")
+    err = _cli_error(["--config", str(tmp_path / "twice.toml")], capsys)
+    assert "'steps' is given twice" in err

@@ -1,0 +1,85 @@
+"""Run settings from a TOML file, with the command line on top: ``--config run.toml --steps 5``.
+
+A config file holds ``LLMQTrainer`` keyword arguments (the CLI flags' names with underscores), at the top level
+or grouped in tables of any name, which only structure the file::
+
+    model = "Qwen2.5-0.5B"
+    [optim]
+    learning_rate = 6e-4
+    warmup = 100
+    [checkpoints]
+    ckpt_interval = 500
+
+A flag given on the command line wins over the file. ``--print-config`` prints every resolved setting in this
+same format (``resolved_toml``), so its output is a config file that reproduces the run. A key that is not a
+setting is refused in one sentence naming the closest valid one.
+
+Why our own writer: Python reads TOML (``tomllib``) but does not write it, and the flat ``key = value`` lines
+we print need no library (JSON's escaping of strings, numbers and booleans is valid TOML).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from typing import Any, Iterable
+
+from llmq_ray.errors import ConfigError
+
+
+def closest(name: str, valid: Iterable[str]) -> str:
+    """' (did you mean X?)' for the valid name closest to ``name``, or '' when none is close."""
+    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def read_config(path: str, valid: set[str]) -> dict[str, Any]:
+    """The settings of a TOML file as {keyword argument: value}; ConfigError (one sentence naming the file
+    and the key) for a file that cannot be read or parsed, a key that is not a setting, or a key twice."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        raise ConfigError(f"--config {path}: reading TOML needs Python 3.11 or newer (tomllib).")
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file.") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror}).") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path} is not valid TOML ({exc}).") from None
+    out: dict[str, Any] = {}
+
+    def take(key: str, value: Any, where: str) -> None:
+        if key not in valid:
+            raise ConfigError(f"--config {path}: {where}{key!r} is not a setting{closest(key, valid)}.")
+        if key in out:
+            raise ConfigError(f"--config {path}: {key!r} is given twice.")
+        out[key] = value
+
+    for key, value in doc.items():
+        if isinstance(value, dict):  # a table: its keys are settings
+            for k, v in value.items():
+                if isinstance(v, dict):
+                    raise ConfigError(f"--config {path}: [{key}.{k}] nests tables two deep; settings sit at the top "
+                                      f"level or in one table.")
+                take(k, v, f"[{key}] ")
+        else:
+            take(key, value, "")
+    return out
+
+
+def resolved_toml(settings: dict[str, Any], source: str = "") -> str:
+    """``settings`` as TOML lines (``key = value``; a setting that is None is a comment, TOML has no null)."""
+    lines = [f"# resolved by llmq-ray{f' from {source}' if source else ''}; use it with --config"]
+    for key in sorted(settings):
+        value = settings[key]
+        if value is None:
+            lines.append(f"# {key} = (none)")
+        elif isinstance(value, (bool, int, float, str)):
+            lines.append(f"{key} = {json.dumps(value)}")
+        else:
+            lines.append(f"# {key} = {value!r} (not a TOML scalar)")
+    return "\n".join(lines) + "\n"
