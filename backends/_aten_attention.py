@@ -2,8 +2,8 @@
 
 Why cuDNN: on an H100/H200 (B=32, T=1024, 14 heads of 64) its forward+backward is ~1.6x faster than flash
 (0.83 ms against 1.30 ms, measured on an H100), it reads q/k/v as strided views straight out of the fused QKV
-buffer (no copies), and it accepts grouped-query attention as is (k/v with fewer heads, no repeat). It needs bf16/fp16; fp32 runs use
-the reference math in torch_ref.
+buffer (no copies), and it accepts grouped-query attention as is (k/v with fewer heads, no repeat). It needs
+bf16/fp16; fp32 runs use the reference math in torch_ref.
 
 Shapes: qkv[B, T, Hq+2Hkv, D]; out[B, T, Hq, D]; lse[B, Hq, T] fp32 (cuDNN's own is [B, Hq, T, 1]).
 """
