@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--title", default=None, help="figure title")
     a = p.parse_args(argv)
     try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: plotting needs matplotlib: pip install 'llmq-ray[plot]'.", file=sys.stderr)
+        return 2
+    try:
         path = plot(a.logs, a.out, a.labels, a.smooth, a.title)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

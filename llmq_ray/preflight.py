@@ -15,7 +15,8 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
   writable (``os.access``, which also sees a read-only mount);
 * ``--log-file`` naming an existing log is refused unless the run continues it; a fresh run whose
   checkpoint folder already holds checkpoints is refused (its retention would delete them);
-* ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined).
+* ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined);
+* the optional packages a flag needs (``--wandb-project``: wandb; ``--log-gpu-util``: nvidia-ml-py).
 
 The ``--continue`` target (present, every file's sha256, the model) is checked by ``llmq_ray.checkpoint``;
 ``keep_global_batch`` reconciles a resumed run's batch with the checkpoint's.
@@ -229,8 +230,12 @@ def local_gpu_count() -> int:
     by ``CUDA_VISIBLE_DEVICES`` when it is set (NVML ignores it; "" or "-1" hide every GPU)."""
     try:
         import pynvml
-    except ImportError:
-        return 0
+    except ImportError:  # nvidia-ml-py is optional (llmq-ray[gpu]): the driver's own list of GPUs
+        try:
+            count = len(os.listdir("/proc/driver/nvidia/gpus"))
+        except OSError:
+            return 0
+        return _limit_to_visible(count, os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
         pynvml.nvmlInit()
         try:
@@ -240,6 +245,11 @@ def local_gpu_count() -> int:
     except Exception:  # noqa: BLE001 - no driver, no library: no GPU
         return 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return _limit_to_visible(count, visible)
+
+
+def _limit_to_visible(count: int, visible: Optional[str]) -> int:
+    """``count`` GPUs, of which a ``CUDA_VISIBLE_DEVICES`` value lets this process use fewer."""
     if visible is not None:
         entries = [e.strip() for e in visible.split(",") if e.strip()]
         if "-1" in entries:  # CUDA stops at the first invalid entry
@@ -270,6 +280,17 @@ def check_local_resources(device: str, world: Optional[int], gpus: int, cpus_per
             raise ConfigError(f"--gpus={gpus} asks for more GPUs than this machine has ({have}); use --gpus={have} "
                               f"or fewer (or --ray-address of a larger Ray cluster).")
     return notes
+
+
+def check_optional_packages(wandb_project: Optional[str], log_gpu_util: int) -> None:
+    """A flag that needs an optional part of llmq-ray names the extra to install (before anything starts)."""
+    import importlib.util
+
+    if wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb-project={wandb_project} needs the wandb package: pip install 'llmq-ray[wandb]'.")
+    if log_gpu_util and importlib.util.find_spec("pynvml") is None:
+        raise ConfigError(f"--log-gpu-util={log_gpu_util} needs NVML's Python binding (nvidia-ml-py): pip install "
+                          f"'llmq-ray[gpu]'.")
 
 
 # ---------------------------------------------------------------------------------------------------- resume

@@ -281,6 +281,9 @@ class LLMQTrainer:
             raise ConfigError(f"--gpus={r['gpus']} with --device=cpu: use --workers for CPU workers.")
         if r["device"] == "cpu" and r["backend"] not in ("auto", "torch"):
             raise ConfigError(f"--backend={r['backend']} needs a GPU; on --device=cpu use --backend=torch.")
+        from llmq_ray.preflight import check_optional_packages
+
+        check_optional_packages(r["wandb_project"], r["log_gpu_util"])
 
     def _check_outputs(self) -> None:
         """The output, checkpoint and log locations (``llmq_ray/preflight.py``); a fresh run refuses a

@@ -104,7 +104,12 @@ class WandbLogger:
 
     def __init__(self, project: str, run_name: Optional[str] = None, config: Optional[dict] = None,
                  dir: Optional[str] = None, mode: Optional[str] = None, **init_kwargs):
-        import wandb
+        try:
+            import wandb
+        except ImportError:
+            from llmq_ray.errors import ConfigError
+
+            raise ConfigError("W&B logging needs the wandb package: pip install 'llmq-ray[wandb]'.") from None
 
         self._wandb = wandb
         if dir:

@@ -220,3 +220,32 @@ def test_local_gpu_count_honours_cuda_visible_devices(monkeypatch):
     for visible, want in (("", 0), ("1,3", 2), ("0,-1,2", 1), ("0,1,2,3,4,5", 4)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert preflight.local_gpu_count() == want, visible
+
+
+def test_a_flag_that_needs_an_optional_package_names_the_extra(monkeypatch, tmp_path):
+    """wandb, matplotlib and nvidia-ml-py are extras: a flag that needs a missing one says which to install,
+    before Ray starts; without NVML the local GPUs are counted from the driver's /proc listing."""
+    import importlib.util
+
+    from llmq_ray import preflight
+    from llmq_ray.errors import ConfigError
+    from llmq_ray.trainer import LLMQTrainer
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "pynvml")
+                        else real(name, *a))
+    kw = dict(device="cpu", synthetic_data=True, out_dir=str(tmp_path), verbose=False)
+    with pytest.raises(ConfigError, match=r"^wandb_project=p needs the wandb package: pip install 'llmq-ray\[wandb\]'"):
+        LLMQTrainer(wandb_project="p", **kw)
+    with pytest.raises(ConfigError, match=r"^log_gpu_util=5 needs .* pip install 'llmq-ray\[gpu\]'"):
+        LLMQTrainer(log_gpu_util=5, **kw)
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    listing = tmp_path / "gpus"
+    listing.mkdir()
+    for bus in ("0000:18:00.0", "0000:2a:00.0"):
+        (listing / bus).mkdir()
+    real_listdir = os.listdir
+    monkeypatch.setattr(preflight.os, "listdir",
+                        lambda p: real_listdir(listing) if p == "/proc/driver/nvidia/gpus" else real_listdir(p))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert preflight.local_gpu_count() == 2
