@@ -50,13 +50,7 @@ class RuntimeSpec:
     skip_update_on_spike: bool = False    # skip the update of a step whose loss or norm z-score is too high
     spike_window: int = 128               # steps in the spike guard's z-score window
     spike_threshold: float = 6.0          # z-score above which a step is a spike (always logged)
-    # test hook (actors/worker.py ``_fault``): {"rank": r, "step": s, "kind": k} -- k "raise" (default) makes
-    # rank r raise at 0-based step s, "kill" SIGKILLs its process, "nan" puts a NaN into its gradients,
-    # "save_kill" SIGKILLs it halfway through writing the checkpoint of step s (updates completed),
-    # "save_full" makes that write fail as on a full disk, "save_slow" makes rank r sleep "seconds" after
-    # writing its file of every checkpoint of step >= s (before the manifest exists), "hang" blocks rank r
-    # forever at the start of step s, "slow_eval" makes rank r sleep "seconds" before each eval batch (any
-    # step). A restarted group runs without it, unless the dict has "every_group": True.
+    # the test hook: faults injected on purpose (actors/fault_injection.py lists the kinds); None in real runs
     fault: Optional[dict] = None
     # observability
     wandb_project: Optional[str] = None   # live W&B logging from the coordinator (WANDB_MODE honoured)

@@ -25,8 +25,6 @@ other methods keep running one at a time, in order, on one thread of their own.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 
 import torch
@@ -34,6 +32,7 @@ import torch
 from llmq_ray.actors import telemetry
 from llmq_ray.actors.collectives import destroy_group, free_port, init_group, node_ip, set_worker_threads
 from llmq_ray.actors.data import eval_source, train_source
+from llmq_ray.actors.fault_injection import FaultInjector
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.config import resolve_model
 from llmq_ray.engine import TrainEngine
@@ -87,6 +86,7 @@ class GPUWorker:
 
     def __init__(self, rank: int, spec: RuntimeSpec):
         self.rank, self.spec = rank, spec
+        self.faults = FaultInjector(spec.fault, rank)  # tests only: does nothing without spec.fault
         self.world_size = spec.world_size
         self.engine: TrainEngine | None = None
         self.device: torch.device | None = None
@@ -170,20 +170,6 @@ class GPUWorker:
         return memory_dict(memory_table(self.engine))
 
     # ------------------------------------------------------------------ steps
-    def _fault(self, kind: str, step: int) -> bool:
-        """The test hook of ``spec.fault`` (see actors/spec.py): True when it names this rank, step and kind."""
-        f = self.spec.fault
-        return bool(f) and int(f.get("rank", -1)) == self.rank and int(f.get("step", -1)) == step \
-            and f.get("kind", "raise") == kind
-
-    def _faults_before_step(self, step: int) -> None:
-        if self._fault("raise", step):
-            raise RuntimeError(f"injected fault at step {step} (test hook)")
-        if self._fault("kill", step):
-            os.kill(os.getpid(), signal.SIGKILL)  # a real process death, as from the OOM killer
-        if self._fault("hang", step):
-            threading.Event().wait()  # blocks forever without holding the GIL, as a stuck read would
-
     def _mark(self, step: int | None, at: int, what: str, **extra) -> None:
         """Record where this rank is inside train_step: ``at`` orders the points of one step (-1 its start,
         2k / 2k+1 reading / forward+backward of micro-batch k, 2 x grad_accumulation the update). In
@@ -211,9 +197,8 @@ class GPUWorker:
     def update(self, step: int, lr: float, limits: dict | None = None) -> dict:
         """The optimizer update number ``step + 1`` (0-based ``step``) at learning rate ``lr``; ``limits``
         ({"loss", "norm"}, from the spike guard) skip it when the step's loss or norm is above them."""
-        if self._fault("nan", step):  # test hook: a NaN gradient must never reach the weights
-            e = self.engine
-            (e.grad_shard if e.grad_shard is not None else e.grads)[0] = float("nan")
+        e = self.engine
+        self.faults.before_update(step, e.grad_shard if e.grad_shard is not None else e.grads)
         limits = limits or {}
         s = self.engine.update(lr, step + 1, max_loss=limits.get("loss"), max_norm=limits.get("norm"))
         return {"loss": s.loss, "norm": s.grad_norm, "targets": s.tokens, "skipped": s.skipped,
@@ -226,7 +211,7 @@ class GPUWorker:
         "data_seconds", "memory"} -- loss/norm/targets are already reduced over all ranks."""
         o = self.spec.opts
         self._mark(step, -1, "at the start of the step")
-        self._faults_before_step(step)
+        self.faults.before_step(step)
         events_before = telemetry.allocator_events(self.device)
         self._gc_pauses.take()
         t0 = time.perf_counter()
@@ -269,12 +254,9 @@ class GPUWorker:
     def _counted(self, stream, tag: int | None):
         """``stream``'s batches, marking in ``activity`` how many were done before each."""
         n = len(stream)
-        f = self.spec.fault or {}
-        delay = float(f.get("seconds", 0.0)) if f.get("kind") == "slow_eval" and f.get("rank") == self.rank else 0.0
         for k, batch in enumerate(stream):
             self._mark(None, k, f"in eval batch {k + 1} of {n}", eval_total=n, eval_tag=tag)
-            if delay:
-                time.sleep(delay)  # test hook: an eval long enough to watch its bar
+            self.faults.eval_batch()
             yield batch
         self._mark(None, n, "done with the eval batches", eval_total=n, eval_tag=tag)
 
@@ -316,25 +298,9 @@ class GPUWorker:
         from llmq_ray.resume import engine_checkpoint_tensors
 
         e = self.engine
-        if self._fault("save_full", step):  # test hook: this process's disk is full from now on
-            import errno
-
-            import llmq_ray.checkpoint as ck
-
-            def full_disk(*args, **kwargs):
-                raise OSError(errno.ENOSPC, "No space left on device")
-
-            ck._save_tensors = full_disk
-        if self._fault("save_kill", step):  # test hook: die halfway through the file, as a crash would
-            with open(os.path.join(tmp_dir, rank_file_name(self.rank)), "wb") as f:
-                f.write(b"\0" * 1000)
-                f.flush()
-                os.fsync(f.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
+        self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
         rec = write_rank_shard(tmp_dir, self.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
-        f = self.spec.fault or {}
-        if f.get("kind") == "save_slow" and int(f.get("rank", -1)) == self.rank and step >= int(f.get("step", 0)):
-            time.sleep(float(f.get("seconds", 60.0)))  # test hook: a slow disk; the manifest is not written yet
+        self.faults.after_saving(step)
         return rec, self.data_state()
 
     def load_checkpoint(self, folder: str, verified: bool = False) -> int:

@@ -11,6 +11,7 @@ the console entry point (``llmq-train --help``) and ``python -m llmq_ray.data_pi
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,9 +20,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_wheel_has_one_top_level_package_and_runs_from_itself(tmp_path):
-    out = tmp_path / "wheel"
+    out, src = tmp_path / "wheel", tmp_path / "src"
+    # build from a copy: setuptools writes build/ and *.egg-info/ next to the sources
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "build", "runs", ".whl", "out", "*.egg-info",
+                                                              "__pycache__", ".pytest_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    REPO], check=True, capture_output=True, timeout=300)
+                    str(src)], check=True, capture_output=True, timeout=300)
     (wheel,) = list(out.glob("llmq_ray-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()

@@ -1,0 +1,84 @@
+"""The one test hook of the Ray runtime: faults injected into a worker on purpose, to test that llmq-ray survives
+them. Nothing here runs in a real run: ``FaultInjector(None, rank)`` does nothing at every point.
+
+Tests pass ``fault={"rank": r, "step": s, "kind": k, ...}`` to ``LLMQTrainer`` (it travels in
+``RuntimeSpec.fault``); rank r's worker then calls the injector at four points of its work:
+
+=============  ==========================  ============================================================
+point          kind                        what happens on rank r
+=============  ==========================  ============================================================
+before_step    ``raise`` (the default)     a RuntimeError at the start of 0-based step s
+before_step    ``kill``                    SIGKILL of the worker process at step s (as from the OOM killer)
+before_step    ``hang``                    blocks forever at step s, without holding the GIL (a stuck read)
+before_update  ``nan``                     a NaN in its gradients at step s (must never reach the weights)
+saving         ``save_full``               the checkpoint of step s (updates completed) fails as on a full disk
+saving         ``save_kill``               SIGKILL halfway through writing its file of the checkpoint of step s
+after_saving   ``save_slow``               sleeps ``seconds`` after writing its file of every checkpoint of a
+                                           step >= s, before the manifest exists (a slow disk)
+eval_batch     ``slow_eval``               sleeps ``seconds`` before each eval batch (any step)
+=============  ==========================  ============================================================
+
+A restarted group runs without the fault unless the dict has ``"every_group": True`` (the coordinator drops it).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+KINDS = ("raise", "kill", "hang", "nan", "save_full", "save_kill", "save_slow", "slow_eval")
+
+
+class FaultInjector:
+    """The faults of ``spec`` (a ``RuntimeSpec.fault`` dict or None) that concern worker ``rank``."""
+
+    def __init__(self, spec: Optional[dict], rank: int):
+        self.spec = dict(spec) if spec and int(spec.get("rank", -1)) == rank else None
+        self.rank = rank
+        if self.spec is not None and self.spec.get("kind", "raise") not in KINDS:
+            raise ValueError(f"fault kind {self.spec.get('kind')!r} is not one of {KINDS}")
+
+    def _is(self, kind: str, step: Optional[int] = None) -> bool:
+        f = self.spec
+        return f is not None and f.get("kind", "raise") == kind and (step is None or int(f.get("step", -1)) == step)
+
+    def before_step(self, step: int) -> None:
+        if self._is("raise", step):
+            raise RuntimeError(f"injected fault at step {step} (test hook)")
+        if self._is("kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._is("hang", step):
+            threading.Event().wait()
+
+    def before_update(self, step: int, grads) -> None:
+        """``grads``: the gradient tensor the update reads (its first element becomes NaN)."""
+        if self._is("nan", step):
+            grads[0] = float("nan")
+
+    def saving(self, tmp_dir: str, step: int, file_name: str) -> None:
+        """Before this rank writes ``file_name`` into the checkpoint folder ``tmp_dir``."""
+        if self._is("save_full", step):
+            import llmq_ray.checkpoint as ck
+
+            def full_disk(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            ck._save_tensors = full_disk  # this process's disk is full from now on
+        if self._is("save_kill", step):
+            with open(os.path.join(tmp_dir, file_name), "wb") as f:
+                f.write(b"\0" * 1000)
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def after_saving(self, step: int) -> None:
+        if self._is("save_slow") and step >= int(self.spec.get("step", 0)):
+            time.sleep(float(self.spec.get("seconds", 60.0)))
+
+    def eval_batch(self) -> None:
+        if self._is("slow_eval"):
+            time.sleep(float(self.spec.get("seconds", 0.0)))
