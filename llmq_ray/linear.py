@@ -108,7 +108,7 @@ class BlockLinears:
         self.w_q: dict[str, torch.Tensor] = {}
         self.wt_q: dict[str, torch.Tensor] = {}
         if quants != "layer":
-            from llmq_ray.offload import host_zeros
+            from llmq_ray.host_memory import host_zeros
 
             for key in self.layer_of:
                 oc, k = shapes[key]

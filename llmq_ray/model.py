@@ -31,7 +31,6 @@ inputs, so results are bit-identical to not recomputing.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -39,26 +38,8 @@ from llmq_ray.backends.base import Backend
 from llmq_ray.config import ModelConfig
 from llmq_ray.errors import ConfigError
 from llmq_ray.linear import BlockLinears
+from llmq_ray.options import RecomputeOptions  # noqa: F401 - defined with the other options, used here
 from llmq_ray.params import ParamLayout
-
-
-@dataclasses.dataclass(frozen=True)
-class RecomputeOptions:
-    """llm.q's recompute flags. ``resolved()`` applies their implications."""
-
-    swiglu: bool = False
-    norm: bool = False
-    ffn: bool = False      # implies swiglu
-    qkv: bool = False
-    att: bool = False      # implies qkv
-    block: bool = False    # implies all of the above, and the mid-block residual
-
-    def resolved(self) -> "RecomputeOptions":
-        block = self.block
-        ffn = self.ffn or block
-        att = self.att or block
-        return RecomputeOptions(swiglu=self.swiglu or ffn, norm=self.norm or block, ffn=ffn,
-                                qkv=self.qkv or att, att=att, block=block)
 
 
 # Which flag turns each activation kind from per-layer storage into a shared, recomputed scratch buffer.
@@ -89,7 +70,7 @@ class ResidualStream:
         if not offload:
             self.bufs = [empty() for _ in range(num_layers + 1)]
             return
-        from llmq_ray.offload import host_zeros
+        from llmq_ray.host_memory import host_zeros
 
         self.host = [host_zeros(n * c, dtype, device).view(n, c) for _ in range(num_layers)]
         self.slots = [empty(), empty()]

@@ -33,11 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-
-def host_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled 1-D host tensor [numel] that ``device`` can stream from: pinned for CUDA, plain for CPU."""
-    pin = torch.device(device).type == "cuda"
-    return torch.zeros(numel, dtype=dtype, device="cpu", pin_memory=pin)
+from llmq_ray.host_memory import host_zeros  # noqa: F401 - re-exported (engine, optim)
 
 
 def is_host(t: torch.Tensor | None, device: torch.device) -> bool:

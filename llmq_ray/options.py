@@ -13,12 +13,29 @@ from typing import TYPE_CHECKING
 
 from llmq_ray.errors import ConfigError
 
-if TYPE_CHECKING:  # torch and the model are imported only when a property needs them: the CLI validates its
-    import torch   # input before anything heavy is imported (a bad flag ends in well under a second)
-
-    from llmq_ray.model import RecomputeOptions
+if TYPE_CHECKING:  # torch is imported only when a property needs it: the CLI validates its input before
+    import torch   # anything heavy is imported (a bad flag ends in well under a second)
 
 DTYPE_NAMES = ("fp32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeOptions:
+    """llm.q's recompute flags, as the model reads them. ``resolved()`` applies their implications."""
+
+    swiglu: bool = False
+    norm: bool = False
+    ffn: bool = False      # implies swiglu
+    qkv: bool = False
+    att: bool = False      # implies qkv
+    block: bool = False    # implies all of the above, and the mid-block residual
+
+    def resolved(self) -> "RecomputeOptions":
+        block = self.block
+        ffn = self.ffn or block
+        att = self.att or block
+        return RecomputeOptions(swiglu=self.swiglu or ffn, norm=self.norm or block, ffn=ffn,
+                                qkv=self.qkv or att, att=att, block=block)
 
 
 def __getattr__(name: str):
@@ -100,8 +117,6 @@ class TrainOptions:
 
     @property
     def recompute(self) -> "RecomputeOptions":
-        from llmq_ray.model import RecomputeOptions
-
         return RecomputeOptions(swiglu=self.recompute_swiglu, norm=self.recompute_norm, ffn=self.recompute_ffn,
                                 qkv=self.recompute_qkv, att=self.recompute_att, block=self.recompute_block)
 
