@@ -99,6 +99,7 @@ class Coordinator:
         self.eval_count = 0                # evals started (their tag, for progress())
         self._eval_running: dict | None = None
         self.stop_requested = False        # set by request_stop(): queued train_steps return untrained
+        self._exported: set[str] = set()   # export folders this run wrote (replaced on a second export)
 
     # ------------------------------------------------------------------ set-up
     def start(self, notes: list | None = None) -> dict:
@@ -432,8 +433,19 @@ class Coordinator:
 
     # ------------------------------------------------------------------ outputs
     def export(self, path: str | None = None) -> str:
-        """HF export of the current weights into ``path`` (default out_dir/export), written atomically."""
+        """HF export of the current weights into ``path`` (default out_dir/export), written atomically.
+
+        A fresh run (not continued from a checkpoint) never replaces another run's export: a folder already at
+        the default path that this run did not write is kept beside it as ``export.before-<UTC time>``."""
+        default = path is None
         path = os.path.abspath(path or os.path.join(self.spec.out_dir, "export"))
+        if default and not self.spec.resume_from and path not in self._exported and os.path.isdir(path):
+            from llmq_ray.runlog import set_aside_name
+
+            kept = set_aside_name(path, default_ext="")
+            os.replace(path, kept)
+            self._warn(self.step, "export", f"an earlier run's export at {path} was kept as {kept}")
+        self._exported.add(path)
         if self.opts.effective_zero_level >= 3:  # gathering the sharded weights needs every rank
             refs = [w.export.remote(path, self.spec.export_dtype, r == self._export_rank)
                     for r, w in enumerate(self.workers)]

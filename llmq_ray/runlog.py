@@ -144,14 +144,16 @@ def append_records(path: str, new: list[dict]) -> None:
     atomic_write_json(path, records + list(new))
 
 
-def set_aside_name(path: str) -> str:
-    """Where a fresh run keeps an earlier run's log found at ``path``: ``<stem>.before-<UTC time>.json``."""
+def set_aside_name(path: str, default_ext: str = ".json") -> str:
+    """Where a fresh run keeps an earlier run's file or folder found at ``path``: ``<stem>.before-<UTC time><ext>``
+    (``default_ext`` when ``path`` has none; "" for a folder such as the export)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     stem, ext = os.path.splitext(path)
-    name, n = f"{stem}.before-{stamp}{ext or '.json'}", 1
-    while os.path.exists(name):  # two fresh runs in one second: never replace the first one's kept log
+    ext = ext or default_ext
+    name, n = f"{stem}.before-{stamp}{ext}", 1
+    while os.path.exists(name):  # two fresh runs in one second: never replace the first one's kept copy
         n += 1
-        name = f"{stem}.before-{stamp}-{n}{ext or '.json'}"
+        name = f"{stem}.before-{stamp}-{n}{ext}"
     return name
 
 

@@ -146,16 +146,21 @@ def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tm
     assert png.stat().st_size > 1000
 
 
-def test_a_fresh_run_keeps_an_earlier_log(ray_cluster, shards, tmp_path):
-    """The default log of --out-dir is never overwritten by a fresh run: the earlier one is kept beside it."""
+def test_a_fresh_run_keeps_an_earlier_log_and_export(ray_cluster, shards, tmp_path):
+    """The default log and export of --out-dir are never overwritten by a fresh run: the earlier ones are kept
+    beside them (log.before-<time>.json, export.before-<time>)."""
     out = tmp_path / "run"
-    out.mkdir()
+    (out / "export").mkdir(parents=True)
+    (out / "export" / "config.json").write_text('{"earlier": true}')
     (out / "log.json").write_text(json.dumps([{"log": "options", "model": "earlier"}]))
-    t = _api_run(shards, out, steps=2, warmup=0, checkpoint_on_exit=False)
-    t.fit()
+    t = _api_run(shards, out, steps=2, warmup=0, checkpoint_on_exit=False, export=True)
+    result = t.fit()
     kept = [n for n in os.listdir(out) if n.startswith("log.before-")]
     assert len(kept) == 1 and json.loads((out / kept[0]).read_text())[0]["model"] == "earlier"
     assert read_log(str(out / "log.json"))[-1]["reason"] == "finished"
+    kept = [n for n in os.listdir(out) if n.startswith("export.before-")]
+    assert len(kept) == 1 and json.loads((out / kept[0] / "config.json").read_text()) == {"earlier": True}
+    assert result.export_path == str(out / "export") and (out / "export" / "model.safetensors").is_file()
 
 
 def test_a_failed_run_says_why_in_its_last_record(ray_cluster, shards, tmp_path):
