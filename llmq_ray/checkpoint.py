@@ -1,6 +1,6 @@
 """Training checkpoints: per-rank safetensors of the optimizer shards, a JSON manifest written last.
 
-Layout (DESIGN §3)::
+Layout::
 
     <ckpt_dir>/step_00000012/               step = optimizer updates completed (resume at 0-based step 12)
         rank_00000.safetensors              rank 0's shard: 1-D "master", "m", "v" over the flat range

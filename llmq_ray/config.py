@@ -70,7 +70,7 @@ class ModelConfig:
         return v * c + head + self.num_layers * per_layer + c
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (DESIGN §5): 6 * matmul weights (incl. the LM head) + causal attention."""
+        """Training FLOPs per token: 6 * matmul weights (incl. the LM head) + causal attention."""
         c, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         matmul_weights = self.num_layers * (self.qkv_channels * c + c * self.attn_channels + 3 * i * c) + v * c
         return 6.0 * matmul_weights + 6.0 * self.num_layers * self.attn_channels * seq_len

@@ -29,7 +29,7 @@ sequence of slices. Both directions are exact (bit for bit) when the dtypes agre
 Safety and memory: checkpoints are read only through ``safetensors.safe_open`` (no pickle, ever), one tensor
 at a time, so peak host memory is the flat buffer plus the largest single tensor. Exports are written into a
 temporary sibling folder and renamed into place, so an interrupted export never leaves a folder that looks
-complete (DESIGN §3 Checkpoints, §4).
+complete.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Speed-of-light (SOL) and MFU: how close a run's tokens/s come to what the GPU's tensor cores could do.
 
-FLOPs per token (``ModelConfig.flops_per_token``, DESIGN §5) = 6 x (all matmul weights incl. the LM head)
+FLOPs per token (``ModelConfig.flops_per_token``) = 6 x (all matmul weights incl. the LM head)
 + 6 x L x (heads x head_dim) x T for causal attention (forward + backward; the 6 = 2 FLOPs per
 multiply-add x 3 GEMMs: forward, dgrad, wgrad).
 

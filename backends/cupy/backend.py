@@ -2,7 +2,7 @@
 non-GEMM, non-attention op of backends/base.py.
 
 GEMMs (``matmul``, ``matmul_fp8``, ``bias_backward``) and attention are inherited from TorchBackend, exactly as
-the Triton backend does: they go to cuBLAS(Lt) and cuDNN / flash attention through torch (DESIGN §3). Each
+the Triton backend does: they go to cuBLAS(Lt) and cuDNN / flash attention through torch. Each
 method here checks shapes and picks a launch geometry on the host, then launches one kernel (two or three
 where a deterministic cross-block reduction is needed) on torch's current stream, on the tensors' own memory,
 with no host sync. Each kernel has a 16-byte-vector variant and a scalar one (VEC = 1) for rows or pointers

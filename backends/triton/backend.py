@@ -1,7 +1,7 @@
 """TritonBackend: Triton kernels for every non-GEMM, non-attention op of backends/base.py.
 
 GEMMs (``matmul``, ``matmul_fp8``) and attention come from TorchBackend, i.e. cuBLAS(Lt) and the cuDNN / flash
-attention kernels through torch, as DESIGN §3 allows; on CUDA the GEMMs go through backends/cublaslt.py, which
+attention kernels through torch, as every backend may; on CUDA the GEMMs go through backends/cublaslt.py, which
 adds the FP8 weight gradients of micro-steps after the first in the GEMM's epilogue (beta = 1) and takes the
 fastest of torch's call and cuBLASLt's candidate algorithms, timed once per problem (``gemm_tuning``).
 Everything else is one (or, where a deterministic cross-program reduction is needed, two or three) Triton
