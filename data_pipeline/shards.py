@@ -152,8 +152,10 @@ class Shard:
         check_token_ids(self.tokens, vocab, self.path, HEADER_BYTES, self.info.token_dtype.itemsize)
 
 
-def check_token_ids(tokens: np.ndarray, vocab: Optional[int], path: str, byte_base: int = 0, itemsize: int = 4):
-    """Scan tokens in chunks; raise DataError naming the first bad id, its token index and byte offset."""
+def check_token_ids(tokens: np.ndarray, vocab: Optional[int], path: str, byte_base: int = 0, itemsize: int = 4,
+                    first_index: int = 0):
+    """Scan tokens in chunks; raise DataError naming the first bad id, its token index and byte offset.
+    ``first_index``: the file's token index of ``tokens[0]`` (when ``tokens`` is a slice of the file)."""
     n = len(tokens)
     for lo in range(0, n, _ID_CHECK_CHUNK):
         chunk = np.asarray(tokens[lo : lo + _ID_CHECK_CHUNK])
@@ -164,6 +166,7 @@ def check_token_ids(tokens: np.ndarray, vocab: Optional[int], path: str, byte_ba
             i = lo + int(np.argmax(bad))
             tok = int(tokens[i])
             limit = f">= vocab size {vocab}" if vocab is not None and tok >= vocab else "negative"
+            i += first_index
             raise DataError(
                 f"{path}: token id {tok} at token index {i} (byte offset {byte_base + itemsize * i}) is {limit}."
             )

@@ -12,22 +12,18 @@ later with ``wandb sync``); ``--dir`` is where W&B writes its files (default: ne
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from llmq_ray.runlog import read_log  # noqa: E402
 from llmq_ray.wandb_logger import WandbLogger  # noqa: E402
 
 
 def load_records(path: str) -> list[dict]:
-    """The records of a JSON log (a list of dicts with a "log" key)."""
-    with open(path) as f:
-        records = json.load(f)
-    if not isinstance(records, list) or not all(isinstance(r, dict) and "log" in r for r in records):
-        raise ValueError(f"{path}: not an llmq-ray JSON log (expected a list of records with a 'log' key)")
-    return records
+    """The records of a JSON log (a list of dicts with a "log" key); ValueError naming the file otherwise."""
+    return read_log(path)
 
 
 def default_run_name(log_path: str) -> str:

@@ -58,9 +58,7 @@ def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[st
 
 def _check_bin_file(path: str, vocab_size: int, budget: list) -> int:
     """Header, size and (within ``budget[0]`` tokens, decreased here) the token ids of one shard."""
-    import numpy as np
-
-    from llmq_ray.data_pipeline.shards import HEADER_BYTES, check_token_ids, read_header
+    from llmq_ray.data_pipeline.shards import HEADER_BYTES, Shard, check_token_ids, read_header
 
     try:
         info = read_header(path)
@@ -71,7 +69,7 @@ def _check_bin_file(path: str, vocab_size: int, budget: list) -> int:
         raise
     if info.n_tokens == 0:
         raise DataError(f"{path}: the token shard holds no tokens.")
-    tokens = np.memmap(path, dtype=info.token_dtype, mode="r", offset=HEADER_BYTES, shape=(info.n_tokens,))
+    tokens = Shard(info).tokens  # memory-mapped: only the ids checked below are read
     itemsize = info.token_dtype.itemsize
     scan = min(info.n_tokens, FULL_SCAN_TOKENS if info.n_tokens <= FULL_SCAN_TOKENS else SAMPLE_TOKENS)
     if scan > budget[0]:
@@ -83,15 +81,7 @@ def _check_bin_file(path: str, vocab_size: int, budget: list) -> int:
         runs, per = 64, SAMPLE_TOKENS // 64
         for k in range(runs):
             lo = (info.n_tokens - per) * k // (runs - 1)
-            part = tokens[lo:lo + per]
-            try:
-                check_token_ids(part, vocab_size, path, HEADER_BYTES + itemsize * lo, itemsize)
-            except DataError:
-                bad = np.asarray(part)
-                i = lo + int(np.argmax((bad < 0) | (bad >= vocab_size)))
-                raise DataError(f"{path}: token id {int(tokens[i])} at token index {i} (byte offset "
-                                f"{HEADER_BYTES + itemsize * i}) does not fit the model's vocabulary of "
-                                f"{vocab_size}.") from None
+            check_token_ids(tokens[lo:lo + per], vocab_size, path, HEADER_BYTES, itemsize, first_index=lo)
     return info.n_tokens
 
 

@@ -294,7 +294,7 @@ class LLMQTrainer:
         check_writable_dir(r["out_dir"], "--out-dir")
         check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         explicit = r["log_file"] is not None
-        log = r["log_file"] or os.path.join(r["out_dir"], "log.json")
+        log = r["log_file"] or os.path.join(r["out_dir"], "log.json")  # as given: the message names it
         check_log_file(log, "--log-file" if explicit else "--out-dir", self.resume not in (False, None), explicit)
         if self.resume in (False, None) and (self.checkpoint_on_exit or r["ckpt_interval"]):
             check_fresh_checkpoint_dir(self.checkpoint_dir)
@@ -651,20 +651,14 @@ class LLMQTrainer:
 
         first = signal_name(self._stop_signal)
         step = self._steps_done
-        if self._stopped is not None:  # the stop had completed (a second signal while closing): it stands
-            if self.coordinator is not None:
-                try:
-                    ray.kill(self.coordinator)
-                except Exception:  # noqa: BLE001
-                    pass
-                self.coordinator = None
-            return self._stopped
         if self.coordinator is not None:
             try:
                 ray.kill(self.coordinator)  # its workers and placement group go with it
             except Exception:  # noqa: BLE001
                 pass
             self.coordinator = None
+        if self._stopped is not None:  # the stop had completed (a second signal while closing): it stands
+            return self._stopped
         from llmq_ray.checkpoint import CheckpointWarning, find_latest_valid
 
         with warnings.catch_warnings():

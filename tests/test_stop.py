@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -44,29 +45,38 @@ def _trainer_from_cli(argv: list[str]) -> LLMQTrainer:
     return LLMQTrainer(cli=True, **{**kw, **FAST})
 
 
-def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster, shards, tmp_path):
-    steps = 400
-    ref = _trainer_from_cli(_argv(shards, tmp_path / "ref", steps)).fit()
-    out = tmp_path / "run"
-    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")  # short: Ray's socket paths must stay under 107 bytes
+@contextlib.contextmanager
+def _driver(args: list[str], cwd, training_line: str):
+    """A driver process (``python ARGS``, its own local Ray in a short temporary folder: Ray's socket paths must
+    stay under 107 bytes), yielded once its stdout shows ``training_line``; killed and cleaned up at the end."""
+    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
     env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "examples", "train.py"), *_argv(shards, out, steps)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-    seen = []
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd)
     try:
-        for line in proc.stdout:  # wait until it is training
+        seen = []
+        for line in proc.stdout:
             seen.append(line)
-            if line.startswith("[T] step    20 "):
+            if line.startswith(training_line):
                 break
         assert proc.poll() is None, "".join(seen) + proc.stderr.read()
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        rest, err = proc.communicate(timeout=60)
-        seconds = time.monotonic() - t0
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster, shards, tmp_path):
+    steps = 400
+    ref = _trainer_from_cli(_argv(shards, tmp_path / "ref", steps)).fit()
+    out = tmp_path / "run"
+    train = [os.path.join(REPO, "examples", "train.py"), *_argv(shards, out, steps)]
+    with _driver(train, tmp_path, "[T] step    20 ") as proc:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=60)
+        seconds = time.monotonic() - t0
     assert proc.returncode == 143, (proc.returncode, err)
     assert seconds < 30, seconds
     assert "SIGTERM received" not in err and "logging.cc" not in err and "Traceback" not in err, err
@@ -229,18 +239,12 @@ def test_a_second_signal_abandons_the_stop(shards, tmp_path, during):
     temporary folder stays hidden), and the checkpoint of step 5 (--ckpt-interval 5) is the newest valid one."""
     out = tmp_path / "run"
     kind, step = ("hang", 7) if during == "a hung step" else ("save_slow", 6)
-    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
-    proc = subprocess.Popen([sys.executable, "-c", SECOND_SIGNAL_SCRIPT, shards.train, str(out), kind, str(step)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
 
     def tmp_folders():
         return [n for n in os.listdir(out / "ckpt") if ".tmp-" in n] if (out / "ckpt").is_dir() else []
 
-    try:
-        for line in proc.stdout:
-            if line.startswith("[T] step     7 "):
-                break
+    script = ["-c", SECOND_SIGNAL_SCRIPT, shards.train, str(out), kind, str(step)]
+    with _driver(script, tmp_path, "[T] step     7 ") as proc:
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
@@ -252,10 +256,6 @@ def test_a_second_signal_abandons_the_stop(shards, tmp_path, during):
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
         seconds = time.monotonic() - t0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 143 and seconds < 30, (proc.returncode, seconds, err)
     assert "a second SIGTERM abandoned the stop" in err and "logging.cc" not in err, err
     end = read_log(str(out / "log.json"))[-1]
