@@ -25,6 +25,7 @@ Usage::
 import os
 import pathlib
 import shutil
+import tempfile
 from typing import NamedTuple
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -49,7 +50,7 @@ def ray_cluster():
     """A local Ray instance shared by the session; yields the ``ray`` module."""
     import ray
 
-    temp_dir = f"/tmp/rayt-{os.getpid()}"
+    temp_dir = os.path.join(tempfile.gettempdir(), f"rayt-{os.getpid()}")
     started = False
     if not ray.is_initialized():
         ray.init(

@@ -49,7 +49,7 @@ def _trainer_from_cli(argv: list[str]) -> LLMQTrainer:
 def _driver(args: list[str], cwd, training_line: str):
     """A driver process (``python ARGS``, its own local Ray in a short temporary folder: Ray's socket paths must
     stay under 107 bytes), yielded once its stdout shows ``training_line``; killed and cleaned up at the end."""
-    ray_tmp = tempfile.mkdtemp(prefix="rs", dir="/tmp")
+    ray_tmp = tempfile.mkdtemp(prefix="rs")  # the system temp folder: a short path
     env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=cwd)
