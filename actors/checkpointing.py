@@ -15,7 +15,7 @@ removed and the error goes on to the coordinator's restart logic. Either way not
 appears unless the whole checkpoint is complete.
 
 Load: every worker calls ``load_checkpoint(folder)`` together (restoring the weights is a collective);
-the saved world size may differ from the group's (resharding is done by llmq_ray/checkpoint.py). Each
+the saved world size may differ from the group's (resharding is done by llmq_ray/checkpoints/store.py). Each
 worker hashes the files it reads against the manifest, unless the caller passes ``verified=True``: the
 folder came from ``resolve_continue`` (--continue), which has just hashed every file of it, and hashing a
 7B checkpoint twice would double the time to resume.
@@ -36,10 +36,10 @@ import warnings
 
 from llmq_ray.actors.failures import gather
 from llmq_ray.actors.spec import RuntimeSpec
-from llmq_ray.checkpoint import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
+from llmq_ray.checkpoints.store import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
                                  build_manifest, discard_tmp, finalize_checkpoint, read_manifest, rng_state,
                                  step_dir, step_of, validate_checkpoint)
-from llmq_ray.config import ModelConfig
+from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError
 
 

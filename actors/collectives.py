@@ -24,7 +24,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from llmq_ray.engine import Communicator
+from llmq_ray.engine.train_engine import Communicator
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -8,7 +8,7 @@ update's stats are the one host sync. The coordinator then:
 
 * logs the step (JSON record; the console line goes back to the caller, who prints it),
 * publishes Ray metrics (tokens/s, loss, norm, step time),
-* runs the spike guard (llmq_ray/spike_guard.py) and logs a "warning" record for every skipped update or
+* runs the spike guard (llmq_ray/engine/spike_guard.py) and logs a "warning" record for every skipped update or
   loss/grad-norm spike,
 * writes a checkpoint every ``ckpt_interval`` steps (actors/checkpointing.py),
 * evaluates every ``eval_every_n_steps`` steps on ``eval_num_steps`` batches, and at ``finish()`` over the
@@ -37,7 +37,7 @@ step (unless one exists or the caller says not to) and the log's "end" record. E
 such a record: "finished" (``finish``), "stopped", "restarts_exhausted" (``_recover``) or "failed" (``end``,
 called by the driver with the error sentence).
 
-The log of a run continued from a checkpoint is appended to (llmq_ray/runlog.py); a step at or below the
+The log of a run continued from a checkpoint is appended to (llmq_ray/observe/runlog.py); a step at or below the
 highest step already logged is marked ``"retrained": true``.
 
 The trainer schedules this actor on the driver's node, so ``out_dir`` and the log are local to the user.
@@ -55,11 +55,11 @@ from llmq_ray.actors.checkpointing import load_group_checkpoint, restart_point, 
 from llmq_ray.actors.failures import WorkerError, find_hung_ranks, gather, probe_activities
 from llmq_ray.actors.placement import create_workers
 from llmq_ray.actors.spec import RuntimeSpec
-from llmq_ray.config import resolve_model
-from llmq_ray.metrics import sol_fraction, sol_record
+from llmq_ray.model.config import resolve_model
+from llmq_ray.observe.metrics import sol_fraction, sol_record
 from llmq_ray.lr_schedule import learning_rate_at
-from llmq_ray.runlog import RunLog, checkpoint_line, eval_line, step_line, warning_line
-from llmq_ray.spike_guard import SpikeGuard
+from llmq_ray.observe.runlog import RunLog, checkpoint_line, eval_line, step_line, warning_line
+from llmq_ray.engine.spike_guard import SpikeGuard
 
 
 class Coordinator:
@@ -73,7 +73,7 @@ class Coordinator:
         self.max_step_logged = self.log.previous_last_step  # steps at or below it are trained again
         self.wandb = None
         if spec.wandb_project:
-            from llmq_ray.wandb_logger import WandbLogger
+            from llmq_ray.observe.wandb_logger import WandbLogger
 
             self.wandb = WandbLogger(spec.wandb_project, spec.wandb_run_name, dataclasses.asdict(spec.opts),
                                      dir=spec.out_dir)
@@ -440,7 +440,7 @@ class Coordinator:
         default = path is None
         path = os.path.abspath(path or os.path.join(self.spec.out_dir, "export"))
         if default and not self.spec.resume_from and path not in self._exported and os.path.isdir(path):
-            from llmq_ray.runlog import set_aside_name
+            from llmq_ray.observe.runlog import set_aside_name
 
             kept = set_aside_name(path, default_ext="")
             os.replace(path, kept)

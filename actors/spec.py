@@ -36,7 +36,7 @@ class RuntimeSpec:
     export: bool = True                   # HF export into out_dir/export at the end
     export_dtype: Optional[str] = None    # None: the model dtype
     log_file: Optional[str] = None        # None: out_dir/log.json
-    # checkpoints (llmq_ray/checkpoint.py; the coordinator's side is actors/checkpointing.py)
+    # checkpoints (llmq_ray/checkpoints/store.py; the coordinator's side is actors/checkpointing.py)
     checkpoint_dir: Optional[str] = None  # None: out_dir/ckpt
     ckpt_interval: int = 0                # checkpoint every N optimizer steps (0: never)
     ckpt_keep_n: int = 2                  # newest valid checkpoints kept

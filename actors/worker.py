@@ -34,8 +34,8 @@ from llmq_ray.actors.collectives import destroy_group, free_port, init_group, no
 from llmq_ray.actors.data import eval_source, train_source
 from llmq_ray.actors.fault_injection import FaultInjector
 from llmq_ray.actors.spec import RuntimeSpec
-from llmq_ray.config import resolve_model
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import resolve_model
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
 from llmq_ray.heap import GcPauses, freeze_long_lived
 
@@ -128,7 +128,7 @@ class GPUWorker:
             if weights is None:
                 raise ConfigError(f"--model={o.model!r} is a preset without weights; add --from-scratch or "
                                   f"pass an HF model folder.")
-            from llmq_ray.hf_io import load_hf_weights
+            from llmq_ray.model.hf_io import load_hf_weights
 
             if self.engine.params is not None:
                 load_hf_weights(weights, self.engine.layout, self.engine.params)
@@ -140,7 +140,7 @@ class GPUWorker:
         self._train = train_source(spec, cfg.vocab_size, self.rank)
         self._gpu_util = None
         if self.device.type == "cuda" and spec.log_gpu_util > 0:
-            from llmq_ray.gpu_stats import GpuUtilLogger
+            from llmq_ray.observe.gpu_stats import GpuUtilLogger
 
             self._gpu_util = GpuUtilLogger(spec.log_gpu_util, device=self.device)
         if spec.eval_file:
@@ -165,7 +165,7 @@ class GPUWorker:
     def memory_table(self) -> dict:
         """Bytes of each part of the training state on this worker, measured from the tensors themselves
         (weights, master, Adam m/v, grads, activations, FP8 copies, scratch; on CUDA also allocated/free)."""
-        from llmq_ray.memory_table import memory_dict, memory_table
+        from llmq_ray.observe.memory_table import memory_dict, memory_table
 
         return memory_dict(memory_table(self.engine))
 
@@ -264,7 +264,7 @@ class GPUWorker:
     def export(self, out_dir: str, dtype: str | None, write: bool = True) -> str | None:
         """Write the weights as an HF folder, atomically; returns its absolute path. Under ZeRO-3 gathering
         them is a collective: every rank calls this, and only the one with ``write`` writes (others: None)."""
-        from llmq_ray.hf_io import export_hf
+        from llmq_ray.model.hf_io import export_hf
         from llmq_ray.options import DTYPES
 
         e = self.engine
@@ -272,7 +272,7 @@ class GPUWorker:
         if not write:
             return None
         torch_dtype = DTYPES[dtype] if dtype else flat.dtype
-        from llmq_ray.tokenizer_files import tokenizer_source_for_export
+        from llmq_ray.model.tokenizer_files import tokenizer_source_for_export
 
         _, weights = resolve_model(self.spec.opts.model)
         return export_hf(out_dir, e.cfg, e.layout, flat.cpu(), dtype=torch_dtype,
@@ -293,9 +293,9 @@ class GPUWorker:
     def save_shard(self, tmp_dir: str, step: int) -> tuple[dict, dict]:
         """Write this rank's optimizer shard into the checkpoint being written at ``tmp_dir`` (``step`` =
         updates completed). Returns (the write record for ``finalize_checkpoint``, this rank's data state).
-        A full disk raises the CheckpointError sentence of llmq_ray/checkpoint.py."""
-        from llmq_ray.checkpoint import rank_file_name, write_rank_shard
-        from llmq_ray.resume import engine_checkpoint_tensors
+        A full disk raises the CheckpointError sentence of llmq_ray/checkpoints/store.py."""
+        from llmq_ray.checkpoints.store import rank_file_name, write_rank_shard
+        from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
 
         e = self.engine
         self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
@@ -312,8 +312,8 @@ class GPUWorker:
         folder (``resolve_continue`` in --continue's pre-flight): hashing again would make the ranks read
         the whole checkpoint (~91 GB at 7B) a second time for nothing. Automatic restarts pass False (their
         chooser, ``restart_point``, only does the cheap checks)."""
-        from llmq_ray.checkpoint import data_state_for_rank, load_checkpoint
-        from llmq_ray.resume import restore_engine
+        from llmq_ray.checkpoints.store import data_state_for_rank, load_checkpoint
+        from llmq_ray.checkpoints.resume import restore_engine
 
         e = self.engine
         tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,

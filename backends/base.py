@@ -210,7 +210,7 @@ class Backend:
 
     def matmul_beside(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose_a: bool = False,
                       transpose_b: bool = False, accumulate: bool = False, sm_count: int = 0) -> None:
-        """``matmul`` for a GEMM that runs on a side stream beside the compute stream (llmq_ray/wgrad_overlap.py):
+        """``matmul`` for a GEMM that runs on a side stream beside the compute stream (llmq_ray/engine/wgrad_overlap.py):
         a backend that can size the GEMM for ``sm_count`` SMs (leaving the rest to the compute stream's kernels)
         does so, with scratch of its own; this default is plain ``matmul``."""
         self.matmul(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate)

@@ -219,7 +219,7 @@ class CublasLt:
         # capture stream while a graph is recorded), never two at once.
         self.workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # GEMMs with an SM count target may run on a side stream at the same time as the compute stream's
-        # (llmq_ray/wgrad_overlap.py): they get a workspace per stream (``side_workspace``), never the one above.
+        # (llmq_ray/engine/wgrad_overlap.py): they get a workspace per stream (``side_workspace``), never the one above.
         self._side_workspaces: dict[int, torch.Tensor] = {}
         self._one = ctypes.c_float(1.0)
         self._zero = ctypes.c_float(0.0)

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmq_ray.cli import gib_or_auto  # noqa: E402  (light: argparse and options only)
+from llmq_ray.train.cli import gib_or_auto  # noqa: E402  (light: argparse and options only)
 
 
 def main(argv=None) -> int:
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from llmq_ray.errors import LLMQError
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
 
     dtype = a.model_dtype or ("bf16" if a.device == "cuda" else "fp32")
     kwargs = dict(model=a.model, from_scratch=True, batch_size=a.batch_size, seq_len=a.seq_len,
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         with LLMQTrainer(**kwargs, **runtime) as t:
             info = t.start()
             if a.memory_table:
-                from llmq_ray.memory_table import format_memory_table
+                from llmq_ray.observe.memory_table import format_memory_table
 
                 print(format_memory_table(list(info["memory"].items()), title="memory (rank 0)"), flush=True)
             for _ in range(a.steps):

@@ -17,9 +17,10 @@ import time
 import torch
 
 from llmq_ray.backends import get_backend
-from llmq_ray.cli import gib_or_auto
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.train.cli import gib_or_auto
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
 from llmq_ray.options import TrainOptions
 
 
@@ -127,7 +128,7 @@ def main():
     ap.add_argument("--unfused-attn-rope-bwd", action="store_true",
                     help="A/B: copy the attention gradients into dqkv, then RoPE backward in place (the old path)")
     ap.add_argument("--overlap-wgrad", type=int, default=0, metavar="SMS",
-                    help="model dtype: the block wgrads on a side stream sized for SMS SMs (llmq_ray/wgrad_overlap.py)")
+                    help="model dtype: the block wgrads on a side stream sized for SMS SMs (llmq_ray/engine/wgrad_overlap.py)")
     ap.add_argument("--deterministic-attention", action="store_true",
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
@@ -152,7 +153,7 @@ def main():
         backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
     engine = TrainEngine(cfg, opts, backend)
     if args.overlap_wgrad:
-        engine.model.enable_wgrad_overlap(args.overlap_wgrad)
+        enable_wgrad_overlap(engine.model, args.overlap_wgrad)
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1), generator=gen)
     inputs, targets = batch[:, :-1].to(args.device), batch[:, 1:].to(args.device)

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from llmq_ray.backends import cublaslt  # noqa: E402
 from benchmarks.kernel_timing import median_ms  # noqa: E402
-from llmq_ray.config import PRESETS  # noqa: E402
+from llmq_ray.model.config import PRESETS  # noqa: E402
 
 
 def shapes(cfg, tokens: int) -> list[tuple[str, int, int, int]]:

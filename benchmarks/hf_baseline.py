@@ -20,7 +20,7 @@ import time
 import torch
 import transformers
 
-from llmq_ray.config import PRESETS
+from llmq_ray.model.config import PRESETS
 
 
 def main():

@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llmq_ray.backends import get_backend  # noqa: E402
-from llmq_ray.config import PRESETS  # noqa: E402
-from llmq_ray.optim import ShardedAdamW  # noqa: E402
-from llmq_ray.params import ParamLayout  # noqa: E402
+from llmq_ray.model.config import PRESETS  # noqa: E402
+from llmq_ray.engine.optim import ShardedAdamW  # noqa: E402
+from llmq_ray.model.params import ParamLayout  # noqa: E402
 
 
 def copy_rate(direction: str, nbytes: int = 1 << 30, reps: int = 5) -> float:

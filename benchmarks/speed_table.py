@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from llmq_ray.config import PRESETS  # noqa: E402
-from llmq_ray.metrics import peak_tflops, sol_fraction  # noqa: E402
-from llmq_ray.runlog import atomic_write_json, atomic_write_text  # noqa: E402
+from llmq_ray.model.config import PRESETS  # noqa: E402
+from llmq_ray.observe.metrics import peak_tflops, sol_fraction  # noqa: E402
+from llmq_ray.observe.runlog import atomic_write_json, atomic_write_text  # noqa: E402
 
 # model -> shapes: triton (batch, micro-steps, steps, warm-up steps), torch (the same), hf (batch, steps)
 ROW_SHAPES = {

@@ -1,4 +1,4 @@
-"""How long --continue's integrity check takes at 7B-scale shard sizes (llmq_ray.checkpoint.verify_checkpoint).
+"""How long --continue's integrity check takes at 7B-scale shard sizes (llmq_ray.checkpoints.store.verify_checkpoint).
 
     python benchmarks/verify_checkpoint_speed.py --files 2 --file-gib 4 [--dir /big/disk] [--total-gb 91.4]
         [--single-thread] [--keep]
@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmq_ray import checkpoint as ck  # noqa: E402
+from llmq_ray.checkpoints import store as ck  # noqa: E402
 
 GIB = 1 << 30
 WRITE_CHUNK = 64 << 20  # bytes written (and hashed) per call while generating a file
@@ -89,7 +89,7 @@ def write_rank_file(tmp_dir: str, rank: int, numel: int, start: int, step: int, 
 
 def write_checkpoint(ckpt_dir: str, files: int, file_gib: float, step: int = 1) -> str:
     """A complete checkpoint of ``files`` rank files of about ``file_gib`` GiB each; returns its folder."""
-    from llmq_ray.config import PRESETS
+    from llmq_ray.model.config import PRESETS
 
     numel = max(1, int(file_gib * GIB) // 12)
     noise = os.urandom(WRITE_CHUNK)

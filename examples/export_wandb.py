@@ -2,7 +2,7 @@
 
     python examples/export_wandb.py --log out/log.json --project llmq [--run-name qwen-0.5b] [--entity team]
 
-Every record of the log goes through the same mapping as live logging (``llmq_ray.wandb_logger``): options,
+Every record of the log goes through the same mapping as live logging (``llmq_ray.observe.wandb_logger``): options,
 sol, dataset, gpu and allocator into the run config; step records as train/* at the step's number; eval
 records as eval/loss; gpu_util samples as gpu{rank}/*; the summary into the run summary. Without
 ``--run-name`` the run is named after the log's folder. ``WANDB_MODE=offline`` writes the run locally (upload
@@ -17,8 +17,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmq_ray.runlog import read_log  # noqa: E402
-from llmq_ray.wandb_logger import WandbLogger  # noqa: E402
+from llmq_ray.observe.runlog import read_log  # noqa: E402
+from llmq_ray.observe.wandb_logger import WandbLogger  # noqa: E402
 
 
 def load_records(path: str) -> list[dict]:

@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompt and not args.prompt_ids:
         ap.error("give --prompt TEXT or --prompt-ids IDS")
 
-    from llmq_ray.config import resolve_model
-    from llmq_ray.generate import load_for_generation
+    from llmq_ray.model.config import resolve_model
+    from llmq_ray.model.generate import load_for_generation
 
     try:
         gen = load_for_generation(args.model, args.device, args.dtype, seed=args.seed)

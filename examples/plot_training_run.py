@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmq_ray.runlog import steps_as_one_run  # noqa: E402
+from llmq_ray.observe.runlog import steps_as_one_run  # noqa: E402
 
 
 def load_log(path: str) -> list[dict]:

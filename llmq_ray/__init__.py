@@ -1,6 +1,7 @@
 """llmq-ray: quantized LLM training on Ray (see README.md).
 
-One import namespace: ``llmq_ray`` (this folder: trainer, model, engine, ...), ``llmq_ray.backends`` (the kernel
+One import namespace: ``llmq_ray`` (this folder: the layers ``model``, ``engine``, ``checkpoints``, ``observe`` and ``train``, and
+the leaf modules every layer may import: errors, options, lr_schedule, host_memory, heap), ``llmq_ray.backends`` (the kernel
 backends), ``llmq_ray.actors`` (the Ray actors) and ``llmq_ray.data_pipeline`` (token shards, tokenizer, streaming).
 The last three live in the folders ``backends/``, ``actors/`` and ``data_pipeline/`` at the top of the repository;
 an installed wheel holds them inside this package (``pyproject.toml`` maps them with setuptools' package-dir). In
@@ -18,5 +19,15 @@ if (_os.path.isfile(_os.path.join(_ROOT, "pyproject.toml")) and _os.path.isdir(_
 
 from llmq_ray.errors import CheckpointError, ConfigError, DataError, LLMQError  # noqa: E402
 
-__all__ = ["LLMQError", "ConfigError", "DataError", "CheckpointError"]
+
+
+def __getattr__(name):  # ``from llmq_ray import LLMQTrainer``; imported on first use (it brings in Ray)
+    if name == "LLMQTrainer":
+        from llmq_ray.train.trainer import LLMQTrainer
+
+        return LLMQTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["LLMQError", "ConfigError", "DataError", "CheckpointError", "LLMQTrainer"]
 __version__ = "0.1.0"

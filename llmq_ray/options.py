@@ -1,6 +1,6 @@
 """Run options: every knob of a training run in one validated dataclass.
 
-The CLI (llmq_ray/cli.py) maps flags one to one onto these fields (``--grad-accumulation`` ->
+The CLI (llmq_ray/train/cli.py) maps flags one to one onto these fields (``--grad-accumulation`` ->
 ``grad_accumulation``), and ``LLMQTrainer`` takes them as keyword arguments. ``validate()`` turns flag
 combinations that make no sense into one ConfigError sentence naming the flags.
 """
@@ -83,7 +83,7 @@ class TrainOptions:
     recompute_block: bool = False
     lmhead_chunks: int = 1
     attn_bwd_chunks: int = 1          # attention backward over the batch in N pieces (less scratch)
-    # host offloading (pinned host memory on CUDA; see llmq_ray/offload.py)
+    # host offloading (pinned host memory on CUDA; see llmq_ray/engine/offload.py)
     offload_master: bool = False      # fp32 master weights
     offload_opt_m: bool = False       # Adam m
     offload_opt_v: bool = False       # Adam v
@@ -92,7 +92,7 @@ class TrainOptions:
     use_zero_copy: bool = False       # the optimizer kernel reads/writes the pinned host state directly
     opt_resident_gib: float | str = 0.0  # of the offloaded optimizer state, keep this much on the device (first
     #                                      chunks); "auto": as much as the GPU has free after set-up, less a margin
-    # FP8 weight copies (--matmul-dtype e4m3; see llmq_ray/linear.py)
+    # FP8 weight copies (--matmul-dtype e4m3; see llmq_ray/model/linear.py)
     persistent_quants: bool = False   # keep every layer's copies for the whole step (implied below ZeRO-3)
     offload_quants: bool = False      # ... in host memory, fetched one layer ahead (needs persistent_quants)
     transient_quants: bool = False    # make each layer's copies when it runs, also below ZeRO-3 (two layers' worth)

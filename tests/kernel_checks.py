@@ -337,8 +337,8 @@ def check_stochastic_round_unbiased(fast):
 # ---------------------------------------------------------------------------------------------- whole model
 def model_grads(cfg, backend_name, b, t, dtype):
     from llmq_ray.backends import get_backend
-    from llmq_ray.model import LlamaModel
-    from llmq_ray.params import init_params
+    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model.params import init_params
 
     be = get_backend(backend_name, DEV)
     model = LlamaModel(cfg, be, batch_size=b, seq_len=t, dtype=dtype)
@@ -362,7 +362,7 @@ def model_grads(cfg, backend_name, b, t, dtype):
 
 
 def model_configs():
-    from llmq_ray.config import PRESETS
+    from llmq_ray.model.config import PRESETS
 
     mid = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
     return [("tiny", PRESETS["tiny"], 4, 128), ("mid", mid, 4, 512)]
@@ -385,7 +385,7 @@ def check_whole_model_gradients_bf16(backend_name, which):
 
 # ---------------------------------------------------------------------------------------------- FP8 model
 def fp8_model_config():
-    from llmq_ray.config import ModelConfig
+    from llmq_ray.model.config import ModelConfig
 
     # FP8 GEMMs need every dimension a multiple of 16.
     return ModelConfig("qwen2", 512, 1408, 4, 8, 2, 4096, tie_word_embeddings=True, qkv_bias=True, name="fp8-gpu")
@@ -397,8 +397,8 @@ FP8_B, FP8_T = 4, 512
 def fp8_run(backend, matmul_dtype=None, gradient_dtype=None):
     """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8."""
     from llmq_ray.backends import get_backend
-    from llmq_ray.model import LlamaModel
-    from llmq_ray.params import init_params
+    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model.params import init_params
 
     cfg = fp8_model_config()
     model = LlamaModel(cfg, get_backend(backend, "cuda"), batch_size=FP8_B, seq_len=FP8_T, dtype=torch.bfloat16,

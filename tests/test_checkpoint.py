@@ -1,4 +1,4 @@
-"""Checkpoints (llmq_ray/checkpoint.py, llmq_ray/resume.py), single process, no Ray.
+"""Checkpoints (llmq_ray/checkpoints/store.py, llmq_ray/checkpoints/resume.py), single process, no Ray.
 
 * Bit-exact resume: 12 steps of the tiny preset over a TokenStream, checkpoint after 6, a fresh engine
   restored from it continues to 12 -- losses of steps 7-12, final weights and optimizer state identical
@@ -34,15 +34,15 @@ import torch
 from llmq_ray.backends import get_backend
 from llmq_ray.data_pipeline.shards import write_shard
 from llmq_ray.data_pipeline.stream import TokenStream
-from llmq_ray import checkpoint as ck
-from llmq_ray.config import PRESETS, ModelConfig
-from llmq_ray.engine import TrainEngine
+from llmq_ray.checkpoints import store as ck
+from llmq_ray.model.config import PRESETS, ModelConfig
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import CheckpointError, ConfigError
 from llmq_ray.options import TrainOptions
-from llmq_ray.params import ParamLayout
-from llmq_ray.resume import (data_state_for_rank, engine_checkpoint_tensors, load_engine_checkpoint,
+from llmq_ray.model.params import ParamLayout
+from llmq_ray.checkpoints.resume import (data_state_for_rank, engine_checkpoint_tensors, load_engine_checkpoint,
                              save_engine_checkpoint)
-from llmq_ray.train_loop import train_steps
+from llmq_ray.engine.train_loop import train_steps
 
 # A very small model for the file-level tests (the tiny preset is used for the training ones).
 MICRO = ModelConfig("qwen2", 16, 32, 1, 2, 1, 64, tie_word_embeddings=True, qkv_bias=True, name="micro")
@@ -148,7 +148,7 @@ def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
 # ---------------------------------------------------------------------------------------------------- resharding
 def test_engine_resumes_on_another_world_size(tmp_path):
     """A world-1 engine checkpoint loads into the two ranks of a world-2 run (each its own ZeRO shard)."""
-    from llmq_ray.engine import Communicator
+    from llmq_ray.engine.train_engine import Communicator
 
     opts = TrainOptions(model="tiny", batch_size=1, seq_len=8, steps=2, model_dtype="bf16", opt_m_dtype="bf16")
     src = _engine(opts)
@@ -499,15 +499,15 @@ def test_incomplete_checkpoint_is_refused_before_hashing(tmp_path, monkeypatch):
 
 
 def test_choosing_a_checkpoint_does_not_import_torch(tmp_path):
-    """The CLI's pre-flight resolves --continue before anything heavy: importing llmq_ray.checkpoint and
+    """The CLI's pre-flight resolves --continue before anything heavy: importing llmq_ray.checkpoints.store and
     reading, verifying, choosing and config-checking a checkpoint must not import torch."""
     folder = _save(tmp_path, 6, _flat_state(MICRO), keep_n=None)
     _save(tmp_path, 8, _flat_state(MICRO), keep_n=None)
     _flip_byte(os.path.join(tmp_path, "step_00000008", "rank_00000.safetensors"))
     code = f"""
 import sys, warnings
-import llmq_ray.checkpoint as ck
-from llmq_ray.config import ModelConfig
+import llmq_ray.checkpoints.store as ck
+from llmq_ray.model.config import ModelConfig
 assert "torch" not in sys.modules, "import"
 micro = ModelConfig("qwen2", 16, 32, 1, 2, 1, 64, tie_word_embeddings=True, qkv_bias=True, name="micro")
 with warnings.catch_warnings(record=True) as caught:

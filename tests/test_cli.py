@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from llmq_ray import cli
-from llmq_ray.metrics import peak_tflops, sol_fraction
-from llmq_ray.runlog import RunLog, atomic_write_json, eval_line, step_line
+from llmq_ray.train import cli
+from llmq_ray.observe.metrics import peak_tflops, sol_fraction
+from llmq_ray.observe.runlog import RunLog, atomic_write_json, eval_line, step_line
 
 LLM_Q_FLAGS = ["--model", "--from-scratch", "--train-file", "--eval-file", "--batch-size", "--seq-len",
                "--grad-accumulation", "--steps", "--learning-rate", "--warmup", "--final-lr-fraction",
@@ -33,7 +33,7 @@ def test_every_flag_exists_with_help():
 
 def _trainer(argv, tmp_path):
     """The LLMQTrainer the CLI would build for ``argv`` (its checks run; Ray is not started)."""
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
 
     args = cli.build_parser().parse_args(argv + ["--out-dir", str(tmp_path)])
     return LLMQTrainer(cli=True, verbose=False, **cli.trainer_kwargs(args))
@@ -57,8 +57,8 @@ def test_cpu_auto_defaults_and_explicit_flags(tmp_path):
 def test_api_and_cli_share_their_defaults(tmp_path):
     """The CLI passes on only the flags given: LLMQTrainer() with the same arguments resolves every option
     and runtime setting the same way, and --help prints the trainer's defaults."""
-    from llmq_ray.run_defaults import api_defaults
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.run_defaults import api_defaults
+    from llmq_ray.train.trainer import LLMQTrainer
 
     for argv, kw in ((["--device", "cpu", "--synthetic-data"], dict(device="cpu", synthetic_data=True)),
                      (["--device", "cpu", "--synthetic-data", "--model", "tiny", "--ckpt-interval", "5",
@@ -83,7 +83,7 @@ def test_api_and_cli_share_their_defaults(tmp_path):
 def test_api_errors_name_keyword_arguments(tmp_path):
     """The same mistake through the CLI names the flag, through the API the keyword argument."""
     from llmq_ray.errors import ConfigError
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
 
     with pytest.raises(ConfigError, match=r"^warmup must be an integer in \[0, steps\)"):
         LLMQTrainer(device="cpu", synthetic_data=True, steps=10, warmup=50, out_dir=str(tmp_path), verbose=False)
@@ -124,9 +124,9 @@ def _micro_checkpoint(ckpt_dir: str, step: int) -> str:
     """A complete checkpoint of a model that is not the CLI's tiny preset (a 16-wide micro model)."""
     import torch
 
-    from llmq_ray import checkpoint as ck
-    from llmq_ray.config import ModelConfig
-    from llmq_ray.params import ParamLayout
+    from llmq_ray.checkpoints import store as ck
+    from llmq_ray.model.config import ModelConfig
+    from llmq_ray.model.params import ParamLayout
 
     micro = ModelConfig("qwen2", 16, 32, 1, 2, 1, 64, tie_word_embeddings=True, qkv_bias=True, name="micro")
     n = ParamLayout(micro).numel
@@ -178,7 +178,7 @@ def test_glob_that_matches_nothing(tmp_path, capsys):
 def test_pydoc_fallback_when_no_shakespeare(tmp_path, monkeypatch, capsys):
     """Without tiny-shakespeare and without a network, the default data is Python's pydoc topics."""
     from llmq_ray.data_pipeline import text_inputs
-    from llmq_ray import default_data
+    from llmq_ray.train import default_data
     from llmq_ray.errors import DataError
 
     def missing():
@@ -239,7 +239,7 @@ def test_sol_table():
 
 def test_every_setting_has_a_flag():
     """Every TrainOptions field and every LLMQTrainer keyword is a flag (but the few for programs and tests)."""
-    from llmq_ray.run_defaults import api_defaults
+    from llmq_ray.train.run_defaults import api_defaults
 
     dests = {a.dest for a in cli.build_parser()._actions if a.option_strings}
     missing = sorted(set(api_defaults()) - set(cli.API_ONLY) - dests)

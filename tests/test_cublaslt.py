@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from llmq_ray.backends import cublaslt, get_backend
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.options import TrainOptions
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from llmq_ray.backends import get_backend
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
 from llmq_ray.errors import ConfigError
 from llmq_ray.options import TrainOptions
 
@@ -28,8 +29,8 @@ def test_torch_backend_refuses_graphs():
 
 
 def test_cuda_graphs_flag_reaches_the_options():
-    from llmq_ray.cli import build_parser, trainer_kwargs
-    from llmq_ray.run_defaults import OPTION_FIELDS, resolve_option_fields
+    from llmq_ray.train.cli import build_parser, trainer_kwargs
+    from llmq_ray.train.run_defaults import OPTION_FIELDS, resolve_option_fields
 
     kw = trainer_kwargs(build_parser().parse_args(["--use-cuda-graphs", "--device", "cpu", "--synthetic-data"]))
     opts = resolve_option_fields({k: v for k, v in kw.items() if k in OPTION_FIELDS}, "cpu")
@@ -50,7 +51,7 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
     ``untied``: a separate LM head (its own unit of the overlap); ``deterministic``: --deterministic-attention
     (cuDNN's backward is not bit-reproducible); ``skip_step``: that update is skipped (spike guard, max_loss=0);
     ``eval_after``: an evaluation between that step and the next; ``wgrad_sms``: the block wgrads on a side stream
-    sized for that many SMs (llmq_ray/wgrad_overlap.py; ``wgrad_mode`` / ``wgrad_delay``: its test modes)."""
+    sized for that many SMs (llmq_ray/engine/wgrad_overlap.py; ``wgrad_mode`` / ``wgrad_delay``: its test modes)."""
     cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers",
                               tie_word_embeddings=not untied)
     opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=accumulation,
@@ -59,7 +60,7 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
                         offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic)
     engine = TrainEngine(cfg, opts, get_backend(backend, "cuda"))
     if wgrad_sms:
-        engine.model.enable_wgrad_overlap(wgrad_sms, wgrad_mode, wgrad_delay)
+        enable_wgrad_overlap(engine.model, wgrad_sms, wgrad_mode, wgrad_delay)
     assert (engine.overlap is not None) == overlap  # also with graphs: the first micro-step's graph waits per unit
     gen = torch.Generator().manual_seed(1)
     losses = []

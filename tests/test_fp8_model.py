@@ -9,9 +9,9 @@ import torch
 
 from _helpers import perturb_norms_and_biases
 from llmq_ray.backends import get_backend
-from llmq_ray.config import ModelConfig
-from llmq_ray.model import LlamaModel, RecomputeOptions
-from llmq_ray.params import init_params
+from llmq_ray.model.config import ModelConfig
+from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
+from llmq_ray.model.params import init_params
 
 CFG = ModelConfig("qwen2", 128, 352, 2, 4, 2, 1000, tie_word_embeddings=False, qkv_bias=True, name="fp8-test")
 B, T = 2, 32
@@ -89,7 +89,7 @@ def test_fp8_keeps_no_bf16_copy_of_the_gemm_inputs_it_stores_transposed(monkeypa
     """e4m3 without recomputation stores q(x^T) of every block GEMM input for the wgrad, so ln1, ln2 and the
     swiglu output need no per-layer bf16 copy (one shared buffer each; the attention output stays per layer,
     its backward reads it): the same bits as keeping them, and (L-1) x N x (2C + I) bf16 values less."""
-    import llmq_ray.model as model_module
+    import llmq_ray.model.transformer as model_module
 
     shared = _run("e4m3")
     stores = shared.acts._store

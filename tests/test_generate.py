@@ -1,4 +1,4 @@
-"""KV-cache generation (llmq_ray.generate) against transformers and against our own no-cache forward.
+"""KV-cache generation (llmq_ray.model.generate) against transformers and against our own no-cache forward.
 
 Tiny random Qwen2 (tied head, QKV bias) and Llama (untied head, llama3 rope scaling) models with GQA, in fp32,
 weights ~ N(0, 0.15) (embeddings and head 0.05) and norm weights away from 1 so that greedy continuations vary.
@@ -19,8 +19,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from llmq_ray.backends import get_backend  # noqa: E402
-from llmq_ray.generate import Generator, load_for_generation, sample_next  # noqa: E402
-from llmq_ray.model import LlamaModel  # noqa: E402
+from llmq_ray.model.generate import Generator, load_for_generation, sample_next  # noqa: E402
+from llmq_ray.model.transformer import LlamaModel  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_NEW = 20
@@ -237,9 +237,9 @@ def test_trained_and_exported_model_generates_like_transformers(tmp_path):
     greedy generation on the export equals transformers' greedy generate on the very same folder."""
     import transformers
 
-    from llmq_ray.config import PRESETS
-    from llmq_ray.engine import TrainEngine
-    from llmq_ray.hf_io import export_hf
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.engine.train_engine import TrainEngine
+    from llmq_ray.model.hf_io import export_hf
     from llmq_ray.options import TrainOptions
 
     cfg = PRESETS["tiny"]

@@ -1,4 +1,4 @@
-"""HF weights in and out (llmq_ray.hf_io) against real transformers models, plus HF config parsing.
+"""HF weights in and out (llmq_ray.model.hf_io) against real transformers models, plus HF config parsing.
 
 Tiny random Qwen2 / Llama models (odd sizes, GQA, tied and untied heads) are built with transformers and
 saved with ``save_pretrained``; every parameter is randomized (HF would init norms to 1 and biases to 0,
@@ -19,10 +19,10 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from llmq_ray.config import config_from_hf_dict, load_hf_config  # noqa: E402
+from llmq_ray.model.config import config_from_hf_dict, load_hf_config  # noqa: E402
 from llmq_ray.errors import CheckpointError, ConfigError  # noqa: E402
-from llmq_ray.hf_io import export_hf, hf_state_dict, hf_tensor_map, load_hf_weights  # noqa: E402
-from llmq_ray.params import ParamLayout  # noqa: E402
+from llmq_ray.model.hf_io import export_hf, hf_state_dict, hf_tensor_map, load_hf_weights  # noqa: E402
+from llmq_ray.model.params import ParamLayout  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 64}
@@ -267,7 +267,7 @@ def test_hf_state_dict_copies_do_not_alias_the_buffer(saved):
 
 
 def test_export_replaces_an_existing_export_only_when_complete(saved, tmp_path, monkeypatch):
-    import llmq_ray.hf_io as hf_io
+    import llmq_ray.model.hf_io as hf_io
 
     folder, sd = saved["qwen_tied"]
     cfg, layout, flat = _load(folder)

@@ -2,7 +2,7 @@
 
 Ground truth: transformers' Qwen2ForCausalLM / LlamaForCausalLM in fp32 with the same random weights, loss =
 mean cross-entropy over unmasked targets (ignore_index -100). Our model's gradients are sums over target
-tokens (see llmq_ray/model.py), so they are divided by the target count before comparing.
+tokens (see llmq_ray/model/transformer.py), so they are divided by the target count before comparing.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import transformers
 
 from llmq_ray.backends import get_backend
-from llmq_ray.config import config_from_hf_dict
-from llmq_ray.hf_io import export_hf, hf_state_dict, load_hf_weights
-from llmq_ray.model import LlamaModel, RecomputeOptions
+from llmq_ray.model.config import config_from_hf_dict
+from llmq_ray.model.hf_io import export_hf, hf_state_dict, load_hf_weights
+from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
 
 # Shapes: GQA and MHA, tied and untied heads, odd sizes, llama3 rope scaling.
 HF_CASES = {

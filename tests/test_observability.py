@@ -17,8 +17,8 @@ import torch
 
 from _helpers import FakeTTY
 from llmq_ray.backends import get_backend
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.options import TrainOptions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ def _load_example(name: str):
 
 def _fake_log(path: str, steps: int = 12, eval_every: int = 4, lr0: float = 1e-3, nan_at: int | None = None) -> str:
     """A JSON log shaped like the coordinator's (actors/coordinator.py), written through RunLog."""
-    from llmq_ray.runlog import RunLog
+    from llmq_ray.observe.runlog import RunLog
 
     log = RunLog(path)
     log.add("options", model="tiny", steps=steps, learning_rate=lr0, run_name=None)
@@ -58,7 +58,7 @@ def _fake_log(path: str, steps: int = 12, eval_every: int = 4, lr0: float = 1e-3
 
 # ---------------------------------------------------------------------------------------------- W&B
 def test_record_to_wandb_maps_the_json_log_fields():
-    from llmq_ray.wandb_logger import record_to_wandb
+    from llmq_ray.observe.wandb_logger import record_to_wandb
 
     what, data, step = record_to_wandb({"log": "step", "step": 4, "lr": 2e-4, "loss": 3.5, "norm": 0.7,
                                         "tokens_per_s": 4.5e4, "seconds": 0.18, "sol": 0.45, "skipped": False,
@@ -126,7 +126,7 @@ def test_wandb_logger_calls(monkeypatch):
     fake.init = lambda **kw: calls.append(("init", kw)) or run
     monkeypatch.setitem(sys.modules, "wandb", fake)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    from llmq_ray.wandb_logger import WandbLogger
+    from llmq_ray.observe.wandb_logger import WandbLogger
 
     lg = WandbLogger("proj", "name", {"lr": 1e-3}, dir=None)
     assert calls[0] == ("init", {"project": "proj", "name": "name", "config": {"lr": 1e-3}, "dir": None,
@@ -175,7 +175,7 @@ class FakeClock:
 
 
 def test_progress_bar_draws_rate_and_eta_on_a_tty(monkeypatch):
-    from llmq_ray.progress import Progress, format_duration
+    from llmq_ray.observe.progress import Progress, format_duration
 
     monkeypatch.delenv("LLMQ_NO_PROGRESS", raising=False)
     tty, clock = FakeTTY(), FakeClock()
@@ -197,7 +197,7 @@ def test_progress_bar_draws_rate_and_eta_on_a_tty(monkeypatch):
 
 
 def test_progress_bar_is_off_without_tty_or_when_disabled(monkeypatch):
-    from llmq_ray.progress import Progress
+    from llmq_ray.observe.progress import Progress
 
     monkeypatch.delenv("LLMQ_NO_PROGRESS", raising=False)
     for stream, enabled in ((io.StringIO(), True), (FakeTTY(), False)):
@@ -224,7 +224,7 @@ def test_eval_bar_replaces_the_training_bar_while_an_eval_runs(monkeypatch):
     """EvalBar, fed the coordinator's reports, draws an eval bar over batches in place of the training bar,
     starts over when another eval begins, erases itself when the eval is over, and the training bar comes
     back with the next log line. Off without a terminal, with --no-progress, or LLMQ_NO_PROGRESS."""
-    from llmq_ray.progress import EvalBar, Progress
+    from llmq_ray.observe.progress import EvalBar, Progress
 
     monkeypatch.delenv("LLMQ_NO_PROGRESS", raising=False)
     tty, clock = FakeTTY(), FakeClock()
@@ -263,7 +263,7 @@ def test_eval_bar_replaces_the_training_bar_while_an_eval_runs(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- NVML
 def test_gpu_stats_none_without_nvml(monkeypatch):
-    from llmq_ray import gpu_stats as gs
+    from llmq_ray.observe import gpu_stats as gs
 
     gs._reset_for_tests()
     if not torch.cuda.is_available():
@@ -277,7 +277,7 @@ def test_gpu_stats_none_without_nvml(monkeypatch):
 
 
 def test_gpu_stats_with_fake_pynvml(monkeypatch):
-    from llmq_ray import gpu_stats as gs
+    from llmq_ray.observe import gpu_stats as gs
 
     class NotSupported(Exception):
         pass
@@ -352,7 +352,7 @@ def _reachable_bytes(engine) -> int:
                                 dict(model_dtype="bf16", matmul_dtype="e4m3", zero_level=2, recompute_ffn=True)],
                          ids=["fp32-zero1", "bf16-fp8-zero2"])
 def test_memory_table_adds_up_to_what_is_allocated(kw):
-    from llmq_ray.memory_table import TENSOR_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
+    from llmq_ray.observe.memory_table import TENSOR_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
 
     opts = TrainOptions(batch_size=2, seq_len=64, **kw)
     e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
@@ -384,7 +384,7 @@ def test_memory_table_adds_up_to_what_is_allocated(kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_memory_table_matches_cuda_allocated():
-    from llmq_ray.memory_table import memory_dict, memory_table, tensor_bytes
+    from llmq_ray.observe.memory_table import memory_dict, memory_table, tensor_bytes
 
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -401,7 +401,7 @@ def test_memory_table_matches_cuda_allocated():
 
 # ---------------------------------------------------------------------------------------------- SOL peaks
 def test_sol_peak_table_covers_current_gpus():
-    from llmq_ray.metrics import peak_tflops
+    from llmq_ray.observe.metrics import peak_tflops
 
     # torch.cuda.get_device_name() strings -> (bf16 dense, fp8 dense) TFLOP/s from the vendor datasheets
     want = {
@@ -421,7 +421,7 @@ def test_sol_peak_table_covers_current_gpus():
 # ---------------------------------------------------------------------------------------------- tokenizer files
 @pytest.fixture(scope="module")
 def qwen_tok_dir(tmp_path_factory):
-    from llmq_ray.tokenizer_files import write_qwen_tokenizer_files
+    from llmq_ray.model.tokenizer_files import write_qwen_tokenizer_files
 
     folder = tmp_path_factory.mktemp("qwen_tok")
     paths = write_qwen_tokenizer_files(str(folder))
@@ -436,8 +436,8 @@ def test_export_with_qwen_tokenizer_files_loads_in_autotokenizer(qwen_tok_dir, t
     from transformers import AutoTokenizer
 
     from llmq_ray.data_pipeline.vocab import QWEN_EOS_ID, QwenTiktoken
-    from llmq_ray.hf_io import export_hf
-    from llmq_ray.params import ParamLayout
+    from llmq_ray.model.hf_io import export_hf
+    from llmq_ray.model.params import ParamLayout
 
     cfg = PRESETS["tiny"]
     layout = ParamLayout(cfg)
@@ -460,7 +460,7 @@ def test_export_with_qwen_tokenizer_files_loads_in_autotokenizer(qwen_tok_dir, t
 
 
 def test_tokenizer_source_for_export(tmp_path, monkeypatch):
-    from llmq_ray import tokenizer_files as tf
+    from llmq_ray.model.transformer import tokenizer_files as tf
 
     hf = tmp_path / "hf_model"
     hf.mkdir()
@@ -477,7 +477,7 @@ def test_export_without_the_qwen_tokenizer_package_still_exports(monkeypatch, ca
     weights still go out (seen on the GPU machine, whose image lacks the package)."""
     import builtins
 
-    from llmq_ray import tokenizer_files
+    from llmq_ray.model.transformer import tokenizer_files
 
     real_import = builtins.__import__
 

@@ -1,4 +1,4 @@
-"""Host offloading (llmq_ray/offload.py) and --attn-bwd-chunks: every flag changes where state lives or how a
+"""Host offloading (llmq_ray/engine/offload.py) and --attn-bwd-chunks: every flag changes where state lives or how a
 kernel is split, never the numbers.
 
 Each flag is compared against the same run without it, single process, bf16 weights with an fp32 master and
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from llmq_ray.backends import get_backend
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
-from llmq_ray.offload import StagedChunks, fixed_chunks
+from llmq_ray.engine.offload import StagedChunks, fixed_chunks
 from llmq_ray.options import TrainOptions
 
 BASE = dict(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, model_dtype="bf16", master_dtype="fp32",
@@ -138,7 +138,7 @@ def test_resident_part_of_offloaded_state_follows_the_update_order_and_checkpoin
     the overlap's order, training is bit-identical to the fully streamed run, the host tensors handed to a
     checkpoint hold the kept chunks' current values, loading a state refreshes them, and the memory table
     counts them on the device."""
-    from llmq_ray.memory_table import memory_dict, memory_table
+    from llmq_ray.observe.memory_table import memory_dict, memory_table
 
     flags = dict(zero_level=1, offload_opt_m=True, offload_opt_v=True, master_dtype="bf16")
     per_chunk = BASE["opt_chunk_size"] * 4  # bf16 m + bf16 v
@@ -168,7 +168,7 @@ def test_resident_part_of_offloaded_state_follows_the_update_order_and_checkpoin
 def test_resident_auto_takes_what_set_up_left_free(monkeypatch):
     """--opt-resident-gib auto: the budget is the device's free bytes after set-up less the margin (here a
     stand-in for the CUDA query: 3.5 chunks more than the margin -> 3 chunks kept); off CUDA nothing is kept."""
-    import llmq_ray.engine as engine_module
+    import llmq_ray.engine.train_engine as engine_module
 
     flags = dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, opt_resident_gib="auto")
     _, e = _train(**flags)
@@ -182,7 +182,7 @@ def test_resident_auto_takes_what_set_up_left_free(monkeypatch):
 
 
 def test_memory_table_moves_offloaded_state_to_host_rows():
-    from llmq_ray.memory_table import HOST_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
+    from llmq_ray.observe.memory_table import HOST_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
 
     opts = dict(batch_size=2, seq_len=16, model_dtype="bf16", master_dtype="fp32", zero_level=2, opt_chunk_size=4096)
     base = TrainEngine(PRESETS["tiny"], TrainOptions(**opts), get_backend("torch"))
@@ -209,7 +209,7 @@ def test_memory_table_moves_offloaded_state_to_host_rows():
 def test_memory_table_moves_fp8_weight_copies():
     """ZeRO-3, e4m3: per-layer copies hold two layers on the device; --persistent-quants all L layers;
     --offload-quants moves those L layers to a host row and keeps two device slots."""
-    from llmq_ray.memory_table import memory_dict, memory_table
+    from llmq_ray.observe.memory_table import memory_dict, memory_table
 
     opts = dict(BASE, matmul_dtype="e4m3", zero_level=3)
     rows = {}

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from llmq_ray.backends import torch_ref_optim as ref
-from llmq_ray.config import PRESETS
+from llmq_ray.model.config import PRESETS
 from llmq_ray.errors import ConfigError
-from llmq_ray.optim import ShardedAdamW, clip_coefficient, global_grad_norm_squared, learning_rate_at
-from llmq_ray.params import ParamLayout, init_params
+from llmq_ray.engine.optim import ShardedAdamW, clip_coefficient, global_grad_norm_squared, learning_rate_at
+from llmq_ray.model.params import ParamLayout, init_params
 
 F32, BF16 = torch.float32, torch.bfloat16
 LR, WD, BETAS, EPS = 1e-3, 0.1, (0.9, 0.95), 1e-8

@@ -3,9 +3,9 @@
 import pytest
 
 from llmq_ray.backends import get_backend
-from llmq_ray.config import PRESETS
+from llmq_ray.model.config import PRESETS
 from llmq_ray.errors import ConfigError
-from llmq_ray.model import LlamaModel, RecomputeOptions
+from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
 from llmq_ray.options import TrainOptions
 
 BAD = [
@@ -51,7 +51,7 @@ def test_lmhead_chunks_must_divide_rows_and_seq_len_must_fit():
 
 
 def test_unknown_backend_and_preset_are_clear_errors():
-    from llmq_ray.config import resolve_model
+    from llmq_ray.model.config import resolve_model
 
     with pytest.raises(ConfigError, match="--backend='nope' is not a known backend"):
         get_backend("nope")

@@ -36,7 +36,7 @@ def test_wheel_has_one_top_level_package_and_runs_from_itself(tmp_path):
                        "llmq_ray/actors/worker.py", "llmq_ray/backends/triton/__init__.py"):
             assert needed in names, needed
         entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-        assert "llmq-train = llmq_ray.cli:main" in entry
+        assert "llmq-train = llmq_ray.train.cli:main" in entry
         z.extractall(tmp_path / "site")
     # a Python that sees the unpacked wheel first and the repository not at all (cwd elsewhere, no PYTHONPATH to it)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -50,7 +50,7 @@ def test_wheel_has_one_top_level_package_and_runs_from_itself(tmp_path):
              "assert llmq_ray.backends.__file__.startswith(sys.argv[1])\n")
     p = subprocess.run([sys.executable, "-c", check, str(tmp_path / "site")], **run)
     assert p.returncode == 0, p.stderr
-    p = subprocess.run([sys.executable, "-c", "import sys; from llmq_ray.cli import main; sys.argv[0] = 'llmq-train'; "
+    p = subprocess.run([sys.executable, "-c", "import sys; from llmq_ray.train.cli import main; sys.argv[0] = 'llmq-train'; "
                         "main(['--help'])"], **run)
     assert p.returncode == 0 and "--checkpoint-dir" in p.stdout, p.stderr
     p = subprocess.run([sys.executable, "-m", "llmq_ray.data_pipeline.tokenize", "--help"], **run)

@@ -1,6 +1,6 @@
-"""Bad input ends before Ray starts: exit code 2, one sentence, nothing written (llmq_ray/preflight.py).
+"""Bad input ends before Ray starts: exit code 2, one sentence, nothing written (llmq_ray/train/preflight.py).
 
-Each case runs the real command (``examples/train.py`` through ``llmq_ray.cli.main``) in a fresh Python
+Each case runs the real command (``examples/train.py`` through ``llmq_ray.train.cli.main``) in a fresh Python
 process, with ``RAY_TMPDIR`` pointed at an empty folder, and asserts:
 
 * exit code 2 and exactly one line on stderr, ``error: <one sentence naming the file, flag or value>``;
@@ -29,7 +29,7 @@ from llmq_ray.data_pipeline.shards import HEADER_BYTES, write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = ("import sys\n"
-          "from llmq_ray.cli import main\n"
+          "from llmq_ray.train.cli import main\n"
           "try:\n"
           "    rc = main(sys.argv[1:])\n"
           "finally:\n"
@@ -76,9 +76,9 @@ def bad_files(tmp_path_factory):
     # a checkpoint of the tiny model, and a copy with one byte flipped in its shard (same size)
     import torch
 
-    from llmq_ray import checkpoint as ck
-    from llmq_ray.config import PRESETS
-    from llmq_ray.params import ParamLayout
+    from llmq_ray.checkpoints import store as ck
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.model.params import ParamLayout
 
     cfg = PRESETS["tiny"]
     n = ParamLayout(cfg).numel
@@ -164,7 +164,7 @@ def test_bad_input_ends_before_ray_in_one_sentence(case, bad_files, tmp_path):
 
 def test_oversubscription_warns_and_suggests_workers(tmp_path):
     """Two CPU workers with two cores each on the 2-core machine: a warning naming --workers (not an error)."""
-    from llmq_ray.preflight import check_local_resources
+    from llmq_ray.train.preflight import check_local_resources
 
     cpus = os.cpu_count() or 1
     notes = check_local_resources("cpu", cpus, 0, 2)
@@ -184,7 +184,7 @@ def test_print_wall_times():
 def test_large_files_are_sampled_within_a_budget(tmp_path, monkeypatch):
     """Above FULL_SCAN_TOKENS a shard's ids are checked in 64 evenly spaced runs (the error names the true
     token index); once SCAN_BUDGET_TOKENS ids were read, later files get their header and size checked only."""
-    from llmq_ray import preflight
+    from llmq_ray.train import preflight
     from llmq_ray.errors import DataError
 
     monkeypatch.setattr(preflight, "FULL_SCAN_TOKENS", 1000)
@@ -211,7 +211,7 @@ def test_local_gpu_count_honours_cuda_visible_devices(monkeypatch):
     """NVML counts every GPU of the machine; CUDA_VISIBLE_DEVICES limits what this process may use."""
     import types
 
-    from llmq_ray import preflight
+    from llmq_ray.train import preflight
 
     fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 4)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
@@ -227,9 +227,9 @@ def test_a_flag_that_needs_an_optional_package_names_the_extra(monkeypatch, tmp_
     before Ray starts; without NVML the local GPUs are counted from the driver's /proc listing."""
     import importlib.util
 
-    from llmq_ray import preflight
+    from llmq_ray.train import preflight
     from llmq_ray.errors import ConfigError
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("wandb", "pynvml")

@@ -17,7 +17,7 @@ import torch
 
 from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError, ConfigError, DataError
-from llmq_ray.trainer import LLMQTrainer, Result
+from llmq_ray.train.trainer import LLMQTrainer, Result
 
 FAST = dict(collective_timeout_s=60.0, call_timeout_s=120.0, use_ray_data=False, verbose=False)
 
@@ -106,7 +106,7 @@ def test_fit_inside_a_ray_task(ray_cluster, shards, tmp_path):
 
     @ray.remote(num_cpus=0)
     def user_program(out):
-        from llmq_ray.trainer import LLMQTrainer
+        from llmq_ray.train.trainer import LLMQTrainer
 
         result = LLMQTrainer(model="tiny", train_file=train, eval_file=evalf, steps=3, batch_size=2, seq_len=16,
                              device="cpu", workers=1, out_dir=out, collective_timeout_s=60.0,
@@ -216,7 +216,7 @@ def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, sh
     .wandb file holds our keys), and every worker's measured memory table lands in the log."""
     train, evalf, _ = shards
     monkeypatch.setenv("WANDB_MODE", "offline")
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
 
     out = tmp_path / "wb"
     result = LLMQTrainer(model="tiny", train_file=train, eval_file=evalf, steps=3, batch_size=2, seq_len=16,
@@ -265,7 +265,7 @@ def test_deterministic_attention_needs_triton_before_any_worker_starts(backend, 
     """--deterministic-attention is the triton backend's own kernels: any other backend is refused with one
     sentence while the run is being set up, not later inside a worker."""
     from llmq_ray.options import TrainOptions
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
 
     class FakeRay:  # only the cluster's resources are read to build the spec
         @staticmethod

@@ -33,7 +33,7 @@ import torch
 
 from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError
-from llmq_ray.trainer import LLMQTrainer, Result
+from llmq_ray.train.trainer import LLMQTrainer, Result
 
 FAST = dict(collective_timeout_s=15.0, call_timeout_s=60.0, use_ray_data=False, verbose=False)
 BASE = dict(model="tiny", steps=12, batch_size=2, seq_len=16, learning_rate=3e-3, warmup=2, device="cpu",
@@ -295,7 +295,7 @@ def test_hang_is_pinned_on_the_rank_behind_the_others():
 def test_spike_guard_zscores_limits_and_state():
     """z-scores over a full window only; limits = mean + threshold * std; NaN never enters a window; the
     state round-trips (what the checkpoint manifest carries)."""
-    from llmq_ray.spike_guard import SpikeGuard
+    from llmq_ray.engine.spike_guard import SpikeGuard
 
     g = SpikeGuard(window=4, threshold=3.0)
     for x in (1.0, 2.0, 1.0, 2.0):
@@ -319,8 +319,8 @@ def test_engine_skips_an_update_above_the_limits():
     """engine.update(max_loss=..., max_norm=...): a step above either limit leaves weights and optimizer
     state untouched and says why; below them the update happens."""
     from llmq_ray.backends import get_backend
-    from llmq_ray.config import PRESETS
-    from llmq_ray.engine import TrainEngine
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.options import TrainOptions
 
     opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, steps=4, learning_rate=1e-2, model_dtype="fp32")

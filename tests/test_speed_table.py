@@ -15,7 +15,7 @@ speed_table = importlib.util.module_from_spec(spec)
 sys.modules["speed_table"] = speed_table  # dataclasses look their module up there
 spec.loader.exec_module(speed_table)
 
-from llmq_ray.config import PRESETS  # noqa: E402
+from llmq_ray.model.config import PRESETS  # noqa: E402
 
 H100 = "NVIDIA H100 80GB HBM3"
 

@@ -23,9 +23,9 @@ import time
 
 import pytest
 
-from llmq_ray.checkpoint import validate_checkpoint
-from llmq_ray.runlog import read_log, steps_as_one_run
-from llmq_ray.trainer import LLMQTrainer
+from llmq_ray.checkpoints.store import validate_checkpoint
+from llmq_ray.observe.runlog import read_log, steps_as_one_run
+from llmq_ray.train.trainer import LLMQTrainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = dict(collective_timeout_s=15.0, call_timeout_s=60.0, use_ray_data=False, verbose=False)
@@ -39,7 +39,7 @@ def _argv(shards, out, steps: int) -> list[str]:
 
 def _trainer_from_cli(argv: list[str]) -> LLMQTrainer:
     """The trainer ``examples/train.py argv`` builds, run in this process (on the test session's Ray)."""
-    from llmq_ray import cli
+    from llmq_ray.train import cli
 
     kw = cli.trainer_kwargs(cli.build_parser().parse_args(argv))
     return LLMQTrainer(cli=True, **{**kw, **FAST})
@@ -220,7 +220,7 @@ def test_api_with_no_data_arguments_trains_on_the_default_corpus(ray_cluster, tm
 
 SECOND_SIGNAL_SCRIPT = """
 import sys
-from llmq_ray.trainer import LLMQTrainer
+from llmq_ray.train.trainer import LLMQTrainer
 t = LLMQTrainer(model="tiny", train_file=sys.argv[1], device="cpu", workers=2, batch_size=2, seq_len=16, steps=50,
                 ckpt_interval=5, out_dir=sys.argv[2], export=False, progress=False, use_ray_data=False,
                 collective_timeout_s=600.0, fault={"rank": 1, "step": int(sys.argv[4]), "kind": sys.argv[3],
@@ -270,7 +270,7 @@ def test_signal_handlers_leave_ignored_signals_alone(monkeypatch):
     """Under nohup SIGHUP is ignored: a closed terminal must not stop the run. The others become stop requests,
     the second one raises StopForced (a KeyboardInterrupt, which ray.get lets through), and restore() puts
     the previous handlers back."""
-    from llmq_ray.stop_signals import SignalStop, StopForced
+    from llmq_ray.train.stop_signals import SignalStop, StopForced
 
     previous = {s: signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGTERM)}
     signal.signal(signal.SIGHUP, signal.SIG_IGN)

@@ -6,9 +6,9 @@ import torch
 
 from llmq_ray.backends import get_backend
 from llmq_ray.backends.torch_ref import TorchBackend
-from llmq_ray.config import ModelConfig
-from llmq_ray.model import LlamaModel
-from llmq_ray.params import init_params
+from llmq_ray.model.config import ModelConfig
+from llmq_ray.model.transformer import LlamaModel
+from llmq_ray.model.params import init_params
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -59,7 +59,7 @@ def test_whole_model_bf16_cuda_follows_fp32_cpu():
     g32, l32 = grads["cpu32"]
     g16, l16 = grads["cuda16"]
     assert abs(l16 - l32) / l32 < 1e-2
-    from llmq_ray.params import ParamLayout
+    from llmq_ray.model.params import ParamLayout
 
     layout = ParamLayout(cfg)
     for slot in layout:

@@ -23,10 +23,10 @@ from llmq_ray.backends import get_backend
 from llmq_ray.data_pipeline.stream import TokenStream
 from llmq_ray.data_pipeline.text_inputs import TINY_SHAKESPEARE_BYTES, tiny_shakespeare_path
 from llmq_ray.data_pipeline.tokenize import tokenize_files
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.options import TrainOptions
-from llmq_ray.train_loop import train_steps
+from llmq_ray.engine.train_loop import train_steps
 
 
 @pytest.mark.slow

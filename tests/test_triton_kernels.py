@@ -495,9 +495,9 @@ def test_stochastic_round_unbiased_reproducible(tri):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tiny_model_gradients_triton_vs_torch(dtype):
     """The whole explicit forward/backward of the tiny preset through both backends."""
-    from llmq_ray.config import PRESETS
-    from llmq_ray.model import LlamaModel
-    from llmq_ray.params import init_params
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model.params import init_params
 
     cfg, b, t = PRESETS["tiny"], 2, 16
     results = {}
@@ -545,8 +545,8 @@ def test_quantize_with_transpose_equals_the_two_kernels(fp8):
 def test_deterministic_attention_option_in_the_engine():
     """--deterministic-attention switches the triton backend's attention backward in a whole training run
     (fp32: same losses and weights as the reference math within 1e-5); other backends refuse it."""
-    from llmq_ray.config import PRESETS
-    from llmq_ray.engine import TrainEngine
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.errors import ConfigError
     from llmq_ray.options import TrainOptions
 

@@ -1,4 +1,4 @@
-"""The optimizer update overlapped with the next forward (llmq_ray/update_overlap.py).
+"""The optimizer update overlapped with the next forward (llmq_ray/engine/update_overlap.py).
 
 The overlap only reorders when work is queued: chunks are updated in the order the forward needs them, on a
 side stream, and the next micro-step zeroes each unit's gradients only after waiting for that unit's chunks.
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from llmq_ray.backends import get_backend
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.options import TrainOptions
-from llmq_ray.params import ParamLayout
-from llmq_ray.update_overlap import chunk_order, unit_ranges
+from llmq_ray.model.params import ParamLayout
+from llmq_ray.engine.update_overlap import chunk_order, unit_ranges
 
 BASE = dict(batch_size=2, seq_len=16, grad_accumulation=2, model_dtype="bf16", master_dtype="fp32",
             opt_m_dtype="bf16", opt_v_dtype="bf16", opt_chunk_size=3000, learning_rate=1e-3)

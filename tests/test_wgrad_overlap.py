@@ -1,4 +1,4 @@
-"""The block wgrads on a side stream (llmq_ray/wgrad_overlap.py), checked on the CPU.
+"""The block wgrads on a side stream (llmq_ray/engine/wgrad_overlap.py), checked on the CPU.
 
 On the CPU ``defer`` runs each wgrad as late as an in-order side stream could: only when the model waits for it
 (or for one submitted after it). Every buffer a pending wgrad reads must then still hold its value, so a wait
@@ -14,13 +14,14 @@ import torch
 
 from _helpers import perturb_norms_and_biases
 from llmq_ray.backends import get_backend
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
-from llmq_ray.model import LlamaModel, RecomputeOptions
+from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
 from llmq_ray.options import TrainOptions
-from llmq_ray.params import init_params
-from llmq_ray.wgrad_overlap import WgradOverlap
+from llmq_ray.model.params import init_params
+from llmq_ray.engine.schedule import Schedule
+from llmq_ray.engine.wgrad_overlap import WgradOverlap, enable_wgrad_overlap
 
 CFG = PRESETS["tiny"]
 B, T = 2, 16
@@ -31,7 +32,7 @@ def _model(overlap: bool, recompute: RecomputeOptions = RecomputeOptions()) -> L
     init_params(model.layout, model.params, seed=7)
     perturb_norms_and_biases(model)
     if overlap:
-        model.enable_wgrad_overlap(sm_count=100, mode="defer")
+        enable_wgrad_overlap(model, sm_count=100, mode="defer")
     return model
 
 
@@ -87,9 +88,9 @@ def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
     model = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
                        matmul_dtype="e4m3")
     with pytest.raises(ConfigError, match="e4m3"):
-        model.enable_wgrad_overlap(sm_count=100)
+        enable_wgrad_overlap(model, sm_count=100)
     with pytest.raises(ConfigError, match="--overlap-wgrad-sms=0 must be between 1 and"):
-        _model(False).enable_wgrad_overlap(sm_count=0)
+        enable_wgrad_overlap(_model(False), sm_count=0)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -107,8 +108,8 @@ def test_the_option_refuses_what_it_cannot_run(bad, message):
 def test_the_flag_reaches_the_engine_and_keeps_the_results():
     """--overlap-wgrad-sms from the command line to the engine's model (on the CPU each wgrad runs at once, so
     two steps of two micro-steps give the same weights; the GPU tests below check the side stream)."""
-    from llmq_ray.cli import build_parser, trainer_kwargs
-    from llmq_ray.run_defaults import OPTION_FIELDS, resolve_option_fields
+    from llmq_ray.train.cli import build_parser, trainer_kwargs
+    from llmq_ray.train.run_defaults import OPTION_FIELDS, resolve_option_fields
 
     weights = {}
     for sms in (0, 64):
@@ -134,7 +135,7 @@ def test_the_flag_reaches_the_engine_and_keeps_the_results():
 
 def test_wait_runs_everything_submitted_before_in_order():
     ran = []
-    ov = WgradOverlap(torch.device("cpu"), sm_count=8, mode="defer")
+    ov = WgradOverlap(Schedule("cpu"), sm_count=8, mode="defer")
     for tag in ("a", "b", "a", "c"):
         ov.submit(tag, lambda sm, t=tag: ran.append((t, sm)))
     ov.wait("b")
@@ -185,7 +186,7 @@ def test_gpu_side_stream_gradients_match_the_plain_order():
         model = LlamaModel(cfg, be, batch_size=2, seq_len=256, dtype=torch.bfloat16)
         init_params(model.layout, model.params, seed=7)
         if overlap:
-            model.enable_wgrad_overlap(sm_count=100)
+            enable_wgrad_overlap(model, sm_count=100)
         tokens = torch.randint(0, cfg.vocab_size, (2, 257), generator=torch.Generator().manual_seed(3)).cuda()
         model.zero_grads()
         model.forward_backward(tokens[:, :-1], tokens[:, 1:])

@@ -1,4 +1,4 @@
-"""ZeRO-3 in one process (llmq_ray/zero3.py): the layer-by-layer gather/reduce machinery, checkpoints, memory.
+"""ZeRO-3 in one process (llmq_ray/engine/zero3.py): the layer-by-layer gather/reduce machinery, checkpoints, memory.
 
 The 2-worker equality (gloo, through Ray) is ``test_runtime.py::test_two_workers_match_one_worker[3]``.
 With ``--matmul-dtype e4m3`` the bit-identity also covers where the FP8 weight copies are made (per layer from
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from llmq_ray.backends import get_backend
-from llmq_ray.config import PRESETS
-from llmq_ray.engine import Communicator, TrainEngine
+from llmq_ray.model.config import PRESETS
+from llmq_ray.engine.train_engine import Communicator, TrainEngine
 from llmq_ray.options import TrainOptions
-from llmq_ray.resume import load_engine_checkpoint, save_engine_checkpoint
+from llmq_ray.checkpoints.resume import load_engine_checkpoint, save_engine_checkpoint
 
 
 def _batch(step: int, micro: int, opts):
@@ -132,7 +132,7 @@ def test_memory_table_shows_sharded_weights():
     (and the same for gradients) instead of the full flat buffers."""
     import dataclasses
 
-    from llmq_ray.memory_table import memory_dict, memory_table
+    from llmq_ray.observe.memory_table import memory_dict, memory_table
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=8, name="tiny8")
     opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, zero_level=2)

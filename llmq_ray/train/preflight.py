@@ -18,7 +18,7 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
 * ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined);
 * the optional packages a flag needs (``--wandb-project``: wandb; ``--log-gpu-util``: nvidia-ml-py).
 
-The ``--continue`` target (present, every file's sha256, the model) is checked by ``llmq_ray.checkpoint``;
+The ``--continue`` target (present, every file's sha256, the model) is checked by ``llmq_ray.checkpoints.store``;
 ``keep_global_batch`` reconciles a resumed run's batch with the checkpoint's.
 """
 
@@ -189,7 +189,7 @@ def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
         raise ConfigError(f"{where} is a folder; name a log file with --log-file, or move the folder away.")
     check_writable_dir(os.path.dirname(p), flag)
     if os.path.exists(p):
-        from llmq_ray.runlog import read_log
+        from llmq_ray.observe.runlog import read_log
 
         if explicit and not resume:
             raise ConfigError(f"{flag}={path} is the log of another run; pass --continue to resume that run and "
@@ -205,7 +205,7 @@ def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
 def check_fresh_checkpoint_dir(ckpt_dir: str) -> None:
     """A fresh run (no --continue) must not write into a folder that holds another run's checkpoints:
     their steps would mix, and retention would delete the older run's checkpoints."""
-    from llmq_ray.checkpoint import list_step_dirs, MANIFEST
+    from llmq_ray.checkpoints.store import list_step_dirs, MANIFEST
 
     have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if os.path.isfile(os.path.join(p, MANIFEST))]
     if have:

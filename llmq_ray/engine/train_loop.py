@@ -1,7 +1,7 @@
 """A single-process training loop over a TrainEngine: what tests, notebooks and the Ray worker build on.
 
 ``train_steps`` runs ``opts.steps`` optimizer steps of ``opts.grad_accumulation`` micro-batches each,
-with the learning-rate schedule of ``llmq_ray.optim.learning_rate_at``, and returns the per-step history.
+with the learning-rate schedule of ``llmq_ray.engine.optim.learning_rate_at``, and returns the per-step history.
 Batches come from any iterator of (inputs, targets) int tensors [B, T] (targets -100 = masked).
 """
 
@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from llmq_ray.engine import StepStats, TrainEngine
-from llmq_ray.optim import learning_rate_at
+from llmq_ray.engine.train_engine import StepStats, TrainEngine
+from llmq_ray.engine.optim import learning_rate_at
 
 
 @dataclasses.dataclass

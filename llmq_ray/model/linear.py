@@ -28,7 +28,7 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
   stay for the whole optimizer step (``invalidate_weights`` at each step's start); each layer is quantized
   once per step, at its first use (under CUDA graphs: all layers at once before the replay, so the graph only
   reads them -- except a step's first micro-step with the overlapped update, whose graph quantizes each layer
-  after waiting for its update, llmq_ray/cuda_graphs.py). Costs as many device bytes as the bf16 block weights. Under ZeRO-3
+  after waiting for its update, llmq_ray/engine/cuda_graphs.py). Costs as many device bytes as the bf16 block weights. Under ZeRO-3
   a layer's bf16 weights are then needed only once per step (``needs_weights``), so the store gathers each
   layer once per step instead of twice per micro-step.
 * ``quants="host"`` (--offload-quants): the same persistent copies, kept in (pinned) host memory; two device
@@ -54,12 +54,13 @@ from __future__ import annotations
 import torch
 
 from llmq_ray.backends.base import Backend
+from llmq_ray.model.units import Policy
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 BLOCK_WEIGHTS = ("qkv_w", "out_w", "up_gate_w", "down_w")
 
 
-class BlockLinears:
+class BlockLinears(Policy):
     """Runs the block GEMMs for a model; ``fp8=False`` is a thin pass-through to ``backend.matmul``.
 
     weights: the model's named views (``layers.{l}.{name}``, read only when quantizing or in the model dtype);
@@ -70,21 +71,23 @@ class BlockLinears:
     held as ``quants`` says (module docstring): all layers on the device ("persistent"), all layers in host
     memory plus two device slots ("host"), or two device slots only ("layer").
     ``sharded``: the weights are not all resident (ZeRO-3), so persistent copies are made one layer at a time
-    in ``begin_layer`` rather than all at once.
+    in ``begin_layer`` rather than all at once. ``stream``: the schedule's side stream for the host copies.
+
+    A unit policy (llmq_ray/model/units.py): ``begin(layer)`` is ``begin_layer``.
     """
 
     QUANTS = ("persistent", "host", "layer")
 
     def __init__(self, backend: Backend, weights, shapes: dict[str, tuple[int, int]], num_layers: int, rows: int,
                  matmul_dtype: str | None, gradient_dtype: str | None, store_xt: bool = True,
-                 quants: str = "persistent", sharded: bool = False):
+                 quants: str = "persistent", sharded: bool = False, stream=None):
         if quants not in self.QUANTS:
             raise ValueError(f"quants={quants!r} must be one of {self.QUANTS}")
         self.be, self.w, self.num_layers = backend, weights, num_layers
         self.fp8 = matmul_dtype == "e4m3"
         self.store_xt = self.fp8 and store_xt
         self.quants, self.sharded = quants, sharded
-        self.overlap = None  # a WgradOverlap (llmq_ray/wgrad_overlap.py): model-dtype wgrads on a side stream
+        self.overlap = None  # a WgradOverlap (llmq_ray/engine/wgrad_overlap.py): model-dtype wgrads on a side stream
         if not self.fp8:
             return
         dev = backend.device
@@ -128,8 +131,8 @@ class BlockLinears:
                     slot[name] = (torch.empty(oc, k, dtype=self.fwd_dtype, device=dev),
                                   torch.empty(k, oc, dtype=self.fwd_dtype, device=dev))
                 self.slots.append(slot)
-        self.cuda = torch.device(dev).type == "cuda"
-        self.stream = torch.cuda.Stream(dev) if self.cuda and quants == "host" else None
+        self.stream = stream  # quants="host": the schedule's side stream for the copies (None: copy in order)
+        self.cuda = stream is not None
         self.copied_out: list = [None, None]  # event: the slot's fresh copies have reached the host
         self.copied_in: list = [None, None]   # event: the slot's copies have arrived from the host
         # store_xt: q(x^T) [K, N] of every block GEMM input and its descale, written by the forward
@@ -160,7 +163,7 @@ class BlockLinears:
                     self._quantize_layer(layer, None)
 
     def mark_quantized(self) -> None:
-        """A CUDA-graph replay just re-quantized every layer's persistent copies (llmq_ray/cuda_graphs.py)."""
+        """A CUDA-graph replay just re-quantized every layer's persistent copies (llmq_ray/engine/cuda_graphs.py)."""
         if self.fp8 and self.quants == "persistent" and not self.sharded:
             self.valid = [True] * self.num_layers
             self.amax_valid = set(self.key_of.values())
@@ -169,6 +172,10 @@ class BlockLinears:
         """Whether the bf16 weights of ``layer`` will be read (ZeRO-3 skips gathering them when not): False
         only when a persistent FP8 copy of the layer is current, as the block GEMMs then read nothing else."""
         return not self.fp8 or self.quants == "layer" or not self.valid[layer]
+
+    def begin(self, unit, backward: bool = False) -> None:
+        if isinstance(unit, int):
+            self.begin_layer(unit, backward)
 
     def begin_layer(self, layer: int, backward: bool = False) -> None:
         """``layer``'s GEMMs run next (its weights, if needed, are gathered): make its FP8 copies available,

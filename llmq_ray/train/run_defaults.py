@@ -47,7 +47,7 @@ def resolve_option_fields(given: dict, device: str) -> TrainOptions:
     for k in AUTO_OPTION_FIELDS:
         fields.setdefault(k, auto[k])
     if fields.get("from_scratch") is None:
-        from llmq_ray.config import PRESETS
+        from llmq_ray.model.config import PRESETS
 
         fields["from_scratch"] = fields["model"] in PRESETS
     if fields.get("warmup") is None:
@@ -71,7 +71,7 @@ def api_defaults() -> dict:
     with the auto ones described (for the CLI's help)."""
     import inspect
 
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
 
     out = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
     for k in AUTO_OPTION_FIELDS:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from llmq_ray.checkpoint import (STATE_NAMES, data_state_for_rank, load_checkpoint, restore_rng, rng_state,
+from llmq_ray.checkpoints.store import (STATE_NAMES, data_state_for_rank, load_checkpoint, restore_rng, rng_state,
                                  save_checkpoint)
-from llmq_ray.engine import TrainEngine
+from llmq_ray.engine.train_engine import TrainEngine
 
 __all__ = ["engine_checkpoint_tensors", "restore_engine", "save_engine_checkpoint", "load_engine_checkpoint",
            "data_state_for_rank"]

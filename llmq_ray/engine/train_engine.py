@@ -6,7 +6,7 @@ single process; torch.distributed in ``actors/collectives.py``).
 
 A step is ``micro_step`` x grad_accumulation, then ``update``:
 
-* gradients are *sums* over target tokens (see llmq_ray/model.py), accumulated in one flat buffer;
+* gradients are *sums* over target tokens (see llmq_ray/model/transformer.py), accumulated in one flat buffer;
 * at the update (ZeRO-1) the flat gradient buffer is reduce-scattered, so each rank holds the summed
   gradient of its own shard; the squared norm of that shard is all-reduced into the global norm;
 * grad_scale = clip_coefficient / total_target_tokens is folded into the AdamW kernel (no extra pass);
@@ -20,10 +20,10 @@ backward's scratch.
 
 ZeRO-3 (``--zero-level=3`` or ``--shard-weights``): no full buffers at all. The rank keeps its shard of the
 weights; the model gathers each layer one layer ahead and its gradients are reduced onto their owners as
-the backward produces them, straight into ``grad_shard`` (see llmq_ray/zero3.py). The optimizer shard, and
+the backward produces them, straight into ``grad_shard`` (see llmq_ray/engine/zero3.py). The optimizer shard, and
 so the checkpoint format, is the same as under ZeRO-1/2.
 
-Host offloading (``--offload-*``, llmq_ray/offload.py): the optimizer state and ``grad_shard`` may live in
+Host offloading (``--offload-*``, llmq_ray/engine/offload.py): the optimizer state and ``grad_shard`` may live in
 pinned host memory; the optimizer and the accumulation stream them through the device in chunks.
 
 Everything stays on the device until ``update`` returns its small stats tensor: the one host sync per step.
@@ -36,15 +36,17 @@ import dataclasses
 import torch
 
 from llmq_ray.backends.base import Backend
-from llmq_ray.config import ModelConfig
+from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
-from llmq_ray.model import LlamaModel
-from llmq_ray.offload import StagedChunks, fixed_chunks, host_zeros
-from llmq_ray.optim import ShardedAdamW, clip_coefficient
+from llmq_ray.model.transformer import LlamaModel
+from llmq_ray.engine.offload import StagedChunks, fixed_chunks, host_zeros
+from llmq_ray.engine.optim import ShardedAdamW, clip_coefficient
 from llmq_ray.options import DTYPES, TrainOptions
-from llmq_ray.params import ParamLayout, init_params
-from llmq_ray.update_overlap import UpdateOverlap
-from llmq_ray.zero3 import ShardedWeights
+from llmq_ray.model.params import ParamLayout, init_params
+from llmq_ray.engine.schedule import Schedule
+from llmq_ray.engine.update_overlap import UpdateOverlap
+from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
+from llmq_ray.engine.zero3 import ShardedWeights
 
 
 class Communicator:
@@ -122,7 +124,7 @@ class TrainEngine:
 
     Buffers: ``params`` and ``grads`` are flat, padded to shard_size * world_size (model dtype); rank r owns
     [r*S, (r+1)*S) of the optimizer state (clipped to the layout's length). With one worker under ZeRO-1 the
-    update returns while it still runs on a side stream (``overlap``, llmq_ray/update_overlap.py): read the
+    update returns while it still runs on a side stream (``overlap``, llmq_ray/engine/update_overlap.py): read the
     weights through ``full_params()`` (or call ``join_update()`` first), not ``params`` directly.
     """
 
@@ -151,11 +153,13 @@ class TrainEngine:
         self.shard_start = min(rank * self.shard_size, layout.numel)
         self.shard_end = min((rank + 1) * self.shard_size, layout.numel)
         self.zero3 = opts.effective_zero_level >= 3
-        model_kw = dict(batch_size=opts.batch_size, seq_len=opts.seq_len, dtype=dtype, recompute=opts.recompute,
+        # every side stream and event of this process, and the policies around each unit (engine/schedule.py)
+        self.schedule = Schedule(backend.device)
+        model_kw = dict(schedule=self.schedule, batch_size=opts.batch_size, seq_len=opts.seq_len, dtype=dtype, recompute=opts.recompute,
                         lmhead_chunks=opts.lmhead_chunks, matmul_dtype=opts.matmul_dtype,
                         gradient_dtype=opts.gradient_dtype, offload_residual=opts.offload_residual,
                         attn_bwd_chunks=opts.attn_bwd_chunks, quants=opts.quants_placement)
-        if self.zero3:  # only this rank's shard of the weights (llmq_ray/zero3.py)
+        if self.zero3:  # only this rank's shard of the weights (llmq_ray/engine/zero3.py)
             self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
                                         sink=self._add_grad_piece)
             self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
@@ -177,7 +181,7 @@ class TrainEngine:
         self.micro_steps_done = 0
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
         if opts.overlap_update and world == 1 and opts.effective_zero_level == 1:
-            self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, backend.device)
+            self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule)
         # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
         # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
         self.grad_shard = self._grad_shard_tmp = self._grad_staging = None
@@ -185,16 +189,17 @@ class TrainEngine:
             if opts.offload_gradients:
                 self.grad_shard = host_zeros(self.shard_size, dtype, backend.device)
                 self._grad_staging = StagedChunks(backend.device, {"acc": dtype},
-                                                  min(opts.opt_chunk_size, self.shard_size))
+                                                  min(opts.opt_chunk_size, self.shard_size), self.schedule,
+                                                  "gradients")
             else:
                 self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
                 self._grad_shard_tmp = torch.empty_like(self.grad_shard)
         if opts.overlap_wgrad_sms:  # before any graph is captured: the graph keeps the order it was captured in
-            self.model.enable_wgrad_overlap(opts.overlap_wgrad_sms)
-        # --use-cuda-graphs: the forward + backward of a micro-step replayed from a graph (llmq_ray/cuda_graphs.py)
+            enable_wgrad_overlap(self.model, opts.overlap_wgrad_sms)
+        # --use-cuda-graphs: the forward + backward of a micro-step replayed from a graph (llmq_ray/engine/cuda_graphs.py)
         self._forward_backward = self.model.forward_backward
         if opts.use_cuda_graphs:
-            from llmq_ray.cuda_graphs import MicroStepGraphs
+            from llmq_ray.engine.cuda_graphs import MicroStepGraphs
             self._forward_backward = MicroStepGraphs(self.model, self.overlap).forward_backward
         self._keep_opt_resident()  # last: "auto" sizes it from what set-up left free
 
@@ -207,7 +212,7 @@ class TrainEngine:
                             master_dtype=DTYPES[o.master_dtype], m_dtype=DTYPES[o.opt_m_dtype],
                             v_dtype=DTYPES[o.opt_v_dtype], beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_eps,
                             weight_decay=o.weight_decay, seed=o.seed, chunk=o.opt_chunk_size, offload=offload,
-                            zero_copy=o.use_zero_copy, grads_on_host=o.offload_gradients)
+                            zero_copy=o.use_zero_copy, grads_on_host=o.offload_gradients, schedule=self.schedule)
 
     # ------------------------------------------------------------------ weights, whatever the ZeRO level
     def full_params(self) -> torch.Tensor:
@@ -345,7 +350,7 @@ class TrainEngine:
         ``step`` is the 1-based update number (Adam bias correction, rounding seeds). Returns host stats
         (the one host sync of the step). A non-finite gradient norm skips the update: the weights and the
         optimizer state stay as they were. So does a loss above ``max_loss`` or a norm above ``max_norm``
-        (the spike guard's limits, see llmq_ray/spike_guard.py); ``StepStats.skip_reason`` says why.
+        (the spike guard's limits, see llmq_ray/engine/spike_guard.py); ``StepStats.skip_reason`` says why.
         """
         if self.micro_steps_done == 0:
             raise RuntimeError("update() called before any micro_step()")

@@ -15,7 +15,7 @@ state and are therefore kept out of (or keyed into) the graph:
 * the first micro-step of a step *overwrites* the block weight gradients and later ones accumulate
   (``LlamaModel._block_grads_zero``): two graphs, one per mode, sharing one memory pool.
 
-With the update overlapped with the next forward (one worker, ZeRO-1; llmq_ray/update_overlap.py) the first
+With the update overlapped with the next forward (one worker, ZeRO-1; llmq_ray/engine/update_overlap.py) the first
 micro-step of a step must wait, per unit, for the update of that unit's weights, zero that unit's gradients
 only then (the update reads them), and, with FP8, quantize each layer's weights only after its wait. The
 "first micro-step" graph is therefore captured with all three inside it: an event-wait node on each unit's
@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from llmq_ray.errors import ConfigError
-from llmq_ray.model import LlamaModel
-from llmq_ray.update_overlap import UpdateOverlap
+from llmq_ray.model.transformer import LlamaModel
+from llmq_ray.engine.update_overlap import UpdateOverlap
 
 
 class MicroStepGraphs:

@@ -5,7 +5,7 @@ optimizer state under ZeRO-1/2, so the optimizer, its checkpoints and resharding
 ``params_shard`` [S] *is* its slice of the flat buffer, and nobody holds the whole buffer any more.
 
 What the model sees (``ShardedWeights``, the store behind ``LlamaModel.w`` / ``.g``; see ``ResidentWeights``
-in llmq_ray/model.py for the protocol):
+in llmq_ray/model/transformer.py for the protocol):
 
 * **gather units**: each layer's four matrices (qkv, out, up+gate, down -- contiguous in the layout), the
   embedding and the untied LM head. A unit's range [lo, hi) of the flat buffer generally spans one or two
@@ -39,7 +39,8 @@ from collections.abc import Callable
 
 import torch
 
-from llmq_ray.params import ParamLayout
+from llmq_ray.model.params import ParamLayout
+from llmq_ray.model.units import Policy
 
 
 class _NamedViews:
@@ -58,7 +59,7 @@ class _NamedViews:
         return self[name] if name in self else default
 
 
-class ShardedWeights:
+class ShardedWeights(Policy):
     """This rank's weight shard, the replicated norms/biases and the gather/reduce buffers of ZeRO-3.
 
     Buffers (model dtype, on ``device``): ``params_shard`` [S]; ``plain`` / ``plain_grads`` [P] (the

@@ -1,6 +1,6 @@
 """``LLMQTrainer``: a whole training run on Ray in one call, or step by step for custom loops.
 
-    from llmq_ray.trainer import LLMQTrainer
+    from llmq_ray.train.trainer import LLMQTrainer
     result = LLMQTrainer(model="tiny-qwen", train_file="data/ts/train-*.bin", eval_file="data/ts/eval.bin",
                          steps=200, batch_size=8, seq_len=256, device="cpu", workers=2).fit()
     result.metrics["eval_loss"], result.export_path, result.history[-1]["loss"]
@@ -52,7 +52,7 @@ from typing import Optional
 
 from llmq_ray.actors.failures import WorkerError, wrap_error
 from llmq_ray.actors.spec import RuntimeSpec
-from llmq_ray.config import resolve_model
+from llmq_ray.model.config import resolve_model
 from llmq_ray.errors import ConfigError, DataError, LLMQError
 from llmq_ray.options import TrainOptions
 
@@ -147,10 +147,10 @@ class LLMQTrainer:
 
     def _configure(self, options, option_fields: dict, runtime: dict, *, resume, ray_address, checkpoint_on_exit,
                    allow_batch_change) -> None:
-        """Resolve the defaults and run every check that needs no Ray (``llmq_ray/preflight.py``); nothing is
+        """Resolve the defaults and run every check that needs no Ray (``llmq_ray/train/preflight.py``); nothing is
         written until all of them passed."""
-        from llmq_ray.preflight import check_local_resources, local_gpu_count
-        from llmq_ray.run_defaults import AUTO, resolve_eval, resolve_option_fields
+        from llmq_ray.train.preflight import check_local_resources, local_gpu_count
+        from llmq_ray.train.run_defaults import AUTO, resolve_eval, resolve_option_fields
 
         unknown = set(option_fields) - _OPTION_FIELDS
         if unknown:
@@ -183,9 +183,9 @@ class LLMQTrainer:
         self._check_outputs()
         default_data = not r["synthetic_data"] and not r["train_file"]
         if default_data:  # the embedded tiny-shakespeare (tokenized once into the cache), as the CLI does
-            from llmq_ray.default_data import default_dataset
+            from llmq_ray.train.default_data import default_dataset
 
-            from llmq_ray.run_defaults import MACHINE_DEFAULTS
+            from llmq_ray.train.run_defaults import MACHINE_DEFAULTS
 
             r["train_file"], default_eval, desc = default_dataset(
                 verbose=self.verbose, eval_tokens=MACHINE_DEFAULTS[machine]["eval_tokens"])
@@ -203,7 +203,7 @@ class LLMQTrainer:
             self._keep_global_batch(known_world)
         if self.resume_from and os.path.dirname(self.resume_from) == self.checkpoint_dir:
             # every check passed: a run that goes back to an older checkpoint starts a new branch
-            from llmq_ray.checkpoint import set_aside_newer, step_of
+            from llmq_ray.checkpoints.store import set_aside_newer, step_of
 
             moved_to, names = set_aside_newer(self.checkpoint_dir, step_of(self.resume_from) or 0)
             if moved_to:
@@ -228,7 +228,7 @@ class LLMQTrainer:
         """``exc`` with its flag names written as this API's keyword arguments (unless used by the CLI)."""
         if self.cli:
             return exc
-        from llmq_ray.run_defaults import api_names
+        from llmq_ray.train.run_defaults import api_names
 
         text = api_names(str(exc), _OPTION_FIELDS | _RUNTIME_ARGS)
         if text == str(exc):
@@ -281,14 +281,14 @@ class LLMQTrainer:
             raise ConfigError(f"--gpus={r['gpus']} with --device=cpu: use --workers for CPU workers.")
         if r["device"] == "cpu" and r["backend"] not in ("auto", "torch"):
             raise ConfigError(f"--backend={r['backend']} needs a GPU; on --device=cpu use --backend=torch.")
-        from llmq_ray.preflight import check_optional_packages
+        from llmq_ray.train.preflight import check_optional_packages
 
         check_optional_packages(r["wandb_project"], r["log_gpu_util"])
 
     def _check_outputs(self) -> None:
-        """The output, checkpoint and log locations (``llmq_ray/preflight.py``); a fresh run refuses a
+        """The output, checkpoint and log locations (``llmq_ray/train/preflight.py``); a fresh run refuses a
         checkpoint folder that holds another run's checkpoints."""
-        from llmq_ray.preflight import check_fresh_checkpoint_dir, check_log_file, check_writable_dir
+        from llmq_ray.train.preflight import check_fresh_checkpoint_dir, check_log_file, check_writable_dir
 
         r = self.runtime
         check_writable_dir(r["out_dir"], "--out-dir")
@@ -301,7 +301,7 @@ class LLMQTrainer:
 
     def _check_data(self) -> None:
         """Every train/eval file: header, size, token ids against the model's vocabulary; one window at least."""
-        from llmq_ray.preflight import check_token_files
+        from llmq_ray.train.preflight import check_token_files
 
         r = self.runtime
         if r["synthetic_data"]:
@@ -320,7 +320,7 @@ class LLMQTrainer:
         sentence). Incomplete or corrupt newer folders are skipped with a warning (in ``self.notes``)."""
         if self.resume is False or self.resume is None:
             return None
-        from llmq_ray.checkpoint import CheckpointWarning, check_config, read_manifest, resolve_continue
+        from llmq_ray.checkpoints.store import CheckpointWarning, check_config, read_manifest, resolve_continue
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
@@ -335,7 +335,7 @@ class LLMQTrainer:
         (``preflight.keep_global_batch``), unless ``allow_batch_change``."""
         if not self.resume_from or self.allow_batch_change:
             return
-        from llmq_ray.preflight import keep_global_batch
+        from llmq_ray.train.preflight import keep_global_batch
 
         ga, line = keep_global_batch(self.resume_manifest, self.resume_from, self.opts.batch_size,
                                      self.opts.grad_accumulation, world)
@@ -450,7 +450,7 @@ class LLMQTrainer:
         print(f"llmq-ray: {self.opts.model} on {s.world_size} x {i['gpu'] or 'cpu'} worker(s) "
               f"(backend {s.backend}, ZeRO-{self.opts.effective_zero_level}), set-up {i['seconds']:.1f} s; "
               f"log {i['log_file']}", flush=True)
-        from llmq_ray.memory_table import format_memory_table
+        from llmq_ray.observe.memory_table import format_memory_table
 
         mems = i.get("memories", [i["memory"]])
         print(format_memory_table(list(mems[0].items()), title="memory (rank 0)"), flush=True)
@@ -500,7 +500,7 @@ class LLMQTrainer:
 
     def _eval_bar(self, under=None):
         """An ``EvalBar`` on stdout (off with --no-progress, verbose=False, or when stdout is no terminal)."""
-        from llmq_ray.progress import EvalBar
+        from llmq_ray.observe.progress import EvalBar
 
         return EvalBar(sys.stdout, enabled=self.verbose and self.progress, under=under)
 
@@ -509,10 +509,10 @@ class LLMQTrainer:
         """Train ``steps`` optimizer steps (evals as configured), final eval, export; returns a Result.
 
         In the main thread (and with ``handle_signals``), SIGTERM / SIGINT / SIGHUP stop the run cleanly
-        (``llmq_ray/stop_signals.py``): the step under way finishes, a checkpoint of it is written and
+        (``llmq_ray/train/stop_signals.py``): the step under way finishes, a checkpoint of it is written and
         ``Result.stopped`` says so; ``request_stop()`` from another thread does the same. The workers are
         released at the end (also on error), and the log's last record says why the run ended."""
-        from llmq_ray.stop_signals import StopForced
+        from llmq_ray.train.stop_signals import StopForced
 
         with self._stop_signals(self.handle_signals):
             try:
@@ -558,7 +558,7 @@ class LLMQTrainer:
         self._steps_done = done
         in_flight: collections.deque = collections.deque()
         submitted = done
-        from llmq_ray.progress import Progress
+        from llmq_ray.observe.progress import Progress
 
         bar = Progress(self.opts.steps, "train", unit="step", stream=sys.stdout,
                        enabled=self.verbose and self.progress, initial=done)
@@ -618,7 +618,7 @@ class LLMQTrainer:
         exists already), the log's "end" record (reason "stopped"), the workers shut down. Returns
         {"signal" (name, or "request_stop()"), "step", "checkpoint" (path or None), "written", "exit_code"
         (128 + the signal number; 0 for request_stop()), "line" (also printed to stderr)}."""
-        from llmq_ray.stop_signals import EXIT_CODE_REQUEST, EXIT_CODES, signal_name
+        from llmq_ray.train.stop_signals import EXIT_CODE_REQUEST, EXIT_CODES, signal_name
 
         self._stop_requested.set()
         name = signal_name(self._stop_signal)
@@ -647,7 +647,7 @@ class LLMQTrainer:
         record from here, and report it."""
         import ray
 
-        from llmq_ray.stop_signals import EXIT_CODES, signal_name
+        from llmq_ray.train.stop_signals import EXIT_CODES, signal_name
 
         first = signal_name(self._stop_signal)
         step = self._steps_done
@@ -659,7 +659,7 @@ class LLMQTrainer:
             self.coordinator = None
         if self._stopped is not None:  # the stop had completed (a second signal while closing): it stands
             return self._stopped
-        from llmq_ray.checkpoint import CheckpointWarning, find_latest_valid
+        from llmq_ray.checkpoints.store import CheckpointWarning, find_latest_valid
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CheckpointWarning)
@@ -690,7 +690,7 @@ class LLMQTrainer:
         path = self._log_path()
         if not os.path.isfile(path) or (self.info is None and not self.resume_from):
             return  # this run never wrote its log (a file there is an earlier run's): nothing to end
-        from llmq_ray.runlog import append_records
+        from llmq_ray.observe.runlog import append_records
 
         try:
             append_records(path, [{"log": "end", **fields}])
@@ -727,7 +727,7 @@ class LLMQTrainer:
 
     @contextlib.contextmanager
     def _stop_signals(self, enabled: bool):
-        from llmq_ray.stop_signals import SignalStop
+        from llmq_ray.train.stop_signals import SignalStop
 
         if not enabled or self._signals is not None:
             yield
@@ -850,7 +850,7 @@ _RUNTIME_ARGS = {name for name, p in inspect.signature(LLMQTrainer.__init__).par
                  if p.kind is p.KEYWORD_ONLY}
 
 
-def _main_guard() -> None:  # pragma: no cover - for `python -m llmq_ray.trainer` by mistake
+def _main_guard() -> None:  # pragma: no cover - for `python -m llmq_ray.train.trainer` by mistake
     print("use `python examples/train.py` or `llmq-train` to train from the command line", file=sys.stderr)
 
 

@@ -1,6 +1,6 @@
 """Weights in and out in Hugging Face format (safetensors), for ``Qwen2ForCausalLM`` and ``LlamaForCausalLM``.
 
-Our parameters live in one flat buffer (``llmq_ray.params.ParamLayout``); HF checkpoints hold one tensor per
+Our parameters live in one flat buffer (``llmq_ray.model.params.ParamLayout``); HF checkpoints hold one tensor per
 ``nn.Linear`` / norm. The two differ only in naming and in two fusions, so the whole translation is a table
 of rows:
 
@@ -44,9 +44,9 @@ from typing import Iterable
 
 import torch
 
-from llmq_ray.config import ModelConfig
+from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError, ConfigError
-from llmq_ray.params import ParamLayout
+from llmq_ray.model.params import ParamLayout
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -35,11 +35,12 @@ from __future__ import annotations
 import torch
 
 from llmq_ray.backends.base import Backend
-from llmq_ray.config import ModelConfig
+from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
-from llmq_ray.linear import BlockLinears
+from llmq_ray.model.linear import BlockLinears
 from llmq_ray.options import RecomputeOptions  # noqa: F401 - defined with the other options, used here
-from llmq_ray.params import ParamLayout
+from llmq_ray.model.params import ParamLayout
+from llmq_ray.model.units import EMBED, HEAD, Policy, UnitHooks
 
 
 # Which flag turns each activation kind from per-layer storage into a shared, recomputed scratch buffer.
@@ -47,7 +48,7 @@ _RECOMPUTED_BY = {"ln1": "norm", "qkv": "qkv", "att": "att", "lse": "att", "resi
                   "ln2": "norm", "up_gate": "ffn", "swiglu": "swiglu"}
 
 
-class ResidualStream:
+class ResidualStream(Policy):
     """The residual stream x_0 .. x_L [N, C] (model dtype) that the forward saves for the backward; ``res[l]``.
 
     Resident: L+1 device buffers. Offloaded (``--offload-residual``): x_0 .. x_{L-1} live in host memory
@@ -64,7 +65,8 @@ class ResidualStream:
     device the copies are synchronous and the same slots are used, so CPU tests check the bookkeeping.
     """
 
-    def __init__(self, num_layers: int, n: int, c: int, dtype: torch.dtype, device: torch.device, offload: bool):
+    def __init__(self, num_layers: int, n: int, c: int, dtype: torch.dtype, device: torch.device, offload: bool,
+                 stream=None):
         self.num_layers, self.offload = num_layers, offload
         empty = lambda: torch.empty(n, c, dtype=dtype, device=device)  # noqa: E731
         if not offload:
@@ -76,8 +78,8 @@ class ResidualStream:
         self.slots = [empty(), empty()]
         self.final = empty()
         self.holder: list[int | None] = [None, None]   # which x_l each slot holds
-        self.cuda = torch.device(device).type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.stream = stream                            # the schedule's side stream; None: copy in order
+        self.cuda = stream is not None
         self.copied_out: list = [None, None]            # event: the slot's x_l has reached the host
         self.copied_in: list = [None, None]             # event: the slot's x_l has arrived from the host
 
@@ -104,6 +106,13 @@ class ResidualStream:
         side = self.stream
         side.wait_stream(torch.cuda.current_stream(side.device))
         return torch.cuda.stream(side)
+
+    def begin(self, unit, backward: bool = False) -> None:
+        """The unit policy (llmq_ray/model/units.py): a new forward at the embedding, then one layer at a time."""
+        if unit == EMBED and not backward:
+            self.begin_forward()
+        elif isinstance(unit, int):
+            (self.backward_layer if backward else self.forward_layer)(unit)
 
     def begin_forward(self) -> None:
         """Before the embedding writes x_0 into slot 0: earlier copies are finished, the slots are free."""
@@ -167,7 +176,7 @@ class Activations:
 
     def __init__(self, cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
                  recompute: RecomputeOptions, offload_residual: bool = False,
-                 unread_by_backward: frozenset = frozenset()):
+                 unread_by_backward: frozenset = frozenset(), residual_stream=None):
         n, c, L = batch * seq, cfg.hidden_size, cfg.num_layers
         shapes = {
             "ln1": (n, c), "qkv": (batch, seq, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim),
@@ -190,7 +199,7 @@ class Activations:
                 self.shared_bytes += nbytes
             else:
                 self.per_layer_bytes += nbytes
-        self.residual = ResidualStream(L, n, c, dtype, device, offload_residual)
+        self.residual = ResidualStream(L, n, c, dtype, device, offload_residual, residual_stream)
         self.rstd1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
         self.rstd2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
         self.per_layer_bytes += 2 * n * 4  # two rstd
@@ -211,17 +220,17 @@ class Activations:
         return self.per_layer_bytes * num_layers + self.shared_bytes
 
 
-class ResidentWeights:
+class ResidentWeights(Policy):
     """Where the model reads weights and writes gradients: by default one full flat buffer of each (ZeRO-1/2).
 
     The model touches weights and gradients only through the name mappings ``w[name]`` / ``g[name]``, and
     brackets every use with ``begin(unit, backward)`` / ``end(unit, backward)``, where ``unit`` is a layer
     index, ``"embed"`` (the embedding lookup; its backward is the scatter-add at the very end) or ``"head"``
     (the LM head, forward and backward in the loss phase; the embedding itself when tied). Here those hooks do
-    nothing unless an optimizer update is still running on a side stream (``llmq_ray/update_overlap.py``):
+    nothing unless an optimizer update is still running on a side stream (``llmq_ray/engine/update_overlap.py``):
     then ``ready`` holds, per unit, the event after which its weights are updated, and ``begin`` makes the
     compute stream wait for it; ``zero_grads`` is deferred to each unit's first ``begin`` (the update is still
-    reading the gradients). A sharded store (ZeRO-3, ``llmq_ray/zero3.py``) gathers a unit's weights in
+    reading the gradients). A sharded store (ZeRO-3, ``llmq_ray/engine/zero3.py``) gathers a unit's weights in
     ``begin`` and reduces its gradients after the backward's ``end``.
 
     ``params`` / ``grads``: flat [>= layout.numel] model dtype (may be longer, e.g. padded for ZeRO).
@@ -275,7 +284,7 @@ class LlamaModel:
     scratch, e.g. the reference's [B, H, T, T] probabilities, shrinks by that factor; results are the same).
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
-    llmq_ray/linear.py. The results are the same bits in every case.
+    llmq_ray/model/linear.py. The results are the same bits in every case.
     """
 
     def __init__(self, cfg: ModelConfig, backend: Backend, *, batch_size: int, seq_len: int,
@@ -283,8 +292,11 @@ class LlamaModel:
                  lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None,
                  matmul_dtype: str | None = None, gradient_dtype: str | None = None,
                  weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
-                 quants: str = "persistent"):
+                 quants: str = "persistent", schedule: UnitHooks | None = None):
         self.cfg, self.backend = cfg, backend
+        # the policies around each unit and the side streams they use (llmq_ray/model/units.py); the engine
+        # passes its Schedule, a model built on its own runs them in order on the compute stream
+        self.schedule = schedule if schedule is not None else UnitHooks(backend.device)
         self.device = backend.device
         self.dtype = dtype
         self.batch_size, self.seq_len = batch_size, seq_len
@@ -327,7 +339,8 @@ class LlamaModel:
         store_xt = not (rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu)
         unread = frozenset({"ln1", "ln2", "swiglu"}) if matmul_dtype == "e4m3" and store_xt else frozenset()
         self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute, offload_residual,
-                                unread_by_backward=unread)
+                                unread_by_backward=unread,
+                                residual_stream=self.schedule.stream("residual") if offload_residual else None)
         empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
         self.final_ln = empty(n, c)
         self.final_rstd = empty(n, dt=torch.float32)
@@ -346,9 +359,13 @@ class LlamaModel:
         self.lin = BlockLinears(backend, self.w, {k: slot.shape for k, slot in self.layout.slots.items()},
                                 cfg.num_layers, n, matmul_dtype, gradient_dtype,
                                 store_xt=store_xt,
-                                quants=quants, sharded=not isinstance(weights, ResidentWeights))
+                                quants=quants, sharded=not isinstance(weights, ResidentWeights),
+                                stream=self.schedule.stream("fp8-copies") if quants == "host" else None)
         if hasattr(weights, "layer_needed"):  # ZeRO-3: skip gathering layers whose FP8 copies are current
             weights.layer_needed = self.lin.needs_weights
+        # what each unit needs before it runs, in this order: its weights, their FP8 copies, the saved residual
+        for policy in (weights, self.lin, self.acts.residual):
+            self.schedule.add(policy)
         self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
@@ -427,19 +444,16 @@ class LlamaModel:
 
     def _forward_trunk(self, tokens: torch.Tensor) -> None:
         """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
-        be, a, store = self.backend, self.acts, self.store
-        a.residual.begin_forward()
-        store.begin("embed")
+        be, a, hooks = self.backend, self.acts, self.schedule
+        hooks.before(EMBED)
         be.embedding_forward(a.residual[0], tokens, self.w["embed"])
-        store.end("embed")
+        hooks.after(EMBED)
         be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], self.w["layers.0.ln1_w"],
                            self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
         for layer in range(self.cfg.num_layers):
-            store.begin(layer)
-            self.lin.begin_layer(layer)
-            a.residual.forward_layer(layer)
+            hooks.before(layer)
             self._block_forward(layer)
-            store.end(layer)
+            hooks.after(layer)
 
     # ------------------------------------------------------------------ backward
     def _recompute(self, layer: int) -> None:
@@ -473,27 +487,21 @@ class LlamaModel:
         if rc.swiglu:
             be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer), absmax=self._amax(layer, 3))
 
-    def enable_wgrad_overlap(self, sm_count: int, mode: str = "stream", delay_cycles: int = 0) -> None:
-        """Run the block wgrads on a side stream sized for ``sm_count`` SMs (llmq_ray/wgrad_overlap.py): model
-        dtype only, with all weights resident (ZeRO-3 reduces each layer's gradients as its backward ends).
-        Call it before the first micro-step (a captured CUDA graph keeps the order it was captured with).
-        ``mode`` / ``delay_cycles``: the test modes of WgradOverlap."""
-        from llmq_ray.wgrad_overlap import WgradOverlap
-
+    def use_wgrad_overlap(self, overlap) -> None:
+        """Run the block wgrads through ``overlap`` (a WgradOverlap, llmq_ray/engine/wgrad_overlap.py, which makes
+        it and checks the SM count): model dtype only, with all weights resident (ZeRO-3 reduces each layer's
+        gradients as its backward ends). Before the first micro-step (a captured CUDA graph keeps the order it
+        was captured with)."""
         if self.lin.fp8:
             raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with "
                               "--matmul-dtype e4m3")
         if not isinstance(self.store, ResidentWeights):
             raise ConfigError("the wgrad overlap needs all weights resident (not ZeRO-3)")
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 0
-        if sm_count < 1 or (sms and sm_count > sms):
-            raise ConfigError(f"--overlap-wgrad-sms={sm_count} must be between 1 and this GPU's SM count "
-                              f"({sms or 'any'})")
         if self.lin.overlap is not None and self.lin.overlap.pending:
-            raise RuntimeError("enable_wgrad_overlap between micro-steps only (wgrads are still pending)")
-        self.lin.overlap = WgradOverlap(self.device, sm_count, mode, delay_cycles)
+            raise RuntimeError("use_wgrad_overlap between micro-steps only (wgrads are still pending)")
+        self.lin.overlap = overlap
         if self.device.type == "cuda":  # the side stream's scratch (or, serial, the compute stream's) before capture
-            stream = self.lin.overlap.stream
+            stream = overlap.stream
             self.backend.prepare_beside(stream if stream is not None else torch.cuda.current_stream(self.device))
 
     def _wait_wgrad(self, *names: str) -> None:
@@ -561,7 +569,7 @@ class LlamaModel:
         """Chunked LM head + fused cross-entropy; with ``backward``, also dL/d final_ln into d_ln and the
         LM-head weight gradient. Adds the chunk losses to ``loss_sum``."""
         be = self.backend
-        self.store.begin("head", backward)
+        self.schedule.before(HEAD, backward)
         w_head, g_head = self._lm_head(backward)
         rows = self.logits.shape[0]
         for chunk in range(self.lmhead_chunks):
@@ -572,7 +580,7 @@ class LlamaModel:
             if backward:
                 be.matmul(self.d_ln[sl], self.logits, w_head)
                 be.matmul(g_head, self.logits, x, transpose_a=True, accumulate=True)
-        self.store.end("head", backward)
+        self.schedule.after(HEAD, backward)
         self.loss_sum += self.losses.sum()
         self.target_count += (targets != -100).sum()
 
@@ -583,18 +591,16 @@ class LlamaModel:
         tokens, targets = self._check_batch(inputs, targets)
         self._forward_trunk(tokens)
         self._lm_head_loss(targets, backward=True)
-        a, store = self.acts, self.store
+        a, hooks = self.acts, self.schedule
         self.backend.rmsnorm_backward(self.d_residual, self.g["final_norm"], self.d_ln, a.residual[-1],
                                       self.w["final_norm"], self.final_rstd, absmax=self._dy_amax())
         for layer in reversed(range(self.cfg.num_layers)):
-            store.begin(layer, backward=True)
-            self.lin.begin_layer(layer, backward=True)
-            a.residual.backward_layer(layer)
+            hooks.before(layer, backward=True)
             self._block_backward(layer)
-            store.end(layer, backward=True)
-        store.begin("embed", backward=True)
+            hooks.after(layer, backward=True)
+        hooks.before(EMBED, backward=True)
         self.backend.embedding_backward(self.g["embed"], tokens, self.d_residual)
-        store.end("embed", backward=True)
+        hooks.after(EMBED, backward=True)
         if self.lin.overlap is not None:  # every gradient complete before anything reads them
             self.lin.overlap.wait_all()
         self._block_grads_zero = False  # a second micro-step must accumulate
@@ -613,9 +619,9 @@ class LlamaModel:
         tokens, _ = self._check_batch(inputs, None)
         self.lin.invalidate_weights()
         self._forward_trunk(tokens)
-        self.store.begin("head")
+        self.schedule.before(HEAD)
         w_head, _ = self._lm_head(backward=False)
         out = torch.empty(tokens.numel(), self.cfg.vocab_size, dtype=self.dtype, device=self.device)
         self.backend.matmul(out, self.final_ln, w_head, transpose_b=True)
-        self.store.end("head")
+        self.schedule.after(HEAD)
         return out.float().view(self.batch_size, self.seq_len, -1)

@@ -3,16 +3,16 @@
 Flags follow llm.q's names; each maps onto a keyword argument of ``LLMQTrainer`` (a ``TrainOptions`` field such
 as ``--grad-accumulation`` -> ``grad_accumulation``, or a runtime argument such as ``--checkpoint-dir``). The
 CLI keeps no defaults of its own: a flag not given is not passed on, so the API and the CLI share one set of
-defaults (``llmq_ray/run_defaults.py``), which ``--help`` prints. ``--config run.toml`` reads settings from a file
-(``llmq_ray/config_file.py``; flags on the command line win) and ``--print-config`` prints the resolved ones. Defaults that say "auto" suit the machine:
+defaults (``llmq_ray/train/run_defaults.py``), which ``--help`` prints. ``--config run.toml`` reads settings from a file
+(``llmq_ray/train/config_file.py``; flags on the command line win) and ``--print-config`` prints the resolved ones. Defaults that say "auto" suit the machine:
 on a CPU a tiny Qwen-vocabulary model, fp32, the torch backend and a run of about two minutes; on a GPU
 Qwen2.5-0.5B from scratch in bf16 with the fastest backend. With no ``--train-file`` the run uses the
-tiny-shakespeare corpus that ships with llmq-ray (see ``llmq_ray/default_data.py``). The run ends by printing the
+tiny-shakespeare corpus that ships with llmq-ray (see ``llmq_ray/train/default_data.py``). The run ends by printing the
 eval loss, a short generated sample and where the outputs are.
 
 Exit codes: 0 finished; 2 a user error (one sentence on stderr: a bad flag, file, folder or checkpoint; every
 check that needs no GPU runs before Ray starts); 1 any other failure; 143 / 130 / 129 stopped by SIGTERM /
-SIGINT / SIGHUP after writing a checkpoint (see ``llmq_ray/stop_signals.py``; a second signal abandons it).
+SIGINT / SIGHUP after writing a checkpoint (see ``llmq_ray/train/stop_signals.py``; a second signal abandons it).
 
 Importing this module and checking the input imports neither torch nor Ray: a mistake ends in well under a
 second on a small machine.
@@ -37,7 +37,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
         if message.startswith("unrecognized arguments:"):
-            from llmq_ray.config_file import closest
+            from llmq_ray.train.config_file import closest
 
             flags = [o for a in self._actions for o in a.option_strings]
             unknown = message.split(":", 1)[1].split()
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_defaults_to_help(parser: argparse.ArgumentParser) -> None:
     """Append each flag's default, read from the trainer (``run_defaults.api_defaults``), to its help."""
-    from llmq_ray.run_defaults import api_defaults
+    from llmq_ray.train.run_defaults import api_defaults
 
     defaults = {**api_defaults(), **CLI_ONLY}
     for a in parser._actions:
@@ -223,7 +223,7 @@ def _add_defaults_to_help(parser: argparse.ArgumentParser) -> None:
 
 def config_keys() -> set[str]:
     """The settings a config file may hold: every keyword of LLMQTrainer but the API-only ones."""
-    from llmq_ray.run_defaults import api_defaults
+    from llmq_ray.train.run_defaults import api_defaults
 
     return set(api_defaults()) - set(API_ONLY)
 
@@ -236,7 +236,7 @@ def trainer_kwargs(args: argparse.Namespace) -> dict:
 
 def print_sample(export_path: str, prompt: str, n_tokens: int, seed: int, device: str) -> None:
     """Generate ``n_tokens`` from the export with the KV-cache sampler and print them (text for Qwen vocab)."""
-    from llmq_ray.generate import load_for_generation
+    from llmq_ray.model.generate import load_for_generation
 
     gen = load_for_generation(export_path, device=device, dtype="fp32")
     tok = None
@@ -255,16 +255,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     trainer = None
     try:
-        from llmq_ray.trainer import LLMQTrainer
+        from llmq_ray.train.trainer import LLMQTrainer
 
         kwargs = trainer_kwargs(args)
         if getattr(args, "config", None):
-            from llmq_ray.config_file import read_config
+            from llmq_ray.train.config_file import read_config
 
             kwargs = {**read_config(args.config, config_keys()), **kwargs}  # the command line wins
         trainer = LLMQTrainer(cli=True, **kwargs)
         if getattr(args, "print_config", False):
-            from llmq_ray.config_file import resolved_toml
+            from llmq_ray.train.config_file import resolved_toml
 
             print(resolved_toml(trainer.resolved_settings(), args.config or ""), end="")
             return 0

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from llmq_ray.config import ModelConfig
+from llmq_ray.model.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

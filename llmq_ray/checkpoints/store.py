@@ -40,7 +40,7 @@ checkpoints this run has just written and hashed, and a restart's load still ver
 
 Importing this module does not import torch (``import torch`` takes about a second): the CLI resolves
 --continue in a pre-flight before anything heavy is loaded. The functions that handle tensors import it
-(and ``llmq_ray.params``) when called.
+(and ``llmq_ray.model.params``) when called.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from llmq_ray.config import ModelConfig
+from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:  # annotations only: the functions that need torch import it when called
@@ -367,7 +367,7 @@ def build_manifest(step: int, *, config: ModelConfig, world_size: int, options: 
     (or None) per rank. rng: ``rng_state(seed)``. extra: more JSON keys (e.g. the loss history, the export
     dtype); they must not collide with the reserved ones.
     """
-    from llmq_ray.params import ParamLayout
+    from llmq_ray.model.params import ParamLayout
 
     manifest = {
         "format": FORMAT,
@@ -808,7 +808,7 @@ def load_checkpoint(folder: str, *, expected_config: ModelConfig, world_size: in
     import torch
     from safetensors import SafetensorError, safe_open
 
-    from llmq_ray.params import ParamLayout
+    from llmq_ray.model.params import ParamLayout
 
     manifest = read_manifest(folder)
     name = os.path.basename(os.path.normpath(folder))

@@ -10,7 +10,7 @@ compute stream's kernels keep the other SMs and the two run at the same time.
 The hazards are the buffers the model reuses: a wgrad reads dy and x, and the compute stream must not
 overwrite either before that wgrad has run. ``submit(tag, fn)`` records where the inputs became final and
 remembers the wgrad's completion under ``tag``; the model calls ``wait(tag)`` right before it overwrites an
-input of that wgrad (llmq_ray/model.py lists which), and ``wait_all()`` before anything reads the gradients
+input of that wgrad (llmq_ray/model/transformer.py lists which), and ``wait_all()`` before anything reads the gradients
 (the end of the micro-step: optimizer, gradient reductions, the next micro-step's recomputation).
 
 Modes (tests): on a CPU device there is no stream, so ``submit`` runs the wgrad at once, or with ``mode="defer"``
@@ -33,6 +33,9 @@ from typing import Callable
 
 import torch
 
+from llmq_ray.engine.schedule import Schedule
+from llmq_ray.errors import ConfigError
+
 
 MODES = ("stream", "serial", "defer")
 
@@ -43,18 +46,17 @@ class WgradOverlap:
     (CUDA: on the compute stream) or "defer" (CPU: as late as allowed, inputs checked); ``delay_cycles`` (CUDA,
     tests): spin the side stream this long before each wgrad; ``submitted`` counts the wgrads issued."""
 
-    def __init__(self, device: torch.device, sm_count: int, mode: str = "stream", delay_cycles: int = 0):
+    def __init__(self, schedule: Schedule, sm_count: int, mode: str = "stream", delay_cycles: int = 0):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} must be one of {MODES}")
-        self.device = torch.device(device)
+        self.device = schedule.device
         cuda = self.device.type == "cuda"
         if mode == "defer" and cuda:
             raise ValueError("mode='defer' emulates a side stream on the CPU; on CUDA use delay_cycles")
         self.sm_count, self.mode, self.delay_cycles = sm_count, mode, delay_cycles
         self.stream = None
         if cuda and mode == "stream":
-            lowest, _ = torch.cuda.Stream.priority_range()
-            self.stream = torch.cuda.Stream(self.device, priority=lowest)
+            self.stream = schedule.stream("wgrad", low_priority=True)
         # in submission order: (tag, the CUDA event recorded after the wgrad, or on the CPU its deferred call)
         self.pending: list[tuple[str, object]] = []
         self.submitted = 0
@@ -69,15 +71,12 @@ class WgradOverlap:
             else:  # CPU, or CUDA serial: in order on the compute stream
                 fn(self.sm_count if self.device.type == "cuda" else 0)
             return
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(ready)
+        self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
         with torch.cuda.stream(self.stream):
             if self.delay_cycles:
                 torch.cuda._sleep(self.delay_cycles)
             fn(self.sm_count)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+            done = self.stream.record_event()
         self.pending.append((tag, done))
 
     @staticmethod
@@ -102,3 +101,20 @@ class WgradOverlap:
 
     def wait_all(self) -> None:
         self.wait(*{tag for tag, _ in self.pending})
+
+
+def enable_wgrad_overlap(model, sm_count: int, mode: str = "stream", delay_cycles: int = 0,
+                         schedule: Schedule | None = None) -> WgradOverlap:
+    """Run ``model``'s block wgrads beside its dgrads (``--overlap-wgrad-sms``), on the ``wgrad`` stream of
+    ``schedule`` (default: the model's own schedule when it is the engine's, else a new one), each sized for
+    ``sm_count`` SMs (1 .. this GPU's SM count); before the first micro-step."""
+    if schedule is None:
+        schedule = model.schedule if isinstance(model.schedule, Schedule) else Schedule(model.device)
+    device = schedule.device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    if sm_count < 1 or (sms and sm_count > sms):
+        raise ConfigError(f"--overlap-wgrad-sms={sm_count} must be between 1 and this GPU's SM count "
+                          f"({sms or 'any'})")
+    overlap = WgradOverlap(schedule, sm_count, mode, delay_cycles)
+    model.use_wgrad_overlap(overlap)
+    return overlap

@@ -1,4 +1,4 @@
-"""Weights & Biases logging of a run, fed with the records of our JSON log (``llmq_ray/runlog.py``).
+"""Weights & Biases logging of a run, fed with the records of our JSON log (``llmq_ray/observe/runlog.py``).
 
 The same mapping serves live logging (the coordinator passes every record it adds to the JSON log) and
 replaying a finished log (``examples/export_wandb.py``), so the W&B charts are exactly the JSON log.
@@ -15,7 +15,7 @@ Record -> W&B (``record_to_wandb``), with the W&B step = optimizer steps done (t
                train/worker_seconds, train/ray_overhead_seconds, train/data_seconds,
                train/memory_bytes_max (max over ranks of JSON "memory")
     eval       eval/loss (a "full" eval: eval/final_loss too), eval/seconds
-    gpu_util   gpu{rank}/<key> for every numeric key of ``llmq_ray.gpu_stats`` (clocks, power, temperature,
+    gpu_util   gpu{rank}/<key> for every numeric key of ``llmq_ray.observe.gpu_stats`` (clocks, power, temperature,
                utilization, memory), at its "step"
     options, sol, dataset, gpu, allocator   merged into the run config (under "sol/", "dataset/", "gpu{rank}/",
                "memory/")

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from llmq_ray.errors import CheckpointError, ConfigError
-from llmq_ray.offload import StagedChunks, fixed_chunks, host_zeros
+from llmq_ray.engine.offload import StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.lr_schedule import SCHEDULES, learning_rate_at  # noqa: F401 - re-exported (schedules live there)
-from llmq_ray.params import ParamLayout
+from llmq_ray.model.params import ParamLayout
 # Elements per optimizer chunk (--opt-chunk-size): the unit of the offloaded state's trips through the GPU, and
 # of the AdamW kernel calls and their rounding seeds (offloaded or not). 2^25 fp32 elements = 128 MiB a slot.
 DEFAULT_CHUNK = 1 << 25
@@ -104,7 +104,7 @@ class ShardedAdamW:
                  master_dtype: torch.dtype, m_dtype: torch.dtype, v_dtype: torch.dtype, beta1: float = 0.9,
                  beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, seed: int = 0,
                  params_offset: int = 0, chunk: int = DEFAULT_CHUNK, offload: Iterable[str] = (),
-                 zero_copy: bool = False, grads_on_host: bool = False):
+                 zero_copy: bool = False, grads_on_host: bool = False, schedule=None):
         for flag, dt in (("--master-dtype", master_dtype), ("--opt-m-dtype", m_dtype), ("--opt-v-dtype", v_dtype)):
             if dt not in _DTYPES:
                 raise ConfigError(f"{flag}: optimizer state must be fp32 or bf16, got {dt}.")
@@ -162,7 +162,7 @@ class ShardedAdamW:
         self.staging = None
         self._update_done = None  # event: the update queued on a side stream (step(stream=...)) is done
         if streamed and not self.zero_copy and n > 0:
-            self.staging = StagedChunks(device, streamed, min(self.chunk, n))
+            self.staging = StagedChunks(device, streamed, min(self.chunk, n), schedule, "optimizer")
         # --opt-resident-gib (keep_resident): chunk index -> offset into the device buffers that hold those
         # chunks' offloaded state during training; state_tensors() copies them back to the host tensors.
         self.resident_at: dict[int, int] = {}
@@ -243,7 +243,7 @@ class ShardedAdamW:
         (``self.chunks``): weight_decay on embeddings/matrices, 0 on norms/biases. Seeds depend on (seed, step,
         global chunk start) only, so a resumed run draws the same rounding bits as the uninterrupted one, and
         an offloaded state the same bits as a resident one. With offloaded state the chunks stream through the
-        device, pipelined (llmq_ray/offload.py); ``grads_shard`` may itself be a host tensor
+        device, pipelined (llmq_ray/engine/offload.py); ``grads_shard`` may itself be a host tensor
         (``grads_on_host``, --offload-gradients).
 
         ``order``: the chunks (indices into ``self.chunks``) in the order to update them (default: as laid

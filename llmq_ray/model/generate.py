@@ -1,6 +1,6 @@
 """Text generation with a KV cache, straight from the training model's flat parameter buffer.
 
-The math is the training model's (``llmq_ray.model``) for one block, written as plain torch ops under
+The math is the training model's (``llmq_ray.model.transformer``) for one block, written as plain torch ops under
 ``torch.no_grad`` (no backend, no saved activations): RMSNorm in fp32, half-split RoPE, causal grouped-query
 attention, SwiGLU ``up * silu(gate)``, then the final norm and the (tied or untied) LM head.
 
@@ -26,9 +26,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from llmq_ray.config import ModelConfig, resolve_model
+from llmq_ray.model.config import ModelConfig, resolve_model
 from llmq_ray.errors import ConfigError
-from llmq_ray.params import ParamLayout, init_params
+from llmq_ray.model.params import ParamLayout, init_params
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -227,7 +227,7 @@ def load_for_generation(model_dir_or_preset: str, device: str | torch.device = "
         if dtype.lower() not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}.")
         dtype = _DTYPES[dtype.lower()]
-    from llmq_ray.hf_io import load_hf_weights
+    from llmq_ray.model.hf_io import load_hf_weights
 
     cfg, folder = resolve_model(model_dir_or_preset)
     layout = ParamLayout(cfg)

@@ -18,7 +18,7 @@ writes weights, gradients or optimizer state (eval, checkpoints, the next update
 The results are the same bits as an update on the compute stream: the same kernels on the same chunks with the
 same seeds, only queued in another order. On the CPU there are no streams: the update runs at once (the
 order and the deferred zeroing still run, so CPU tests cover them).
-With CUDA graphs (llmq_ray/cuda_graphs.py) the first micro-step of a step is replayed from a graph captured
+With CUDA graphs (llmq_ray/engine/cuda_graphs.py) the first micro-step of a step is replayed from a graph captured
 with these waits and deferred zeroings in it (and, with FP8, each layer's weight quantization after its wait).
 Limits: one worker (no all-gather after the update) and ZeRO-1 (ZeRO-2's accumulator is written by the next
 micro-step's reduction; ZeRO-3 gathers its own weights).
@@ -30,9 +30,10 @@ from collections import defaultdict
 
 import torch
 
-from llmq_ray.model import ResidentWeights
-from llmq_ray.optim import ShardedAdamW
-from llmq_ray.params import ParamLayout
+from llmq_ray.model.transformer import ResidentWeights
+from llmq_ray.engine.optim import ShardedAdamW
+from llmq_ray.engine.schedule import Schedule
+from llmq_ray.model.params import ParamLayout
 
 
 def unit_ranges(layout: ParamLayout) -> dict:
@@ -71,26 +72,25 @@ def chunk_order(chunks: list[tuple[int, int, bool]], units: dict) -> tuple[list[
 class UpdateOverlap:
     """Queues ``optimizer.step`` on a side stream and hands per-unit readiness events to ``store``.
 
-    ``store``: the model's ResidentWeights over ``grads`` (flat, model dtype). ``device``: the compute device
-    (no side stream on the CPU)."""
+    ``store``: the model's ResidentWeights over ``grads`` (flat, model dtype). ``schedule``: gives the ``update``
+    stream and the per-unit events (none on the CPU)."""
 
-    def __init__(self, layout: ParamLayout, optimizer: ShardedAdamW, store: ResidentWeights, device):
+    def __init__(self, layout: ParamLayout, optimizer: ShardedAdamW, store: ResidentWeights, schedule: Schedule):
         self.optimizer, self.store = optimizer, store
         units = unit_ranges(layout)
         self.order, self.ready_after = chunk_order(optimizer.chunks, units)
         store.unit_grads = {u: [store.grads[lo:hi] for lo, hi in ranges] for u, ranges in units.items()}
-        cuda = torch.device(device).type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.stream = schedule.stream("update")
         self._keep: list = []  # tensors made on the compute stream and read by the update: alive until join
         # One event per unit, re-recorded by every update. ``external``: a CUDA graph captured while waiting on
-        # it gets an event-wait node on this very event (llmq_ray/cuda_graphs.py), so each replay waits for
+        # it gets an event-wait node on this very event (llmq_ray/engine/cuda_graphs.py), so each replay waits for
         # whichever update recorded it last. Re-recording is safe: it happens after TrainEngine.update's host
         # sync, when no replay that waits on these events is still running. Recorded once here: a wait on a
         # never-recorded event is a no-op in torch, and would leave the node out of a graph.
         self.events: dict = {}
-        if cuda:
+        if self.stream is not None:
             for u in units:
-                self.events[u] = torch.cuda.Event(external=True)
+                self.events[u] = schedule.event(f"update-done-{u}", external=True)
                 self.events[u].record(self.stream)
 
     def step(self, grads_shard: torch.Tensor, *, lr: float, step: int, grad_scale) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from llmq_ray.engine.schedule import Schedule
 from llmq_ray.host_memory import host_zeros  # noqa: F401 - re-exported (engine, optim)
 
 
@@ -64,14 +65,17 @@ class StagedChunks:
 
     SLOTS = 3  # upload, compute and download each own one slot at a time
 
-    def __init__(self, device: torch.device, specs: Mapping[str, torch.dtype], chunk: int):
+    def __init__(self, device: torch.device, specs: Mapping[str, torch.dtype], chunk: int, schedule=None,
+                 name: str = "staging"):
         self.device = torch.device(device)
         self.chunk = int(chunk)
         self.slots = {name: [torch.empty(self.chunk, dtype=dt, device=self.device) for _ in range(self.SLOTS)]
                       for name, dt in specs.items()}
         self.cuda = self.device.type == "cuda"
-        self.upload = torch.cuda.Stream(self.device) if self.cuda else None
-        self.download = torch.cuda.Stream(self.device) if self.cuda else None
+        # the schedule's ``<name>-upload`` / ``<name>-download`` streams (llmq_ray/engine/schedule.py)
+        schedule = schedule if schedule is not None else Schedule(self.device)
+        self.upload = schedule.stream(f"{name}-upload")
+        self.download = schedule.stream(f"{name}-download")
         self._done: torch.cuda.Event | None = None
 
     def run(self, ranges: Sequence[tuple[int, int]], load: Mapping[str, torch.Tensor],

@@ -1,0 +1,7 @@
+"""One process's training step: the schedule over the model's units (the only owner of CUDA streams and events),
+its policies (ZeRO-3 gather-ahead and reduce-behind, host offload, weight-gradient and optimizer-update overlap,
+CUDA-graph capture), the sharded AdamW, the loss-spike guard and the single-process training loop.
+
+Collectives reach it through the ``Communicator`` interface (train_engine.py), which the Ray actors implement;
+the engine never imports Ray.
+"""
