@@ -120,7 +120,10 @@ class Coordinator:
         self.log.add("dataset", **infos[0]["dataset"])
         for r, info in enumerate(infos):
             self.log.add("allocator", rank=r, **info["memory"])
-        lines = [self._warn(None, "checkpoint", m) for m in notes or []]
+        self.log.add("backend", line=infos[0]["backend"])
+        # the start-up line of the kernels: which ops are the backend's own and which the torch reference's
+        lines = [f"kernels: {infos[0]['backend']}"]
+        lines += [self._warn(None, "checkpoint", m) for m in notes or []]
         if spec.resume_from:
             lines.append(self._resume(spec.resume_from, "continue"))
         self.log.flush()

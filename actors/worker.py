@@ -35,7 +35,7 @@ from llmq_ray.actors.data import eval_source, train_source
 from llmq_ray.actors.fault_injection import FaultInjector
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
-from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.errors import ConfigError
 from llmq_ray.heap import GcPauses, freeze_long_lived
 
@@ -119,10 +119,8 @@ class GPUWorker:
         else:
             self.device = torch.device("cpu")
         comm = init_group(init_method, self.rank, self.world_size, self.device, spec.collective_timeout_s)
-        from llmq_ray.backends import get_backend
-
         cfg, weights = resolve_model(o.model)
-        backend = get_backend(spec.backend, self.device)
+        backend = make_backend(spec.backend, o, self.device)
         self.engine = TrainEngine(cfg, o, backend, comm, init_weights=o.from_scratch or weights is None)
         if not o.from_scratch:
             if weights is None:
@@ -148,7 +146,7 @@ class GPUWorker:
             self._eval_full = eval_source(spec, cfg.vocab_size, self.rank, None)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"device": str(self.device), "device_name": name, "memory": self.memory_table(),
-                "dataset": self._dataset_info()}
+                "dataset": self._dataset_info(), "backend": self.engine.backend.describe()}
 
     def _dataset_info(self) -> dict:
         src = self._train

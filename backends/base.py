@@ -23,6 +23,20 @@ FP8 scaling convention (per-tensor "current" scaling): for a tensor ``x`` with `
 quantized tensor is ``q = saturate(x * s)`` with ``s = fp8_max / amax``, and its *descale* is
 ``1 / s``: ``x ≈ q.float() * descale``. Descales are what ``matmul_fp8`` takes (as cuBLASLt and
 ``torch._scaled_mm`` do).
+
+How a backend is put together (``get_backend(name, device, gemm=..., attention=...)``):
+
+* its own kernels: every op of ``KERNEL_OPS`` that its class defines;
+* components any backend can take: the GEMMs (``GEMM_OPS``) come from a GEMM provider (backends/gemm.py:
+  ``torch`` or ``cublaslt``, ``--gemm``) and the attention (``ATTENTION_OPS``) from an attention provider
+  (backends/attention.py: ``sdpa`` or ``deterministic``, ``--deterministic-attention``); a backend class may not
+  define those ops itself;
+* ``COMPOSED_OPS`` have a default here made of the backend's own ops, which a backend may replace with a fused
+  kernel;
+* everything else it does not implement must be listed in its ``FALLBACKS``: those ops are the torch reference's
+  (backends/torch_ref.py), bound at construction. A class that neither implements nor lists an op is refused
+  when it is defined (``__init_subclass__``), so nothing is inherited silently; ``describe()`` is the start-up
+  line that names the fallbacks (``cupy: 19 native ops, 1 from torch: bias_backward; GEMM torch, attention sdpa``).
 """
 
 from __future__ import annotations
@@ -56,19 +70,80 @@ def check_stochastic_round_args(out, inp) -> int:
     return inp.numel()
 
 
+GEMM_OPS = ("matmul", "matmul_beside", "prepare_beside", "matmul_fp8")
+ATTENTION_OPS = ("attention_forward", "attention_backward", "attention_rope_backward")
+COMPOSED_OPS = ("rope_backward_from", "swiglu_backward_fp8", "quantize_with_transpose")
+KERNEL_OPS = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "fused_residual_rmsnorm_forward",
+              "rmsnorm_backward", "rope_forward", "rope_backward", "rope_backward_from", "swiglu_forward",
+              "swiglu_backward", "swiglu_backward_fp8", "bias_backward", "absmax", "quantize", "quantize_transpose",
+              "quantize_with_transpose", "fused_classifier", "adamw_update", "global_norm_squared",
+              "stochastic_round")
+OPS = KERNEL_OPS + GEMM_OPS + ATTENTION_OPS  # every op of the protocol
+
+
 class Backend:
-    """Abstract kernel set. Subclasses implement every method; ``name`` is the registry key."""
+    """The kernel protocol (every method below, with its shapes and dtypes) and how a backend is assembled
+    (module docstring). ``name`` is the registry key."""
 
     name = "abstract"
     # True when a micro-step's ops never sync with the host, so --use-cuda-graphs can capture them
     # (the torch reference's embedding backward calls torch.unique, which does).
     graph_capturable = False
+    DEFAULT_GEMM = "torch"        # the GEMM provider when none is asked for
+    FALLBACKS: tuple[str, ...] = ()  # kernel ops this backend takes from the torch reference (explicit)
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for op in GEMM_OPS + ATTENTION_OPS:
+            if getattr(cls, op) is not getattr(Backend, op):
+                raise TypeError(f"{cls.__name__}.{op}: GEMMs and attention are components (backends/gemm.py, "
+                                f"backends/attention.py), not backend methods")
+        for op in cls.FALLBACKS:
+            if op not in KERNEL_OPS:
+                raise TypeError(f"{cls.__name__}.FALLBACKS: {op!r} is not a kernel op")
+            if getattr(cls, op) is not getattr(Backend, op):
+                raise TypeError(f"{cls.__name__}.{op} is both implemented and listed in FALLBACKS")
+        missing = [op for op in KERNEL_OPS if op not in COMPOSED_OPS and op not in cls.FALLBACKS
+                   and getattr(cls, op) is getattr(Backend, op)]
+        if missing:
+            raise TypeError(f"{cls.__name__} neither implements nor lists in FALLBACKS: {', '.join(missing)}")
+
+    def __init__(self, device: torch.device | str = "cpu", *, gemm: str | None = None, attention: str = "sdpa",
+                 gemm_tuning: bool = True):
+        from llmq_ray.backends.attention import ATTENTION_PROVIDERS
+        from llmq_ray.backends.gemm import GEMM_PROVIDERS
+        from llmq_ray.errors import ConfigError
+
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" -> "cuda:<current>", so devices compare equal
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        gemm = gemm or self.DEFAULT_GEMM
+        if gemm not in GEMM_PROVIDERS:
+            raise ConfigError(f"--gemm={gemm!r} is not a GEMM provider; choose one of {sorted(GEMM_PROVIDERS)}.")
+        if attention not in ATTENTION_PROVIDERS:
+            raise ConfigError(f"attention={attention!r} is not an attention provider; choose one of "
+                              f"{sorted(ATTENTION_PROVIDERS)}.")
+        self.gemm = GEMM_PROVIDERS[gemm](device, gemm_tuning)
+        self.attention = ATTENTION_PROVIDERS[attention](device)
+        if self.FALLBACKS:  # bound once: each listed op is the reference's own method
+            from llmq_ray.backends.torch_ref import TorchBackend
+
+            reference = TorchBackend(device, gemm="torch", attention="sdpa")
+            for op in self.FALLBACKS:
+                setattr(self, op, getattr(reference, op))
+
+    @classmethod
+    def native_ops(cls) -> list[str]:
+        """The kernel ops this backend runs with its own kernels (its composed defaults included)."""
+        return [op for op in KERNEL_OPS if op not in cls.FALLBACKS]
+
+    def describe(self) -> str:
+        """The start-up line: ``<name>: N native ops, M from torch: <ops>; GEMM <provider>, attention <provider>``."""
+        fallbacks = f", {len(self.FALLBACKS)} from torch: {', '.join(self.FALLBACKS)}" if self.FALLBACKS else \
+            ", none from torch"
+        return (f"{self.name}: {len(self.native_ops())} native ops{fallbacks}; GEMM {self.gemm.name}, "
+                f"attention {self.attention.name}")
 
     # ------------------------------------------------------------------ embedding
     def embedding_forward(self, out: torch.Tensor, tokens: torch.Tensor, table: torch.Tensor) -> None:
@@ -177,25 +252,25 @@ class Backend:
         qkv[B, T, Hq + 2*Hkv, D] (post-RoPE), out[B, T, Hq, D] model dtype, lse[B, Hq, T] fp32 the
         log-sum-exp of each softmax row (natural log, of the scaled scores), kept for the backward.
         Query head h reads key/value head h // (Hq / Hkv); scores are scaled by 1/sqrt(D).
+        (The attention provider's.)
         """
-        raise NotImplementedError
+        self.attention.forward(out, lse, qkv, n_q_heads, n_kv_heads)
 
     def attention_backward(self, dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int) -> None:
         """dqkv[B, T, Hq + 2*Hkv, D] (overwritten) from dout[B, T, Hq, D] and the forward's out, lse, qkv.
 
-        dk/dv of a shared kv head sum over the query heads of its group.
+        dk/dv of a shared kv head sum over the query heads of its group. (The attention provider's.)
         """
-        raise NotImplementedError
+        self.attention.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
 
     def attention_rope_backward(self, dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                 qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int,
                                 n_kv_heads: int) -> None:
         """dqkv[B, T, Hq + 2*Hkv, D] (overwritten) = the gradient of the *pre-RoPE* qkv: attention_backward,
-        then rope_backward (arguments as there). A backend whose attention kernel hands back dq/dk/dv as
-        separate tensors overrides this to feed them to rope_backward_from (no copy into dqkv first)."""
-        self.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
-        self.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
+        then rope_backward (arguments as there). An attention provider whose kernel hands back dq/dk/dv as
+        separate tensors feeds them to this backend's rope_backward_from (no copy into dqkv first)."""
+        self.attention.rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads)
 
     # ------------------------------------------------------------------ GEMMs
     def matmul(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose_a: bool = False,
@@ -204,19 +279,23 @@ class Backend:
 
         All operands in model dtype, fp32 accumulation inside the GEMM. The three uses in a linear layer
         y = x W^T:  forward ``matmul(y, x, W, transpose_b=True)``; dgrad ``matmul(dx, dy, W)``; wgrad
-        ``matmul(dW, dy, x, transpose_a=True, accumulate=True)``.
+        ``matmul(dW, dy, x, transpose_a=True, accumulate=True)``. (The GEMM provider's.)
         """
-        raise NotImplementedError
+        self.gemm.matmul(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, bias=bias, accumulate=accumulate)
 
     def matmul_beside(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose_a: bool = False,
                       transpose_b: bool = False, accumulate: bool = False, sm_count: int = 0) -> None:
         """``matmul`` for a GEMM that runs on a side stream beside the compute stream (llmq_ray/engine/wgrad_overlap.py):
         a backend that can size the GEMM for ``sm_count`` SMs (leaving the rest to the compute stream's kernels)
-        does so, with scratch of its own; this default is plain ``matmul``."""
-        self.matmul(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate)
+        does so, with scratch of its own; otherwise it is plain ``matmul``. Shapes and dtypes as ``matmul``'s
+        (out[M, N], model dtype). (The GEMM provider's.)"""
+        self.gemm.matmul_beside(out, a, b, transpose_a=transpose_a, transpose_b=transpose_b, accumulate=accumulate,
+                                sm_count=sm_count)
 
     def prepare_beside(self, stream) -> None:
-        """Make whatever ``matmul_beside`` will need on ``stream`` (scratch), before any CUDA graph captures it."""
+        """Make whatever ``matmul_beside`` will need on ``stream`` (scratch; no tensor arguments, so no shapes or
+        dtypes), before any CUDA graph captures it. (The GEMM provider's.)"""
+        self.gemm.prepare_beside(stream)
 
     def bias_backward(self, dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
         """dbias[N] += dout[M, N].sum(0) (accumulate; fp32 sum). absmax (fp32 0-d) = max|dout| when given: the
@@ -227,9 +306,9 @@ class Backend:
                    b_descale: torch.Tensor, *, bias: torch.Tensor | None = None, accumulate: bool = False) -> None:
         """out[M, N] (+)= (a * a_descale) @ (b * b_descale)^T with a[M, K], b[N, K] in FP8 (row-major, K
         contiguous in both: the "TN" layout FP8 tensor cores need), descales fp32 scalar tensors,
-        out in model dtype (+ bias[N]).
+        out in model dtype (+ bias[N]). (The GEMM provider's.)
         """
-        raise NotImplementedError
+        self.gemm.matmul_fp8(out, a, b, a_descale, b_descale, bias=bias, accumulate=accumulate)
 
     # ------------------------------------------------------------------ FP8 quantization
     def absmax(self, out: torch.Tensor, inp: torch.Tensor) -> None:

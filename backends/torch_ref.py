@@ -9,7 +9,6 @@ has no hidden autograd; on CUDA it goes to the fused flash/cuDNN kernels through
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -22,26 +21,11 @@ def _fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def _split_heads(qkv: torch.Tensor, n_q: int, n_kv: int):
-    """qkv[B, T, Hq+2Hkv, D] -> fp32 q[B, Hq, T, D], k and v[B, Hkv, T, D]."""
-    q = qkv[:, :, :n_q].float().transpose(1, 2)
-    k = qkv[:, :, n_q:n_q + n_kv].float().transpose(1, 2)
-    v = qkv[:, :, n_q + n_kv:].float().transpose(1, 2)
-    return q, k, v
-
-
 class TorchBackend(Backend):
-    """Reference kernels (CPU and CUDA, fp32 and bf16)."""
+    """Reference kernels (CPU and CUDA, fp32 and bf16): every kernel op, none from elsewhere. Its GEMMs and
+    attention are the providers'; by default ``torch`` (backends/gemm.py) and ``sdpa`` (backends/attention.py)."""
 
     name = "torch"
-
-    def __init__(self, device="cpu"):
-        super().__init__(device)
-        self._aten_attention = None
-        if self.device.type == "cuda":
-            from llmq_ray.backends import _aten_attention
-
-            self._aten_attention = _aten_attention
 
     # ------------------------------------------------------------------ embedding
     def embedding_forward(self, out, tokens, table):
@@ -123,92 +107,11 @@ class TorchBackend(Backend):
         if absmax is not None:
             absmax.copy_(dinp.abs().amax().float())
 
-    # ------------------------------------------------------------------ attention
-    def attention_forward(self, out, lse, qkv, n_q_heads, n_kv_heads):
-        if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
-            return self._aten_attention.forward(out, lse, qkv, n_q_heads, n_kv_heads)
-        q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
-        group = n_q_heads // n_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        t = q.shape[2]
-        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-        causal = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-        scores.masked_fill_(causal, float("-inf"))
-        row_lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - row_lse[..., None])
-        lse.copy_(row_lse)
-        out.copy_((probs @ v).transpose(1, 2))
-
-    def attention_rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads):
-        # bf16/fp16 on CUDA: cuDNN's dq/dk/dv go straight into rope_backward_from, bypassing attention_backward.
-        # A subclass that overrides attention_backward must override this too (the triton backend does).
-        if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
-            dq, dk, dv = self._aten_attention.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads)
-            return self.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
-        return super().attention_rope_backward(dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads)
-
-    def attention_backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
-        if self._aten_attention is not None and qkv.dtype in (torch.bfloat16, torch.float16):
-            return self._aten_attention.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
-        q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
-        b, _, t, d = q.shape
-        group = n_q_heads // n_kv_heads
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-        scale = 1.0 / math.sqrt(d)
-        scores = (q @ k.transpose(-1, -2)) * scale
-        causal = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-        scores.masked_fill_(causal, float("-inf"))
-        probs = torch.exp(scores - lse.float()[..., None])
-        do = dout.float().transpose(1, 2)  # [B, Hq, T, D]
-        o = out.float().transpose(1, 2)
-        dv = probs.transpose(-1, -2) @ do
-        dp = do @ v.transpose(-1, -2)
-        row_dot = (do * o).sum(-1, keepdim=True)
-        ds = probs * (dp - row_dot)
-        dq = (ds @ k) * scale
-        dk = (ds.transpose(-1, -2) @ q) * scale
-        dk = dk.view(b, n_kv_heads, group, t, d).sum(2)
-        dv = dv.view(b, n_kv_heads, group, t, d).sum(2)
-        dqkv[:, :, :n_q_heads] = dq.transpose(1, 2).to(dqkv.dtype)
-        dqkv[:, :, n_q_heads:n_q_heads + n_kv_heads] = dk.transpose(1, 2).to(dqkv.dtype)
-        dqkv[:, :, n_q_heads + n_kv_heads:] = dv.transpose(1, 2).to(dqkv.dtype)
-
-    # ------------------------------------------------------------------ GEMMs
-    def matmul(self, out, a, b, *, transpose_a=False, transpose_b=False, bias=None, accumulate=False):
-        a_ = a.t() if transpose_a else a
-        b_ = b.t() if transpose_b else b
-        if accumulate:
-            out.addmm_(a_, b_)  # one rounding of out + a@b (beta = 1 in BLAS terms)
-            if bias is not None:
-                out.add_(bias)
-        elif bias is not None:
-            torch.addmm(bias, a_, b_, out=out)
-        else:
-            torch.mm(a_, b_, out=out)
-
+    # ------------------------------------------------------------------ bias (the GEMMs are the GEMM provider's)
     def bias_backward(self, dbias, dout, absmax=None):
         dbias.add_(dout.float().sum(0))
         if absmax is not None:
-            self.absmax(absmax, dout)  # a subclass's own absmax kernel (cupy: one read)
-
-    def matmul_fp8(self, out, a, b, a_descale, b_descale, *, bias=None, accumulate=False):
-        if out.device.type == "cuda":
-            if not accumulate:  # straight into the output buffer: no temporary, no copy
-                torch._scaled_mm(a, b.t(), scale_a=a_descale, scale_b=b_descale, bias=bias, out_dtype=out.dtype,
-                                 out=out)
-                return
-            # torch exposes no beta=1 for FP8 GEMMs: compute, then add (one extra pass over out)
-            res = torch._scaled_mm(a, b.t(), scale_a=a_descale, scale_b=b_descale, out_dtype=out.dtype)
-        else:  # exact emulation: FP8 values are exactly representable in fp32
-            res = (a.float() * a_descale) @ (b.float() * b_descale).t()
-            if bias is not None and not accumulate:
-                res = res + bias.float()
-        if accumulate:
-            out.add_(res if bias is None else res + bias)
-        else:
-            out.copy_(res)
+            self.absmax(absmax, dout)
 
     # ------------------------------------------------------------------ FP8 quantization
     def absmax(self, out, inp):

@@ -103,7 +103,8 @@ class TrainOptions:
     shard_weights: bool = False       # same as --zero-level 3
     # speed
     use_cuda_graphs: bool = False     # replay each micro-step's forward + backward from a CUDA graph
-    deterministic_attention: bool = False  # triton: the attention backward without atomics (bit-reproducible)
+    deterministic_attention: bool = False  # the attention backward without atomics (bit-reproducible)
+    gemm: str | None = None           # GEMM provider (backends/gemm.py): None = the backend's own default
     overlap_update: bool = True       # one worker, ZeRO-1: the update runs beside the next forward (update_overlap.py)
     overlap_wgrad_sms: int = 0        # >0: the block wgrads on a side stream sized for this many SMs (wgrad_overlap.py)
     # misc
@@ -160,6 +161,7 @@ class TrainOptions:
         need(not (self.model_dtype == "fp32" and self.master_dtype == "bf16"),
              "--master-dtype=bf16 with --model-dtype=fp32 makes no sense: the master copy would be less precise "
              "than the weights it updates; use --master-dtype=fp32.")
+        need(self.gemm in (None, "torch", "cublaslt"), f"--gemm={self.gemm!r} must be torch or cublaslt.")
         need(self.matmul_dtype in (None, self.model_dtype, "bf16", "e4m3"),
              f"--matmul-dtype={self.matmul_dtype!r} must be the model dtype or e4m3.")
         if self.matmul_dtype == "bf16":

@@ -1,6 +1,6 @@
 """backends/cublaslt.py on CPU: what can be checked without a GPU (the GPU checks are in test_fp8_gpu.py).
 
-The engine switches GEMM tuning off exactly when the run asks for bit-reproducibility, and without CUDA the
+make_backend switches GEMM tuning off exactly when the run asks for bit-reproducibility, and without CUDA the
 Triton backend's GEMMs are torch's own.
 """
 
@@ -9,7 +9,8 @@ import torch
 
 from llmq_ray.backends import cublaslt, get_backend
 from llmq_ray.model.config import PRESETS
-from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.engine.train_engine import TrainEngine, make_backend
+from llmq_ray.errors import ConfigError
 from llmq_ray.options import TrainOptions
 
 
@@ -25,19 +26,24 @@ def test_pointer_alignment():
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_engine_turns_gemm_tuning_off_for_deterministic_runs(deterministic):
-    backend = get_backend("triton", "cpu")
-    backend.gemm_tuning = deterministic  # the opposite of what the engine must set
+def test_deterministic_runs_get_untimed_gemms_and_the_deterministic_attention(deterministic):
+    """make_backend gives a bit-reproducible run (--deterministic-attention) the deterministic attention provider
+    and GEMM algorithms that do not depend on timings; the engine refuses a backend built otherwise."""
     opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, deterministic_attention=deterministic)
+    backend = make_backend("triton", opts, "cpu")
+    assert backend.gemm.tuning is (not deterministic)
+    assert backend.attention.name == ("deterministic" if deterministic else "sdpa")
     TrainEngine(PRESETS["tiny"], opts, backend)
-    assert backend.gemm_tuning is (not deterministic)
+    other = get_backend("triton", "cpu", gemm_tuning=deterministic)  # the opposite of what the options need
+    with pytest.raises(ConfigError, match=r"^the triton backend was built with .*make_backend"):
+        TrainEngine(PRESETS["tiny"], opts, other)
 
 
 @pytest.mark.parametrize("ta,tb", [(False, True), (False, False), (True, False)])
 def test_triton_matmul_on_cpu_is_torchs(ta, tb):
     """With tuning on but no CUDA, the GEMM is the reference's (bit-equal), in each layout the model uses."""
     be = get_backend("triton", "cpu")
-    assert be.gemm_tuning
+    assert be.gemm.name == "cublaslt" and be.gemm.tuning
     g = torch.Generator().manual_seed(0)
     a = torch.randn(48, 32, generator=g) if not ta else torch.randn(32, 48, generator=g)
     b = torch.randn(40, 32, generator=g) if tb else torch.randn(32, 40, generator=g)
@@ -45,4 +51,4 @@ def test_triton_matmul_on_cpu_is_torchs(ta, tb):
     ref = out.clone().addmm_(a.t() if ta else a, b.t() if tb else b)
     be.matmul(out, a, b, transpose_a=ta, transpose_b=tb, accumulate=True)
     assert torch.equal(out, ref)
-    assert be._cublaslt is None  # never even loaded
+    assert be.gemm._cublaslt is None  # never even loaded

@@ -24,6 +24,7 @@ import torch
 from llmq_ray.backends import get_backend
 from llmq_ray.backends.cupy import _runtime as rt
 from llmq_ray.backends.cupy.backend import CupyBackend
+from llmq_ray.backends.base import Backend
 from llmq_ray.backends.torch_ref import TorchBackend
 from llmq_ray.errors import ConfigError
 
@@ -131,7 +132,8 @@ class RecordingKernels(rt.Kernels):
 @pytest.fixture()
 def rec():
     be = CupyBackend.__new__(CupyBackend)
-    TorchBackend.__init__(be, "cpu")
+    Backend.__init__(be, "cpu")  # everything of CupyBackend.__init__ but CuPy itself
+    be._reference = TorchBackend("cpu")
     be.k = RecordingKernels()
     return be
 

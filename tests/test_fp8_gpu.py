@@ -52,7 +52,7 @@ def test_cublaslt_fp8_accumulate_matches_fp64(a_dtype, m, n, k):
     out_lt = out0.clone()
     lt.gemm(out_lt, a, b, a_descale=da, b_descale=db, accumulate=True, algo_index=0)
     out_torch = out0.clone()
-    TorchBackend("cuda").matmul_fp8(out_torch, a, b, da, db, accumulate=True)
+    TorchBackend("cuda", gemm="torch").matmul_fp8(out_torch, a, b, da, db, accumulate=True)
     scale = ref.abs().max().item()
     err_lt = (out_lt.double() - ref).abs()
     err_torch = (out_torch.double() - ref).abs()
@@ -74,7 +74,7 @@ def test_cublaslt_fp8_accumulate_matches_fp64(a_dtype, m, n, k):
 
 def test_triton_backend_accumulates_fp8_through_cublaslt():
     """The Triton backend's accumulating FP8 GEMM goes through cuBLASLt (a tuned plan for the problem exists
-    afterwards) and gives the bits of that plan's choice; with gemm_tuning off it takes the heuristic's first."""
+    afterwards) and gives the bits of that plan's choice; with tuning off it takes the heuristic's first."""
     from llmq_ray.backends import cublaslt
     from llmq_ray.backends.triton.backend import TritonBackend
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -85,13 +85,13 @@ def test_triton_backend_accumulates_fp8_through_cublaslt():
     out_be = out0.clone()
     be.matmul_fp8(out_be, a, b, da, db, accumulate=True)
     lt = cublaslt.for_device(torch.device("cuda"))
-    assert be._cublaslt is lt
+    assert be.gemm._cublaslt is lt
     plan = lt.plan(out0, a, b, False, True, True)
     assert plan.choice is not None and plan.choice >= 0 and len(plan.timings) == plan.count  # no fallback here
     out_lt = out0.clone()
     lt.gemm(out_lt, a, b, a_descale=da, b_descale=db, accumulate=True, algo_index=plan.choice)
     assert torch.equal(out_be, out_lt)
-    be.gemm_tuning = False
+    be.gemm.tuning = False
     out_be0 = out0.clone()
     be.matmul_fp8(out_be0, a, b, da, db, accumulate=True)
     lt.gemm(out_lt.copy_(out0), a, b, a_descale=da, b_descale=db, accumulate=True, algo_index=0)
@@ -154,7 +154,7 @@ def _check_every_candidate(layout: str, accumulate: bool, sm_count: int) -> None
 
 
 def test_triton_backend_bf16_gemm_tuning():
-    """With gemm_tuning the backend's bf16 GEMM is timed against torch's once and its choice reused (the same
+    """With tuning the backend's bf16 GEMM is timed against torch's once and its choice reused (the same
     bits on the second call); with it off, the GEMM is torch's own (bit-equal to torch.mm)."""
     from llmq_ray.backends import cublaslt
     from llmq_ray.backends.triton.backend import TritonBackend
@@ -172,7 +172,7 @@ def test_triton_backend_bf16_gemm_tuning():
     assert torch.equal(y1, y2)
     ref = (x.double() @ w.double().t())
     assert (y1.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item()
-    be.gemm_tuning = False
+    be.gemm.tuning = False
     y3 = torch.empty_like(y1)
     be.matmul(y3, x, w, transpose_b=True)
     assert torch.equal(y3, torch.mm(x, w.t()))

@@ -460,7 +460,7 @@ def test_export_with_qwen_tokenizer_files_loads_in_autotokenizer(qwen_tok_dir, t
 
 
 def test_tokenizer_source_for_export(tmp_path, monkeypatch):
-    from llmq_ray.model.transformer import tokenizer_files as tf
+    from llmq_ray.model import tokenizer_files as tf
 
     hf = tmp_path / "hf_model"
     hf.mkdir()
@@ -477,7 +477,7 @@ def test_export_without_the_qwen_tokenizer_package_still_exports(monkeypatch, ca
     weights still go out (seen on the GPU machine, whose image lacks the package)."""
     import builtins
 
-    from llmq_ray.model.transformer import tokenizer_files
+    from llmq_ray.model import tokenizer_files
 
     real_import = builtins.__import__
 

@@ -260,19 +260,3 @@ def test_eval_progress_bar_follows_the_workers(ray_cluster, shards, tmp_path, mo
     assert "[V]" in out and "train [" in out
 
 
-@pytest.mark.parametrize("backend,device", [("torch", "cpu"), ("cupy", "cuda")])
-def test_deterministic_attention_needs_triton_before_any_worker_starts(backend, device):
-    """--deterministic-attention is the triton backend's own kernels: any other backend is refused with one
-    sentence while the run is being set up, not later inside a worker."""
-    from llmq_ray.options import TrainOptions
-    from llmq_ray.train.trainer import LLMQTrainer
-
-    class FakeRay:  # only the cluster's resources are read to build the spec
-        @staticmethod
-        def cluster_resources():
-            return {"CPU": 4.0, "GPU": 1.0 if device == "cuda" else 0.0}
-
-    trainer = LLMQTrainer(TrainOptions(model="tiny", deterministic_attention=True), backend=backend, device=device,
-                          synthetic_data=True, verbose=False)
-    with pytest.raises(ConfigError, match=rf"^--deterministic-attention needs --backend=triton \(got --backend={backend}\)\.$"):
-        trainer._build_spec(FakeRay)

@@ -152,10 +152,10 @@ def test_print_kernel_timings(tri, ref):
     ref.attention_forward(att_out, att_lse, qkv, HQ, HKV)
     att_dout, att_dqkv = torch.randn_like(att_out), torch.empty_like(qkv)
 
-    def att_bwd(be):  # the triton column: its deterministic kernels; the torch column: cuDNN
-        be.deterministic_attention = be is tri
-        be.attention_backward(att_dqkv, att_dout, att_out, att_lse, qkv, HQ, HKV)
-        be.deterministic_attention = False
+    det = get_backend("triton", DEV, attention="deterministic")
+
+    def att_bwd(be):  # the triton column: the deterministic provider's kernel; the torch column: cuDNN
+        (det if be is tri else be).attention_backward(att_dqkv, att_dout, att_out, att_lse, qkv, HQ, HKV)
 
     dqkv_rows, dqb = qkv.view(N, -1), torch.zeros(qkv.shape[2] * D, device=DEV)
     logits = randn(2048, V, seed=5, dtype=bf)

@@ -204,14 +204,14 @@ def test_attention_rope_backward_hands_the_kernels_parts_to_rope_backward_from()
     ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
     cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
     reference = get_backend("torch", DEVICE)
-    reference._aten_attention = None  # the plain math, on any device
+    reference.attention._aten = None  # the plain math, on any device
     out = torch.empty(b, t, hq, d, dtype=dtype, device=DEVICE)
     lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEVICE)
     reference.attention_forward(out, lse, qkv, hq, hkv)
     want = torch.empty_like(qkv)
     reference.attention_rope_backward(want, dout, out, lse, qkv, cos, sin, hq, hkv)
 
-    class StandIn:  # what _aten_attention.backward_parts returns: head-major tensors viewed token-major
+    class StandIn:  # what the sdpa provider's cuDNN call (backward_parts) returns: head-major tensors viewed token-major
         calls = 0
 
         @staticmethod
@@ -224,13 +224,13 @@ def test_attention_rope_backward_hands_the_kernels_parts_to_rope_backward_from()
 
     for name in ("triton", "torch"):
         be = get_backend(name, DEVICE)
-        be._aten_attention = StandIn
+        be.attention._aten = StandIn
         got = torch.full_like(qkv, float("nan"))
         be.attention_rope_backward(got, dout, out, lse, qkv, cos, sin, hq, hkv)
         assert_close(got, want, TOL[dtype], f"{name}: fused attention + RoPE backward")
     assert StandIn.calls == 2
-    det = get_backend("triton", DEVICE)  # --deterministic-attention: never cuDNN's parts
-    det._aten_attention, det.deterministic_attention = StandIn, True
+    det = get_backend("triton", DEVICE, attention="deterministic")  # never cuDNN's parts
+    det.attention._aten = StandIn
     got = torch.full_like(qkv, float("nan"))
     det.attention_rope_backward(got, dout, out, lse, qkv, cos, sin, hq, hkv)
     assert StandIn.calls == 2
@@ -250,7 +250,7 @@ def test_deterministic_attention_backward(tri, ref, dtype, b, t, hq, hkv, d):
     out = torch.empty(b, t, hq, d, dtype=dtype, device=DEVICE)
     lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEVICE)
     plain = get_backend("torch", DEVICE)
-    plain._aten_attention = None  # the reference math on any device
+    plain.attention._aten = None  # the reference math on any device
     plain.attention_forward(out, lse, qkv, hq, hkv)
     want = torch.empty_like(qkv)
     plain.attention_backward(want, dout, out, lse, qkv, hq, hkv)
@@ -262,13 +262,11 @@ def test_deterministic_attention_backward(tri, ref, dtype, b, t, hq, hkv, d):
     assert not runs[0].isnan().any()
     assert_close(runs[0], want, TOL[dtype], "deterministic attention backward")
     assert torch.equal(runs[0], runs[1])
-    tri.deterministic_attention = True
-    try:
+    for name in ("triton", "torch"):  # the provider, taken by any backend
         via_backend = torch.empty_like(qkv)
-        tri.attention_backward(via_backend, dout, out, lse, qkv, hq, hkv)
-    finally:
-        tri.deterministic_attention = False
-    assert torch.equal(via_backend, runs[0])
+        get_backend(name, DEVICE, attention="deterministic").attention_backward(via_backend, dout, out, lse, qkv,
+                                                                                hq, hkv)
+        assert torch.equal(via_backend, runs[0]), name
 
 
 # ---------------------------------------------------------------------------------------------- SwiGLU
@@ -543,16 +541,15 @@ def test_quantize_with_transpose_equals_the_two_kernels(fp8):
 
 
 def test_deterministic_attention_option_in_the_engine():
-    """--deterministic-attention switches the triton backend's attention backward in a whole training run
-    (fp32: same losses and weights as the reference math within 1e-5); other backends refuse it."""
+    """--deterministic-attention switches the attention backward in a whole training run (fp32: same losses and
+    weights as the reference math within 1e-5), for the triton backend and the torch reference alike."""
     from llmq_ray.model.config import PRESETS
-    from llmq_ray.engine.train_engine import TrainEngine
-    from llmq_ray.errors import ConfigError
+    from llmq_ray.engine.train_engine import TrainEngine, make_backend
     from llmq_ray.options import TrainOptions
 
-    def run(**flags):
+    def run(backend="triton", **flags):
         opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32", learning_rate=1e-3, **flags)
-        engine = TrainEngine(PRESETS["tiny"], opts, get_backend("triton", DEVICE))
+        engine = TrainEngine(PRESETS["tiny"], opts, make_backend(backend, opts, DEVICE))
         gen = torch.Generator().manual_seed(0)
         losses = []
         for step in range(2):
@@ -563,16 +560,12 @@ def test_deterministic_attention_option_in_the_engine():
 
     base_losses, base = run()
     det_losses, det = run(deterministic_attention=True)
-    assert det.backend.deterministic_attention and not base.backend.deterministic_attention
+    assert det.backend.attention.deterministic and not base.backend.attention.deterministic
     assert det_losses == pytest.approx(base_losses, rel=1e-5)
     assert_close(det.full_params(), base.full_params(), 1e-5, "weights after 2 steps")
-    with pytest.raises(ConfigError, match="--deterministic-attention needs --backend triton"):
-        TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32",
-                                                  deterministic_attention=True), get_backend("torch", DEVICE))
-    # a backend object reused by a later engine follows that engine's option, both ways
-    TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32"),
-                det.backend)
-    assert not det.backend.deterministic_attention
+    ref_losses, ref = run("torch", deterministic_attention=True)
+    assert ref.backend.attention.deterministic
+    assert ref_losses == pytest.approx(base_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,12 +1,15 @@
 """CupyBackend: hand-written CUDA C++ kernels (``kernels/*.cu``, compiled by NVRTC through CuPy) for every
 non-GEMM, non-attention op of backends/base.py.
 
-GEMMs (``matmul``, ``matmul_fp8``, ``bias_backward``) and attention are inherited from TorchBackend, exactly as
-the Triton backend does: they go to cuBLAS(Lt) and cuDNN / flash attention through torch. Each
+GEMMs and attention are components (backends/base.py): by default the ``torch`` GEMM provider and the ``sdpa``
+attention provider (cuBLAS and cuDNN through torch); ``--gemm cublaslt`` gives it the Triton backend's GEMMs.
+``bias_backward`` has no kernel here: it is the torch reference's, listed in ``FALLBACKS`` (and so on the start-up
+line). Each
 method here checks shapes and picks a launch geometry on the host, then launches one kernel (two or three
 where a deterministic cross-block reduction is needed) on torch's current stream, on the tensors' own memory,
 with no host sync. Each kernel has a 16-byte-vector variant and a scalar one (VEC = 1) for rows or pointers
-that are not 16-byte multiples; model dtypes are fp32 and bf16 (anything else falls back to the reference).
+that are not 16-byte multiples; model dtypes are fp32 and bf16: a tensor of another dtype (never one of a
+training run) goes to the torch reference's kernel for that call.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 from llmq_ray.backends.cupy import _runtime as rt
 from llmq_ray.backends.cupy._runtime import T_NAME, VEC, aligned, cdiv, f32, i32, i64, ptr, u64
-from llmq_ray.backends.base import check_adamw_shards, check_stochastic_round_args
+from llmq_ray.backends.base import Backend, check_adamw_shards, check_stochastic_round_args
 from llmq_ray.backends.torch_ref import TorchBackend
 from llmq_ray.backends.torch_ref_optim import derive_seed
 
@@ -60,15 +63,17 @@ def _row_layout(nvec: int, vec: int, prefer_small_k: bool) -> tuple[int, int]:
     return best[1], best[2]
 
 
-class CupyBackend(TorchBackend):
-    """Raw CUDA kernels through CuPy (CUDA only); GEMMs and attention from TorchBackend."""
+class CupyBackend(Backend):
+    """Raw CUDA kernels through CuPy (CUDA only); GEMMs and attention from the providers; ``FALLBACKS``."""
 
     name = "cupy"
     graph_capturable = True  # launches on torch's current stream, no host sync inside a step
+    FALLBACKS = ("bias_backward",)
 
-    def __init__(self, device="cuda"):
+    def __init__(self, device="cuda", **components):
         cupy = rt.require_cupy(torch.device(device))  # before anything touches CUDA: one clear sentence if absent
-        super().__init__(device)
+        self._reference.__init__(device, **components)
+        self._reference = TorchBackend(self.device, gemm="torch")  # for dtypes the kernels do not take
         self.k = rt.Kernels(cupy, self.device)
 
     def compile_all(self) -> float:
@@ -82,7 +87,7 @@ class CupyBackend(TorchBackend):
     def embedding_forward(self, out, tokens, table):
         _contiguous(out, table)
         if table.dtype != out.dtype or out.dtype.itemsize not in (2, 4):
-            return super().embedding_forward(out, tokens, table)
+            return self._reference.embedding_forward(out, tokens, table)
         tokens = self._token_ids(tokens)
         n, c = tokens.numel(), table.shape[1]
         row_bytes = c * table.element_size()
@@ -99,7 +104,7 @@ class CupyBackend(TorchBackend):
     def embedding_backward(self, dtable, tokens, dout):
         _contiguous(dtable, dout)
         if dtable.dtype not in MODEL_DTYPES or dout.dtype != dtable.dtype:
-            return super().embedding_backward(dtable, tokens, dout)
+            return self._reference.embedding_backward(dtable, tokens, dout)
         n, c = tokens.numel(), dtable.shape[1]
         if n == 0:
             return
@@ -137,8 +142,8 @@ class CupyBackend(TorchBackend):
         dtype = inp.dtype
         if dtype not in MODEL_DTYPES or any(t is not None and t.dtype != dtype for t in (out, inp2, residual, weight)):
             if residual is None:
-                return super().rmsnorm_forward(out, rstd, inp, weight, eps, absmax)
-            return super().fused_residual_rmsnorm_forward(residual, out, rstd, inp, inp2, weight, eps, absmax)
+                return self._reference.rmsnorm_forward(out, rstd, inp, weight, eps, absmax)
+            return self._reference.fused_residual_rmsnorm_forward(residual, out, rstd, inp, inp2, weight, eps, absmax)
         n, c = inp.shape
         vec = _vec(dtype, c, out, inp, inp2, residual, weight)
         k, tx = _row_layout(c // vec, vec, prefer_small_k=False)
@@ -156,7 +161,7 @@ class CupyBackend(TorchBackend):
         dtype = inp.dtype
         if dtype not in MODEL_DTYPES or any(t is not None and t.dtype != dtype
                                             for t in (dinp, dweight, dout, weight, dresidual)):
-            return super().rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual, absmax)
+            return self._reference.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual, absmax)
         n, c = inp.shape
         if absmax is not None:
             self.k.zero_u32(absmax)
@@ -190,7 +195,7 @@ class CupyBackend(TorchBackend):
         if d % 2 or h != n_q + 2 * n_kv:
             raise ValueError(f"rope: qkv {tuple(qkv.shape)} does not match Hq={n_q}, Hkv={n_kv}")
         if qkv.dtype not in MODEL_DTYPES or cos.dtype != torch.float32 or sin.dtype != torch.float32:
-            return (super().rope_backward if inverse else super().rope_forward)(qkv, cos, sin, n_q, n_kv)
+            return (self._reference.rope_backward if inverse else self._reference.rope_forward)(qkv, cos, sin, n_q, n_kv)
         half = d // 2
         esize = qkv.element_size()
         vec = VEC[qkv.dtype]
@@ -211,7 +216,7 @@ class CupyBackend(TorchBackend):
         _contiguous(out, inp)
         n, i = out.shape
         if out.dtype not in MODEL_DTYPES or inp.dtype != out.dtype or tuple(inp.shape) != (n, 2 * i):
-            return super().swiglu_forward(out, inp, absmax)
+            return self._reference.swiglu_forward(out, inp, absmax)
         vec = _vec(out.dtype, i, out, inp)
         total = n * (i // vec)
         if absmax is not None:
@@ -225,7 +230,7 @@ class CupyBackend(TorchBackend):
         _contiguous(dinp, dout, inp)
         n, i = dout.shape
         if dout.dtype not in MODEL_DTYPES or inp.dtype != dout.dtype or dinp.dtype != dout.dtype:
-            return super().swiglu_backward(dinp, dout, inp, absmax)
+            return self._reference.swiglu_backward(dinp, dout, inp, absmax)
         vec = _vec(dout.dtype, i, dinp, dout, inp)
         total = n * (i // vec)
         if absmax is not None:
@@ -239,7 +244,7 @@ class CupyBackend(TorchBackend):
     def absmax(self, out, inp):
         _contiguous(inp)
         if inp.dtype not in MODEL_DTYPES or out.dtype != torch.float32:
-            return super().absmax(out, inp)
+            return self._reference.absmax(out, inp)
         n = inp.numel()
         vec = VEC[inp.dtype] if aligned(inp) else 1
         self.k.zero_u32(out)
@@ -254,7 +259,7 @@ class CupyBackend(TorchBackend):
     def quantize(self, out, descale, inp, absmax):
         _contiguous(out, inp)
         if not self._fp8_ok(out, inp) or out.shape != inp.shape:
-            return super().quantize(out, descale, inp, absmax)
+            return self._reference.quantize(out, descale, inp, absmax)
         n = inp.numel()
         vec = VEC[inp.dtype] if aligned(inp) and aligned(out, to=VEC[inp.dtype]) else 1
         name = f"quantize_flat<{T_NAME[inp.dtype]}, {vec}, {rt.FP8_FMT[out.dtype]}>"
@@ -264,7 +269,7 @@ class CupyBackend(TorchBackend):
     def quantize_transpose(self, out_t, descale, inp, absmax):
         _contiguous(out_t, inp)
         if not self._fp8_ok(out_t, inp) or inp.dim() != 2:
-            return super().quantize_transpose(out_t, descale, inp, absmax)
+            return self._reference.quantize_transpose(out_t, descale, inp, absmax)
         self._quantize_tiles(None, out_t, descale, inp, absmax)
 
     def quantize_with_transpose(self, out, out_t, descale, inp, absmax):
@@ -272,7 +277,7 @@ class CupyBackend(TorchBackend):
         if out.dtype != out_t.dtype:
             raise ValueError(f"quantize_with_transpose: out is {out.dtype} but out_t is {out_t.dtype}")
         if not self._fp8_ok(out_t, inp) or inp.dim() != 2:
-            return super().quantize_with_transpose(out, out_t, descale, inp, absmax)
+            return self._reference.quantize_with_transpose(out, out_t, descale, inp, absmax)
         self._quantize_tiles(out, out_t, descale, inp, absmax)
 
     def _quantize_tiles(self, out, out_t, descale, inp, absmax):
@@ -294,7 +299,7 @@ class CupyBackend(TorchBackend):
         if logits.stride(1) != 1:
             raise ValueError("fused_classifier: logits rows must be contiguous")
         if logits.dtype not in MODEL_DTYPES or losses.dtype != torch.float32:
-            return super().fused_classifier(logits, losses, targets, dloss, write_dlogits)
+            return self._reference.fused_classifier(logits, losses, targets, dloss, write_dlogits)
         if n == 0:
             return
         targets = self._token_ids(targets)
@@ -335,7 +340,7 @@ class CupyBackend(TorchBackend):
                             f"{tuple(out.shape)}")
         _contiguous(tensor)
         if tensor.dtype not in MODEL_DTYPES:
-            return super().global_norm_squared(out, tensor)
+            return self._reference.global_norm_squared(out, tensor)
         n = tensor.numel()
         if n == 0:
             return

@@ -119,6 +119,21 @@ def available_device_bytes(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
+def backend_components(opts: TrainOptions) -> dict:
+    """The backend components the options ask for (backends/base.py): the GEMM provider (--gemm; None = the
+    backend's default), the attention provider and GEMM timing. A bit-reproducible run (--deterministic-attention)
+    takes the deterministic attention backward and GEMM algorithms that do not depend on timings."""
+    return dict(gemm=opts.gemm, attention="deterministic" if opts.deterministic_attention else "sdpa",
+                gemm_tuning=not opts.deterministic_attention)
+
+
+def make_backend(name: str, opts: TrainOptions, device) -> Backend:
+    """The kernel backend ``name`` on ``device`` with the components ``opts`` ask for."""
+    from llmq_ray.backends import get_backend
+
+    return get_backend(name, device, **backend_components(opts))
+
+
 class TrainEngine:
     """Model, gradients and the local optimizer shard of one rank.
 
@@ -139,12 +154,13 @@ class TrainEngine:
             # Until the host state is allocated as mapped memory with its device alias, CUDA runs stream.
             raise ConfigError("--use-zero-copy is not supported on CUDA yet (the kernels cannot read this pinned "
                               "host memory directly); drop it: the offloaded state streams through the GPU.")
-        if opts.deterministic_attention and not hasattr(backend, "deterministic_attention"):
-            raise ConfigError(f"--deterministic-attention needs --backend triton (got {backend.name}).")
-        if hasattr(backend, "deterministic_attention"):  # set both ways: a backend object may serve several engines
-            backend.deterministic_attention = opts.deterministic_attention
-            # bit-reproducible runs also need GEMM algorithms that do not depend on timings (backends/cublaslt.py)
-            backend.gemm_tuning = not opts.deterministic_attention
+        made_for = backend_components(opts)
+        has = dict(gemm=backend.gemm.name, attention=backend.attention.name, gemm_tuning=backend.gemm.tuning)
+        if opts.gemm is None:
+            has.pop("gemm")
+        if any(has[k] != made_for[k] for k in has):
+            raise ConfigError(f"the {backend.name} backend was built with {has}, but these options need "
+                              f"{ {k: made_for[k] for k in has} }: build it with make_backend(name, opts, device).")
         dtype = opts.torch_dtype
         self.device = backend.device
         world, rank = self.comm.world_size, self.comm.rank

@@ -157,8 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--overlap-wgrad-sms", type=int, metavar="SMS",
                    help="model-dtype GEMMs: run each block's weight-gradient GEMMs on a side stream sized for SMS SMs, "
                    "beside the memory-bound kernels of the backward (H100: 100 of 132; same gradients; default 0: off)")
+    n.add_argument("--gemm", choices=["torch", "cublaslt"],
+                   help="the GEMM provider, for any backend: torch (cuBLAS through torch) or cublaslt (FP8 wgrads "
+                   "accumulated in the GEMM, algorithms timed once per shape); default: the backend's own "
+                   "(triton: cublaslt, torch and cupy: torch)")
     n.add_argument("--deterministic-attention", action="store_true",
-                   help="triton backend: run the attention backward through llmq-ray's own kernels, which give the "
+                   help="any backend: run the attention backward through llmq-ray's own Triton kernel, which gives the "
                    "same bits on every run (cuDNN's may not), and keep the libraries' default GEMM algorithms instead of "
                    "timing alternatives, so a resumed run reproduces the uninterrupted one")
     n.add_argument("--attn-bwd-chunks", type=int,

@@ -385,8 +385,6 @@ class LLMQTrainer:
         backend = fastest_backend(device) if r["backend"] == "auto" else r["backend"]
         if device == "cpu" and backend != "torch":
             raise ConfigError(f"--backend={backend} needs a GPU; on --device=cpu use --backend=torch.")
-        if self.opts.deterministic_attention and backend != "triton":
-            raise ConfigError(f"--deterministic-attention needs --backend=triton (got --backend={backend}).")
         if device == "cpu" and self.opts.use_cuda_graphs:
             raise ConfigError("--use-cuda-graphs needs --device=cuda (GPU workers); drop it for CPU runs.")
         return RuntimeSpec(opts=self.opts, train_file=r["train_file"], eval_file=r["eval_file"],
