@@ -69,7 +69,7 @@ class Coordinator:
         self.spec = spec
         self.opts = spec.opts
         self.cfg, _ = resolve_model(spec.opts.model)
-        self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.json"), resume=bool(spec.resume_from))
+        self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.jsonl"), resume=bool(spec.resume_from))
         self.max_step_logged = self.log.previous_last_step  # steps at or below it are trained again
         self.wandb = None
         if spec.wandb_project:

@@ -35,7 +35,7 @@ class RuntimeSpec:
     out_dir: str = "out"
     export: bool = True                   # HF export into out_dir/export at the end
     export_dtype: Optional[str] = None    # None: the model dtype
-    log_file: Optional[str] = None        # None: out_dir/log.json
+    log_file: Optional[str] = None        # None: out_dir/log.jsonl
     # checkpoints (llmq_ray/checkpoints/store.py; the coordinator's side is actors/checkpointing.py)
     checkpoint_dir: Optional[str] = None  # None: out_dir/ckpt
     ckpt_interval: int = 0                # checkpoint every N optimizer steps (0: never)

@@ -25,10 +25,10 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
-import time
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
+from tqdm import tqdm
 
 from llmq_ray.errors import DataError, LLMQError
 
@@ -66,35 +66,12 @@ def _groups(pieces: Iterable[tuple[str, bool, int]], group_chars: int) -> Iterat
         yield group
 
 
-class Progress:
-    """One-line progress on stdout (bytes read, tokens, rate); silent unless stdout is a terminal."""
-
-    def __init__(self, total_bytes: int, enabled: Optional[bool] = None):
-        self.total = max(1, total_bytes)
-        self.enabled = sys.stdout.isatty() if enabled is None else enabled
-        self.t0 = self.last = time.perf_counter()
-        self.done = self.tokens = 0
-
-    def update(self, nbytes: int, ntokens: int) -> None:
-        self.done += nbytes
-        self.tokens += ntokens
-        now = time.perf_counter()
-        if self.enabled and now - self.last > 0.2:
-            self.last = now
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        frac = min(1.0, self.done / self.total)
-        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-        rate = self.tokens / max(now - self.t0, 1e-9)
-        sys.stdout.write(f"\rtokenize [{bar}] {100 * frac:5.1f}% | {self.tokens:,} tokens | {rate / 1e6:.2f}M tok/s")
-        sys.stdout.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.done = self.total
-            self._draw(time.perf_counter())
-            sys.stdout.write("\n")
+def progress_bar(total_bytes: int, enabled: Optional[bool]):
+    """The tokenizer's bar on stdout (bytes read, tokens so far, rate), drawn by tqdm; ``enabled`` None: only
+    when stdout is a terminal."""
+    return tqdm(total=max(1, total_bytes), desc="tokenize", unit="B", unit_scale=True, file=sys.stdout,
+                disable=not (sys.stdout.isatty() if enabled is None else enabled), ascii="-#", smoothing=0,
+                mininterval=0.2)
 
 
 class SplitSink:
@@ -161,7 +138,8 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str = "qwen", fmt: st
     stage = os.path.join(out, f".partial-{os.getpid()}")
     os.makedirs(stage, exist_ok=True)
     sink = SplitSink(stage, tok.vocab_size, eval_tokens, shard_tokens)
-    bar = Progress(total_bytes, progress)
+    bar = progress_bar(total_bytes, progress)
+    tokens_done = 0
     pool = None
     try:
         if workers > 1:
@@ -173,7 +151,9 @@ def tokenize_files(inputs: list[str], out: str, tokenizer: str = "qwen", fmt: st
             results = map(_encode_group, groups)
         for ids, nbytes in results:
             sink.write(ids)
-            bar.update(nbytes, len(ids))
+            tokens_done += len(ids)
+            bar.update(nbytes)
+            bar.set_postfix_str(f"{tokens_done:,} tokens", refresh=False)
         sink.close()
     except BaseException:
         sink.abort()

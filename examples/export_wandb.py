@@ -1,6 +1,6 @@
 """Replay a finished (or running) run's JSON log into Weights & Biases.
 
-    python examples/export_wandb.py --log out/log.json --project llmq [--run-name qwen-0.5b] [--entity team]
+    python examples/export_wandb.py --log out/log.jsonl --project llmq [--run-name qwen-0.5b] [--entity team]
 
 Every record of the log goes through the same mapping as live logging (``llmq_ray.observe.wandb_logger``): options,
 sol, dataset, gpu and allocator into the run config; step records as train/* at the step's number; eval
@@ -49,7 +49,7 @@ def export(log_path: str, project: str, run_name: str | None = None, entity: str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--log", required=True, help="the run's JSON log (out-dir/log.json)")
+    p.add_argument("--log", required=True, help="the run's JSON log (out-dir/log.jsonl)")
     p.add_argument("--project", required=True, help="W&B project")
     p.add_argument("--run-name", default=None, help="W&B run name (default: the log's folder name)")
     p.add_argument("--entity", default=None, help="W&B entity (team or user; default: yours)")

@@ -1,7 +1,7 @@
 """Plot one or more runs from their JSON logs into a PNG: loss (train + eval), learning rate, gradient norm
 and tokens/s against the optimizer step, one colour per log.
 
-    python examples/plot_training_run.py out/log.json [other/log.json ...] --out plot.png \
+    python examples/plot_training_run.py out/log.jsonl [other/log.jsonl ...] --out plot.png \
         [--labels bf16 fp8] [--smooth 10] [--title "Qwen2.5-0.5B"]
 
 Legend: ``--labels`` if given, else the run's ``run_name`` option when it has one, else the log's folder (or
@@ -14,23 +14,18 @@ matplotlib's Agg backend: no display needed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmq_ray.observe.runlog import steps_as_one_run  # noqa: E402
+from llmq_ray.observe.runlog import read_log, steps_as_one_run  # noqa: E402
 
 
 def load_log(path: str) -> list[dict]:
-    """The records of a JSON log (list of dicts with a "log" key)."""
-    with open(path) as f:
-        records = json.load(f)
-    if not isinstance(records, list):
-        raise ValueError(f"{path}: not an llmq-ray JSON log (expected a list of records)")
-    return [r for r in records if isinstance(r, dict) and "log" in r]
+    """The records of a run log (JSON Lines, or an earlier version's JSON list)."""
+    return read_log(path)
 
 
 def _f(v) -> float:
@@ -66,7 +61,7 @@ def run_label(path: str, records: list[dict]) -> str:
     if opts.get("run_name"):
         return str(opts["run_name"])
     folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
-    return folder if folder and os.path.basename(path) == "log.json" else os.path.basename(path)
+    return folder if folder and os.path.basename(path) == "log.jsonl" else os.path.basename(path)
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -130,7 +125,7 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None, smooth_win
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("logs", nargs="+", help="JSON logs (out-dir/log.json) of the runs to draw")
+    p.add_argument("logs", nargs="+", help="JSON logs (out-dir/log.jsonl) of the runs to draw")
     p.add_argument("--out", default="plot.png", help="PNG to write")
     p.add_argument("--labels", nargs="+", default=None, help="legend names, one per log")
     p.add_argument("--smooth", type=int, default=1, help="trailing-mean window of the train loss (steps)")

@@ -9,7 +9,7 @@ import pytest
 
 from llmq_ray.train import cli
 from llmq_ray.observe.metrics import peak_tflops, sol_fraction
-from llmq_ray.observe.runlog import RunLog, atomic_write_json, eval_line, step_line
+from llmq_ray.observe.runlog import RunLog, atomic_write_json, eval_line, read_log, step_line
 
 LLM_Q_FLAGS = ["--model", "--from-scratch", "--train-file", "--eval-file", "--batch-size", "--seq-len",
                "--grad-accumulation", "--steps", "--learning-rate", "--warmup", "--final-lr-fraction",
@@ -205,17 +205,48 @@ def test_console_lines_have_llmq_shape():
     assert "[V] step    50" in eval_line(50, 100, 1.2, 5.4321, 8) and "eval loss   5.4321" in eval_line(50, 100, 1.2, 5.4321, 8)
 
 
-def test_json_log_is_written_atomically(tmp_path):
-    path = tmp_path / "sub" / "log.json"
-    log = RunLog(str(path), flush_every=2)
+def test_run_log_is_json_lines_appended_record_by_record(tmp_path):
+    """Each record reaches the file as one line when it is added (no waiting for a flush); a last line cut short
+    by a crash is skipped by read_log and cut off by a resumed run before it appends; a fresh run keeps an
+    earlier log aside; an earlier version's single JSON list is read, and rewritten as lines on resume."""
+    path = tmp_path / "sub" / "log.jsonl"
+    path.parent.mkdir()
+    log = RunLog(str(path))
     log.add("options", model="tiny")
-    log.flush()
     log.add("step", step=0, loss=1.0)
-    log.add("step", step=1, loss=float("nan"))  # second step record: auto flush
-    with open(path) as f:
-        recs = json.load(f)
-    assert [r["log"] for r in recs] == ["options", "step", "step"]
-    assert os.listdir(path.parent) == ["log.json"]  # no temporary left behind
+    log.add("step", step=1, loss=float("nan"))
+    lines = path.read_text().splitlines()
+    assert [json.loads(x)["log"] for x in lines] == ["options", "step", "step"]  # before any flush()
+    log.flush()
+    with open(path, "a") as f:  # a crash while the next record was being written
+        f.write('{"log": "step", "step": 2, "lo')
+    assert [r.get("step") for r in read_log(str(path))] == [None, 0, 1]
+    resumed = RunLog(str(path), resume=True)
+    assert resumed.previous_last_step == 1
+    resumed.add("resume", step=2)
+    assert [r["log"] for r in read_log(str(path))] == ["options", "step", "step", "resume"]
+    assert path.read_text().count("\n") == 4  # the cut line is gone, the new record on a line of its own
+    with pytest.raises(ValueError, match=r"log.jsonl line 2 is not valid JSON"):
+        bad = tmp_path / "bad" / "log.jsonl"
+        bad.parent.mkdir()
+        bad.write_text('{"log": "options"}\nnot json\n{"log": "end"}\n')
+        read_log(str(bad))
+    fresh = RunLog(str(path))
+    fresh.add("options", model="next")
+    assert fresh.set_aside and os.path.basename(fresh.set_aside).startswith("log.before-")
+    assert [r["model"] for r in read_log(str(path))] == ["next"]
+    assert len(read_log(fresh.set_aside)) == 4
+    legacy = tmp_path / "old" / "log.json"
+    legacy.parent.mkdir()
+    legacy.write_text(json.dumps([{"log": "options", "model": "tiny"}, {"log": "step", "step": 0}]))
+    assert len(read_log(str(legacy))) == 2
+    RunLog(str(legacy), resume=True).add("resume", step=1)
+    assert [json.loads(x)["log"] for x in legacy.read_text().splitlines()] == ["options", "step", "resume"]
+
+
+def test_atomic_write_json_leaves_the_old_file_when_writing_fails(tmp_path):
+    path = tmp_path / "meta.json"
+    atomic_write_json(str(path), {"a": 1})
 
     class Boom:
         def __repr__(self):
@@ -223,9 +254,7 @@ def test_json_log_is_written_atomically(tmp_path):
 
     with pytest.raises(RuntimeError):
         atomic_write_json(str(path), {"x": Boom()})
-    with open(path) as f:
-        assert len(json.load(f)) == 3  # the old complete log is still there
-    assert os.listdir(path.parent) == ["log.json"]
+    assert json.load(open(path)) == {"a": 1} and os.listdir(tmp_path) == ["meta.json"]  # no temporary left
 
 
 def test_sol_table():

@@ -92,7 +92,7 @@ def bad_files(tmp_path_factory):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-    (d / "other-log.json").write_text(json.dumps([{"log": "options", "model": "tiny"}]))
+    (d / "other-log.jsonl").write_text(json.dumps([{"log": "options", "model": "tiny"}]))
     return d
 
 
@@ -124,7 +124,7 @@ CASES = {
     "--continue with nothing to continue": (["--continue"], "--continue: no valid checkpoint in"),
     "corrupt --continue target": (["--continue", "{d}/corrupt/step_00000003"], "rank_00000.safetensors"),
     "--workers above the CPUs": (["--workers", "{many}", "--device", "auto"], "this machine has"),
-    "--log-file of another run": (["--log-file", "{d}/other-log.json"], "is the log of another run"),
+    "--log-file of another run": (["--log-file", "{d}/other-log.jsonl"], "is the log of another run"),
     "fresh run into another run's checkpoints": (["--checkpoint-dir", "{d}/ckpt"], "already holds checkpoints"),
     "bad flag value": (["--warmup", "30", "--steps", "10"], "--warmup must be an integer in [0, --steps)"),
 }

@@ -33,6 +33,7 @@ import torch
 
 from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError
+from llmq_ray.observe.runlog import read_log
 from llmq_ray.train.trainer import LLMQTrainer, Result
 
 FAST = dict(collective_timeout_s=15.0, call_timeout_s=60.0, use_ray_data=False, verbose=False)
@@ -166,7 +167,7 @@ def test_worker_that_keeps_hanging_ends_the_run_in_one_sentence(ray_cluster, sha
     assert re.fullmatch(r"rank 1 hung in step 3, at the start of the step, with no progress for \d+ s while rank 0 "
                         r"waited for it: the step did not finish within step_timeout_s=3; gave up after 1 "
                         r"automatic restart\(s\) \(max_restarts=1\)\.", str(info.value))  # API: keyword names
-    end = json.load(open(tmp_path / "log.json"))[-1]  # the log says why the run ended
+    end = read_log(str(tmp_path / "log.jsonl"))[-1]  # the log says why the run ended
     assert end["log"] == "end" and end["reason"] == "restarts_exhausted" and "rank 1 hung" in end["error"]
 
 

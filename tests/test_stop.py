@@ -80,7 +80,7 @@ def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster
     assert proc.returncode == 143, (proc.returncode, err)
     assert seconds < 30, seconds
     assert "SIGTERM received" not in err and "logging.cc" not in err and "Traceback" not in err, err
-    records = read_log(str(out / "log.json"))
+    records = read_log(str(out / "log.jsonl"))
     end = records[-1]
     assert end["log"] == "end" and end["reason"] == "stopped" and end["signal"] == "SIGTERM", end
     done = end["step"]
@@ -93,7 +93,7 @@ def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster
 
     resumed = _trainer_from_cli(_argv(shards, out, steps) + ["--continue"]).fit()
     assert resumed.stopped is None and resumed.history[0]["step"] == done
-    records = read_log(str(out / "log.json"))
+    records = read_log(str(out / "log.jsonl"))
     assert [r["log"] for r in records].count("resume") == 1 and records[-1]["reason"] == "finished"
     steps_logged = [r for r in records if r["log"] == "step"]
     assert [r["step"] for r in steps_logged] == list(range(steps))
@@ -119,7 +119,7 @@ def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tm
         assert info["checkpoint"].endswith(f"step_{4 * (session + 1):08d}")
     result = _api_run(shards, out, resume=True).fit()
     assert result.stopped is None
-    records = read_log(str(out / "log.json"))
+    records = read_log(str(out / "log.jsonl"))
     assert [r["step"] for r in records if r["log"] == "step"] == list(range(12))
     assert [r["log"] for r in records].count("resume") == 2
     ends = [r for r in records if r["log"] == "end"]
@@ -136,7 +136,7 @@ def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tm
     assert len(superseded) == 1 and os.listdir(out / "ckpt" / superseded[0]) == ["step_00000008"]
     assert sorted(n for n in os.listdir(out / "ckpt") if n.startswith("step_")) == ["step_00000004"]
     assert again.history[0]["step"] == 4
-    records = read_log(str(out / "log.json"))
+    records = read_log(str(out / "log.jsonl"))
     steps = [r for r in records if r["log"] == "step"]
     assert [r["step"] for r in steps] == list(range(12)) + list(range(4, 12))
     assert [r["step"] for r in steps if r.get("retrained")] == list(range(4, 12))
@@ -151,23 +151,23 @@ def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tm
     s = plot_training_run.series(records)
     assert s["step"] == list(range(1, 13))
     png = tmp_path / "plot.png"
-    subprocess.run([sys.executable, os.path.join(REPO, "examples", "plot_training_run.py"), str(out / "log.json"),
+    subprocess.run([sys.executable, os.path.join(REPO, "examples", "plot_training_run.py"), str(out / "log.jsonl"),
                     "--out", str(png)], check=True, capture_output=True, timeout=120)
     assert png.stat().st_size > 1000
 
 
 def test_a_fresh_run_keeps_an_earlier_log_and_export(ray_cluster, shards, tmp_path):
     """The default log and export of --out-dir are never overwritten by a fresh run: the earlier ones are kept
-    beside them (log.before-<time>.json, export.before-<time>)."""
+    beside them (log.before-<time>.jsonl, export.before-<time>)."""
     out = tmp_path / "run"
     (out / "export").mkdir(parents=True)
     (out / "export" / "config.json").write_text('{"earlier": true}')
-    (out / "log.json").write_text(json.dumps([{"log": "options", "model": "earlier"}]))
+    (out / "log.jsonl").write_text(json.dumps([{"log": "options", "model": "earlier"}]))
     t = _api_run(shards, out, steps=2, warmup=0, checkpoint_on_exit=False, export=True)
     result = t.fit()
     kept = [n for n in os.listdir(out) if n.startswith("log.before-")]
     assert len(kept) == 1 and json.loads((out / kept[0]).read_text())[0]["model"] == "earlier"
-    assert read_log(str(out / "log.json"))[-1]["reason"] == "finished"
+    assert read_log(str(out / "log.jsonl"))[-1]["reason"] == "finished"
     kept = [n for n in os.listdir(out) if n.startswith("export.before-")]
     assert len(kept) == 1 and json.loads((out / kept[0] / "config.json").read_text()) == {"earlier": True}
     assert result.export_path == str(out / "export") and (out / "export" / "model.safetensors").is_file()
@@ -179,7 +179,7 @@ def test_a_failed_run_says_why_in_its_last_record(ray_cluster, shards, tmp_path)
     out = tmp_path / "run"
     with pytest.raises(WorkerError, match="injected fault"):
         _api_run(shards, out, steps=5, warmup=0, fault={"rank": 0, "step": 2}).fit()
-    end = read_log(str(out / "log.json"))[-1]
+    end = read_log(str(out / "log.jsonl"))[-1]
     assert end["log"] == "end" and end["reason"] == "failed" and "injected fault at step 2" in end["error"]
 
 
@@ -258,7 +258,7 @@ def test_a_second_signal_abandons_the_stop(shards, tmp_path, during):
         seconds = time.monotonic() - t0
     assert proc.returncode == 143 and seconds < 30, (proc.returncode, seconds, err)
     assert "a second SIGTERM abandoned the stop" in err and "logging.cc" not in err, err
-    end = read_log(str(out / "log.json"))[-1]
+    end = read_log(str(out / "log.jsonl"))[-1]
     assert end["log"] == "end" and end["reason"] == "stopped" and end["checkpoint"] is None
     assert "the newest valid checkpoint is step_00000005" in end["note"]
     assert sorted(n for n in os.listdir(out / "ckpt") if n.startswith("step_")) == ["step_00000005"]

@@ -1,4 +1,4 @@
-"""A tiny progress bar with rate and ETA, for training steps, evaluation batches and tokenization.
+"""Progress bars for training steps and evaluation batches, drawn by tqdm.
 
     with Progress(total=1000, desc="train", unit="step") as bar:
         for step in range(1000):
@@ -9,11 +9,13 @@
 
 One line, redrawn in place with ``\\r`` at most every ``min_interval`` seconds (and always at the end)::
 
-    train [##########--------------------]  340/1000  34.0% | 2.91 step/s | ETA 3:47 | loss=3.412
+    train [##########--------------------]  340/1000  34.0% | 2.91 step/s | ETA 03:47, loss=3.412
 
-``EvalBar`` follows an evaluation that runs inside the workers: fed the coordinator's reports (batches
-done on rank 0, polled by the trainer while it waits), it draws ``eval`` (or ``final eval``) over the eval
-batches in place of the training bar, and erases itself when the eval is over (its ``[V]`` line follows).
+``Progress`` is a thin layer over ``tqdm.tqdm``: it fixes the bar's look (the format above, the same for every
+bar of a run), decides when a bar is drawn at all, and keeps the log lines and the bar apart. ``EvalBar``
+follows an evaluation that runs inside the workers: fed the coordinator's reports (batches done on rank 0,
+polled by the trainer while it waits), it draws ``eval`` (or ``final eval``) over the eval batches in place of
+the training bar, and erases itself when the eval is over (its ``[V]`` line follows).
 
 The bar is *off* -- every call is a no-op, except ``write`` which just prints the line -- when disabled
 (``enabled=False``, e.g. from ``--no-progress``), when the environment sets ``LLMQ_NO_PROGRESS`` to a
@@ -27,6 +29,8 @@ import os
 import sys
 import time
 from typing import Callable, Optional, TextIO
+
+from tqdm import tqdm
 
 
 def progress_enabled(stream: Optional[TextIO], enabled: bool = True) -> bool:
@@ -42,7 +46,7 @@ def progress_enabled(stream: Optional[TextIO], enabled: bool = True) -> bool:
         return False
 
 
-def format_duration(seconds: float) -> str:
+def format_duration(seconds: Optional[float]) -> str:
     """H:MM:SS above an hour, else M:SS; '?' when unknown."""
     if seconds is None or seconds != seconds or seconds < 0 or seconds == float("inf"):
         return "?"
@@ -54,7 +58,8 @@ def format_duration(seconds: float) -> str:
 
 class Progress:
     """A one-line progress bar on ``stream`` (default stderr) for ``total`` units (None: unknown total,
-    count and rate only). ``clock`` is injectable for tests. See the module docstring for when it is off."""
+    count and rate only), ``width`` characters of bar. ``clock`` (seconds) is injectable for tests: it becomes
+    the bar's time source. See the module docstring for when it is off."""
 
     def __init__(self, total: Optional[int], desc: str = "", unit: str = "it", *, stream: Optional[TextIO] = None,
                  enabled: bool = True, width: int = 30, min_interval: float = 0.1, initial: int = 0,
@@ -63,14 +68,29 @@ class Progress:
         self.desc, self.unit, self.width = desc, unit, width
         self.stream = sys.stderr if stream is None else stream
         self.enabled = progress_enabled(self.stream, enabled)
-        self.min_interval = min_interval
-        self.clock = clock
-        self.n = self.start_n = int(initial)
-        self.start = clock()
-        self._last_draw: Optional[float] = None
-        self._postfix = ""
-        self._drawn_len = 0
         self.closed = False
+        self._postfix = ""
+        self._bar = None
+        if self.enabled:
+            # smoothing=0: the rate (and ETA) is the average since the start, steady across evals and saves
+            self._bar = tqdm(total=self.total, desc=desc, unit=f" {unit}", initial=int(initial), file=self.stream,
+                             mininterval=min_interval, miniters=1, ascii="-#", dynamic_ncols=False, smoothing=0,
+                             position=0,  # one line: an eval bar takes the training bar's place, not a new row
+                             bar_format=self._format())
+            self._bar._time = clock  # tqdm reads time through this attribute (its own tests swap it the same way)
+            self._bar.start_t = self._bar.last_print_t = clock()
+        self.n = int(initial)
+        self.start_n = int(initial)
+        self.clock = clock
+        self.start = clock()
+
+    def _format(self) -> str:
+        head = "{desc} " if self.desc else ""
+        if self.total:
+            digits = len(str(self.total))
+            return (head + "[{bar:%d}] {n_fmt:>%d}/{total_fmt} {percentage:5.1f}%% | {rate_noinv_fmt} | "
+                    "ETA {remaining}{postfix}") % (self.width, digits)
+        return head + "{n_fmt}{unit} | {rate_noinv_fmt} | elapsed {elapsed}{postfix}"
 
     # ------------------------------------------------------------------ numbers
     def rate(self) -> Optional[float]:
@@ -86,58 +106,35 @@ class Progress:
         return max(self.total - self.n, 0) / r
 
     def render(self) -> str:
-        """The bar line as it would be drawn now (without ``\\r``)."""
-        head = f"{self.desc} " if self.desc else ""
-        r = self.rate()
-        rate = f"{r:.2f} {self.unit}/s" if r is not None else f"- {self.unit}/s"
-        if self.total:
-            frac = min(self.n / self.total, 1.0)
-            filled = int(frac * self.width)  # floor: full only at the end
-            digits = len(str(self.total))
-            text = (f"{head}[{'#' * filled}{'-' * (self.width - filled)}] {self.n:>{digits}}/{self.total} "
-                    f"{100 * frac:5.1f}% | {rate} | ETA {format_duration(self.eta()) if self.n < self.total else '0:00'}")
-        else:
-            text = f"{head}{self.n} {self.unit} | {rate} | elapsed {format_duration(self.clock() - self.start)}"
-        return text + (f" | {self._postfix}" if self._postfix else "")
+        """The bar line as it would be drawn now (without ``\\r``; "" when the bar is off)."""
+        return "" if self._bar is None else str(self._bar)
 
     # ------------------------------------------------------------------ drawing
-    def _draw(self, force: bool = False) -> None:
-        if not self.enabled or self.closed:
-            return
-        now = self.clock()
-        if not force and self._last_draw is not None and now - self._last_draw < self.min_interval:
-            return
-        text = self.render()
-        pad = max(self._drawn_len - len(text), 0)  # blank out the rest of a longer previous line
-        self.stream.write("\r" + text + " " * pad)
-        self.stream.flush()
-        self._drawn_len = len(text)
-        self._last_draw = now
-
     def clear(self) -> None:
         """Erase the drawn line (the bar stays open: the next update or write draws it again)."""
-        if self._drawn_len:
-            self.stream.write("\r" + " " * self._drawn_len + "\r")
-            self._drawn_len = 0
+        if self._bar is not None and not self.closed:
+            self._bar.clear()
 
     def update(self, n: int = 1, **postfix) -> None:
         """Advance by ``n`` units; keyword arguments are shown after the bar (``loss=3.41``)."""
         self.n += n
         if postfix:
             self.set_postfix(**postfix)
-        done = self.total is not None and self.n >= self.total
-        self._draw(force=done)
+        if self._bar is not None and not self.closed:
+            self._bar.update(n)
 
     def set_postfix(self, **postfix) -> None:
         """Replace the text after the bar (key=value pairs)."""
         self._postfix = " ".join(f"{k}={v}" for k, v in postfix.items())
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix, refresh=False)
 
     def write(self, line: str) -> None:
         """Print ``line`` (a log line) above the bar; with the bar off, just print it to the stream."""
-        if self.enabled and not self.closed:
-            self.clear()
+        if self._bar is not None and not self.closed:
+            self._bar.clear()
             self.stream.write(line + "\n")
-            self._draw(force=True)
+            self._bar.refresh()
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
@@ -146,17 +143,13 @@ class Progress:
         """Draw the final state and end the line; ``leave=False``: erase the bar instead (idempotent)."""
         if self.closed:
             return
-        if self.enabled:
-            if leave:
-                self._draw(force=True)
-                self.stream.write("\n")
-            else:
-                self.clear()
+        if self._bar is not None:
+            self._bar.leave = leave
+            self._bar.close()
             self.stream.flush()
         self.closed = True
 
     def __enter__(self) -> "Progress":
-        self._draw(force=True)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -189,7 +182,7 @@ class EvalBar:
             if self.under is not None:
                 self.under.clear()
             self.bar = Progress(report["total"], "final eval" if report.get("full") else "eval", unit="batch",
-                                stream=self.stream, clock=self.clock)
+                                stream=self.stream, clock=self.clock, min_interval=0.0)
         self.bar.update(report["done"] - self.bar.n)
 
     def end(self) -> None:

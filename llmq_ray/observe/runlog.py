@@ -1,11 +1,12 @@
-"""Run logs: llm.q-shaped console lines and the JSON log.
+"""Run logs: llm.q-shaped console lines and the JSON Lines log.
 
 Console (one line per optimizer step, one per eval)::
 
     [T] step    12 [ 12.0%] | time:   183 ms | norm   1.2345 | loss   6.1234 | tps   44.8k | sol  45.1%
     [V] step    50 [ 50.0%] | time:  1204 ms | eval loss   5.4321 | batches 8
 
-JSON log: a list of records, each a dict with a "log" key naming its kind, in the order they happened:
+JSON Lines log (``out/log.jsonl``): one record per line, each a dict with a "log" key naming its kind, in the
+order they happened:
 "options" (all run options), "gpu" (one per rank: device, name, memory table), "sol" (FLOPs/token,
 peaks), "dataset" (files, token counts), "allocator" (memory table of rank 0), "step" (per optimizer
 step), "eval", "checkpoint" (one per checkpoint written), "resume" (the checkpoint a run started from, or went
@@ -13,15 +14,19 @@ back to after a restart), "warning" (a skipped update, a loss or grad-norm spike
 with a "kind"), "failure" and "restart" (a worker died or hung and the group was rebuilt), "summary", and last
 "end": why the run ended (``reason`` "finished", "stopped" (by a signal or ``request_stop()``; with
 ``signal``, ``step`` and ``checkpoint``), "failed" (with ``error``, the one-sentence message) or
-"restarts_exhausted"). ``RunLog.flush()`` writes the whole list to a temporary file in the same folder and
-renames it over the log, so a reader (or a crash) never sees a half-written file.
+"restarts_exhausted"). ``RunLog.add`` appends each record to the file as it happens (a reader such as
+``tail -f``, the plot script or the W&B replay sees every step at once); ``RunLog.flush()`` also asks the
+disk to keep what was written (fsync) at the points that matter: set-up, evals, checkpoints, the end. The only
+thing a crash can leave is a last line cut short while it was written: ``read_log`` skips it, and a resumed run
+cuts it off before appending, so the file is always whole records. (Logs of earlier versions, one JSON list,
+are still read, and a resumed run rewrites such a log as lines first.)
 
 One log describes a whole run across resumes: a run started with ``--continue`` reads the existing log and
 appends to it (``RunLog(path, resume=True)``): its set-up records, a "resume" record, then the new steps. A
 step trained again after going back to a checkpoint (the steps between that checkpoint and a crash) carries
 ``"retrained": true``; ``steps_as_one_run`` keeps the newest record of every step, which is what the plot
 script draws. A fresh run never overwrites another run's log: an earlier log at the same path is kept beside
-it as ``<name>.before-<UTC time>.json`` (the trainer refuses an explicit ``--log-file`` that exists unless
+it as ``<name>.before-<UTC time>.jsonl`` (the trainer refuses an explicit ``--log-file`` that exists unless
 the run continues it).
 """
 
@@ -110,16 +115,47 @@ def _json_default(o):
     return str(o)
 
 
+def _dumps(record: dict) -> str:
+    return json.dumps(record, default=_json_default)
+
+
 def read_log(path: str) -> list[dict]:
-    """The records of a JSON log (a list of dicts with a "log" key); ValueError naming the file otherwise."""
+    """The records of a run log: JSON Lines (one record per line; a last line cut short by a crash is skipped)
+    or the single JSON list of earlier versions. ValueError naming the file (and line) otherwise."""
     with open(path) as f:
+        text = f.read()
+    if text.lstrip().startswith("["):
         try:
-            records = json.load(f)
+            records = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    else:
+        records, lines = [], text.split("\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if i == len(lines) - 1:  # no newline after it: the record being written when the run died
+                    break
+                raise ValueError(f"{path} line {i + 1} is not valid JSON ({exc.msg})") from None
     if not isinstance(records, list) or not all(isinstance(r, dict) and "log" in r for r in records):
-        raise ValueError(f"{path} is not an llmq-ray JSON log (expected a list of records with a 'log' key)")
+        raise ValueError(f"{path} is not an llmq-ray run log (expected records with a 'log' key)")
     return records
+
+
+def _open_for_append(path: str, records: list[dict]):
+    """``path`` opened for appending records: an earlier version's JSON list is first rewritten as lines
+    (atomically), and a last line cut short by a crash is cut off, so new lines start on a line of their own."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.lstrip().startswith(b"["):
+        atomic_write_text(path, "".join(_dumps(r) + "\n" for r in records))
+    elif data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+    return open(path, "a")
 
 
 def last_logged_step(records: list[dict]) -> int:
@@ -138,13 +174,18 @@ def steps_as_one_run(records: list[dict]) -> list[dict]:
 
 
 def append_records(path: str, new: list[dict]) -> None:
-    """Append records to the JSON log at ``path`` (read, extend, atomic rewrite); creates it if missing.
-    For the driver, which writes the last record itself when the coordinator is gone."""
-    records = read_log(path) if os.path.isfile(path) else []
-    atomic_write_json(path, records + list(new))
+    """Append records to the run log at ``path`` (created if missing) and fsync. For the driver, which writes
+    the last record itself when the coordinator is gone."""
+    if not os.path.isfile(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    f = _open_for_append(path, read_log(path)) if os.path.isfile(path) else open(path, "a")
+    with f:
+        f.write("".join(_dumps(r) + "\n" for r in new))
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def set_aside_name(path: str, default_ext: str = ".json") -> str:
+def set_aside_name(path: str, default_ext: str = ".jsonl") -> str:
     """Where a fresh run keeps an earlier run's file or folder found at ``path``: ``<stem>.before-<UTC time><ext>``
     (``default_ext`` when ``path`` has none; "" for a folder such as the export)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -158,34 +199,48 @@ def set_aside_name(path: str, default_ext: str = ".json") -> str:
 
 
 class RunLog:
-    """The JSON log of one run: ``add(kind, **fields)`` appends a record; ``flush()`` rewrites the file
-    atomically (called at set-up, after each eval, every ``flush_every`` steps and at the end).
+    """The run log of one run: ``add(kind, **fields)`` appends a record, to the list ``records`` and as a line
+    to the file; ``flush()`` makes the disk keep it (fsync; called at set-up, after each eval and checkpoint,
+    and at the end). ``path`` None: records in memory only.
 
     ``resume=True``: the records already in the file are kept and the new ones appended (a run continued
-    from a checkpoint); ``resume=False``: a file already there is renamed to ``set_aside_name(path)`` at the
-    first flush, never overwritten. ``previous_last_step``: the highest step the earlier records logged."""
+    from a checkpoint); ``resume=False``: a file already there is renamed to ``set_aside_name(path)`` before
+    the first record is written, never overwritten. ``previous_last_step``: the highest step the earlier
+    records logged."""
 
-    def __init__(self, path: Optional[str], flush_every: int = 50, resume: bool = False):
+    def __init__(self, path: Optional[str], resume: bool = False):
         self.path = os.path.abspath(path) if path else None
         self.records: list[dict] = []
-        self.flush_every = flush_every
-        self._since_flush = 0
         self.listeners: list = []  # callables fed every new record (e.g. the live W&B logger)
         self.set_aside: Optional[str] = None  # where an earlier run's log went (fresh runs)
-        self._check_existing = not resume
+        self._resume = resume
+        self._file = None  # opened at the first record
         if resume and self.path and os.path.isfile(self.path):
             self.records = read_log(self.path)
         self.previous_last_step = last_logged_step(self.records)
         self.ended = False  # this session's "end" record is written (an earlier session's may be in records)
 
+    def _open(self):
+        if self._file is None and self.path is not None:
+            if self._resume and os.path.isfile(self.path):
+                self._file = _open_for_append(self.path, self.records)
+            else:
+                if os.path.exists(self.path):
+                    self.set_aside = set_aside_name(self.path)
+                    os.replace(self.path, self.set_aside)
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self._file = open(self.path, "a")
+        return self._file
+
     def add(self, kind: str, /, **fields) -> dict:
         rec = {"log": kind, **fields}
+        f = self._open()  # before the record joins ``records``: an old-format log is rewritten from them
         self.records.append(rec)
+        if f is not None:
+            f.write(_dumps(rec) + "\n")
+            f.flush()  # whole lines reach the file as they happen (the OS keeps them if this process dies)
         for listener in self.listeners:
             listener(rec)
-        self._since_flush += 1
-        if kind == "step" and self._since_flush >= self.flush_every:
-            self.flush()
         return rec
 
     def end(self, reason: str, **fields) -> Optional[dict]:
@@ -201,11 +256,14 @@ class RunLog:
         return rec
 
     def flush(self) -> None:
-        if self.path is not None:
-            if self._check_existing:
-                self._check_existing = False
-                if os.path.exists(self.path):
-                    self.set_aside = set_aside_name(self.path)
-                    os.replace(self.path, self.set_aside)
-            atomic_write_json(self.path, self.records)
-        self._since_flush = 0
+        """Ask the disk to keep every record written so far (fsync); opens the file if nothing was written."""
+        f = self._open()
+        if f is not None:
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self.flush()
+            self._file.close()
+            self._file = None

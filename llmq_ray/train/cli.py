@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-every-n-steps", type=int, help="eval every N steps (0: only at the end)")
     e.add_argument("--eval-num-steps", type=int, help="batches per periodic eval (the final eval reads the whole eval file)")
     e.add_argument("--out-dir", help="folder of the export (out-dir/export) and the log")
-    e.add_argument("--log-file", help="JSON log (default: out-dir/log.json), rewritten atomically")
+    e.add_argument("--log-file", help="the run log, JSON Lines: one record per line as it happens "
+                   "(default: out-dir/log.jsonl)")
     e.add_argument("--wandb-project", help="log live to this W&B project (WANDB_MODE honoured)")
     e.add_argument("--wandb-run-name", help="W&B run name (default: W&B's)")
     e.add_argument("--log-gpu-util", type=int,

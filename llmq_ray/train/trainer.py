@@ -294,7 +294,7 @@ class LLMQTrainer:
         check_writable_dir(r["out_dir"], "--out-dir")
         check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         explicit = r["log_file"] is not None
-        log = r["log_file"] or os.path.join(r["out_dir"], "log.json")  # as given: the message names it
+        log = r["log_file"] or os.path.join(r["out_dir"], "log.jsonl")  # as given: the message names it
         check_log_file(log, "--log-file" if explicit else "--out-dir", self.resume not in (False, None), explicit)
         if self.resume in (False, None) and (self.checkpoint_on_exit or r["ckpt_interval"]):
             check_fresh_checkpoint_dir(self.checkpoint_dir)
@@ -678,7 +678,7 @@ class LLMQTrainer:
 
     def _log_path(self) -> str:
         r = self.runtime
-        return os.path.abspath(r["log_file"] or os.path.join(r["out_dir"], "log.json"))
+        return os.path.abspath(r["log_file"] or os.path.join(r["out_dir"], "log.jsonl"))
 
     def _append_end(self, fields: dict) -> None:
         """Write the "end" record into the log file from the driver (the coordinator is gone)."""
