@@ -16,10 +16,9 @@ import time
 
 import torch
 
-from llmq_ray.backends import get_backend
 from llmq_ray.train.cli import gib_or_auto
 from llmq_ray.model.config import PRESETS
-from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
 from llmq_ray.options import TrainOptions
 
@@ -146,11 +145,13 @@ def main():
                         opt_resident_gib=args.opt_resident_gib, overlap_update=args.overlap_update,
                         deterministic_attention=args.deterministic_attention, **rec)
     cfg = PRESETS[args.model]
-    backend = get_backend(args.backend, args.device)
+    backend = make_backend(args.backend, opts, args.device)
     if args.unfused_attn_rope_bwd:
-        from llmq_ray.backends.base import Backend
+        def unfused(dqkv, dout, out, lse, qkv, cos, sin, n_q, n_kv):  # attention backward, then RoPE in place
+            backend.attention_backward(dqkv, dout, out, lse, qkv, n_q, n_kv)
+            backend.rope_backward(dqkv, cos, sin, n_q, n_kv)
 
-        backend.attention_rope_backward = lambda *a: Backend.attention_rope_backward(backend, *a)
+        backend.attention_rope_backward = unfused
     engine = TrainEngine(cfg, opts, backend)
     if args.overlap_wgrad:
         enable_wgrad_overlap(engine.model, args.overlap_wgrad)

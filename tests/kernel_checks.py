@@ -164,7 +164,7 @@ def get_backend_plain():
     from llmq_ray.backends import get_backend
 
     be = get_backend("torch", DEV)
-    be._aten_attention = None
+    be.attention._aten = None
     return be
 
 

@@ -7,7 +7,7 @@ import torch
 
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
-from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
 from llmq_ray.errors import ConfigError
 from llmq_ray.options import TrainOptions
@@ -58,7 +58,7 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
                         model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16", opt_v_dtype="bf16",
                         use_cuda_graphs=graphs, steps=steps, overlap_update=overlap,
                         offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic)
-    engine = TrainEngine(cfg, opts, get_backend(backend, "cuda"))
+    engine = TrainEngine(cfg, opts, make_backend(backend, opts, "cuda"))
     if wgrad_sms:
         enable_wgrad_overlap(engine.model, wgrad_sms, wgrad_mode, wgrad_delay)
     assert (engine.overlap is not None) == overlap  # also with graphs: the first micro-step's graph waits per unit
@@ -75,7 +75,7 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
             batch = torch.randint(0, cfg.vocab_size, (2, 257), generator=gen)
             losses.append(engine.evaluate([(batch[:, :-1].cuda(), batch[:, 1:].cuda())]))
     if wgrad_sms:  # every side-stream wgrad took cuBLASLt's SM-targeted path (none fell back to torch's call)
-        assert engine.model.backend.beside_fallbacks == 0
+        assert engine.model.backend.gemm.beside_fallbacks == 0
     return losses, engine.full_params().clone()  # full_params waits for an update still on its side stream
 
 

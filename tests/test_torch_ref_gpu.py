@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 def _math_backend():
     be = TorchBackend("cuda")
-    be._aten_attention = None  # force the written-out math path
+    be.attention._aten = None  # force the written-out math path
     return be
 
 

@@ -190,7 +190,7 @@ def test_gpu_side_stream_gradients_match_the_plain_order():
         tokens = torch.randint(0, cfg.vocab_size, (2, 257), generator=torch.Generator().manual_seed(3)).cuda()
         model.zero_grads()
         model.forward_backward(tokens[:, :-1], tokens[:, 1:])
-        grads.append((model.grads.clone(), model.layout, be.beside_fallbacks))
+        grads.append((model.grads.clone(), model.layout, be.gemm.beside_fallbacks))
     (g0, layout, _), (g1, _, fallbacks) = grads
     assert fallbacks == 0
     block = torch.zeros_like(g0, dtype=torch.bool)

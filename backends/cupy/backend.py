@@ -72,7 +72,7 @@ class CupyBackend(Backend):
 
     def __init__(self, device="cuda", **components):
         cupy = rt.require_cupy(torch.device(device))  # before anything touches CUDA: one clear sentence if absent
-        self._reference.__init__(device, **components)
+        super().__init__(device, **components)
         self._reference = TorchBackend(self.device, gemm="torch")  # for dtypes the kernels do not take
         self.k = rt.Kernels(cupy, self.device)
 
