@@ -4,11 +4,12 @@
 # Carry: .whl (bash ../shared/device/make-wheels.sh), runs/anchor, runs/shake
 # (`python -m llmq_ray.data_pipeline.tokenize --input tiny-shakespeare --out runs/shake`).
 #   bash benchmarks/archive/device_issue23.sh tests   # the GPU suite on this tree, then the 300-step loss check
-#   bash benchmarks/archive/device_issue23.sh speed   # 0.5B and 1.5B, bf16 and e4m3, old and new alternating
+#   bash benchmarks/archive/device_issue23.sh speed [0.5B|1.5B]  # bf16 and e4m3, old and new alternating
+#   (GPU=1 before "speed": the GPU suite first)
 # Loss check: Qwen2.5-0.5B from scratch on tiny-shakespeare, triton, --deterministic-attention, B=4, T=1024,
 # 300 steps; the per-step losses of the two trees must be the same floats.
 # Speed rows: benchmarks/speed_table.py's triton rows (CUDA graphs, bf16 Adam states, ZeRO-1, through Ray).
-source benchmarks/device_lib.sh issue23-$1.log smi23-$1.csv
+source benchmarks/device_lib.sh issue23-$1$2.log smi23-$1$2.csv
 if [ "$1" = tests ]; then
   run gpu_tests 360 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/
   A="--model Qwen2.5-0.5B --backend triton --train-file runs/shake/train-*.bin --eval-file runs/shake/eval.bin
@@ -34,6 +35,7 @@ print(f"LOSS steps old {len(old)} new {len(new)} identical {same}; first diffs {
 PY
 fi
 if [ "$1" = speed ]; then
+  [ -n "$GPU" ] && run gpu_tests 400 -m pytest -m gpu -p no:cacheprovider -q -rfE tests/
   mkdir -p $OUT/speed
   row() { tree=$1; model=$2; dtype=$3; b=$4; g=$5; steps=$6; warm=$7; extra=""
     [ "$dtype" = e4m3 ] && extra="--matmul-dtype e4m3"
@@ -42,10 +44,10 @@ if [ "$1" = speed ]; then
     run_in $tree $tag 240 $script --device cuda --backend triton --model $model --batch-size $b \
       --grad-accumulation $g --seq-len 1024 --steps $steps --warmup-steps $warm --opt-m-dtype bf16 \
       --opt-v-dtype bf16 --gpus 1 $extra --use-cuda-graphs --json $OUT/speed/$tag.json; }
-  for dtype in bf16 e4m3; do
+  [ "$2" = 1.5B ] || for dtype in bf16 e4m3; do
     row runs/anchor Qwen2.5-0.5B $dtype 32 1 25 5; row . Qwen2.5-0.5B $dtype 32 1 25 5
   done
-  for dtype in bf16 e4m3; do
+  [ "$2" = 0.5B ] || for dtype in bf16 e4m3; do
     row . Qwen2.5-1.5B $dtype 16 16 6 2; row runs/anchor Qwen2.5-1.5B $dtype 16 16 6 2
   done
   python3 - <<'PY' | tee -a "$L"
