@@ -1,20 +1,23 @@
 """Compare the per-step train losses of two runs' JSON logs (e.g. 1 GPU with grad accumulation against N GPUs
 over the same global batch): a table every ``--every`` steps, the largest relative difference, final evals.
 
-    python benchmarks/compare_loss_curves.py out/curve_1gpu.json out/curve_2gpu.json --labels "1 GPU" "2 GPUs"
+    python benchmarks/compare_loss_curves.py out/curve_1gpu/log.jsonl out/curve_2gpu/log.jsonl --labels "1 GPU" "2 GPUs"
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from llmq_ray.observe.runlog import read_log  # noqa: E402
 
 
 def read_losses(path: str) -> tuple[list[float], list[float]]:
-    """(train losses per step, eval losses) of a run's JSON log (records with log = "step" / "eval")."""
-    with open(path) as f:
-        log = json.load(f)
+    """(train losses per step, eval losses) of a run's log (records with log = "step" / "eval")."""
+    log = read_log(path)
     return ([r["loss"] for r in log if r.get("log") == "step"], [r["loss"] for r in log if r.get("log") == "eval"])
 
 

@@ -17,6 +17,7 @@ import torch
 
 from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError, ConfigError, DataError
+from llmq_ray.observe.runlog import read_log
 from llmq_ray.train.trainer import LLMQTrainer, Result
 
 FAST = dict(collective_timeout_s=60.0, call_timeout_s=120.0, use_ray_data=False, verbose=False)
@@ -82,8 +83,6 @@ def test_offload_flags_through_the_runtime(ray_cluster, shards, tmp_path):
     master + bf16 moments, a small --opt-chunk-size so the shards stream in many chunks): losses, norms and
     exported weights are bit-identical to the same run without them, and the workers' memory tables in the
     log show the state on the host."""
-    import json
-
     kw = dict(workers=2, grad_accumulation=2, zero_level=2, steps=4, model_dtype="bf16", master_dtype="fp32",
               opt_m_dtype="bf16", opt_v_dtype="bf16", opt_chunk_size=4096, export_dtype="bf16", eval_file=None)
     ref = _run(shards, tmp_path / "ref", **kw)
@@ -93,8 +92,7 @@ def test_offload_flags_through_the_runtime(ray_cluster, shards, tmp_path):
     assert [r["norm"] for r in off.history] == [r["norm"] for r in ref.history]
     a, b = _export_tensors(ref.export_path), _export_tensors(off.export_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with open(off.log_file) as f:
-        mem = [rec for rec in json.load(f) if rec["log"] == "allocator"]
+    mem = [rec for rec in read_log(off.log_file) if rec["log"] == "allocator"]
     assert len(mem) == 2 and all(m["host_master"] > 0 and m["master"] == 0 and m["host_grads"] > 0 for m in mem)
 
 
@@ -118,10 +116,7 @@ def test_fit_inside_a_ray_task(ray_cluster, shards, tmp_path):
     assert result.metrics["steps"] == 3 and len(result.history) == 3
     assert np.isfinite(result.metrics["eval_loss"])
     assert os.path.isfile(os.path.join(result.export_path, "config.json"))
-    import json
-
-    with open(result.log_file) as f:
-        kinds = {rec["log"] for rec in json.load(f)}
+    kinds = {rec["log"] for rec in read_log(result.log_file)}
     assert {"options", "gpu", "sol", "dataset", "allocator", "step", "eval"} <= kinds
     assert ray.is_initialized() and ray.get(ray.put(7), timeout=10) == 7  # the caller's cluster is intact
 
@@ -229,10 +224,7 @@ def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, sh
     folder = out / "wandb" / runs[0]
     blob = b"".join(open(folder / f, "rb").read() for f in os.listdir(folder) if f.endswith(".wandb"))
     assert b"train/loss" in blob and b"eval/final_loss" in blob
-    import json
-
-    with open(result.log_file) as f:
-        allocators = [rec for rec in json.load(f) if rec["log"] == "allocator"]
+    allocators = [rec for rec in read_log(result.log_file) if rec["log"] == "allocator"]
     assert sorted(r["rank"] for r in allocators) == [0, 1]
     assert all(r["weights"] > 0 and r["activations"] > 0 for r in allocators)
 

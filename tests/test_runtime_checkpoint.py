@@ -73,8 +73,7 @@ def _weights(result: Result) -> torch.Tensor:
 
 
 def _log(result: Result) -> list[dict]:
-    with open(result.log_file) as f:
-        return json.load(f)
+    return read_log(result.log_file)
 
 
 @pytest.mark.parametrize("world", [1, 2])

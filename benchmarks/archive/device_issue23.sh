@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 23 acceptance on one GPU: the commit before the restructuring (2f3a145, exported untracked into
 # runs/anchor with `git archive 2f3a145 | tar -x -C runs/anchor`) against this tree, in one lease.
-# Carry: .whl (bash ../shared/device/make-wheels.sh), runs/anchor, runs/shake
+# Carry: .whl (the Ray wheels, benchmarks/README.md), runs/anchor, runs/shake
 # (`python -m llmq_ray.data_pipeline.tokenize --input tiny-shakespeare --out runs/shake`).
 #   bash benchmarks/archive/device_issue23.sh tests   # the GPU suite on this tree, then the 300-step loss check
 #   bash benchmarks/archive/device_issue23.sh speed [0.5B|1.5B]  # bf16 and e4m3, old and new alternating
