@@ -1,7 +1,7 @@
 """llmq-ray: quantized LLM training on Ray (see README.md).
 
 One import namespace: ``llmq_ray`` (this folder: the layers ``model``, ``engine``, ``checkpoints``, ``observe`` and ``train``, and
-the leaf modules every layer may import: errors, options, lr_schedule, host_memory, heap), ``llmq_ray.backends`` (the kernel
+the leaf modules every layer may import: errors, settings, options, lr_schedule, host_memory, heap), ``llmq_ray.backends`` (the kernel
 backends), ``llmq_ray.actors`` (the Ray actors) and ``llmq_ray.data_pipeline`` (token shards, tokenizer, streaming).
 The last three live in the folders ``backends/``, ``actors/`` and ``data_pipeline/`` at the top of the repository;
 an installed wheel holds them inside this package (``pyproject.toml`` maps them with setuptools' package-dir). In

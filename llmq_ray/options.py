@@ -1,8 +1,9 @@
-"""Run options: every knob of a training run in one validated dataclass.
+"""The training step's options: ``TrainOptions``, a flat validated dataclass generated from the settings tree.
 
-The CLI (llmq_ray/train/cli.py) maps flags one to one onto these fields (``--grad-accumulation`` ->
-``grad_accumulation``), and ``LLMQTrainer`` takes them as keyword arguments. ``validate()`` turns flag
-combinations that make no sense into one ConfigError sentence naming the flags.
+Each field is defined once, with its help text, in llmq_ray/settings.py; the CLI (llmq_ray/train/cli.py) is
+generated from the same tree (``--grad-accumulation`` -> ``grad_accumulation``), and ``LLMQTrainer`` takes the
+fields as keyword arguments. ``validate()`` turns flag combinations that make no sense into one ConfigError
+sentence naming the flags. Also here: ``RecomputeOptions`` (what the model reads) and ``DTYPES``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from llmq_ray.errors import ConfigError
+from llmq_ray.settings import NO_TRAIN_DEFAULT, all_settings
 
 if TYPE_CHECKING:  # torch is imported only when a property needs it: the CLI validates its input before
     import torch   # anything heavy is imported (a bad flag ends in well under a second)
@@ -47,68 +49,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@dataclasses.dataclass
-class TrainOptions:
-    # model and data shape
-    model: str = "tiny"
-    from_scratch: bool = True
-    batch_size: int = 4
-    seq_len: int = 256
-    grad_accumulation: int = 1
-    # schedule and optimizer
-    steps: int = 100
-    learning_rate: float = 3e-4
-    warmup: int = 0
-    final_lr_fraction: float = 0.1
-    lr_schedule: str = "cosine"
-    cooldown_fraction: float = 0.2
-    beta_1: float = 0.9
-    beta_2: float = 0.95
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    # numerics
-    model_dtype: str = "fp32"
-    matmul_dtype: str | None = None   # None = model dtype; "e4m3" = FP8 block GEMMs
-    gradient_dtype: str | None = None  # None = matmul dtype; "e5m2" for FP8 backward operands
-    master_dtype: str = "fp32"
-    opt_m_dtype: str = "fp32"
-    opt_v_dtype: str = "fp32"
-    # memory
-    recompute_swiglu: bool = False
-    recompute_norm: bool = False
-    recompute_ffn: bool = False
-    recompute_qkv: bool = False
-    recompute_att: bool = False
-    recompute_block: bool = False
-    lmhead_chunks: int = 1
-    attn_bwd_chunks: int = 1          # attention backward over the batch in N pieces (less scratch)
-    # host offloading (pinned host memory on CUDA; see llmq_ray/engine/offload.py)
-    offload_master: bool = False      # fp32 master weights
-    offload_opt_m: bool = False       # Adam m
-    offload_opt_v: bool = False       # Adam v
-    offload_gradients: bool = False   # the sharded gradient accumulator (ZeRO-2/3)
-    offload_residual: bool = False    # the per-layer residual stream saved for the backward
-    use_zero_copy: bool = False       # the optimizer kernel reads/writes the pinned host state directly
-    opt_resident_gib: float | str = 0.0  # of the offloaded optimizer state, keep this much on the device (first
-    #                                      chunks); "auto": as much as the GPU has free after set-up, less a margin
-    # FP8 weight copies (--matmul-dtype e4m3; see llmq_ray/model/linear.py)
-    persistent_quants: bool = False   # keep every layer's copies for the whole step (implied below ZeRO-3)
-    offload_quants: bool = False      # ... in host memory, fetched one layer ahead (needs persistent_quants)
-    transient_quants: bool = False    # make each layer's copies when it runs, also below ZeRO-3 (two layers' worth)
-    opt_chunk_size: int = 1 << 25     # elements per optimizer chunk (streaming unit; rounding-seed unit)
-    # parallelism
-    zero_level: int = 1
-    shard_gradients: bool = False
-    shard_weights: bool = False       # same as --zero-level 3
-    # speed
-    use_cuda_graphs: bool = False     # replay each micro-step's forward + backward from a CUDA graph
-    deterministic_attention: bool = False  # the attention backward without atomics (bit-reproducible)
-    gemm: str | None = None           # GEMM provider (backends/gemm.py): None = the backend's own default
-    overlap_update: bool = True       # one worker, ZeRO-1: the update runs beside the next forward (update_overlap.py)
-    overlap_wgrad_sms: int = 0        # >0: the block wgrads on a side stream sized for this many SMs (wgrad_overlap.py)
-    # misc
-    seed: int = 42
+class _TrainOptionsBase:
+    """What TrainOptions adds to its fields: derived values and ``validate()``."""
 
     @property
     def torch_dtype(self) -> "torch.dtype":
@@ -221,3 +163,25 @@ class TrainOptions:
              "--overlap-wgrad-sms is not verified with --offload-residual (whose fetches run on their own side "
              "stream); drop one of them.")
         return self
+
+
+def _option_fields() -> list:
+    """(name, type, field) of every setting the training step reads: the tree's settings that are neither
+    runtime nor command-only, with ``train_default`` where the API's default is "auto"."""
+    out = []
+    for s in all_settings():
+        if s.meta["runtime"] or s.meta["command_only"]:
+            continue
+        default = s.default if s.meta["train_default"] is NO_TRAIN_DEFAULT else s.meta["train_default"]
+        out.append((s.name, s.type, dataclasses.field(default=default)))
+    return out
+
+
+TrainOptions = dataclasses.make_dataclass("TrainOptions", _option_fields(), bases=(_TrainOptionsBase,))
+TrainOptions.__module__ = __name__  # pickled by reference (Ray ships it to the workers)
+TrainOptions.__doc__ = """The options a training step reads, as one flat dataclass: ``opts.batch_size``, ``opts.zero_level``.
+
+Its fields are generated from the settings tree (llmq_ray/settings.py, where each one is defined with its help
+text); defaults are the tree's, or its ``train_default`` where the API says "auto" (resolved per machine by
+llmq_ray/train/run_defaults.py). ``validate()`` turns combinations that make no sense into one ConfigError
+sentence naming the flags."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -73,7 +74,7 @@ def test_api_and_cli_share_their_defaults(tmp_path):
         via_api = LLMQTrainer(out_dir=str(tmp_path), verbose=False, **kw)
         assert via_cli.opts == via_api.opts
         assert via_cli.runtime == via_api.runtime
-    helps = {a.dest: a.help for a in cli.build_parser()._actions}
+    helps = {a.dest: a.help for a in cli.build_parser()._actions if a.help != argparse.SUPPRESS}
     d = api_defaults()
     for dest in ("grad_accumulation", "ckpt_keep_n", "max_restarts", "step_timeout_s", "beta_2", "opt_chunk_size"):
         assert f"(default: {d[dest]})" in helps[dest], (dest, helps[dest])

@@ -1,11 +1,12 @@
 """Run settings from a TOML file, with the command line on top: ``--config run.toml --steps 5``.
 
-A config file holds ``LLMQTrainer`` keyword arguments (the CLI flags' names with underscores), at the top level
-or grouped in tables of any name, which only structure the file::
+A config file holds the settings of the tree (llmq_ray/settings.py): ``LLMQTrainer`` keyword arguments (the CLI
+flags' names with underscores) at the top level or in any table, and in a section's own table also the short
+names of the dotted flags (``[optim] lr`` is ``--optim.lr``, ``[checkpoints] interval`` is ``--ckpt-interval``)::
 
     model = "Qwen2.5-0.5B"
     [optim]
-    learning_rate = 6e-4
+    lr = 6e-4
     warmup = 100
     [checkpoints]
     ckpt_interval = 500
@@ -34,9 +35,11 @@ def closest(name: str, valid: Iterable[str]) -> str:
     return f" (did you mean {match[0]!r}?)" if match else ""
 
 
-def read_config(path: str, valid: set[str]) -> dict[str, Any]:
+def read_config(path: str, valid: set[str], short: dict[tuple[str, str], str] | None = None) -> dict[str, Any]:
     """The settings of a TOML file as {keyword argument: value}; ConfigError (one sentence naming the file
-    and the key) for a file that cannot be read or parsed, a key that is not a setting, or a key twice."""
+    and the key) for a file that cannot be read or parsed, a key that is not a setting, or a key twice.
+    ``short``: {(section, short name): keyword argument}, the names a section's table may use."""
+    short = short or {}
     if sys.version_info >= (3, 11):
         import tomllib
     else:  # pragma: no cover - Python 3.10
@@ -52,9 +55,11 @@ def read_config(path: str, valid: set[str]) -> dict[str, Any]:
         raise ConfigError(f"--config {path} is not valid TOML ({exc}).") from None
     out: dict[str, Any] = {}
 
-    def take(key: str, value: Any, where: str) -> None:
+    def take(key: str, value: Any, where: str, table: str | None = None) -> None:
+        key = short.get((table, key), key)
         if key not in valid:
-            raise ConfigError(f"--config {path}: {where}{key!r} is not a setting{closest(key, valid)}.")
+            names = set(valid) | {s for (sec, s) in short if sec == table}
+            raise ConfigError(f"--config {path}: {where}{key!r} is not a setting{closest(key, names)}.")
         if key in out:
             raise ConfigError(f"--config {path}: {key!r} is given twice.")
         out[key] = value
@@ -65,21 +70,32 @@ def read_config(path: str, valid: set[str]) -> dict[str, Any]:
                 if isinstance(v, dict):
                     raise ConfigError(f"--config {path}: [{key}.{k}] nests tables two deep; settings sit at the top "
                                       f"level or in one table.")
-                take(k, v, f"[{key}] ")
+                take(k, v, f"[{key}] ", key)
         else:
             take(key, value, "")
     return out
 
 
 def resolved_toml(settings: dict[str, Any], source: str = "") -> str:
-    """``settings`` as TOML lines (``key = value``; a setting that is None is a comment, TOML has no null)."""
+    """``settings`` as TOML, one table per section of the settings tree (``key = value``; a setting that is None
+    is a comment, TOML has no null)."""
+    from llmq_ray.settings import all_settings
+
+    section_of = {s.name: s.section for s in all_settings()}
     lines = [f"# resolved by llmq-ray{f' from {source}' if source else ''}; use it with --config"]
-    for key in sorted(settings):
-        value = settings[key]
-        if value is None:
-            lines.append(f"# {key} = (none)")
-        elif isinstance(value, (bool, int, float, str)):
-            lines.append(f"{key} = {json.dumps(value)}")
-        else:
-            lines.append(f"# {key} = {value!r} (not a TOML scalar)")
+    top = sorted(k for k in settings if k not in section_of)
+    for key in top:
+        lines.append(_line(key, settings[key]))
+    sections = list(dict.fromkeys(section_of[k] for k in section_of if k in settings))
+    for section in sections:
+        lines.append(f"\n[{section}]")
+        lines += [_line(k, settings[k]) for k in section_of if section_of[k] == section and k in settings]
     return "\n".join(lines) + "\n"
+
+
+def _line(key: str, value: Any) -> str:
+    if value is None:
+        return f"# {key} = (none)"
+    if isinstance(value, (bool, int, float, str)):
+        return f"{key} = {json.dumps(value)}"
+    return f"# {key} = {value!r} (not a TOML scalar)"

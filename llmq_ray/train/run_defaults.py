@@ -1,10 +1,10 @@
 """The defaults of a run, in one place: ``LLMQTrainer`` applies them and the CLI shows them.
 
-Three sources, each read by both the API and the CLI (the CLI holds no default of its own: a flag the user
+Two sources, each read by both the API and the CLI (the CLI holds no default of its own: a flag the user
 does not give is not passed on, and its help text prints the value from here):
 
-* ``TrainOptions``' field defaults (model math and schedule),
-* ``LLMQTrainer.__init__``'s keyword defaults (data, devices, outputs, checkpoints),
+* the settings tree (llmq_ray/settings.py): every setting's default, which ``TrainOptions`` and
+  ``LLMQTrainer.__init__``'s keywords take (a test keeps the keywords equal to the tree);
 * ``MACHINE_DEFAULTS`` for the values that say "auto": they depend on the machine (a short tiny-model run on
   a CPU, Qwen2.5-0.5B in bf16 on a GPU), and ``resolve_option_fields`` fills them in.
 
@@ -67,19 +67,14 @@ def resolve_eval(eval_every_n_steps, eval_num_steps, has_eval_file: bool, device
 
 
 def api_defaults() -> dict:
-    """{keyword argument: default} of ``LLMQTrainer(...)``: TrainOptions' fields and ``__init__``'s keywords,
-    with the auto ones described (for the CLI's help)."""
-    import inspect
+    """{keyword argument: default} of ``LLMQTrainer(...)`` as the settings tree (llmq_ray/settings.py) defines
+    them, with the auto ones described (for the CLI's help)."""
+    from llmq_ray.settings import all_settings
 
-    from llmq_ray.train.trainer import LLMQTrainer
-
-    out = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
+    out = {s.name: s.default for s in all_settings()}
     for k in AUTO_OPTION_FIELDS:
         out[k] = (f"auto: {MACHINE_DEFAULTS['cpu'][k]} on CPU, {MACHINE_DEFAULTS['cuda'][k]} on GPU")
     out.update(DERIVED)
-    for name, p in inspect.signature(LLMQTrainer.__init__).parameters.items():
-        if p.kind is p.KEYWORD_ONLY:
-            out[name] = p.default
     for k in ("eval_every_n_steps", "eval_num_steps"):
         cpu, gpu = MACHINE_DEFAULTS["cpu"][k], MACHINE_DEFAULTS["cuda"][k]
         out[k] = f"auto: {cpu} on CPU, {gpu} on GPU" + (" (0 without an eval file)" if k == "eval_every_n_steps" else "")
