@@ -18,7 +18,10 @@ scale is b's descale, B's is a's. Accumulation in fp32 (CUBLAS_COMPUTE_32F), no 
 numerics as ``torch._scaled_mm``'s default). Operands must sit at 16-byte aligned addresses (``supports``); the
 heuristic is told each one's real alignment (up to 256 bytes, its default assumption), which is part of the plan.
 
-The library is the one torch already loaded (found in /proc/self/maps), so there is no second copy of cuBLASLt
+Why a hand-written ctypes binding and not a library: torch exposes neither a cuBLASLt matmul with a C input for
+FP8 nor the list of candidate algorithms; NVIDIA's nvmath-python does wrap cuBLASLt, but it is not part of the
+GPU image we run on and ships its own CUDA library wheels, where this binding needs nothing beyond torch. The
+library is the one torch already loaded (found in /proc/self/maps), so there is no second copy of cuBLASLt
 in the process. Enum values are cublasLt.h's / library_types.h's (CUDA 12 and 13 agree). Descriptors are cached
 per problem and the FP8 scale pointers set per call (host-side only, so a CUDA-graph capture records the right
 pointers). The first call in a process and each problem's first call must be eager (the workspace is allocated,
