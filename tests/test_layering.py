@@ -106,3 +106,13 @@ def test_imports_point_down():
             if ORDER.index(target) > ORDER.index(own):
                 up.append(f"{rel}:{line}: {own} imports {name} ({target})")
     assert not up, "imports that point up:\n" + "\n".join(up)
+
+
+def test_the_model_reads_weights_through_typed_views():
+    """The forward/backward addresses parameters as ``w.blocks[l].qkv_w`` (llmq_ray/model/params.py), not by
+    composing the layout's string names; the names stay in the layout, the HF mapping and the checkpoints."""
+    import re
+
+    src = open(os.path.join(REPO, "llmq_ray", "model", "transformer.py")).read()
+    composed = re.findall(r"""(?:\bw|\bg|self\.w|self\.g)\[[^\]]*\]|f?["']layers\.""", src)
+    assert not composed, composed

@@ -1,4 +1,4 @@
-"""Where every parameter lives: one flat buffer, named views into it, and the from-scratch init.
+"""Where every parameter lives: one flat buffer, named views into it, typed per-layer views, the from-scratch init.
 
 All parameters of the model (and, with the same layout, its gradients, master weights and Adam moments) sit
 in one contiguous 1-D tensor. That makes ZeRO sharding a matter of slicing [rank*S, (rank+1)*S), lets the
@@ -11,6 +11,10 @@ Order: every tensor that gets weight decay (embeddings and matrices) comes first
 Fused layouts (HF names in brackets):
 * ``layers.{l}.qkv_w`` [(Hq+2Hkv)*D, C] = rows of [q_proj; k_proj; v_proj], ``qkv_b`` likewise (Qwen2).
 * ``layers.{l}.up_gate_w`` [2I, C] = rows of [up_proj; gate_proj]; swiglu reads [up | gate].
+
+The names are the layout's (and the checkpoints' and HF mapping's); the model reads its weights and writes its
+gradients through ``ModelParams`` / ``BlockParams`` (``w.blocks[l].qkv_w``), typed views over any name -> tensor
+mapping: the flat buffers' views, or a ZeRO-3 store whose gathered buffers change as layers come and go.
 """
 
 from __future__ import annotations
@@ -96,6 +100,73 @@ class ParamLayout:
     def shard_size(self, world_size: int) -> int:
         """Elements per ZeRO shard: ceil(numel / world_size). Flat buffers are padded to size * world_size."""
         return -(-self.numel // world_size)
+
+
+class BlockParams:
+    """The tensors of one block, resolved through ``mapping`` (name -> tensor) at each access, so that they follow
+    a store whose buffers change (ZeRO-3 gathers a layer into one of two slots). Model dtype:
+
+    ``ln1_w``, ``ln2_w`` [C]; ``qkv_w`` [(Hq+2Hkv)*D, C]; ``qkv_b`` [(Hq+2Hkv)*D] or None (no QKV bias);
+    ``out_w`` [C, Hq*D]; ``up_gate_w`` [2I, C] (rows [up; gate]); ``down_w`` [C, I].
+    ``key(name)`` is the layout's name of one of them (``layers.{l}.qkv_w``): what the FP8 copies are kept by."""
+
+    __slots__ = ("layer", "_m", "_prefix")
+
+    def __init__(self, mapping, layer: int):
+        self.layer, self._m, self._prefix = layer, mapping, f"layers.{layer}."
+
+    def key(self, name: str) -> str:
+        return self._prefix + name
+
+    @property
+    def ln1_w(self) -> torch.Tensor:
+        return self._m[self._prefix + "ln1_w"]
+
+    @property
+    def qkv_w(self) -> torch.Tensor:
+        return self._m[self._prefix + "qkv_w"]
+
+    @property
+    def qkv_b(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "qkv_b")
+
+    @property
+    def out_w(self) -> torch.Tensor:
+        return self._m[self._prefix + "out_w"]
+
+    @property
+    def ln2_w(self) -> torch.Tensor:
+        return self._m[self._prefix + "ln2_w"]
+
+    @property
+    def up_gate_w(self) -> torch.Tensor:
+        return self._m[self._prefix + "up_gate_w"]
+
+    @property
+    def down_w(self) -> torch.Tensor:
+        return self._m[self._prefix + "down_w"]
+
+
+class ModelParams:
+    """Typed views of a whole model's tensors over ``mapping`` (see BlockParams): ``embed`` [V, C],
+    ``blocks[l]``, ``final_norm`` [C] and ``lm_head`` [V, C] (the embedding itself when tied)."""
+
+    def __init__(self, mapping, cfg: ModelConfig):
+        self.mapping = mapping
+        self._head = "embed" if cfg.tie_word_embeddings else "lm_head"
+        self.blocks = [BlockParams(mapping, layer) for layer in range(cfg.num_layers)]
+
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.mapping["embed"]
+
+    @property
+    def final_norm(self) -> torch.Tensor:
+        return self.mapping["final_norm"]
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.mapping[self._head]
 
 
 def _tensor_seed(seed: int, name: str) -> int:

@@ -39,7 +39,7 @@ from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.linear import BlockLinears
 from llmq_ray.options import RecomputeOptions  # noqa: F401 - defined with the other options, used here
-from llmq_ray.model.params import ParamLayout
+from llmq_ray.model.params import ModelParams, ParamLayout
 from llmq_ray.model.units import EMBED, HEAD, Policy, UnitHooks
 
 
@@ -223,7 +223,8 @@ class Activations:
 class ResidentWeights(Policy):
     """Where the model reads weights and writes gradients: by default one full flat buffer of each (ZeRO-1/2).
 
-    The model touches weights and gradients only through the name mappings ``w[name]`` / ``g[name]``, and
+    The model touches weights and gradients only through the name mappings ``w[name]`` / ``g[name]`` (read
+    through the typed views of llmq_ray/model/params.py: ``model.w.blocks[l].qkv_w``), and
     brackets every use with ``begin(unit, backward)`` / ``end(unit, backward)``, where ``unit`` is a layer
     index, ``"embed"`` (the embedding lookup; its backward is the scatter-add at the very end) or ``"head"``
     (the LM head, forward and backward in the loss phase; the embedding itself when tied). Here those hooks do
@@ -324,7 +325,8 @@ class LlamaModel:
             raise ValueError("LlamaModel: pass either params/grads buffers or a weights store, not both")
         self.store = weights
         self.params, self.grads = getattr(weights, "params", None), getattr(weights, "grads", None)
-        self.w, self.g = weights.w, weights.g
+        # typed views (llmq_ray/model/params.py): self.w.blocks[l].qkv_w, self.g.embed, ...
+        self.w, self.g = ModelParams(weights.w, cfg), ModelParams(weights.g, cfg)
 
         positions = torch.arange(seq_len, dtype=torch.float32)
         angles = positions[:, None] * cfg.rope_inv_freq()[None, :]
@@ -356,7 +358,7 @@ class LlamaModel:
         self.d_qkv = empty(batch_size, seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         # FP8 (matmul_dtype="e4m3"): absmax of the four GEMM inputs of each layer [L, 4] = (ln1, att, ln2,
         # swiglu), written by the producing kernels and kept for the wgrad's quantization in the backward.
-        self.lin = BlockLinears(backend, self.w, {k: slot.shape for k, slot in self.layout.slots.items()},
+        self.lin = BlockLinears(backend, weights.w, {k: slot.shape for k, slot in self.layout.slots.items()},
                                 cfg.num_layers, n, matmul_dtype, gradient_dtype,
                                 store_xt=store_xt,
                                 quants=quants, sharded=not isinstance(weights, ResidentWeights),
@@ -397,8 +399,7 @@ class LlamaModel:
         return self.lin.dy_amax if self.lin.fp8 else None
 
     def _lm_head(self, backward: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        name = "embed" if self.cfg.tie_word_embeddings else "lm_head"
-        return self.w[name], self.g[name] if backward else None
+        return self.w.lm_head, self.g.lm_head if backward else None
 
     def check_batch_shape(self, inputs: torch.Tensor, targets: torch.Tensor | None) -> None:
         """One ValueError sentence unless inputs (and targets) are [B, T] for this model's micro-batch."""
@@ -416,28 +417,27 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ forward
     def _block_forward(self, layer: int) -> None:
-        be, a, w, cfg = self.backend, self.acts, self.w, self.cfg
-        p = f"layers.{layer}."
+        be, a, w, cfg = self.backend, self.acts, self.w.blocks[layer], self.cfg
         n = self.batch_size * self.seq_len
         ln1, qkv, att, lse = a.get("ln1", layer), a.get("qkv", layer), a.get("att", layer), a.get("lse", layer)
         lin = self.lin
-        lin.forward(qkv.view(n, -1), ln1, p + "qkv_w", self._amax(layer, 0), bias=w.get(p + "qkv_b"))
+        lin.forward(qkv.view(n, -1), ln1, w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
         be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         be.attention_forward(att, lse, qkv, cfg.num_heads, cfg.num_kv_heads)
         if lin.fp8:
             be.absmax(self.amax[layer, 1], att)
-        lin.forward(self.scratch_nc, att.view(n, -1), p + "out_w", self._amax(layer, 1))
+        lin.forward(self.scratch_nc, att.view(n, -1), w.key("out_w"), self._amax(layer, 1))
         mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
         be.fused_residual_rmsnorm_forward(mid, ln2, a.rstd2[layer], a.residual[layer], self.scratch_nc,
-                                          w[p + "ln2_w"], cfg.rms_norm_eps, absmax=self._amax(layer, 2))
+                                          w.ln2_w, cfg.rms_norm_eps, absmax=self._amax(layer, 2))
         up_gate, swiglu = a.get("up_gate", layer), a.get("swiglu", layer)
-        lin.forward(up_gate, ln2, p + "up_gate_w", self._amax(layer, 2))
+        lin.forward(up_gate, ln2, w.key("up_gate_w"), self._amax(layer, 2))
         be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
-        lin.forward(self.scratch_nc, swiglu, p + "down_w", self._amax(layer, 3))
+        lin.forward(self.scratch_nc, swiglu, w.key("down_w"), self._amax(layer, 3))
         last = layer + 1 == cfg.num_layers
         next_ln = self.final_ln if last else a.get("ln1", layer + 1)
         next_rstd = self.final_rstd if last else a.rstd1[layer + 1]
-        next_w = w["final_norm"] if last else w[f"layers.{layer + 1}.ln1_w"]
+        next_w = self.w.final_norm if last else self.w.blocks[layer + 1].ln1_w
         be.fused_residual_rmsnorm_forward(a.residual[layer + 1], next_ln, next_rstd, mid, self.scratch_nc,
                                           next_w, cfg.rms_norm_eps,
                                           absmax=None if last else self._amax(layer + 1, 0))
@@ -446,9 +446,9 @@ class LlamaModel:
         """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
         be, a, hooks = self.backend, self.acts, self.schedule
         hooks.before(EMBED)
-        be.embedding_forward(a.residual[0], tokens, self.w["embed"])
+        be.embedding_forward(a.residual[0], tokens, self.w.embed)
         hooks.after(EMBED)
-        be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], self.w["layers.0.ln1_w"],
+        be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], self.w.blocks[0].ln1_w,
                            self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
         for layer in range(self.cfg.num_layers):
             hooks.before(layer)
@@ -458,32 +458,31 @@ class LlamaModel:
     # ------------------------------------------------------------------ backward
     def _recompute(self, layer: int) -> None:
         """Refill the shared buffers of ``layer`` that the forward did not keep (same kernels, same inputs)."""
-        rc, be, a, w, cfg = self.recompute, self.backend, self.acts, self.w, self.cfg
-        p = f"layers.{layer}."
+        rc, be, a, w, cfg = self.recompute, self.backend, self.acts, self.w.blocks[layer], self.cfg
         n = self.batch_size * self.seq_len
         eps = cfg.rms_norm_eps
         if rc.norm:
-            be.rmsnorm_forward(a.get("ln1", layer), a.rstd1[layer], a.residual[layer], w[p + "ln1_w"], eps,
+            be.rmsnorm_forward(a.get("ln1", layer), a.rstd1[layer], a.residual[layer], w.ln1_w, eps,
                                absmax=self._amax(layer, 0))
         qkv, lin = a.get("qkv", layer), self.lin
         if rc.qkv:
-            lin.forward(qkv.view(n, -1), a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0),
-                        bias=w.get(p + "qkv_b"))
+            lin.forward(qkv.view(n, -1), a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0),
+                        bias=w.qkv_b)
             be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         if rc.att:
             be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads)
             if lin.fp8:
                 be.absmax(self.amax[layer, 1], a.get("att", layer))
         if rc.block:
-            lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), p + "out_w", self._amax(layer, 1))
+            lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), w.key("out_w"), self._amax(layer, 1))
             be.fused_residual_rmsnorm_forward(a.get("residual_mid", layer), a.get("ln2", layer), a.rstd2[layer],
-                                              a.residual[layer], self.scratch_nc, w[p + "ln2_w"], eps,
+                                              a.residual[layer], self.scratch_nc, w.ln2_w, eps,
                                               absmax=self._amax(layer, 2))
         elif rc.norm:
             be.rmsnorm_forward(a.get("ln2", layer), a.rstd2[layer], a.get("residual_mid", layer),
-                               w[p + "ln2_w"], eps, absmax=self._amax(layer, 2))
+                               w.ln2_w, eps, absmax=self._amax(layer, 2))
         if rc.ffn:
-            lin.forward(a.get("up_gate", layer), a.get("ln2", layer), p + "up_gate_w", self._amax(layer, 2))
+            lin.forward(a.get("up_gate", layer), a.get("ln2", layer), w.key("up_gate_w"), self._amax(layer, 2))
         if rc.swiglu:
             be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer), absmax=self._amax(layer, 3))
 
@@ -515,8 +514,8 @@ class LlamaModel:
         With the wgrad overlap, the waits below guard the buffers a pending wgrad reads: d_residual (down_w,
         out_w), the shared d_up_gate and d_qkv (the layer above's up_gate_w, qkv_w; implied by the other two,
         kept to name each hazard), and the recomputed ln1 (the layer above's qkv_w)."""
-        be, a, w, g, cfg = self.backend, self.acts, self.w, self.g, self.cfg
-        p = f"layers.{layer}."
+        be, a, cfg = self.backend, self.acts, self.cfg
+        w, g = self.w.blocks[layer], self.g.blocks[layer]
         n = self.batch_size * self.seq_len
         if self.recompute.norm:  # the recomputed ln1 is shared: the layer above's qkv wgrad reads it (the others
             self._wait_wgrad("qkv_w")  # are done: its out_w wait covered them, the side stream runs in order)
@@ -525,7 +524,7 @@ class LlamaModel:
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
         lin, acc = self.lin, not (self._block_grads_zero or self.store.layer_grads_fresh)
         # dres and max|dres| (in lin.dy_amax under FP8) come from the RMSNorm backward above this block
-        lin.backward(self.d_swiglu, g[p + "down_w"], dres, a.get("swiglu", layer), p + "down_w", self._amax(layer, 3),
+        lin.backward(self.d_swiglu, g.down_w, dres, a.get("swiglu", layer), w.key("down_w"), self._amax(layer, 3),
                      acc, dy_amax_ready=True)
         if lin.fp8:  # the up+gate GEMM's FP8 gradient (both layouts) straight out of the SwiGLU backward
             q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
@@ -533,24 +532,24 @@ class LlamaModel:
         else:
             self._wait_wgrad("up_gate_w")
             be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
-        lin.backward(self.d_ln, g[p + "up_gate_w"], self.d_up_gate, a.get("ln2", layer), p + "up_gate_w",
+        lin.backward(self.d_ln, g.up_gate_w, self.d_up_gate, a.get("ln2", layer), w.key("up_gate_w"),
                      self._amax(layer, 2), acc, dy_quantized=lin.fp8)
         self._wait_wgrad("down_w")
-        be.rmsnorm_backward(dres, g[p + "ln2_w"], self.d_ln, a.get("residual_mid", layer), w[p + "ln2_w"],
+        be.rmsnorm_backward(dres, g.ln2_w, self.d_ln, a.get("residual_mid", layer), w.ln2_w,
                             a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
         att = a.get("att", layer)
-        lin.backward(self.d_att.view(n, -1), g[p + "out_w"], dres, att.view(n, -1), p + "out_w", self._amax(layer, 1),
+        lin.backward(self.d_att.view(n, -1), g.out_w, dres, att.view(n, -1), w.key("out_w"), self._amax(layer, 1),
                      acc, dy_amax_ready=True)
         self._wait_wgrad("qkv_w")
         self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))  # d_qkv before RoPE
         d_qkv = self.d_qkv.view(n, -1)
         if cfg.qkv_bias:  # FP8: the same read of d_qkv gives the QKV GEMM's dy scale
-            be.bias_backward(g[p + "qkv_b"], d_qkv, absmax=self._dy_amax())
-        lin.backward(self.d_ln, g[p + "qkv_w"], d_qkv, a.get("ln1", layer), p + "qkv_w", self._amax(layer, 0), acc,
+            be.bias_backward(g.qkv_b, d_qkv, absmax=self._dy_amax())
+        lin.backward(self.d_ln, g.qkv_w, d_qkv, a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), acc,
                      dy_amax_ready=cfg.qkv_bias)
         self._wait_wgrad("out_w")
-        be.rmsnorm_backward(dres, g[p + "ln1_w"], self.d_ln, a.residual[layer], w[p + "ln1_w"],
+        be.rmsnorm_backward(dres, g.ln1_w, self.d_ln, a.residual[layer], w.ln1_w,
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
 
@@ -592,14 +591,14 @@ class LlamaModel:
         self._forward_trunk(tokens)
         self._lm_head_loss(targets, backward=True)
         a, hooks = self.acts, self.schedule
-        self.backend.rmsnorm_backward(self.d_residual, self.g["final_norm"], self.d_ln, a.residual[-1],
-                                      self.w["final_norm"], self.final_rstd, absmax=self._dy_amax())
+        self.backend.rmsnorm_backward(self.d_residual, self.g.final_norm, self.d_ln, a.residual[-1],
+                                      self.w.final_norm, self.final_rstd, absmax=self._dy_amax())
         for layer in reversed(range(self.cfg.num_layers)):
             hooks.before(layer, backward=True)
             self._block_backward(layer)
             hooks.after(layer, backward=True)
         hooks.before(EMBED, backward=True)
-        self.backend.embedding_backward(self.g["embed"], tokens, self.d_residual)
+        self.backend.embedding_backward(self.g.embed, tokens, self.d_residual)
         hooks.after(EMBED, backward=True)
         if self.lin.overlap is not None:  # every gradient complete before anything reads them
             self.lin.overlap.wait_all()
