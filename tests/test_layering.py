@@ -114,5 +114,5 @@ def test_the_model_reads_weights_through_typed_views():
     import re
 
     src = open(os.path.join(REPO, "llmq_ray", "model", "transformer.py")).read()
-    composed = re.findall(r"""(?:\bw|\bg|self\.w|self\.g)\[[^\]]*\]|f?["']layers\.""", src)
+    composed = re.findall(r"""\b[wg]\[\s*(?:f?["']|p\s*\+)|f?["']layers\.""", src)
     assert not composed, composed
