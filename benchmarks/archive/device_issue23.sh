@@ -5,6 +5,7 @@
 # (`python -m llmq_ray.data_pipeline.tokenize --input tiny-shakespeare --out runs/shake`).
 #   bash benchmarks/archive/device_issue23.sh tests   # the GPU suite on this tree, then the 300-step loss check
 #   bash benchmarks/archive/device_issue23.sh speed [0.5B|1.5B]  # bf16 and e4m3, old and new alternating
+#   bash benchmarks/archive/device_issue23.sh speed repeat       # 0.5B bf16, three more pairs
 #   (GPU=1 before "speed": the GPU suite first)
 # Loss check: Qwen2.5-0.5B from scratch on tiny-shakespeare, triton, --deterministic-attention, B=4, T=1024,
 # 300 steps; the per-step losses of the two trees must be the same floats.
@@ -44,10 +45,18 @@ if [ "$1" = speed ]; then
     run_in $tree $tag 240 $script --device cuda --backend triton --model $model --batch-size $b \
       --grad-accumulation $g --seq-len 1024 --steps $steps --warmup-steps $warm --opt-m-dtype bf16 \
       --opt-v-dtype bf16 --gpus 1 $extra --use-cuda-graphs --json $OUT/speed/$tag.json; }
-  [ "$2" = 1.5B ] || for dtype in bf16 e4m3; do
+  if [ "$2" = repeat ]; then  # 0.5B bf16 three more times each, alternating which tree goes first
+    for i in 1 2 3; do
+      if [ $((i % 2)) = 1 ]; then row . Qwen2.5-0.5B bf16 32 1 25 5; row runs/anchor Qwen2.5-0.5B bf16 32 1 25 5
+      else row runs/anchor Qwen2.5-0.5B bf16 32 1 25 5; row . Qwen2.5-0.5B bf16 32 1 25 5; fi
+      mv $OUT/speed/new-Qwen2.5-0.5B-bf16.json $OUT/speed/new-Qwen2.5-0.5B-bf16-r$i.json
+      mv $OUT/speed/old-Qwen2.5-0.5B-bf16.json $OUT/speed/old-Qwen2.5-0.5B-bf16-r$i.json
+    done
+  fi
+  [ "$2" = 1.5B ] || [ "$2" = repeat ] || for dtype in bf16 e4m3; do
     row runs/anchor Qwen2.5-0.5B $dtype 32 1 25 5; row . Qwen2.5-0.5B $dtype 32 1 25 5
   done
-  [ "$2" = 0.5B ] || for dtype in bf16 e4m3; do
+  [ "$2" = 0.5B ] || [ "$2" = repeat ] || for dtype in bf16 e4m3; do
     row . Qwen2.5-1.5B $dtype 16 16 6 2; row runs/anchor Qwen2.5-1.5B $dtype 16 16 6 2
   done
   python3 - <<'PY' | tee -a "$L"
