@@ -59,7 +59,7 @@ def gib_or_auto(text: str) -> float | str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="examples/train.py", description="Train a Llama-family model with llmq-ray (one Ray worker per GPU).",
+        prog="llmq-train" if os.path.basename(sys.argv[0]) == "llmq-train" else "examples/train.py", description="Train a Llama-family model with llmq-ray (one Ray worker per GPU).",
         argument_default=argparse.SUPPRESS)  # a flag not given is not passed on: the trainer's default applies
     g = p.add_argument_group("config file")
     g.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys: the flags' names with "
