@@ -116,3 +116,18 @@ def test_the_model_reads_weights_through_typed_views():
     src = open(os.path.join(REPO, "llmq_ray", "model", "transformer.py")).read()
     composed = re.findall(r"""\b[wg]\[\s*(?:f?["']|p\s*\+)|f?["']layers\.""", src)
     assert not composed, composed
+
+
+def test_only_the_schedule_makes_cuda_streams():
+    """Every side stream comes from llmq_ray/engine/schedule.py (by name, made once): no other module of the
+    package creates one."""
+    found = []
+    for top in ("llmq_ray", "backends", "actors", "data_pipeline"):
+        for root, _, files in os.walk(os.path.join(REPO, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(root, f)
+                    for i, line in enumerate(open(path), 1):
+                        if "torch.cuda.Stream(" in line:
+                            found.append(f"{os.path.relpath(path, REPO)}:{i}")
+    assert [x.split(":")[0] for x in found] == ["llmq_ray/engine/schedule.py"], found
