@@ -43,7 +43,9 @@ PROBE_GROUP = "probe"  # the concurrency group of ``GPUWorker.activity``
 
 
 def worker_env(cpus_per_worker: int) -> dict:
-    """The env_vars of a worker's runtime_env."""
+    """The env_vars of a worker's runtime_env: the variables the driver forwarded to the coordinator (listed in
+    ``LLMQ_RAY_FORWARDED``, see llmq_ray/train/trainer.py ``forwarded_env``; they win over the defaults below,
+    so a user's NCCL_* setting is kept) and the defaults a worker needs."""
     env = {
         "OMP_NUM_THREADS": str(cpus_per_worker),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
@@ -52,6 +54,9 @@ def worker_env(cpus_per_worker: int) -> dict:
     }
     if os.environ.get("PYTHONPATH"):  # the coordinator's, which the trainer points at this checkout
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    for name in filter(None, os.environ.get("LLMQ_RAY_FORWARDED", "").split(",")):
+        if name in os.environ:
+            env[name] = os.environ[name]
     return env
 
 

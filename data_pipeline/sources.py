@@ -14,13 +14,13 @@ path, size and mtime), which is what lets Ray Data tasks re-open files cheaply.
 
 from __future__ import annotations
 
-import glob as _glob
 import os
 from typing import Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from llmq_ray.errors import DataError
+from llmq_ray import storage
+from llmq_ray.errors import DataError, LLMQError
 
 from .shards import Shard, check_token_ids, open_shard
 
@@ -122,18 +122,25 @@ def get_source(path: str, token_column: str = "tokens", check_ids: bool = False,
 def resolve_files(pattern: Union[str, Sequence[str]]) -> list[str]:
     """Expand a glob (or a comma-separated list of globs, or a list) into a sorted, de-duplicated file list.
 
-    Sorting makes the file list, and so the whole window order, independent of directory listing order.
+    Sorting makes the file list, and so the whole window order, independent of directory listing order. A glob
+    on an object store (``s3://bucket/data/train-*.bin``) is listed there and each file fetched once into this
+    node's cache (llmq_ray/storage.py); the list holds those local copies, in the order of their URIs, so local
+    and remote data give the same order.
     """
     patterns: Iterable[str] = pattern.split(",") if isinstance(pattern, str) else pattern
-    files: set[str] = set()
+    files: dict[str, str] = {}  # sort key (absolute path or URI) -> local path
     for p in patterns:
-        p = os.path.expanduser(p.strip())
+        p = p.strip()
         if not p:
             continue
-        matched = [m for m in _glob.glob(p, recursive=True) if os.path.isfile(m)]
+        try:
+            matched = storage.glob(p, "")
+        except LLMQError as exc:
+            raise DataError(str(exc)) from None
         if not matched:
             raise DataError(f"{p!r} matched no token files; check the path or glob.")
-        files.update(os.path.abspath(m) for m in matched)
+        for m in matched:
+            files[m] = storage.fetch(m, "") if storage.is_remote(m) else m
     if not files:
         raise DataError(f"{pattern!r} matched no token files; check the path or glob.")
-    return sorted(files)
+    return [files[k] for k in sorted(files)]

@@ -233,6 +233,11 @@ class ParallelSettings:
     shard_gradients: bool = setting(False, "shard gradients too (same as --zero-level 2)")
     shard_weights: bool = setting(False, "shard weights too (same as --zero-level 3)")
     ray_address: str | None = setting(None, "address of a running Ray cluster", runtime=True)
+    forward_env: str | None = setting(
+        None,
+        "comma-separated names of environment variables to pass to every worker, beside those always passed "
+        "(AWS_*, GOOGLE_*, AZURE_*, HF_*, NCCL_*, GLOO_*, TORCH_*, WANDB_*, LLMQ_*)",
+        runtime=True)
 
 
 @dataclass

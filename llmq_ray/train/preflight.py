@@ -308,3 +308,28 @@ def keep_global_batch(manifest: dict, folder: str, batch_size: int, grad_accumul
     return ga, (f"resuming {name} ({sb} rows x {sga} micro-steps on {sw} worker(s)) on {world} worker(s) with "
                 f"--batch-size {batch_size}: --grad-accumulation {ga} instead of {grad_accumulation} keeps its global "
                 f"batch of {target} rows (--allow-batch-change keeps {grad_accumulation}).")
+
+
+# where a run writes; object stores there are the next step (until then they are refused, never written locally)
+_WRITTEN = ("--out-dir", "--checkpoint-dir", "--log-file", "--continue")
+
+
+def check_locations(locations: dict) -> dict:
+    """Every location a user gave ({flag: path or URI or None}) resolves to a filesystem (one ConfigError
+    sentence naming the flag otherwise, before anything starts). ``file://`` URIs come back as local paths.
+    Token-file globs may be on any filesystem (llmq_ray/storage.py fetches them); the folders a run writes
+    must be local or shared paths for now: a URI there is refused, so that nothing is ever written under a
+    local folder named after it."""
+    from llmq_ray import storage
+
+    out = dict(locations)
+    for flag, value in locations.items():
+        if not isinstance(value, str) or storage.scheme_of(value) is None:
+            continue
+        fs, inner = storage.filesystem(value, flag)
+        if not storage.is_remote(value):
+            out[flag] = inner  # file:///abs/path
+        elif flag in _WRITTEN:
+            raise ConfigError(f"{flag}={value!r}: a run cannot write to {storage.scheme_of(value)}:// yet; give a "
+                              f"local folder, or a shared file system mounted on every node.")
+    return out

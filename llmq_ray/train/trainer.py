@@ -91,6 +91,22 @@ def fastest_backend(device: str) -> str:
     return "torch"
 
 
+# environment variables every worker gets from the driver's shell (Ray does not pass them on by itself): object
+# store credentials and endpoints, the collectives' and torch's knobs, W&B, our own (LLMQ_RAY_CACHE, ...)
+FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "HF_", "NCCL_", "GLOO_", "TORCH_", "WANDB_", "LLMQ_")
+
+
+def forwarded_env(names: Optional[str]) -> dict:
+    """{name: value} of the driver's environment that the coordinator and every worker get: the variables with
+    a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated).
+    ``LLMQ_RAY_FORWARDED`` lists them all, so the coordinator passes the same set on to the workers."""
+    wanted = {n.strip() for n in (names or "").split(",") if n.strip()}
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in wanted}
+    env.pop("LLMQ_RAY_FORWARDED", None)
+    env["LLMQ_RAY_FORWARDED"] = ",".join(sorted(env))
+    return env
+
+
 class LLMQTrainer:
     """A training run over one Ray worker actor per GPU (or per CPU worker); see the module docstring."""
 
@@ -107,7 +123,8 @@ class LLMQTrainer:
                  ray_address: Optional[str] = None, verbose: bool = True, collective_timeout_s: float = 300.0,
                  call_timeout_s: float = 1800.0, step_timeout_s: float = 1800.0, fault: Optional[dict] = None,
                  wandb_project: Optional[str] = None, wandb_run_name: Optional[str] = None, log_gpu_util: int = 0,
-                 progress: bool = True, handle_signals: bool = True, cli: bool = False, **option_fields):
+                 progress: bool = True, handle_signals: bool = True, cli: bool = False,
+                 forward_env: Optional[str] = None, **option_fields):
         self.cli = cli  # error sentences name CLI flags (--warmup) instead of keyword arguments (warmup)
         self.notes: list[str] = []       # warnings found before start (skipped checkpoints), printed there
         self.lines: list[str] = []       # information found before start (the data used, a batch adjustment)
@@ -123,7 +140,7 @@ class LLMQTrainer:
                 export=export, export_dtype=export_dtype, use_ray_data=use_ray_data,
                 collective_timeout_s=collective_timeout_s, call_timeout_s=call_timeout_s,
                 step_timeout_s=step_timeout_s, fault=fault, wandb_project=wandb_project,
-                wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util),
+                wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util, forward_env=forward_env),
                 resume=resume, ray_address=ray_address, checkpoint_on_exit=checkpoint_on_exit,
                 allow_batch_change=allow_batch_change)
         except LLMQError as exc:
@@ -149,7 +166,7 @@ class LLMQTrainer:
                    allow_batch_change) -> None:
         """Resolve the defaults and run every check that needs no Ray (``llmq_ray/train/preflight.py``); nothing is
         written until all of them passed."""
-        from llmq_ray.train.preflight import check_local_resources, local_gpu_count
+        from llmq_ray.train.preflight import check_locations, check_local_resources, local_gpu_count
         from llmq_ray.train.run_defaults import AUTO, resolve_eval, resolve_option_fields
 
         unknown = set(option_fields) - _OPTION_FIELDS
@@ -168,6 +185,16 @@ class LLMQTrainer:
             self.opts = resolve_option_fields(option_fields, machine).validate()
         else:
             self.opts = dataclasses.replace(options, **option_fields).validate()
+        # every location through llmq_ray/storage.py first: an unknown scheme is refused here, and no URI ever
+        # reaches os.path (which would turn s3://bucket/x into a local folder ./s3:/bucket/x)
+        resume_dir = resume if isinstance(resume, str) and resume != "latest" and not resume.isdigit() else None
+        where = check_locations({"--out-dir": r["out_dir"], "--checkpoint-dir": r["checkpoint_dir"],
+                                 "--log-file": r["log_file"], "--continue": resume_dir,
+                                 "--train-file": r["train_file"], "--eval-file": r["eval_file"]})
+        r["out_dir"], r["checkpoint_dir"], r["log_file"] = (where["--out-dir"], where["--checkpoint-dir"],
+                                                             where["--log-file"])
+        if resume_dir is not None:
+            resume = where["--continue"]
         self.checkpoint_dir = os.path.abspath(r["checkpoint_dir"] or os.path.join(r["out_dir"], "ckpt"))
         r["checkpoint_dir"] = self.checkpoint_dir
         self.resume = resume
@@ -424,7 +451,7 @@ class LLMQTrainer:
 
         check_resources(self.spec)  # --gpus above what exists: one sentence, before any actor starts
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
-        env.update({k: v for k, v in os.environ.items() if k.startswith("WANDB_")})  # WANDB_MODE etc.
+        env.update(forwarded_env(self.runtime["forward_env"]))  # credentials, endpoints, NCCL/GLOO, W&B...
         here = ray.get_runtime_context().get_node_id()
         # the probe group runs Coordinator.progress beside a running call (the eval bar polls it)
         self.coordinator = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Coordinator).options(

@@ -1,0 +1,202 @@
+"""Every path a user gives, local or a URI, through one door: ``pyarrow.fs`` (fsspec for schemes it lacks).
+
+``s3://bucket/run/ckpt``, ``gs://...``, ``hdfs://...``, ``file:///abs/path`` and plain local paths all resolve
+to a (filesystem, path) pair here, so no other module parses schemes, and nothing is ever written under a local
+folder named after a URI (a path that looks like ``s3://...`` is never handed to ``os``). A scheme that neither
+pyarrow nor an installed fsspec implementation handles is refused in one sentence naming the flag.
+
+Object-store endpoints and credentials come from the environment, as the cloud SDKs read them
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``GOOGLE_APPLICATION_CREDENTIALS``, ...), or from
+the URI's query (``s3://bucket/x?endpoint_override=host:9000&scheme=http``, pyarrow's S3 options); a query is
+kept on every URI derived from the one given.
+
+Token shards on an object store are read through a local cache (``fetch``): each node downloads a shard once
+into ``$LLMQ_RAY_CACHE`` (default ``~/.cache/llmq_ray``) under ``remote/``, keyed by the URI, its size and its
+modification time, written to a temporary name and renamed, then memory-maps it like any local shard. Why a
+cache rather than range reads: the data pipeline reads windows at random offsets every step, which on an object
+store would be one request per window; one sequential download per shard per node costs less and keeps the exact
+same reading code (and so the same order and bit-exact resume) for local and remote data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Optional
+
+from llmq_ray.errors import ConfigError, DataError
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+def _named(what: str, path: str) -> str:
+    """How an error sentence names the value: ``--flag='value'``, or just ``'value'`` when ``what`` is empty."""
+    return f"{what}={path!r}" if what else repr(path)
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def scheme_of(path: str) -> Optional[str]:
+    """The URI scheme of ``path`` (lower case), or None for a plain local path."""
+    m = _SCHEME.match(path)
+    return m.group(1).lower() if m else None
+
+
+def is_remote(path: str) -> bool:
+    """True for a URI other than ``file://`` (an object store or a distributed file system)."""
+    s = scheme_of(path)
+    return s is not None and s != "file"
+
+
+def _split_query(uri: str) -> tuple[str, str]:
+    base, sep, query = uri.partition("?")
+    return base, (sep + query) if sep else ""
+
+
+def filesystem(path: str, what: str = "path"):
+    """(pyarrow filesystem, path inside it) for a local path or a URI. ConfigError naming ``what`` (the flag)
+    when no filesystem handles the scheme."""
+    import pyarrow.fs as pafs
+
+    s = scheme_of(path)
+    if s is None:
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(path))
+    try:
+        return pafs.FileSystem.from_uri(path)
+    except Exception as exc:  # ArrowInvalid: an unknown scheme or a malformed URI; OSError: the store's endpoint
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if "Unrecognized filesystem type" not in first:
+            if isinstance(exc, OSError):  # e.g. the bucket's region lookup failed: endpoint or network
+                raise ConfigError(f"{_named(what, path)}: cannot reach it ({first}).") from None
+            raise ConfigError(f"{_named(what, path)} is not a valid {s}:// URI ({first}).") from None
+    try:
+        import fsspec
+        from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+        fs = fsspec.filesystem(s)
+    except (ImportError, ValueError):
+        raise ConfigError(f"{_named(what, path)}: no filesystem handles {s}:// (pyarrow knows file, s3, gs and hdfs; "
+                          f"other schemes need fsspec and its {s} package installed).") from None
+    return PyFileSystem(FSSpecHandler(fs)), fs._strip_protocol(_split_query(path)[0])
+
+
+def join(base: str, *parts: str) -> str:
+    """``base``/``parts`` for a local path or a URI (a URI's query stays at the end)."""
+    if scheme_of(base) is None:
+        return os.path.join(base, *parts)
+    root, query = _split_query(base)
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts)]) + query
+
+
+def _uri(template: str, inner: str) -> str:
+    """The URI of ``inner`` (a path inside the filesystem of URI ``template``), with the template's query."""
+    root, query = _split_query(template)
+    return f"{scheme_of(root)}://{inner.lstrip('/')}{query}"
+
+
+def check_reachable(path: str, what: str = "path") -> None:
+    """One ConfigError sentence when the filesystem behind ``path`` cannot be reached (a wrong endpoint, no
+    credentials); nothing is written."""
+    fs, inner = filesystem(path, what)
+    try:
+        fs.get_file_info(inner)
+    except OSError as exc:
+        raise ConfigError(f"{_named(what, path)}: cannot reach it ({str(exc).splitlines()[0]}).") from None
+
+
+def glob(pattern: str, what: str = "path") -> list[str]:
+    """The files a glob matches on any filesystem, sorted: plain paths for local patterns, URIs (with the
+    pattern's query) for URI patterns. ``**`` matches across folders, as in ``glob.glob(recursive=True)``."""
+    import pyarrow.fs as pafs
+
+    if scheme_of(pattern) in (None, "file"):
+        import glob as _glob
+
+        local = filesystem(pattern, what)[1] if scheme_of(pattern) == "file" else os.path.expanduser(pattern)
+        return sorted(os.path.abspath(m) for m in _glob.glob(local, recursive=True) if os.path.isfile(m))
+    fs, inner = filesystem(pattern, what)
+    parts = inner.split("/")
+    fixed = []
+    for p in parts:
+        if _GLOB_CHARS.search(p):
+            break
+        fixed.append(p)
+    base = "/".join(fixed)
+    if len(fixed) == len(parts):  # no wildcard: the path itself, if it is a file
+        info = fs.get_file_info(inner)
+        return [_uri(pattern, inner)] if info.type == pafs.FileType.File else []
+    rest = "/".join(parts[len(fixed):])
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(base, recursive="**" in rest or "/" in rest, allow_not_found=True))
+    except OSError as exc:
+        raise DataError(f"cannot list {_uri(pattern, base)} ({str(exc).splitlines()[0]}).") from None
+    regex = re.compile(_glob_regex(rest))
+    out = [_uri(pattern, i.path) for i in infos
+           if i.type == pafs.FileType.File and regex.fullmatch(i.path[len(base):].lstrip("/"))]
+    return sorted(out)
+
+
+def _glob_regex(pattern: str) -> str:
+    """A regular expression for a path glob: ``*`` and ``?`` stay inside one folder, ``**/`` spans folders,
+    ``[...]`` is a character class."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif pattern[i] == "[" and "]" in pattern[i + 2:]:
+            j = pattern.index("]", i + 2)
+            body = pattern[i + 1:j]
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = j + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return "".join(out)
+
+
+def cache_root() -> str:
+    """Where remote files are cached on this node: ``$LLMQ_RAY_CACHE`` or ``~/.cache/llmq_ray``."""
+    return os.environ.get("LLMQ_RAY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmq_ray")
+
+
+def fetch(uri: str, what: str = "path") -> str:
+    """A local copy of the remote file ``uri`` (module docstring): downloaded once per node into the cache
+    (temporary name, then rename: never a half file under the final name), reused while the object's size and
+    modification time are unchanged. Returns its local path."""
+    import pyarrow.fs as pafs
+
+    fs, inner = filesystem(uri, what)
+    info = fs.get_file_info(inner)
+    if info.type != pafs.FileType.File:
+        raise DataError(f"{uri} is not a file.")
+    stamp = f"{_split_query(uri)[0]}|{info.size}|{info.mtime_ns}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:20]
+    folder = os.path.join(cache_root(), "remote")
+    os.makedirs(folder, exist_ok=True)
+    local = os.path.join(folder, f"{key}-{os.path.basename(inner)}")
+    if os.path.isfile(local) and os.path.getsize(local) == info.size:
+        return local
+    tmp = f"{local}.partial-{os.getpid()}"
+    try:
+        with fs.open_input_stream(inner) as src, open(tmp, "wb") as dst:
+            while True:
+                chunk = src.read(16 << 20)
+                if not chunk:
+                    break
+                dst.write(chunk)
+        os.replace(tmp, local)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise DataError(f"cannot download {uri} ({str(exc).splitlines()[0]}).") from None
+    return local

@@ -1,0 +1,160 @@
+"""Paths and URIs through llmq_ray/storage.py, against a real S3 server (moto's server mode) on 127.0.0.1:
+token shards on s3:// are listed, fetched once per node into the cache and train exactly as local files do;
+an unknown scheme or an unreachable endpoint ends in one sentence before training, and no URI ever becomes a
+local folder; the driver's credentials and endpoints reach every worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from llmq_ray import storage
+from llmq_ray.errors import ConfigError, DataError
+
+moto_server = pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server with the bucket "bucket"; the environment points every client (pyarrow, the CLI's
+    subprocesses and their Ray workers) at it; LLMQ_RAY_CACHE is this module's own cache folder."""
+    import pyarrow.fs as pafs
+
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = dict(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
+               AWS_DEFAULT_REGION="us-east-1", LLMQ_RAY_CACHE=str(tmp_path_factory.mktemp("cache")))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    admin = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="test",
+                              secret_key="test", region="us-east-1", allow_bucket_creation=True)
+    admin.create_dir("bucket")
+    try:
+        yield admin
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def _put(fs, key: str, data: bytes) -> None:
+    with fs.open_output_stream(f"bucket/{key}") as f:
+        f.write(data)
+
+
+def test_globs_on_s3_list_sorted_and_fetch_once(s3, tmp_path):
+    from llmq_ray.data_pipeline.sources import resolve_files
+
+    blobs = {f"g/train-00{i}.bin": bytes([i]) * (100 + i) for i in (2, 0, 1)}
+    blobs.update({"g/eval.bin": b"e" * 10, "g/sub/train-009.bin": b"s" * 7, "g/train-003.txt": b"no"})
+    for key, data in blobs.items():
+        _put(s3, key, data)
+    assert storage.glob("s3://bucket/g/train-*.bin") == [f"s3://bucket/g/train-00{i}.bin" for i in (0, 1, 2)]
+    assert storage.glob("s3://bucket/g/**/*.bin") == sorted(
+        f"s3://bucket/{k}" for k in blobs if k.endswith(".bin"))
+    assert storage.glob("s3://bucket/g/eval.bin") == ["s3://bucket/g/eval.bin"]
+    assert storage.glob("s3://bucket/g/nothing-*.bin") == []
+    local = resolve_files("s3://bucket/g/train-*.bin")
+    assert [open(p, "rb").read() for p in local] == [blobs[f"g/train-00{i}.bin"] for i in (0, 1, 2)]
+    assert all(p.startswith(os.environ["LLMQ_RAY_CACHE"]) for p in local)
+    stamps = [os.stat(p).st_mtime_ns for p in local]
+    assert resolve_files("s3://bucket/g/train-*.bin") == local  # the cache is reused, not downloaded again
+    assert [os.stat(p).st_mtime_ns for p in local] == stamps
+    _put(s3, "g/train-001.bin", b"new" * 50)  # the object changes: a new copy
+    again = resolve_files("s3://bucket/g/train-*.bin")
+    assert open(again[1], "rb").read() == b"new" * 50 and again[0] == local[0]
+    with pytest.raises(DataError, match=r"^'s3://bucket/g/none-\*.bin' matched no token files"):
+        resolve_files("s3://bucket/g/none-*.bin")
+    # file:// is a local path
+    (tmp_path / "a.bin").write_bytes(b"x")
+    assert storage.glob(f"file://{tmp_path}/*.bin") == [str(tmp_path / "a.bin")]
+
+
+def _losses(log: str) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(log) if '"log": "step"' in line]
+
+
+def _cli(args: list[str], cwd, env=None, timeout=240) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {}), "PYTHONPATH": REPO, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([sys.executable, os.path.join(REPO, "examples", "train.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_run_on_s3_shards_trains_exactly_as_on_local_ones(s3, shards, tmp_path):
+    """Two CPU workers read train/eval shards from s3:// and give the per-step losses of the same run on the
+    local files, bit for bit (the workers get the endpoint and credentials from the driver's environment)."""
+    _put(s3, "run/train.bin", open(shards.train, "rb").read())
+    _put(s3, "run/eval.bin", open(shards.eval, "rb").read())
+    common = ["--device", "cpu", "--workers", "2", "--model", "tiny", "--backend", "torch", "--batch-size", "2",
+              "--seq-len", "16", "--steps", "4", "--eval-every-n-steps", "0", "--no-export", "--sample-tokens", "0",
+              "--no-progress"]
+    runs = {}
+    for name, train, ev in (("local", shards.train, shards.eval),
+                            ("s3", "s3://bucket/run/train*.bin", "s3://bucket/run/eval.bin")):
+        out = tmp_path / name
+        p = _cli(common + ["--train-file", train, "--eval-file", ev, "--out-dir", str(out)], tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[name] = _losses(str(out / "log.jsonl"))
+    assert len(runs["local"]) == 4 and runs["s3"] == runs["local"]
+
+
+def test_unknown_schemes_and_unreachable_stores_end_in_one_sentence_before_training(s3, tmp_path, monkeypatch):
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    monkeypatch.chdir(tmp_path)
+    base = dict(device="cpu", model="tiny", synthetic_data=True, out_dir=str(tmp_path / "out"), verbose=False)
+    for kw, flag in ((dict(checkpoint_dir="nosuch://x"), "checkpoint_dir"), (dict(out_dir="nosuch://x/o"), "out_dir"),
+                     (dict(log_file="nosuch://x/log.jsonl"), "log_file")):
+        with pytest.raises(ConfigError, match=rf"^{flag}='nosuch://.*': no filesystem handles nosuch://"):
+            LLMQTrainer(**{**base, **kw})
+    with pytest.raises(ConfigError, match=r"^train_file='nosuch://x/\*.bin': no filesystem handles nosuch://"):
+        LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "nosuch://x/*.bin"})
+    with pytest.raises(ConfigError, match=r"^checkpoint_dir='s3://bucket/ckpt': a run cannot write to s3:// yet"):
+        LLMQTrainer(**{**base, "checkpoint_dir": "s3://bucket/ckpt"})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    with pytest.raises(DataError, match=r"^train_file: cannot list s3://bucket/run .*(connect|Connect)"):
+        LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "s3://bucket/run/*.bin"})
+    assert not any(n.startswith(("nosuch", "s3:")) for n in os.listdir(tmp_path))  # no folder named after a URI
+    p = _cli(["--device", "cpu", "--synthetic-data", "--checkpoint-dir", "nosuch://x"], tmp_path)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: --checkpoint-dir='nosuch://x': no filesystem handles nosuch:// (pyarrow knows file, s3, gs and "
+        "hdfs; other schemes need fsspec and its nosuch package installed)."]
+    assert not any(n.startswith(("nosuch", "s3:")) for n in os.listdir(tmp_path))
+
+
+def test_the_drivers_environment_reaches_the_workers(monkeypatch):
+    from llmq_ray.actors.worker import worker_env
+    from llmq_ray.train.trainer import forwarded_env
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3.internal:9000")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
+    monkeypatch.setenv("MY_TOKEN", "secret")
+    monkeypatch.setenv("UNRELATED", "x")
+    env = forwarded_env("MY_TOKEN")
+    assert env["AWS_ENDPOINT_URL"] == "http://s3.internal:9000" and env["NCCL_SOCKET_IFNAME"] == "eth1"
+    assert env["MY_TOKEN"] == "secret" and "UNRELATED" not in env
+    for k, v in env.items():  # the coordinator's environment ...
+        monkeypatch.setenv(k, v)
+    w = worker_env(2)  # ... is passed on to each worker, the user's NCCL setting included
+    assert w["AWS_ENDPOINT_URL"] == "http://s3.internal:9000" and w["MY_TOKEN"] == "secret"
+    assert w["NCCL_SOCKET_IFNAME"] == "eth1" and w["OMP_NUM_THREADS"] == "2" and "UNRELATED" not in w
