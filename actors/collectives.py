@@ -59,6 +59,57 @@ def free_port(host: str = "") -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_in(lo: int, hi: int, host: str = "") -> int:
+    """The first port of [lo, hi] that is free right now on this node (--rendezvous-port-range); one
+    RuntimeError sentence naming the range when none is."""
+    for port in range(int(lo), int(hi) + 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"--rendezvous-port-range={lo}-{hi}: every port of the range is in use on {node_ip()}; "
+                       f"widen it or free one.")
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this node's network interface that holds IPv4 address ``ip`` (None when none does).
+    gloo otherwise binds to the address the host name resolves to, which on a cluster node can be an
+    interface the other nodes cannot reach; the IP Ray knows the node by is one they can."""
+    try:
+        import fcntl
+        import struct
+
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError):  # not Linux: leave the choice to gloo
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for name in names:
+            try:  # SIOCGIFADDR: the interface's IPv4 address (Linux; no extra package needed)
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address on it
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    return None
+
+
+def set_socket_interface(ifname: str | None) -> dict:
+    """Choose the collectives' network interface in this process before the group forms: ``ifname``
+    (--socket-ifname) for gloo and NCCL alike; without one, gloo takes the interface of the node's Ray IP
+    (unless GLOO_SOCKET_IFNAME is already set) and NCCL keeps its own choice. Returns what was set."""
+    chosen = {}
+    if ifname:
+        chosen = {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
+    elif not os.environ.get("GLOO_SOCKET_IFNAME"):
+        name = interface_of(node_ip())
+        if name:
+            chosen = {"GLOO_SOCKET_IFNAME": name}
+    os.environ.update(chosen)
+    return chosen
+
+
 def init_group(init_method: str, rank: int, world_size: int, device: torch.device,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> "TorchDistCommunicator":
     """Join the group at ``init_method`` (``tcp://ip:port``) as ``rank``; NCCL for a CUDA device, else gloo.

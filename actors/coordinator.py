@@ -143,6 +143,7 @@ class Coordinator:
         self.pg, self.workers, nodes = create_workers(spec)
         try:
             address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
+            self.log.add("rendezvous", address=address)  # where the process group meets (firewalls, debugging)
             infos = gather([w.setup.remote(address, nodes[r]["local_rank"]) for r, w in enumerate(self.workers)],
                            max(spec.collective_timeout_s, 120.0) + 60.0, "set-up")
         except BaseException:

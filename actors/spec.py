@@ -56,6 +56,8 @@ class RuntimeSpec:
     wandb_project: Optional[str] = None   # live W&B logging from the coordinator (WANDB_MODE honoured)
     wandb_run_name: Optional[str] = None
     log_gpu_util: int = 0                 # NVML sample (clocks, power, temperature, util) every N steps per worker
+    rendezvous_ports: Optional[tuple] = None  # (lo, hi): the rendezvous port comes from this range (None: any)
+    socket_ifname: Optional[str] = None   # the collectives' network interface (None: see actors/collectives.py)
 
     @property
     def ckpt_dir(self) -> str:

@@ -30,7 +30,8 @@ import time
 import torch
 
 from llmq_ray.actors import telemetry
-from llmq_ray.actors.collectives import destroy_group, free_port, init_group, node_ip, set_worker_threads
+from llmq_ray.actors.collectives import (destroy_group, free_port, free_port_in, init_group, node_ip,
+                                        set_socket_interface, set_worker_threads)
 from llmq_ray.actors.data import eval_source, train_source
 from llmq_ray.actors.fault_injection import FaultInjector
 from llmq_ray.actors.spec import RuntimeSpec
@@ -113,7 +114,8 @@ class GPUWorker:
     def rendezvous_address(self) -> str:
         """Rank 0 only: reserve a free port on this node and return ``tcp://ip:port`` for init_process_group."""
         ip = node_ip()
-        return f"tcp://{ip}:{free_port()}"
+        ports = self.spec.rendezvous_ports
+        return f"tcp://{ip}:{free_port_in(*ports) if ports else free_port()}"
 
     def setup(self, init_method: str, local_rank: int) -> dict:
         """Pick the device, join the process group, build the engine (weights: init or HF load) and the
@@ -123,6 +125,7 @@ class GPUWorker:
             self.device = pick_cuda_device(local_rank)
         else:
             self.device = torch.device("cpu")
+        set_socket_interface(spec.socket_ifname)
         comm = init_group(init_method, self.rank, self.world_size, self.device, spec.collective_timeout_s)
         cfg, weights = resolve_model(o.model)
         backend = make_backend(spec.backend, o, self.device)

@@ -233,6 +233,16 @@ class ParallelSettings:
     shard_gradients: bool = setting(False, "shard gradients too (same as --zero-level 2)")
     shard_weights: bool = setting(False, "shard weights too (same as --zero-level 3)")
     ray_address: str | None = setting(None, "address of a running Ray cluster", runtime=True)
+    rendezvous_port_range: str | None = setting(
+        None,
+        "LO-HI: the rendezvous port of the process group is taken from this range on rank 0's node (for firewalled "
+        "clusters; default: any free port)",
+        metavar="LO-HI", runtime=True)
+    socket_ifname: str | None = setting(
+        None,
+        "network interface the collectives use on every node (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME; "
+        "default: gloo takes the interface of the IP Ray knows the node by, NCCL chooses itself)",
+        runtime=True)
     forward_env: str | None = setting(
         None,
         "comma-separated names of environment variables to pass to every worker, beside those always passed "

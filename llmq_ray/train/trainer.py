@@ -45,6 +45,7 @@ import dataclasses
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import threading
 import warnings
@@ -91,6 +92,17 @@ def fastest_backend(device: str) -> str:
     return "torch"
 
 
+def parse_port_range(text: Optional[str]) -> Optional[tuple]:
+    """``"29500-29599"`` -> (29500, 29599); None stays None; ConfigError naming the flag otherwise."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", str(text))
+    if not m or not 1024 <= int(m.group(1)) <= int(m.group(2)) <= 65535:
+        raise ConfigError(f"--rendezvous-port-range={text!r} must be two ports LO-HI with 1024 <= LO <= HI <= 65535 "
+                          f"(e.g. 29500-29599).")
+    return int(m.group(1)), int(m.group(2))
+
+
 # environment variables every worker gets from the driver's shell (Ray does not pass them on by itself): object
 # store credentials and endpoints, the collectives' and torch's knobs, W&B, our own (LLMQ_RAY_CACHE, ...)
 FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "HF_", "NCCL_", "GLOO_", "TORCH_", "WANDB_", "LLMQ_")
@@ -124,6 +136,7 @@ class LLMQTrainer:
                  call_timeout_s: float = 1800.0, step_timeout_s: float = 1800.0, fault: Optional[dict] = None,
                  wandb_project: Optional[str] = None, wandb_run_name: Optional[str] = None, log_gpu_util: int = 0,
                  progress: bool = True, handle_signals: bool = True, cli: bool = False,
+                 rendezvous_port_range: Optional[str] = None, socket_ifname: Optional[str] = None,
                  forward_env: Optional[str] = None, **option_fields):
         self.cli = cli  # error sentences name CLI flags (--warmup) instead of keyword arguments (warmup)
         self.notes: list[str] = []       # warnings found before start (skipped checkpoints), printed there
@@ -140,7 +153,8 @@ class LLMQTrainer:
                 export=export, export_dtype=export_dtype, use_ray_data=use_ray_data,
                 collective_timeout_s=collective_timeout_s, call_timeout_s=call_timeout_s,
                 step_timeout_s=step_timeout_s, fault=fault, wandb_project=wandb_project,
-                wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util, forward_env=forward_env),
+                wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util, forward_env=forward_env,
+                rendezvous_port_range=rendezvous_port_range, socket_ifname=socket_ifname),
                 resume=resume, ray_address=ray_address, checkpoint_on_exit=checkpoint_on_exit,
                 allow_batch_change=allow_batch_change)
         except LLMQError as exc:
@@ -282,6 +296,7 @@ class LLMQTrainer:
         if o.seq_len > cfg.max_position_embeddings:
             raise ConfigError(f"--seq-len={o.seq_len} exceeds the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}).")
+        parse_port_range(r["rendezvous_port_range"])  # one sentence now, not in rank 0 later
         if not isinstance(r["gpus"], int) or isinstance(r["gpus"], bool) or r["gpus"] < 0:
             raise ConfigError(f"--gpus={r['gpus']!r} must be an integer >= 0.")
         if r["workers"] is not None and (not isinstance(r["workers"], int) or r["workers"] < 1):
@@ -428,7 +443,9 @@ class LLMQTrainer:
                            max_restarts=r["max_restarts"], skip_update_on_spike=r["skip_update_on_spike"],
                            spike_window=r["spike_window"], spike_threshold=float(r["spike_threshold"]),
                            fault=r["fault"], wandb_project=r["wandb_project"],
-                           wandb_run_name=r["wandb_run_name"], log_gpu_util=r["log_gpu_util"])
+                           wandb_run_name=r["wandb_run_name"], log_gpu_util=r["log_gpu_util"],
+                           rendezvous_ports=parse_port_range(r["rendezvous_port_range"]),
+                           socket_ifname=r["socket_ifname"])
 
     def start(self) -> dict:
         """Join/start Ray, place the workers and build their engines (done lazily by every other call)."""

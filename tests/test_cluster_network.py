@@ -1,0 +1,65 @@
+"""How the workers find each other on a cluster: the rendezvous on the IP Ray knows the node by, a port from
+--rendezvous-port-range, the collectives on --socket-ifname (or gloo on the interface of the node's Ray IP),
+every value checked in one sentence before any actor starts."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import pytest
+
+from llmq_ray.actors import collectives
+from llmq_ray.errors import ConfigError
+from llmq_ray.observe.runlog import read_log
+from llmq_ray.train.trainer import LLMQTrainer, parse_port_range
+
+
+def test_port_ranges_are_parsed_or_refused_in_one_sentence(tmp_path):
+    assert parse_port_range("29500-29599") == (29500, 29599) and parse_port_range(None) is None
+    for bad in ("29599-29500", "80-90", "abc", "29500", "29500-70000"):
+        with pytest.raises(ConfigError, match=r"must be two ports LO-HI with 1024 <= LO <= HI <= 65535"):
+            parse_port_range(bad)
+    with pytest.raises(ConfigError, match=r"^rendezvous_port_range='x' must be two ports"):
+        LLMQTrainer(device="cpu", synthetic_data=True, rendezvous_port_range="x", out_dir=str(tmp_path),
+                    verbose=False)
+
+
+def test_a_free_port_comes_from_the_range_or_the_range_is_named():
+    busy = socket.socket()
+    busy.bind(("", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        with pytest.raises(RuntimeError, match=rf"^--rendezvous-port-range={port}-{port}: every port of the range "
+                                               r"is in use"):
+            collectives.free_port_in(port, port)
+    finally:
+        busy.close()
+    assert collectives.free_port_in(port, port + 5) in range(port, port + 6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="interface lookup by address is Linux's ioctl")
+def test_gloo_takes_the_interface_of_the_nodes_ray_ip(monkeypatch):
+    assert collectives.interface_of("127.0.0.1") == "lo"
+    assert collectives.interface_of("203.0.113.77") is None  # an address this machine does not hold
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(collectives, "node_ip", lambda: "127.0.0.1")
+    assert collectives.set_socket_interface(None) == {"GLOO_SOCKET_IFNAME": "lo"}
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stays
+    assert collectives.set_socket_interface(None) == {}
+    assert collectives.set_socket_interface("lo") == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--socket-ifname lo is Linux's loopback name")
+def test_two_workers_meet_on_a_port_of_the_range_over_the_named_interface(ray_cluster, shards, tmp_path):
+    lo = collectives.free_port_in(29500, 29999)
+    result = LLMQTrainer(model="tiny", device="cpu", workers=2, backend="torch", batch_size=2, seq_len=16, steps=2,
+                         train_file=shards.train, out_dir=str(tmp_path), export=False, final_eval=False,
+                         eval_every_n_steps=0, verbose=False, rendezvous_port_range=f"{lo}-{lo + 99}",
+                         socket_ifname="lo").fit()
+    assert len(result.history) == 2
+    (rec,) = [r for r in read_log(result.log_file) if r["log"] == "rendezvous"]
+    port = int(rec["address"].rsplit(":", 1)[1])
+    assert lo <= port <= lo + 99, rec
