@@ -34,7 +34,9 @@ import os
 import time
 import warnings
 
+from llmq_ray import storage
 from llmq_ray.actors.failures import gather
+from llmq_ray.checkpoints.remote import begin as begin_remote, clear_step, publish
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.checkpoints.store import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
                                  build_manifest, discard_tmp, finalize_checkpoint, read_manifest, rng_state,
@@ -51,9 +53,14 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
     CheckpointError of a failed write, or the WorkerError of a worker that died or hung."""
     t0 = time.perf_counter()
     ckpt_dir = spec.ckpt_dir
-    tmp = begin_checkpoint(ckpt_dir, step)
+    remote = storage.is_remote(ckpt_dir)  # an object store: llmq_ray/checkpoints/remote.py
+    target = step_dir(ckpt_dir, step) if remote else None
+    if remote:
+        clear_step(target)
+    tmp = begin_remote(ckpt_dir, step) if remote else begin_checkpoint(ckpt_dir, step)
     try:
-        out = gather([w.save_shard.remote(tmp, step) for w in workers], timeout_s, f"checkpoint save (step {step})")
+        out = gather([w.save_shard.remote(tmp, step, target) for w in workers], timeout_s,
+                     f"checkpoint save (step {step})")
     except CheckpointError as exc:
         abort_checkpoint(tmp, step, exc)  # removes tmp, re-raises the worker's sentence
         raise  # not reached: abort_checkpoint always raises
@@ -62,7 +69,9 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
         raise
     manifest = build_manifest(step, config=cfg, world_size=len(workers), options=spec.opts,
                               data_state=[state for _, state in out], rng=rng_state(spec.opts.seed), extra=extra)
-    final = finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=[rec for rec, _ in out])
+    records = [rec for rec, _ in out]
+    final = publish(tmp, target, manifest, records) if remote else \
+        finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=records)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointWarning)
         deleted = apply_retention(ckpt_dir, keep_n=spec.ckpt_keep_n, major_every=spec.ckpt_major, protect=[final])
@@ -90,10 +99,11 @@ def restart_point(candidates: list[str], max_step: int) -> tuple[str | None, lis
     step is at most ``max_step``; returns (folder or None, messages about the ones skipped). Cheap checks
     only (see the module docstring): load the folder with ``verified=False``."""
     skipped = []
-    ordered = sorted({os.path.abspath(c) for c in candidates}, key=lambda p: step_of(p) or -1, reverse=True)
+    ordered = sorted({c if storage.is_remote(c) else os.path.abspath(c) for c in candidates},
+                     key=lambda p: step_of(p) or -1, reverse=True)
     for folder in ordered:
         step = step_of(folder)
-        if step is None or step > max_step or not os.path.isdir(folder):
+        if step is None or step > max_step or not (storage.is_remote(folder) or os.path.isdir(folder)):
             continue
         try:
             validate_checkpoint(folder)

@@ -62,6 +62,16 @@ from llmq_ray.observe.runlog import RunLog, checkpoint_line, eval_line, step_lin
 from llmq_ray.engine.spike_guard import SpikeGuard
 
 
+
+def _is_checkpoint(path: str) -> bool:
+    """A checkpoint this run wrote is still there (a local folder, or a manifest on an object store)."""
+    from llmq_ray import storage
+    from llmq_ray.checkpoints.store import MANIFEST
+
+    if storage.is_remote(path):
+        return storage.size_of(storage.join(path, MANIFEST)) is not None
+    return os.path.isdir(path)
+
 class Coordinator:
     """Owns the placement group and the workers of one run (they die with it)."""
 
@@ -488,7 +498,7 @@ class Coordinator:
             note = f"{self.micro_pending} micro-step(s) without update() were discarded"
             self.micro_pending = 0
         existing = [p for p in self.checkpoints + ([self.origin] if self.origin else [])
-                    if os.path.basename(p) == f"step_{self.step:08d}" and os.path.isdir(p)]
+                    if os.path.basename(p.split("?")[0]) == f"step_{self.step:08d}" and _is_checkpoint(p)]
         if existing:
             path = existing[-1]
         elif not checkpoint:
@@ -520,7 +530,7 @@ class Coordinator:
                 "worker_seconds": (sum(r["worker_seconds"] for r in steady) / len(steady)) if steady else None,
                 "export_path": self.export_path, "log_file": self.log.path, "restarts": self.restarts,
                 "skipped_steps": self.skipped_steps, "warnings": self.warnings,
-                "checkpoints": [p for p in self.checkpoints if os.path.isdir(p)]}
+                "checkpoints": [p for p in self.checkpoints if _is_checkpoint(p)]}
 
     def get_history(self) -> dict:
         return {"steps": list(self.history), "evals": [{k: v for k, v in e.items() if k != "line"} for e in self.evals]}

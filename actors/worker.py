@@ -296,16 +296,24 @@ class GPUWorker:
         return os.getpid()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_shard(self, tmp_dir: str, step: int) -> tuple[dict, dict]:
+    def save_shard(self, tmp_dir: str, step: int, upload_to: str | None = None) -> tuple[dict, dict]:
         """Write this rank's optimizer shard into the checkpoint being written at ``tmp_dir`` (``step`` =
         updates completed). Returns (the write record for ``finalize_checkpoint``, this rank's data state).
-        A full disk raises the CheckpointError sentence of llmq_ray/checkpoints/store.py."""
+        A full disk raises the CheckpointError sentence of llmq_ray/checkpoints/store.py. ``upload_to``: the
+        checkpoint's URI on an object store; ``tmp_dir`` is then a staging folder on this node (made here if
+        this is not the coordinator's node), and the shard is uploaded from it."""
         from llmq_ray.checkpoints.store import rank_file_name, write_rank_shard
         from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
 
         e = self.engine
+        if upload_to is not None:
+            os.makedirs(tmp_dir, exist_ok=True)
         self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
         rec = write_rank_shard(tmp_dir, self.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
+        if upload_to is not None:
+            from llmq_ray.checkpoints.remote import upload_rank_shard
+
+            upload_rank_shard(tmp_dir, rec, upload_to)
         self.faults.after_saving(step)
         return rec, self.data_state()
 
@@ -322,6 +330,12 @@ class GPUWorker:
         from llmq_ray.checkpoints.resume import restore_engine
 
         e = self.engine
+        from llmq_ray import storage
+
+        if storage.is_remote(folder):  # a checkpoint on an object store: this node's copy of it
+            from llmq_ray.checkpoints.remote import fetch
+
+            folder = fetch(folder)
         tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,
                                             rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
                                             verify_checksums=not verified, device=e.device)

@@ -200,3 +200,75 @@ def fetch(uri: str, what: str = "path") -> str:
             os.unlink(tmp)
         raise DataError(f"cannot download {uri} ({str(exc).splitlines()[0]}).") from None
     return local
+
+
+# ---------------------------------------------------------------------------------------------------- small verbs
+def read_bytes(uri: str) -> bytes:
+    fs, inner = filesystem(uri)
+    with fs.open_input_stream(inner) as f:
+        return f.read()
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """One object written whole (object stores publish it only when the upload completes)."""
+    fs, inner = filesystem(uri)
+    with fs.open_output_stream(inner) as f:
+        f.write(data)
+
+
+def upload(local_path: str, uri: str) -> None:
+    """Copy a local file to ``uri`` (streamed, 16 MiB at a time)."""
+    fs, inner = filesystem(uri)
+    with open(local_path, "rb") as src, fs.open_output_stream(inner) as dst:
+        while True:
+            chunk = src.read(16 << 20)
+            if not chunk:
+                break
+            dst.write(chunk)
+
+
+def download(uri: str, local_path: str) -> None:
+    """Copy ``uri`` to ``local_path`` through a temporary name and a rename (never a half file there)."""
+    fs, inner = filesystem(uri)
+    tmp = f"{local_path}.partial-{os.getpid()}"
+    try:
+        with fs.open_input_stream(inner) as src, open(tmp, "wb") as dst:
+            while True:
+                chunk = src.read(16 << 20)
+                if not chunk:
+                    break
+                dst.write(chunk)
+        os.replace(tmp, local_path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def size_of(uri: str) -> Optional[int]:
+    """The size of the file at ``uri`` (None when there is none)."""
+    import pyarrow.fs as pafs
+
+    fs, inner = filesystem(uri)
+    info = fs.get_file_info(inner)
+    return info.size if info.type == pafs.FileType.File else None
+
+
+def list_names(uri: str) -> list[str]:
+    """The names directly under ``uri`` (files and "folders", i.e. common prefixes), sorted; [] when none."""
+    import pyarrow.fs as pafs
+
+    fs, inner = filesystem(uri)
+    infos = fs.get_file_info(pafs.FileSelector(inner, recursive=False, allow_not_found=True))
+    return sorted(i.base_name for i in infos)
+
+
+def delete_tree(uri: str) -> None:
+    """Remove ``uri`` and everything under it (no error when it is absent)."""
+    import pyarrow.fs as pafs
+
+    fs, inner = filesystem(uri)
+    info = fs.get_file_info(inner)
+    if info.type == pafs.FileType.Directory:
+        fs.delete_dir(inner)
+    elif info.type == pafs.FileType.File:
+        fs.delete_file(inner)

@@ -129,8 +129,8 @@ def test_unknown_schemes_and_unreachable_stores_end_in_one_sentence_before_train
             LLMQTrainer(**{**base, **kw})
     with pytest.raises(ConfigError, match=r"^train_file='nosuch://x/\*.bin': no filesystem handles nosuch://"):
         LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "nosuch://x/*.bin"})
-    with pytest.raises(ConfigError, match=r"^checkpoint_dir='s3://bucket/ckpt': a run cannot write to s3:// yet"):
-        LLMQTrainer(**{**base, "checkpoint_dir": "s3://bucket/ckpt"})
+    with pytest.raises(ConfigError, match=r"^out_dir='s3://bucket/out': a run cannot write to s3:// yet"):
+        LLMQTrainer(**{**base, "out_dir": "s3://bucket/out"})
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
     with pytest.raises(DataError, match=r"^train_file: cannot list s3://bucket/run .*(connect|Connect)"):
         LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "s3://bucket/run/*.bin"})
@@ -158,3 +158,44 @@ def test_the_drivers_environment_reaches_the_workers(monkeypatch):
     w = worker_env(2)  # ... is passed on to each worker, the user's NCCL setting included
     assert w["AWS_ENDPOINT_URL"] == "http://s3.internal:9000" and w["MY_TOKEN"] == "secret"
     assert w["NCCL_SOCKET_IFNAME"] == "eth1" and w["OMP_NUM_THREADS"] == "2" and "UNRELATED" not in w
+
+
+def test_checkpoints_on_s3_are_written_pruned_and_resumed(s3, ray_cluster, shards, tmp_path, monkeypatch):
+    """Two workers checkpoint straight to s3:// (each rank uploads its own shard, the manifest goes last) with
+    the same losses as the run checkpointing locally; keep-N and major retention prune the store; a prefix
+    whose upload was cut short (no manifest) is skipped with a warning; one worker resumes from the store and
+    continues within 1e-5 of the uninterrupted run (another world size: resharded)."""
+    import warnings
+
+    import numpy as np
+
+    from llmq_ray.checkpoints.store import CheckpointWarning, resolve_continue
+    from llmq_ray.errors import CheckpointError
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    monkeypatch.chdir(tmp_path)
+    base = dict(model="tiny", steps=8, batch_size=2, seq_len=16, learning_rate=3e-3, warmup=2, device="cpu",
+                final_eval=False, export=False, ckpt_interval=2, ckpt_major=4, collective_timeout_s=15.0,
+                call_timeout_s=60.0, use_ray_data=False, verbose=False, train_file=shards.train)
+    losses = lambda res: [r["loss"] for r in res.history]  # noqa: E731
+    ref = LLMQTrainer(**base, workers=2, out_dir=str(tmp_path / "ref")).fit()
+    store_uri = "s3://bucket/ckpts/run1"
+    a = LLMQTrainer(**base, workers=2, out_dir=str(tmp_path / "a"), checkpoint_dir=store_uri).fit()
+    assert losses(a) == losses(ref)
+    # steps 2, 4, 6, 8 written; keep the newest 2 (6, 8) and every multiple of 4 (4, 8): step 2 pruned
+    assert storage.list_names(store_uri) == ["step_00000004", "step_00000006", "step_00000008"]
+    assert storage.list_names(f"{store_uri}/step_00000008") == ["manifest.json", "rank_00000.safetensors",
+                                                                  "rank_00001.safetensors"]
+    assert sorted(os.listdir(tmp_path / "a")) == ["log.jsonl"]  # nothing local under out-dir, no "s3:" folder
+    assert not any(n.startswith("s3:") for n in os.listdir(tmp_path))
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints of a run \(newest step_00000008\)"):
+        LLMQTrainer(**base, workers=2, out_dir=str(tmp_path / "c"), checkpoint_dir=store_uri)
+    storage.write_bytes(f"{store_uri}/step_00000010/rank_00000.safetensors", b"cut short")  # killed mid-upload
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        assert resolve_continue("latest", store_uri) == f"{store_uri}/step_00000008"
+    assert any("step_00000010" in str(w.message) and "no manifest.json" in str(w.message) for w in caught)
+    b = LLMQTrainer(**base, workers=1, grad_accumulation=2, out_dir=str(tmp_path / "b"), checkpoint_dir=store_uri,
+                    resume=f"{store_uri}/step_00000004").fit()
+    assert [r["step"] for r in b.history] == [4, 5, 6, 7]
+    np.testing.assert_allclose(losses(b), losses(ref)[4:], rtol=1e-5)

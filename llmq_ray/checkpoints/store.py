@@ -61,6 +61,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from llmq_ray import storage
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError, ConfigError
 
@@ -99,8 +100,8 @@ def step_name(step: int) -> str:
 
 
 def step_dir(ckpt_dir: str, step: int) -> str:
-    """The final folder of the checkpoint of ``step`` inside ``ckpt_dir``."""
-    return os.path.join(ckpt_dir, step_name(step))
+    """The final folder of the checkpoint of ``step`` inside ``ckpt_dir`` (a path or a URI)."""
+    return storage.join(ckpt_dir, step_name(step))
 
 
 def rank_file_name(rank: int) -> str:
@@ -115,7 +116,11 @@ def step_of(folder: str) -> int | None:
 
 
 def list_step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
-    """All ``step_*`` folders of ``ckpt_dir`` as (step, path), newest first (tmp folders never included)."""
+    """All ``step_*`` folders of ``ckpt_dir`` as (step, path), newest first (tmp folders never included).
+    On an object store: the ``step_*`` prefixes, complete or not (the manifest decides)."""
+    if storage.is_remote(ckpt_dir):
+        return sorted(((int(m.group(1)), step_dir(ckpt_dir, int(m.group(1))))
+                       for m in map(_STEP_RE.match, storage.list_names(ckpt_dir)) if m), reverse=True)
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
@@ -548,6 +553,10 @@ def apply_retention(ckpt_dir: str, *, keep_n: int = 2, major_every: int = 0,
     never deleted (an invalid newer folder is left for a human to look at); stale tmp folders of steps up
     to the newest valid checkpoint are removed. Returns the deleted paths."""
     check_retention(keep_n, major_every)
+    if storage.is_remote(ckpt_dir):
+        from llmq_ray.checkpoints.remote import apply_retention_remote
+
+        return apply_retention_remote(ckpt_dir, keep_n=keep_n, major_every=major_every, protect=protect)
     steps = list_step_dirs(ckpt_dir)
     kept: list[int] = []
     with warnings.catch_warnings():
@@ -584,12 +593,16 @@ def apply_retention(ckpt_dir: str, *, keep_n: int = 2, major_every: int = 0,
 
 # ---------------------------------------------------------------------------------------------------- reading
 def read_manifest(folder: str) -> dict:
-    """Parse and sanity-check ``folder/manifest.json``; CheckpointError naming the folder otherwise."""
+    """Parse and sanity-check ``folder/manifest.json`` (a local folder or a checkpoint URI); CheckpointError
+    naming the folder otherwise."""
     name = os.path.basename(os.path.normpath(folder))
-    path = os.path.join(folder, MANIFEST)
+    path = storage.join(folder, MANIFEST)
     try:
-        with open(path) as f:
-            text = f.read()
+        if storage.is_remote(folder):
+            text = storage.read_bytes(path).decode()
+        else:
+            with open(path) as f:
+                text = f.read()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {folder} has no {MANIFEST}: it is incomplete (interrupted while "
                               f"being written?); resume from another one.") from None
@@ -697,6 +710,15 @@ def _verify_files(folder: str, entries: Sequence[Mapping], *, max_workers: int |
 
 
 def validate_checkpoint(folder: str, *, verify_checksums: bool = False, max_workers: int | None = None) -> dict:
+    """Validity check of a checkpoint folder or URI; returns its manifest (see ``_validate_local``)."""
+    if storage.is_remote(folder):  # the same checks on the store (llmq_ray/checkpoints/remote.py)
+        from llmq_ray.checkpoints.remote import validate_remote
+
+        return validate_remote(folder, verify_checksums=verify_checksums)
+    return _validate_local(folder, verify_checksums=verify_checksums, max_workers=max_workers)
+
+
+def _validate_local(folder: str, *, verify_checksums: bool = False, max_workers: int | None = None) -> dict:
     """Validity check of a checkpoint folder; returns its manifest.
 
     Cheap part (always): the manifest parses, the ranges tile the layout and every file exists with its
@@ -761,16 +783,23 @@ def resolve_continue(arg: Any, ckpt_dir: str, *, verify_checksums: bool = True) 
         raise CheckpointError(f"--continue={arg!r} is not a step number, a folder or 'latest'.")
     if isinstance(arg, int) or (isinstance(arg, str) and arg.strip().isdigit()):
         folder = step_dir(ckpt_dir, int(arg))
-        if not os.path.isdir(folder):
+        if not _exists(folder):
             have = [s for s, _ in list_step_dirs(ckpt_dir)]
             raise CheckpointError(f"--continue={arg}: there is no checkpoint {os.path.basename(folder)} in "
                                   f"{ckpt_dir} (steps present: {sorted(have) or 'none'}).")
     else:
         folder = os.fspath(arg)
-        if not os.path.isdir(folder):
+        if not _exists(folder):
             raise CheckpointError(f"--continue={arg}: no such checkpoint folder.")
     validate_checkpoint(folder, verify_checksums=verify_checksums)
     return folder
+
+
+def _exists(folder: str) -> bool:
+    """A checkpoint folder is there: a local directory, or on a store any object under the prefix."""
+    if storage.is_remote(folder):
+        return bool(storage.list_names(folder))
+    return os.path.isdir(folder)
 
 
 def check_config(manifest: Mapping[str, Any], expected_config: ModelConfig, folder: str = "") -> None:

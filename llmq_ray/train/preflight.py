@@ -205,12 +205,16 @@ def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
 def check_fresh_checkpoint_dir(ckpt_dir: str) -> None:
     """A fresh run (no --continue) must not write into a folder that holds another run's checkpoints:
     their steps would mix, and retention would delete the older run's checkpoints."""
+    from llmq_ray import storage
     from llmq_ray.checkpoints.store import list_step_dirs, MANIFEST
 
-    have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if os.path.isfile(os.path.join(p, MANIFEST))]
+    if storage.is_remote(ckpt_dir):
+        have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if storage.size_of(storage.join(p, MANIFEST)) is not None]
+    else:
+        have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if os.path.isfile(os.path.join(p, MANIFEST))]
     if have:
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir} already holds checkpoints of a run (newest "
-                              f"{os.path.basename(have[0][1])}); pass --continue to resume it, or choose another "
+                              f"{os.path.basename(have[0][1].split('?')[0])}); pass --continue to resume it, or choose another "
                               f"--checkpoint-dir / --out-dir.")
 
 
@@ -310,16 +314,18 @@ def keep_global_batch(manifest: dict, folder: str, batch_size: int, grad_accumul
                 f"batch of {target} rows (--allow-batch-change keeps {grad_accumulation}).")
 
 
-# where a run writes; object stores there are the next step (until then they are refused, never written locally)
-_WRITTEN = ("--out-dir", "--checkpoint-dir", "--log-file", "--continue")
+# where a run writes files of its own: local or shared folders for now (refused as URIs, never written locally);
+# checkpoints (--checkpoint-dir, --continue) may be on an object store (llmq_ray/checkpoints/remote.py)
+_WRITTEN = ("--out-dir", "--log-file")
 
 
 def check_locations(locations: dict) -> dict:
     """Every location a user gave ({flag: path or URI or None}) resolves to a filesystem (one ConfigError
     sentence naming the flag otherwise, before anything starts). ``file://`` URIs come back as local paths.
-    Token-file globs may be on any filesystem (llmq_ray/storage.py fetches them); the folders a run writes
-    must be local or shared paths for now: a URI there is refused, so that nothing is ever written under a
-    local folder named after it."""
+    Token-file globs and checkpoints may be on any filesystem (llmq_ray/storage.py fetches the shards,
+    llmq_ray/checkpoints/remote.py writes and reads checkpoints); --out-dir and --log-file must be local or
+    shared paths for now: a URI there is refused, so that nothing is ever written under a local folder named
+    after it. A checkpoint store that cannot be reached is refused here too."""
     from llmq_ray import storage
 
     out = dict(locations)
@@ -332,4 +338,6 @@ def check_locations(locations: dict) -> dict:
         elif flag in _WRITTEN:
             raise ConfigError(f"{flag}={value!r}: a run cannot write to {storage.scheme_of(value)}:// yet; give a "
                               f"local folder, or a shared file system mounted on every node.")
+        elif flag in ("--checkpoint-dir", "--continue"):
+            storage.check_reachable(value, flag)
     return out

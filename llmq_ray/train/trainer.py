@@ -54,6 +54,7 @@ from typing import Optional
 from llmq_ray.actors.failures import WorkerError, wrap_error
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
+from llmq_ray import storage
 from llmq_ray.errors import ConfigError, DataError, LLMQError
 from llmq_ray.options import TrainOptions
 
@@ -209,7 +210,8 @@ class LLMQTrainer:
                                                              where["--log-file"])
         if resume_dir is not None:
             resume = where["--continue"]
-        self.checkpoint_dir = os.path.abspath(r["checkpoint_dir"] or os.path.join(r["out_dir"], "ckpt"))
+        ckpt = r["checkpoint_dir"] or os.path.join(r["out_dir"], "ckpt")
+        self.checkpoint_dir = ckpt if storage.is_remote(ckpt) else os.path.abspath(ckpt)
         r["checkpoint_dir"] = self.checkpoint_dir
         self.resume = resume
         self.ray_address = ray_address
@@ -242,7 +244,8 @@ class LLMQTrainer:
         known_world = (r["workers"] or 1) if machine == "cpu" and local else (r["gpus"] or r["workers"] or None)
         if known_world:
             self._keep_global_batch(known_world)
-        if self.resume_from and os.path.dirname(self.resume_from) == self.checkpoint_dir:
+        if self.resume_from and not storage.is_remote(self.resume_from) and \
+                os.path.dirname(self.resume_from) == self.checkpoint_dir:
             # every check passed: a run that goes back to an older checkpoint starts a new branch
             from llmq_ray.checkpoints.store import set_aside_newer, step_of
 
@@ -334,7 +337,8 @@ class LLMQTrainer:
 
         r = self.runtime
         check_writable_dir(r["out_dir"], "--out-dir")
-        check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
+        if not storage.is_remote(self.checkpoint_dir):  # a store was checked by check_locations
+            check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         explicit = r["log_file"] is not None
         log = r["log_file"] or os.path.join(r["out_dir"], "log.jsonl")  # as given: the message names it
         check_log_file(log, "--log-file" if explicit else "--out-dir", self.resume not in (False, None), explicit)
@@ -370,7 +374,7 @@ class LLMQTrainer:
         self.notes += [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
         self.resume_manifest = read_manifest(folder)
         check_config(self.resume_manifest, self.cfg, folder)
-        return os.path.abspath(folder)
+        return folder if storage.is_remote(folder) else os.path.abspath(folder)
 
     def _keep_global_batch(self, world: int) -> None:
         """Resuming on another worker count: adjust --grad-accumulation so the checkpoint's global batch stays
