@@ -52,7 +52,7 @@ import time
 
 from llmq_ray.actors import telemetry
 from llmq_ray.actors.checkpointing import load_group_checkpoint, restart_point, save_group_checkpoint
-from llmq_ray.actors.failures import WorkerError, find_hung_ranks, gather, probe_activities
+from llmq_ray.actors.failures import WorkerError, dead_nodes_of, find_hung_ranks, gather, probe_activities
 from llmq_ray.actors.placement import create_workers
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
@@ -78,6 +78,7 @@ class Coordinator:
     def __init__(self, spec: RuntimeSpec):
         self.spec = spec
         self.opts = spec.opts
+        self.nodes: list = []  # per rank, once placed: {"node_id", "ip", ...}
         self.cfg, _ = resolve_model(spec.opts.model)
         self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.jsonl"), resume=bool(spec.resume_from))
         self.max_step_logged = self.log.previous_last_step  # steps at or below it are trained again
@@ -159,6 +160,7 @@ class Coordinator:
         except BaseException:
             self.failed = True  # a rank that failed set-up leaves the others waiting in the rendezvous
             raise
+        self.nodes = nodes  # per rank: node_id, ip (a dead node is named by its IP, see _explain_hang)
         here = ray.get_runtime_context().get_node_id()
         self._export_rank = next((r for r, n in enumerate(nodes) if n["node_id"] == here), 0)
         self.gpu_name = infos[0]["device_name"] if spec.device == "cuda" else None
@@ -214,6 +216,11 @@ class Coordinator:
             return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
 
         who, waiting = ranks(hung), [r for r in pending if r not in hung]
+        lost = dead_nodes_of(self.nodes, hung)
+        if lost:  # not a hang: the machine is gone (Ray marked its node dead)
+            ips = ", ".join(sorted({self.nodes[r]["ip"] for r in lost}))
+            return WorkerError(f"node {ips} died during step {self.step + 1} (Ray reports it dead), taking "
+                               f"{ranks(sorted(lost))} with it.")
         known = [activities[r] for r in hung if activities[r] is not None]
         if known:
             a = known[0]

@@ -107,6 +107,18 @@ def probe_activities(workers: list, ranks: list[int], timeout_s: float = 10.0) -
     return out
 
 
+def dead_nodes_of(nodes: list, ranks: list[int]) -> list[int]:
+    """The ranks among ``ranks`` whose node Ray reports dead (``nodes[rank]["node_id"]``, as placed). A rank that
+    stopped answering there did not hang: its machine is gone, and the error says so."""
+    import ray
+
+    try:
+        dead = {n["NodeID"] for n in ray.nodes() if not n.get("Alive", True)}
+    except Exception:  # noqa: BLE001 - no cluster state (outside Ray): nothing is known to be dead
+        return []
+    return [r for r in ranks if r < len(nodes) and nodes[r].get("node_id") in dead]
+
+
 def find_hung_ranks(activities: dict, pending: list[int], failed: Optional[int]) -> list[int]:
     """The ranks to blame for a step that failed or did not finish, from ``probe_activities``.
 

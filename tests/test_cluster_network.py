@@ -63,3 +63,25 @@ def test_two_workers_meet_on_a_port_of_the_range_over_the_named_interface(ray_cl
     (rec,) = [r for r in read_log(result.log_file) if r["log"] == "rendezvous"]
     port = int(rec["address"].rsplit(":", 1)[1])
     assert lo <= port <= lo + 99, rec
+
+
+def test_a_rank_on_a_node_ray_reports_dead_is_named_as_such_not_as_a_hang(monkeypatch):
+    """A step that stopped because a machine vanished: the error names the node's IP and says it died."""
+    import ray
+
+    from llmq_ray.actors import coordinator as coord_mod
+    from llmq_ray.actors.failures import dead_nodes_of
+
+    nodes = [{"node_id": "aaa", "ip": "10.0.0.4"}, {"node_id": "bbb", "ip": "10.0.0.5"}]
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "aaa", "Alive": True}, {"NodeID": "bbb", "Alive": False}])
+    assert dead_nodes_of(nodes, [0, 1]) == [1]
+    c = coord_mod.Coordinator.__new__(coord_mod.Coordinator)  # only what _explain_hang reads
+    c.workers, c.nodes, c.step = [None, None], nodes, 6
+    monkeypatch.setattr(coord_mod, "probe_activities", lambda workers, ranks: {0: {"step": 6, "at": 3,
+                                                                               "what": "in a collective",
+                                                                               "seconds": 40.0}, 1: None})
+    err = c._explain_hang([0, 1], None, None)
+    assert str(err) == "node 10.0.0.5 died during step 7 (Ray reports it dead), taking rank 1 with it."
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "aaa", "Alive": True}, {"NodeID": "bbb", "Alive": True}])
+    c.spec = type("Spec", (), {"step_timeout_s": 30.0})()
+    assert "hung in step 7, not even answering a status probe" in str(c._explain_hang([0, 1], None, None))
