@@ -93,6 +93,33 @@ def fastest_backend(device: str) -> str:
     return "torch"
 
 
+def tune_reporter():
+    """``ray.tune.report`` when this process runs a Ray Tune trial (``LLMQTrainer(...).fit()`` inside a Tune
+    trainable, e.g. a learning-rate sweep), else None: each step's metrics then reach Tune as they happen, so
+    its schedulers (ASHA, PBT) can stop or compare trials while they train."""
+    try:
+        from ray import tune
+
+        with warnings.catch_warnings():  # outside a trial Ray warns that it was asked; that is the answer we want
+            warnings.simplefilter("ignore")
+            ctx = tune.get_context()
+            if ctx is None or ctx.get_trial_id() is None:
+                return None
+    except Exception:  # noqa: BLE001 - outside a trial (or no Tune installed): nothing to report to
+        return None
+    return tune.report
+
+
+def tune_metrics(record: dict, evaluation: Optional[dict] = None) -> dict:
+    """What one step reports to Tune: the step record's numbers (step counted from 1, loss, grad norm, lr,
+    tokens/s) and, after a periodic eval, its loss."""
+    out = {"step": int(record["step"]) + 1, "loss": record["loss"], "norm": record.get("norm"),
+           "lr": record.get("lr"), "tokens_per_s": record.get("tokens_per_s")}
+    if evaluation and evaluation.get("loss") is not None:
+        out["eval_loss"] = evaluation["loss"]
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def parse_port_range(text: Optional[str]) -> Optional[tuple]:
     """``"29500-29599"`` -> (29500, 29599); None stays None; ConfigError naming the flag otherwise."""
     if text is None:
@@ -609,6 +636,7 @@ class LLMQTrainer:
         bar = Progress(self.opts.steps, "train", unit="step", stream=sys.stdout,
                        enabled=self.verbose and self.progress, initial=done)
         evals = self._eval_bar(under=bar)  # periodic evals run inside train_step
+        report = tune_reporter()  # inside a Ray Tune trial: every step's metrics go to Tune
         while in_flight or (submitted < self.opts.steps and not self._stop_requested.is_set()):
             # keep one step queued behind the running one: the coordinator never waits for us
             while len(in_flight) < 2 and submitted < self.opts.steps and not self._stop_requested.is_set():
@@ -626,6 +654,8 @@ class LLMQTrainer:
                     except OSError:  # the terminal closed (SIGHUP): keep training, and stopping, without it
                         pass
             bar.update(1, loss=f"{out['record']['loss']:.4f}" if out.get("record") else "")
+            if report is not None and out.get("record"):
+                report(tune_metrics(out["record"], out.get("eval")))
         bar.close()
 
     # ------------------------------------------------------------------ stopping
