@@ -66,11 +66,9 @@ from llmq_ray.engine.spike_guard import SpikeGuard
 def _is_checkpoint(path: str) -> bool:
     """A checkpoint this run wrote is still there (a local folder, or a manifest on an object store)."""
     from llmq_ray import storage
-    from llmq_ray.checkpoints.store import MANIFEST
+    from llmq_ray.checkpoints.store import has_manifest
 
-    if storage.is_remote(path):
-        return storage.size_of(storage.join(path, MANIFEST)) is not None
-    return os.path.isdir(path)
+    return has_manifest(path) if storage.is_remote(path) else os.path.isdir(path)
 
 class Coordinator:
     """Owns the placement group and the workers of one run (they die with it)."""

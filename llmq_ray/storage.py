@@ -186,18 +186,9 @@ def fetch(uri: str, what: str = "path") -> str:
     local = os.path.join(folder, f"{key}-{os.path.basename(inner)}")
     if os.path.isfile(local) and os.path.getsize(local) == info.size:
         return local
-    tmp = f"{local}.partial-{os.getpid()}"
     try:
-        with fs.open_input_stream(inner) as src, open(tmp, "wb") as dst:
-            while True:
-                chunk = src.read(16 << 20)
-                if not chunk:
-                    break
-                dst.write(chunk)
-        os.replace(tmp, local)
+        download(uri, local)
     except OSError as exc:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
         raise DataError(f"cannot download {uri} ({str(exc).splitlines()[0]}).") from None
     return local
 

@@ -15,7 +15,7 @@ failed upload leaves the previous checkpoint valid. Reading downloads the manife
 node's mirror (``$LLMQ_RAY_CACHE/checkpoints/<hash of the URI>/step_*``, files through a temporary name and a
 rename, the manifest last) and loads from there with the local code; ``--continue`` hashes that copy against the
 manifest before it picks the checkpoint, so a worker on the same node reuses it without reading the store again.
-Keep-N and major-checkpoint retention delete whole prefixes.
+Keep-N and major-checkpoint retention (``store.apply_retention``) delete whole prefixes through ``clear_step``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,9 +31,14 @@ from llmq_ray.checkpoints import store
 from llmq_ray.errors import CheckpointError
 
 
+def _bare(uri: str) -> str:
+    """``uri`` without its query and trailing slash: what names a checkpoint (the query only configures access)."""
+    return uri.split("?")[0].rstrip("/")
+
+
 def mirror_root(ckpt_uri: str) -> str:
     """This node's local folder for the checkpoints of ``ckpt_uri``: staging of uploads, copies of downloads."""
-    key = hashlib.sha256(ckpt_uri.split("?")[0].rstrip("/").encode()).hexdigest()[:16]
+    key = hashlib.sha256(_bare(ckpt_uri).encode()).hexdigest()[:16]
     return os.path.join(storage.cache_root(), "checkpoints", key)
 
 
@@ -50,7 +54,7 @@ def upload_rank_shard(tmp_dir: str, record: Mapping, step_uri: str) -> None:
     try:
         storage.upload(local, storage.join(step_uri, record["name"]))
     except OSError as exc:
-        raise CheckpointError(f"checkpoint {os.path.basename(step_uri.split('?')[0])} could not be uploaded to "
+        raise CheckpointError(f"checkpoint {os.path.basename(_bare(step_uri))} could not be uploaded to "
                               f"{step_uri} ({str(exc).splitlines()[0]}); the previous checkpoint is still "
                               f"valid.") from None
     finally:
@@ -61,7 +65,7 @@ def upload_rank_shard(tmp_dir: str, record: Mapping, step_uri: str) -> None:
 def publish(tmp_dir: str, step_uri: str, manifest: Mapping[str, Any], records: Sequence[Mapping]) -> str:
     """Coordinator, after every rank uploaded: check the records (one per rank, ranges tiling the layout),
     upload the manifest last, drop the staging folder. Returns ``step_uri``."""
-    name = os.path.basename(step_uri.split("?")[0].rstrip("/"))
+    name = os.path.basename(_bare(step_uri))
     try:
         files = [{k: rec[k] for k in ("name", "rank", "start", "end", "size", "sha256", "dtypes") if k in rec}
                  for rec in sorted(records, key=lambda r: int(r["rank"]))]
@@ -100,7 +104,7 @@ def validate_remote(step_uri: str, *, verify_checksums: bool = False) -> dict:
     layout, every file is there with its recorded size; with ``verify_checksums`` the files are downloaded into
     this node's mirror and hashed there. Returns the manifest."""
     manifest = store.read_manifest(step_uri)
-    name = os.path.basename(step_uri.split("?")[0].rstrip("/"))
+    name = os.path.basename(_bare(step_uri))
     store._check_coverage(manifest["files"], int(manifest["layout_numel"]), f"checkpoint {name}")
     for entry in manifest["files"]:
         size = storage.size_of(storage.join(step_uri, entry["name"]))
@@ -119,9 +123,8 @@ def fetch(step_uri: str, manifest: Mapping | None = None) -> str:
     """A local copy of the checkpoint ``step_uri`` in this node's mirror (files whose local size already matches
     are kept; the manifest is written last). Returns the local folder, which the local loader reads."""
     manifest = manifest or store.read_manifest(step_uri)
-    ckpt_uri = step_uri.split("?")[0].rstrip("/").rsplit("/", 1)[0] + (
-        "?" + step_uri.split("?", 1)[1] if "?" in step_uri else "")
-    folder = os.path.join(mirror_root(ckpt_uri), os.path.basename(step_uri.split("?")[0].rstrip("/")))
+    parent, name = _bare(step_uri).rsplit("/", 1)
+    folder = os.path.join(mirror_root(parent), name)
     os.makedirs(folder, exist_ok=True)
     local_manifest = os.path.join(folder, store.MANIFEST)
     if os.path.exists(local_manifest):  # an older copy of this step: its files may be stale
@@ -137,39 +140,3 @@ def fetch(step_uri: str, manifest: Mapping | None = None) -> str:
     except OSError as exc:
         raise CheckpointError(f"checkpoint {step_uri} could not be downloaded ({str(exc).splitlines()[0]}).") from None
     return folder
-
-
-def apply_retention_remote(ckpt_uri: str, *, keep_n: int, major_every: int = 0,
-                           protect: Sequence[str] = ()) -> list[str]:
-    """``store.apply_retention`` on a store: keep the newest ``keep_n`` complete checkpoints, every multiple of
-    ``major_every`` and ``protect``; delete older prefixes (complete or not) and never newer ones."""
-    steps = store.list_step_dirs(ckpt_uri)
-    kept: list[int] = []
-    for step, uri in steps:
-        if len(kept) == keep_n:
-            break
-        try:
-            validate_remote(uri)
-            kept.append(step)
-        except CheckpointError:
-            continue
-    if not kept:
-        return []
-    protected = {p.split("?")[0].rstrip("/") for p in protect}
-    deleted = []
-    for step, uri in steps:
-        if step in kept or step > max(kept) or (major_every and step % major_every == 0):
-            continue
-        if uri.split("?")[0].rstrip("/") in protected:
-            continue
-        clear_step(uri)
-        deleted.append(uri)
-    return deleted
-
-
-def has_checkpoints(ckpt_uri: str) -> list[int]:
-    """The steps of the complete checkpoints (manifest present) under ``ckpt_uri``."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [s for s, uri in store.list_step_dirs(ckpt_uri)
-                if storage.size_of(storage.join(uri, store.MANIFEST)) is not None]

@@ -553,10 +553,7 @@ def apply_retention(ckpt_dir: str, *, keep_n: int = 2, major_every: int = 0,
     never deleted (an invalid newer folder is left for a human to look at); stale tmp folders of steps up
     to the newest valid checkpoint are removed. Returns the deleted paths."""
     check_retention(keep_n, major_every)
-    if storage.is_remote(ckpt_dir):
-        from llmq_ray.checkpoints.remote import apply_retention_remote
-
-        return apply_retention_remote(ckpt_dir, keep_n=keep_n, major_every=major_every, protect=protect)
+    remote = storage.is_remote(ckpt_dir)  # there a checkpoint is a prefix; deleting it is clear_step's job
     steps = list_step_dirs(ckpt_dir)
     kept: list[int] = []
     with warnings.catch_warnings():
@@ -573,14 +570,22 @@ def apply_retention(ckpt_dir: str, *, keep_n: int = 2, major_every: int = 0,
         return []
     newest_kept = max(kept)
     deleted = []
-    protected = {os.path.abspath(p) for p in protect}
+    same = (lambda p: p.split("?")[0].rstrip("/")) if remote else os.path.abspath
+    protected = {same(p) for p in protect}
     for step, path in steps:
         if step in kept or step > newest_kept or (major_every and step % major_every == 0):
             continue
-        if os.path.abspath(path) in protected:
+        if same(path) in protected:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        if remote:
+            from llmq_ray.checkpoints.remote import clear_step
+
+            clear_step(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
         deleted.append(path)
+    if remote:  # no tmp folders on a store: an unfinished upload is a step prefix, pruned above
+        return deleted
     for name in os.listdir(ckpt_dir):
         m = _TMP_RE.match(name) or re.match(r"^\.step_(\d{8})\.old-[0-9a-zA-Z]+$", name)
         if m and int(m.group(1)) <= newest_kept:
@@ -793,6 +798,12 @@ def resolve_continue(arg: Any, ckpt_dir: str, *, verify_checksums: bool = True) 
             raise CheckpointError(f"--continue={arg}: no such checkpoint folder.")
     validate_checkpoint(folder, verify_checksums=verify_checksums)
     return folder
+
+
+def has_manifest(folder: str) -> bool:
+    """The folder (or checkpoint URI) has its manifest: the cheapest sign of a published checkpoint."""
+    path = storage.join(folder, MANIFEST)
+    return storage.size_of(path) is not None if storage.is_remote(folder) else os.path.isfile(path)
 
 
 def _exists(folder: str) -> bool:

@@ -205,13 +205,9 @@ def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
 def check_fresh_checkpoint_dir(ckpt_dir: str) -> None:
     """A fresh run (no --continue) must not write into a folder that holds another run's checkpoints:
     their steps would mix, and retention would delete the older run's checkpoints."""
-    from llmq_ray import storage
-    from llmq_ray.checkpoints.store import list_step_dirs, MANIFEST
+    from llmq_ray.checkpoints.store import has_manifest, list_step_dirs
 
-    if storage.is_remote(ckpt_dir):
-        have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if storage.size_of(storage.join(p, MANIFEST)) is not None]
-    else:
-        have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if os.path.isfile(os.path.join(p, MANIFEST))]
+    have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if has_manifest(p)]
     if have:
         raise CheckpointError(f"--checkpoint-dir {ckpt_dir} already holds checkpoints of a run (newest "
                               f"{os.path.basename(have[0][1].split('?')[0])}); pass --continue to resume it, or choose another "
