@@ -78,14 +78,19 @@ class Coordinator:
         self.opts = spec.opts
         self.nodes: list = []  # per rank, once placed: {"node_id", "ip", ...}
         self.cfg, _ = resolve_model(spec.opts.model)
-        self.log = RunLog(spec.log_file or os.path.join(spec.out_dir, "log.jsonl"), resume=bool(spec.resume_from))
+        from llmq_ray import storage  # out_dir may be a URI: the log is then staged here and uploaded
+
+        telemetry.set_run_id(spec.run_id)  # the run_id tag of every metric the coordinator publishes
+        self.log = RunLog(spec.log_file or storage.join(spec.out_dir, "log.jsonl"), resume=bool(spec.resume_from))
         self.max_step_logged = self.log.previous_last_step  # steps at or below it are trained again
         self.wandb = None
         if spec.wandb_project:
             from llmq_ray.observe.wandb_logger import WandbLogger
 
+            wandb_dir = (os.path.join(storage.cache_root(), "wandb", spec.run_id or "run")
+                         if storage.is_remote(spec.out_dir) else spec.out_dir)  # W&B writes a local folder
             self.wandb = WandbLogger(spec.wandb_project, spec.wandb_run_name, dataclasses.asdict(spec.opts),
-                                     dir=spec.out_dir)
+                                     dir=wandb_dir)
             self.log.listeners.append(self.wandb.log_record)
         self.step = 0               # optimizer steps done
         self.micro_pending = 0      # micro-steps done since the last update (step-level API)
@@ -452,17 +457,29 @@ class Coordinator:
 
     # ------------------------------------------------------------------ outputs
     def export(self, path: str | None = None) -> str:
-        """HF export of the current weights into ``path`` (default out_dir/export), written atomically.
+        """HF export of the current weights into ``path`` (default out_dir/export), written atomically; on an
+        object store staged on the exporting worker's node and uploaded with the ``_EXPORT_COMPLETE`` marker
+        last (llmq_ray/model/hf_io.py ``export_hf_to_uri``).
 
         A fresh run (not continued from a checkpoint) never replaces another run's export: a folder already at
-        the default path that this run did not write is kept beside it as ``export.before-<UTC time>``."""
+        the default path that this run did not write is kept beside it as ``export.before-<UTC time>`` (on a
+        store: copied there, marker last, before the new export is uploaded)."""
+        from llmq_ray import storage
+
         default = path is None
-        path = os.path.abspath(path or os.path.join(self.spec.out_dir, "export"))
-        if default and not self.spec.resume_from and path not in self._exported and os.path.isdir(path):
+        path = path or storage.join(self.spec.out_dir, "export")
+        remote = storage.is_remote(path)
+        path = path if remote else os.path.abspath(path)
+        if default and not self.spec.resume_from and path not in self._exported and \
+                (storage.exists(path) if remote else os.path.isdir(path)):
+            from llmq_ray.model.hf_io import set_aside_export
             from llmq_ray.observe.runlog import set_aside_name
 
             kept = set_aside_name(path, default_ext="")
-            os.replace(path, kept)
+            if remote:
+                set_aside_export(path, kept)
+            else:
+                os.replace(path, kept)
             self._warn(self.step, "export", f"an earlier run's export at {path} was kept as {kept}")
         self._exported.add(path)
         if self.opts.effective_zero_level >= 3:  # gathering the sharded weights needs every rank

@@ -1,9 +1,11 @@
 """Ray metrics (``ray.util.metrics``) that workers and the coordinator publish for the Ray dashboard.
 
 Ray exports them in Prometheus format on each node's metrics endpoint (``ray_<name>``, e.g.
-``ray_llmq_worker_tokens_per_second{rank="0",...}``), which the dashboard's Metrics tab (through
-Prometheus/Grafana) and any scraper read. Gauges are created lazily, once per process; outside a Ray
-worker process (plain unit tests) everything here is a no-op.
+``ray_llmq_worker_tokens_per_second{rank="0",run_id="20261126-031904-a1b2c3",...}``), which the dashboard's
+Metrics tab (through Prometheus/Grafana) and any scraper read. Every metric carries the run's ``run_id`` tag
+(``set_run_id``, called once per process by the coordinator and each worker with ``RuntimeSpec.run_id``), so
+the runs that share a cluster (and a Prometheus) are told apart. Gauges are created lazily, once per process;
+outside a Ray worker process (plain unit tests) everything here is a no-op.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 
 _GAUGES: dict = {}
+_RUN_ID: list = [""]  # this process's run (set_run_id); "" before it is known
 
 WORKER_METRICS = {
     "llmq_worker_tokens_per_second": "tokens/s processed by this worker in its last train_step",
@@ -36,8 +39,15 @@ def _gauge(name: str, description: str, tag_keys: tuple):
     return g
 
 
+def set_run_id(run_id: str) -> None:
+    """The run this process works for: its ``run_id`` becomes a tag of every metric ``publish`` sets."""
+    _RUN_ID[0] = run_id or ""
+
+
 def publish(values: dict, tags: dict) -> None:
-    """Set gauges ``name -> value`` with ``tags`` (e.g. {"rank": "0", "run": "abc"}); unknown names ignored."""
+    """Set gauges ``name -> value`` with ``tags`` (e.g. {"rank": "0"}) and the ``run_id`` tag (``set_run_id``);
+    unknown names ignored."""
+    tags = {**tags, "run_id": _RUN_ID[0]}
     try:
         import ray
 

@@ -92,6 +92,7 @@ class GPUWorker:
 
     def __init__(self, rank: int, spec: RuntimeSpec):
         self.rank, self.spec = rank, spec
+        telemetry.set_run_id(spec.run_id)  # the run_id tag of every metric this worker publishes
         self.faults = FaultInjector(spec.fault, rank)  # tests only: does nothing without spec.fault
         self.world_size = spec.world_size
         self.engine: TrainEngine | None = None
@@ -268,9 +269,12 @@ class GPUWorker:
 
     # ------------------------------------------------------------------ outputs
     def export(self, out_dir: str, dtype: str | None, write: bool = True) -> str | None:
-        """Write the weights as an HF folder, atomically; returns its absolute path. Under ZeRO-3 gathering
-        them is a collective: every rank calls this, and only the one with ``write`` writes (others: None)."""
-        from llmq_ray.model.hf_io import export_hf
+        """Write the weights as an HF folder, atomically; returns its absolute path (or its URI: an object
+        store gets it through a staging folder on this node, llmq_ray/model/hf_io.py ``export_hf_to_uri``). Under
+        ZeRO-3 gathering them is a collective: every rank calls this, and only the one with ``write`` writes
+        (others: None)."""
+        from llmq_ray import storage
+        from llmq_ray.model.hf_io import export_hf, export_hf_to_uri
         from llmq_ray.options import DTYPES
 
         e = self.engine
@@ -281,8 +285,9 @@ class GPUWorker:
         from llmq_ray.model.tokenizer_files import tokenizer_source_for_export
 
         _, weights = resolve_model(self.spec.opts.model)
-        return export_hf(out_dir, e.cfg, e.layout, flat.cpu(), dtype=torch_dtype,
-                         tokenizer_source=tokenizer_source_for_export(weights, e.cfg.vocab_size))
+        write_to = export_hf_to_uri if storage.is_remote(out_dir) else export_hf
+        return write_to(out_dir, e.cfg, e.layout, flat.cpu(), dtype=torch_dtype,
+                        tokenizer_source=tokenizer_source_for_export(weights, e.cfg.vocab_size))
 
     def flat_params(self) -> torch.Tensor:
         """A CPU fp32 copy of the weights [layout.numel] (tests, small models; a collective under ZeRO-3)."""

@@ -16,6 +16,11 @@ modification time, written to a temporary name and renamed, then memory-maps it 
 cache rather than range reads: the data pipeline reads windows at random offsets every step, which on an object
 store would be one request per window; one sequential download per shard per node costs less and keeps the exact
 same reading code (and so the same order and bit-exact resume) for local and remote data.
+
+What a run writes to a store is written locally first and uploaded whole: checkpoint shards
+(llmq_ray/checkpoints/remote.py), the run log (llmq_ray/observe/runlog.py: a staging copy uploaded at every flush)
+and the HF export (llmq_ray/model/hf_io.py: a staging folder uploaded with a completion marker last), staged under
+``cache_root()/staging`` (``staging_dir``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def is_remote(path: str) -> bool:
 def _split_query(uri: str) -> tuple[str, str]:
     base, sep, query = uri.partition("?")
     return base, (sep + query) if sep else ""
+
+
+def split_query(path: str) -> tuple[str, str]:
+    """(``path`` without its query, the query with its "?" or ""); a local path comes back whole."""
+    return _split_query(path) if is_remote(path) else (path, "")
 
 
 def filesystem(path: str, what: str = "path"):
@@ -251,6 +261,53 @@ def list_names(uri: str) -> list[str]:
     fs, inner = filesystem(uri)
     infos = fs.get_file_info(pafs.FileSelector(inner, recursive=False, allow_not_found=True))
     return sorted(i.base_name for i in infos)
+
+
+def exists(uri: str) -> bool:
+    """Something is at ``uri``: a file, or a folder (on an object store: a prefix with objects under it)."""
+    import pyarrow.fs as pafs
+
+    fs, inner = filesystem(uri)
+    return fs.get_file_info(inner).type != pafs.FileType.NotFound
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy one file from ``src`` to ``dst`` (URIs or local paths): inside one store a server-side copy, else
+    (another store, or a store that refuses the copy, e.g. an S3 object above 5 GB) streamed through here."""
+    fs, inner = filesystem(src)
+    dfs, dinner = filesystem(dst)
+    if scheme_of(src) == scheme_of(dst) and _split_query(src)[1] == _split_query(dst)[1]:
+        try:
+            fs.copy_file(inner, dinner)
+            return
+        except OSError:
+            pass
+    with fs.open_input_stream(inner) as a, dfs.open_output_stream(dinner) as b:
+        while True:
+            chunk = a.read(16 << 20)
+            if not chunk:
+                break
+            b.write(chunk)
+
+
+def list_files(uri: str) -> list[str]:
+    """The files under ``uri`` (every depth), as paths relative to it, sorted; [] when there is nothing."""
+    import pyarrow.fs as pafs
+
+    fs, inner = filesystem(uri)
+    infos = fs.get_file_info(pafs.FileSelector(inner, recursive=True, allow_not_found=True))
+    base = inner.rstrip("/") + "/"
+    return sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
+
+
+def staging_dir(kind: str) -> str:
+    """A new empty local folder under this node's cache (``cache_root()/staging``) for a file or folder that is
+    written here and then uploaded to a URI (the run log, an export). The caller removes it."""
+    import tempfile
+
+    base = os.path.join(cache_root(), "staging")
+    os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{kind}-", dir=base)
 
 
 def delete_tree(uri: str) -> None:

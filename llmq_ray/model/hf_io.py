@@ -30,6 +30,16 @@ Safety and memory: checkpoints are read only through ``safetensors.safe_open`` (
 at a time, so peak host memory is the flat buffer plus the largest single tensor. Exports are written into a
 temporary sibling folder and renamed into place, so an interrupted export never leaves a folder that looks
 complete.
+
+Exports to an object store (``export_hf_to_uri``; ``--out-dir s3://bucket/run`` puts the export at
+``s3://bucket/run/export``): a store has no rename, so the folder is written into a local staging folder on
+the exporting worker's node (``$LLMQ_RAY_CACHE/staging``) and uploaded file by file (``upload_export``): first
+whatever export was at the URI is removed (its ``_EXPORT_COMPLETE`` marker first), then every file but
+``config.json``, then ``config.json``, then the marker ``_EXPORT_COMPLETE`` last (JSON: every file's name and
+size). **An export on a store is complete when ``_EXPORT_COMPLETE`` is there**, and its files are then
+exactly the ones the marker lists; a reader that only looks for ``config.json`` never finds it beside missing
+weights either. ``set_aside_export`` keeps an earlier run's export by copying it (marker last) to another
+prefix before the new one is uploaded.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from typing import Iterable
 
 import torch
 
+from llmq_ray import storage
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError, ConfigError
 from llmq_ray.model.params import ParamLayout
@@ -360,6 +371,64 @@ def export_hf(out_dir: str, cfg: ModelConfig, layout: ParamLayout, flat: torch.T
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+EXPORT_MARKER = "_EXPORT_COMPLETE"  # written last into an export on an object store (the module docstring)
+
+
+def export_hf_to_uri(uri: str, cfg: ModelConfig, layout: ParamLayout, flat: torch.Tensor,
+                     dtype: torch.dtype = torch.bfloat16, tokenizer_source: str | None = None,
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """``export_hf`` to a URI (an object store): written into a staging folder on this node, then
+    ``upload_export``; the staging folder is removed. Returns ``uri``."""
+    folder = storage.staging_dir("export")
+    try:
+        local = export_hf(os.path.join(folder, "export"), cfg, layout, flat, dtype=dtype,
+                          tokenizer_source=tokenizer_source, max_shard_bytes=max_shard_bytes)
+        upload_export(local, uri)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return uri
+
+
+def upload_export(local_dir: str, uri: str) -> None:
+    """Upload the export folder ``local_dir`` to ``uri`` so that no reader ever sees half of it: the export
+    there before is removed (marker first), then every file but config.json, config.json, the marker last."""
+    files = sorted(os.path.relpath(os.path.join(d, f), local_dir).replace(os.sep, "/")
+                   for d, _, names in os.walk(local_dir) for f in names)
+    order = [f for f in files if f != "config.json"] + [f for f in files if f == "config.json"]
+    there = storage.list_files(uri)
+    if there and EXPORT_MARKER not in there and "config.json" not in there:
+        raise CheckpointError(f"{uri}: export target holds files that are not an HF model export (no config.json, "
+                              f"no {EXPORT_MARKER}); refusing to replace them, choose another location.")
+    remove_export(uri)
+    for name in order:
+        storage.upload(os.path.join(local_dir, name), storage.join(uri, name))
+    sizes = {f: os.path.getsize(os.path.join(local_dir, f)) for f in files}
+    storage.write_bytes(storage.join(uri, EXPORT_MARKER), json.dumps({"files": sizes}, indent=1).encode())
+
+
+def export_complete(uri: str) -> bool:
+    """An export on a store is complete: its ``_EXPORT_COMPLETE`` marker is there."""
+    return storage.size_of(storage.join(uri, EXPORT_MARKER)) is not None
+
+
+def remove_export(uri: str) -> None:
+    """Remove the export (or anything) at ``uri``: the marker first, so that it stops counting as complete
+    before any of its files goes."""
+    if export_complete(uri):
+        storage.delete_tree(storage.join(uri, EXPORT_MARKER))
+    storage.delete_tree(uri)
+
+
+def set_aside_export(uri: str, kept: str) -> None:
+    """Keep the export at ``uri`` as ``kept`` (copied file by file, config.json and the marker last), then
+    remove it from ``uri``."""
+    files = storage.list_files(uri)
+    last = [f for f in ("config.json", EXPORT_MARKER) if f in files]
+    for name in [f for f in files if f not in last] + last:
+        storage.copy_file(storage.join(uri, name), storage.join(kept, name))
+    remove_export(uri)
 
 
 def _write_export(folder: str, cfg: ModelConfig, layout: ParamLayout, flat: torch.Tensor,

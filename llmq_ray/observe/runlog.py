@@ -28,15 +28,28 @@ step trained again after going back to a checkpoint (the steps between that chec
 script draws. A fresh run never overwrites another run's log: an earlier log at the same path is kept beside
 it as ``<name>.before-<UTC time>.jsonl`` (the trainer refuses an explicit ``--log-file`` that exists unless
 the run continues it).
+
+A log on an object store (``--out-dir s3://bucket/run`` or ``--log-file s3://...``; any URI llmq_ray/storage.py
+resolves) is written on the coordinator's node into a staging copy (``$LLMQ_RAY_CACHE/staging/log-<hash of the
+URI>.jsonl``, one per log URI, reused by the next run of that URI) exactly as a local log is, and the whole file
+is uploaded to the URI at every ``flush()`` (set-up, evals, checkpoints, the end). Object stores have no append,
+but a put of a whole object replaces the previous one at once: a reader of the URI always gets whole records,
+up to the last flush (the staging copy has every line as it happens). A resumed run downloads the log first; a
+fresh run copies an earlier run's log at the URI to ``<name>.before-<UTC time>.jsonl`` beside it and removes it.
+An upload that fails at a flush during the run is tried again at the next one; one that fails at the end raises.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import math
 import os
+import shutil
 from typing import Optional
+
+from llmq_ray import storage
 
 END_REASONS = ("finished", "stopped", "failed", "restarts_exhausted")
 
@@ -173,9 +186,38 @@ def steps_as_one_run(records: list[dict]) -> list[dict]:
     return [newest[k] for k in sorted(newest)]
 
 
+def staging_path(uri: str) -> str:
+    """The local staging copy of the run log at ``uri`` (an object store) on this node: one file per log URI
+    under the cache's ``staging/`` (a run of the same URI reuses it; the driver finds the coordinator's there)."""
+    base = storage.split_query(uri)[0]
+    key = hashlib.sha256(base.encode()).hexdigest()[:16]
+    ext = os.path.splitext(base)[1] or ".jsonl"
+    return os.path.join(storage.cache_root(), "staging", f"log-{key}{ext}")
+
+
 def append_records(path: str, new: list[dict]) -> None:
     """Append records to the run log at ``path`` (created if missing) and fsync. For the driver, which writes
-    the last record itself when the coordinator is gone."""
+    the last record itself when the coordinator is gone. A log on an object store is downloaded, appended to
+    and uploaded whole; when this node holds the coordinator's staging copy of it (``staging_path``) and the
+    object at the URI is the start of that copy, the copy is used instead: it has the records written since
+    the coordinator's last flush."""
+    if storage.is_remote(path):
+        folder = storage.staging_dir("log-append")
+        try:
+            local = os.path.join(folder, "log.jsonl")
+            uploaded = storage.read_bytes(path) if storage.size_of(path) is not None else b""
+            staged = staging_path(path)
+            mine = b""
+            if uploaded and os.path.isfile(staged):
+                with open(staged, "rb") as f:
+                    mine = f.read()
+            with open(local, "wb") as f:
+                f.write(mine if mine.startswith(uploaded) and uploaded else uploaded)
+            append_records(local, new)
+            storage.upload(local, path)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     f = _open_for_append(path, read_log(path)) if os.path.isfile(path) else open(path, "a")
@@ -189,13 +231,15 @@ def set_aside_name(path: str, default_ext: str = ".jsonl") -> str:
     """Where a fresh run keeps an earlier run's file or folder found at ``path``: ``<stem>.before-<UTC time><ext>``
     (``default_ext`` when ``path`` has none; "" for a folder such as the export)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    stem, ext = os.path.splitext(path)
+    base, query = storage.split_query(path)  # a URI keeps its query at the end
+    exists = (lambda p: storage.exists(p + query)) if storage.is_remote(path) else os.path.exists
+    stem, ext = os.path.splitext(base)
     ext = ext or default_ext
     name, n = f"{stem}.before-{stamp}{ext}", 1
-    while os.path.exists(name):  # two fresh runs in one second: never replace the first one's kept copy
+    while exists(name):  # two fresh runs in one second: never replace the first one's kept copy
         n += 1
         name = f"{stem}.before-{stamp}-{n}{ext}"
-    return name
+    return name + query
 
 
 class RunLog:
@@ -206,30 +250,47 @@ class RunLog:
     ``resume=True``: the records already in the file are kept and the new ones appended (a run continued
     from a checkpoint); ``resume=False``: a file already there is renamed to ``set_aside_name(path)`` before
     the first record is written, never overwritten. ``previous_last_step``: the highest step the earlier
-    records logged."""
+    records logged.
+
+    ``path`` a URI (an object store): the lines go to a staging copy on this node (``staging_path``) and every
+    ``flush()`` uploads the whole file to the URI (the module docstring says why that is safe)."""
 
     def __init__(self, path: Optional[str], resume: bool = False):
-        self.path = os.path.abspath(path) if path else None
+        self.remote = bool(path) and storage.is_remote(path)
+        self.path = (path if self.remote else os.path.abspath(path)) if path else None
+        self._local = staging_path(path) if self.remote else self.path  # the file the lines are written to
         self.records: list[dict] = []
         self.listeners: list = []  # callables fed every new record (e.g. the live W&B logger)
         self.set_aside: Optional[str] = None  # where an earlier run's log went (fresh runs)
+        self.upload_error: Optional[str] = None  # the last failed upload of a remote log (retried at each flush)
         self._resume = resume
         self._file = None  # opened at the first record
-        if resume and self.path and os.path.isfile(self.path):
-            self.records = read_log(self.path)
+        if self.remote and resume:
+            os.makedirs(os.path.dirname(self._local), exist_ok=True)
+            if storage.size_of(self.path) is not None:
+                storage.download(self.path, self._local)
+            elif os.path.exists(self._local):
+                os.unlink(self._local)  # an earlier run's staging copy of a log that is no longer there
+        if resume and self._local and os.path.isfile(self._local):
+            self.records = read_log(self._local)
         self.previous_last_step = last_logged_step(self.records)
         self.ended = False  # this session's "end" record is written (an earlier session's may be in records)
 
     def _open(self):
-        if self._file is None and self.path is not None:
-            if self._resume and os.path.isfile(self.path):
-                self._file = _open_for_append(self.path, self.records)
+        if self._file is None and self._local is not None:
+            if self._resume and os.path.isfile(self._local):
+                self._file = _open_for_append(self._local, self.records)
             else:
-                if os.path.exists(self.path):
+                if self.remote:
+                    if storage.exists(self.path):  # an earlier run's log: kept beside it, like a local one
+                        self.set_aside = set_aside_name(self.path)
+                        storage.copy_file(self.path, self.set_aside)
+                        storage.delete_tree(self.path)
+                elif os.path.exists(self.path):
                     self.set_aside = set_aside_name(self.path)
                     os.replace(self.path, self.set_aside)
-                os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                self._file = open(self.path, "a")
+                os.makedirs(os.path.dirname(self._local), exist_ok=True)
+                self._file = open(self._local, "w" if self.remote else "a")
         return self._file
 
     def add(self, kind: str, /, **fields) -> dict:
@@ -252,15 +313,29 @@ class RunLog:
             return None
         self.ended = True
         rec = self.add("end", reason=reason, **fields)
-        self.flush()
+        self.flush(strict=True)
         return rec
 
-    def flush(self) -> None:
-        """Ask the disk to keep every record written so far (fsync); opens the file if nothing was written."""
+    def flush(self, strict: bool = False) -> None:
+        """Ask the disk to keep every record written so far (fsync); opens the file if nothing was written. A
+        remote log is then uploaded whole; a failed upload is kept in ``upload_error`` and tried again at the
+        next flush, or (``strict``: the end) raised as OSError naming the URI."""
         f = self._open()
         if f is not None:
             f.flush()
             os.fsync(f.fileno())
+            if self.remote:
+                self._upload(strict)
+
+    def _upload(self, strict: bool) -> None:
+        try:
+            storage.upload(self._local, self.path)
+            self.upload_error = None
+        except OSError as exc:
+            self.upload_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if strict:
+                raise OSError(f"the run log could not be uploaded to {self.path} ({self.upload_error}); every "
+                              f"record is in {self._local} on this node") from None
 
     def close(self) -> None:
         if self._file is not None:

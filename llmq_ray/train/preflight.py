@@ -12,7 +12,8 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
   ``SCAN_BUDGET_TOKENS`` over all files; the workers scan every id when they open the files), that they fit
   the model's vocabulary, and that there is at least one training window;
 * ``--out-dir``, ``--checkpoint-dir`` and the folder of ``--log-file``: a folder or creatable as one, and
-  writable (``os.access``, which also sees a read-only mount);
+  writable (``os.access``, which also sees a read-only mount); on an object store: a scheme that resolves and a
+  store that answers (``check_locations``);
 * ``--log-file`` naming an existing log is refused unless the run continues it; a fresh run whose
   checkpoint folder already holds checkpoints is refused (its retention would delete them);
 * ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined);
@@ -182,7 +183,13 @@ def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
     """The JSON log's folder is writable; an existing log is continued only by a continued run.
 
     ``explicit``: the user named the file (``--log-file``): then a fresh run refuses to touch another run's
-    log. The default log of ``--out-dir`` is kept aside by the run instead (``runlog.set_aside_name``)."""
+    log. The default log of ``--out-dir`` is kept aside by the run instead (``runlog.set_aside_name``). A log
+    on an object store gets the same checks through llmq_ray/storage.py (its store was reached already)."""
+    from llmq_ray import storage
+
+    if storage.is_remote(path):
+        _check_remote_log_file(path, flag, resume, explicit)
+        return
     p = os.path.abspath(path)
     if os.path.isdir(p):
         where = f"--log-file={path}" if explicit else f"the log {path} (in --out-dir)"
@@ -200,6 +207,43 @@ def check_log_file(path: str, flag: str, resume: bool, explicit: bool) -> None:
             except (ValueError, OSError) as exc:
                 raise ConfigError(f"{flag}: the run's log cannot be continued: {exc}; move it away or name "
                                   f"another --log-file.") from None
+
+
+def _check_remote_log_file(uri: str, flag: str, resume: bool, explicit: bool) -> None:
+    """``check_log_file`` for a log on an object store: not a "folder" (a prefix with objects under it); an
+    existing log only for a continued run, which must be able to read it."""
+    import shutil
+
+    import pyarrow.fs as pafs
+
+    from llmq_ray import storage
+
+    fs, inner = storage.filesystem(uri, flag)
+    try:
+        kind = fs.get_file_info(inner).type
+    except OSError as exc:
+        raise ConfigError(f"{flag}={uri!r}: cannot reach it ({str(exc).splitlines()[0]}).") from None
+    if kind == pafs.FileType.Directory:
+        where = f"--log-file={uri}" if explicit else f"the log {uri} (in --out-dir)"
+        raise ConfigError(f"{where} is a folder; name a log file with --log-file, or move the folder away.")
+    if kind != pafs.FileType.File:
+        return
+    if explicit and not resume:
+        raise ConfigError(f"{flag}={uri} is the log of another run; pass --continue to resume that run and "
+                          f"append to its log, or name a new file.")
+    if resume:
+        from llmq_ray.observe.runlog import read_log
+
+        folder = storage.staging_dir("log-check")
+        try:
+            local = os.path.join(folder, "log.jsonl")
+            storage.download(uri, local)
+            read_log(local)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{flag}: the run's log {uri} cannot be continued: "
+                              f"{str(exc).replace(local, uri)}; move it away or name another --log-file.") from None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_fresh_checkpoint_dir(ckpt_dir: str) -> None:
@@ -310,18 +354,14 @@ def keep_global_batch(manifest: dict, folder: str, batch_size: int, grad_accumul
                 f"batch of {target} rows (--allow-batch-change keeps {grad_accumulation}).")
 
 
-# where a run writes files of its own: local or shared folders for now (refused as URIs, never written locally);
-# checkpoints (--checkpoint-dir, --continue) may be on an object store (llmq_ray/checkpoints/remote.py)
-_WRITTEN = ("--out-dir", "--log-file")
-
-
 def check_locations(locations: dict) -> dict:
     """Every location a user gave ({flag: path or URI or None}) resolves to a filesystem (one ConfigError
     sentence naming the flag otherwise, before anything starts). ``file://`` URIs come back as local paths.
-    Token-file globs and checkpoints may be on any filesystem (llmq_ray/storage.py fetches the shards,
-    llmq_ray/checkpoints/remote.py writes and reads checkpoints); --out-dir and --log-file must be local or
-    shared paths for now: a URI there is refused, so that nothing is ever written under a local folder named
-    after it. A checkpoint store that cannot be reached is refused here too."""
+    Token-file globs, checkpoints and the outputs (--out-dir: the log and the export; --log-file) may be on any
+    filesystem: llmq_ray/storage.py fetches the shards, llmq_ray/checkpoints/remote.py writes and reads
+    checkpoints, the run log and the export are staged on a node and uploaded (llmq_ray/observe/runlog.py,
+    llmq_ray/model/hf_io.py ``upload_export``); a URI is never turned into a local folder named after it. A
+    store that a run writes to (or continues from) and cannot reach is refused here too."""
     from llmq_ray import storage
 
     out = dict(locations)
@@ -331,9 +371,6 @@ def check_locations(locations: dict) -> dict:
         fs, inner = storage.filesystem(value, flag)
         if not storage.is_remote(value):
             out[flag] = inner  # file:///abs/path
-        elif flag in _WRITTEN:
-            raise ConfigError(f"{flag}={value!r}: a run cannot write to {storage.scheme_of(value)}:// yet; give a "
-                              f"local folder, or a shared file system mounted on every node.")
-        elif flag in ("--checkpoint-dir", "--continue"):
+        elif flag in ("--out-dir", "--log-file", "--checkpoint-dir", "--continue"):
             storage.check_reachable(value, flag)
     return out

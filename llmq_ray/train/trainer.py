@@ -136,6 +136,11 @@ def parse_port_range(text: Optional[str]) -> Optional[tuple]:
 FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "HF_", "NCCL_", "GLOO_", "TORCH_", "WANDB_", "LLMQ_")
 
 
+def _absolute(path: str) -> str:
+    """A local path made absolute (the actors may run in another folder); a URI as it is (never os.path)."""
+    return path if storage.is_remote(path) else os.path.abspath(path)
+
+
 def forwarded_env(names: Optional[str]) -> dict:
     """{name: value} of the driver's environment that the coordinator and every worker get: the variables with
     a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated).
@@ -237,8 +242,8 @@ class LLMQTrainer:
                                                              where["--log-file"])
         if resume_dir is not None:
             resume = where["--continue"]
-        ckpt = r["checkpoint_dir"] or os.path.join(r["out_dir"], "ckpt")
-        self.checkpoint_dir = ckpt if storage.is_remote(ckpt) else os.path.abspath(ckpt)
+        ckpt = r["checkpoint_dir"] or storage.join(r["out_dir"], "ckpt")  # an s3:// out-dir: s3://.../ckpt
+        self.checkpoint_dir = _absolute(ckpt)
         r["checkpoint_dir"] = self.checkpoint_dir
         self.resume = resume
         self.ray_address = ray_address
@@ -363,11 +368,12 @@ class LLMQTrainer:
         from llmq_ray.train.preflight import check_fresh_checkpoint_dir, check_log_file, check_writable_dir
 
         r = self.runtime
-        check_writable_dir(r["out_dir"], "--out-dir")
-        if not storage.is_remote(self.checkpoint_dir):  # a store was checked by check_locations
+        if not storage.is_remote(r["out_dir"]):  # a store was checked by check_locations
+            check_writable_dir(r["out_dir"], "--out-dir")
+        if not storage.is_remote(self.checkpoint_dir):
             check_writable_dir(self.checkpoint_dir, "--checkpoint-dir")
         explicit = r["log_file"] is not None
-        log = r["log_file"] or os.path.join(r["out_dir"], "log.jsonl")  # as given: the message names it
+        log = r["log_file"] or storage.join(r["out_dir"], "log.jsonl")  # as given: the message names it
         check_log_file(log, "--log-file" if explicit else "--out-dir", self.resume not in (False, None), explicit)
         if self.resume in (False, None) and (self.checkpoint_on_exit or r["ckpt_interval"]):
             check_fresh_checkpoint_dir(self.checkpoint_dir)
@@ -464,9 +470,9 @@ class LLMQTrainer:
                            synthetic_data=r["synthetic_data"], use_ray_data=r["use_ray_data"], device=device,
                            backend=backend, world_size=world, cpus_per_worker=cpw,
                            eval_every_n_steps=r["eval_every_n_steps"], eval_num_steps=r["eval_num_steps"],
-                           final_eval=r["final_eval"], out_dir=os.path.abspath(r["out_dir"]),
+                           final_eval=r["final_eval"], out_dir=_absolute(r["out_dir"]),
                            export=r["export"], export_dtype=r["export_dtype"],
-                           log_file=os.path.abspath(r["log_file"]) if r["log_file"] else None,
+                           log_file=_absolute(r["log_file"]) if r["log_file"] else None,
                            collective_timeout_s=r["collective_timeout_s"], call_timeout_s=r["call_timeout_s"],
                            step_timeout_s=float(r["step_timeout_s"]),
                            checkpoint_dir=r["checkpoint_dir"], ckpt_interval=r["ckpt_interval"],
@@ -756,7 +762,7 @@ class LLMQTrainer:
 
     def _log_path(self) -> str:
         r = self.runtime
-        return os.path.abspath(r["log_file"] or os.path.join(r["out_dir"], "log.jsonl"))
+        return _absolute(r["log_file"] or storage.join(r["out_dir"], "log.jsonl"))
 
     def _append_end(self, fields: dict) -> None:
         """Write the "end" record into the log file from the driver (the coordinator is gone)."""
@@ -764,7 +770,11 @@ class LLMQTrainer:
             return
         self._ended = True
         path = self._log_path()
-        if not os.path.isfile(path) or (self.info is None and not self.resume_from):
+        try:
+            there = storage.size_of(path) is not None if storage.is_remote(path) else os.path.isfile(path)
+        except OSError:  # the store is gone too: nothing more to do
+            return
+        if not there or (self.info is None and not self.resume_from):
             return  # this run never wrote its log (a file there is an earlier run's): nothing to end
         from llmq_ray.observe.runlog import append_records
 
@@ -878,7 +888,7 @@ class LLMQTrainer:
     def export(self, path: Optional[str] = None) -> str:
         """Write the current weights as an HF folder (default out_dir/export); returns its path."""
         self.start()
-        return self._get(self.coordinator.export.remote(os.path.abspath(path) if path else None), "export")
+        return self._get(self.coordinator.export.remote(_absolute(path) if path else None), "export")
 
     def save_checkpoint(self) -> str:
         """Checkpoint the current state into checkpoint_dir/step_XXXXXXXX (after an update); returns its path."""
