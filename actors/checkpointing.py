@@ -4,7 +4,8 @@ pick the checkpoint an automatic restart goes back to.
 Save (after the update of the step whose number of completed updates is ``step``)::
 
     tmp = begin_checkpoint(ckpt_dir, step)                       # here
-    (record, data_state) = worker.save_shard(tmp, step)           # every worker, concurrently
+    (record, data_state) = worker.save_shard(tmp, step)           # every worker, concurrently (record None:
+                                                                  # a node's copy of the shards, --zero-scope node)
     build_manifest + finalize_checkpoint (manifest last, rename)  # here, once all returned
     apply_retention(keep_n, major_every)
 
@@ -67,9 +68,9 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
     except BaseException:
         discard_tmp(tmp)
         raise
-    manifest = build_manifest(step, config=cfg, world_size=len(workers), options=spec.opts,
+    records = [rec for rec, _ in out if rec is not None]  # --zero-scope node: the first node's shards only
+    manifest = build_manifest(step, config=cfg, world_size=len(records), options=spec.opts,
                               data_state=[state for _, state in out], rng=rng_state(spec.opts.seed), extra=extra)
-    records = [rec for rec, _ in out]
     final = publish(tmp, target, manifest, records) if remote else \
         finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=records)
     with warnings.catch_warnings(record=True) as caught:

@@ -10,6 +10,10 @@ collective of the group: a rank whose peer died raises instead of waiting foreve
 down after that timeout, since a CUDA kernel stuck in a collective cannot be interrupted from the host.
 The coordinator additionally bounds every ``ray.get`` and kills the actors on failure, so nothing hangs.
 
+``--zero-scope node`` (``NodeScopeCommunicator``): the ZeRO shards are split among the workers of one node and
+replicated on every node; each rank joins two subgroups (its node's ranks, and the ranks with its local rank
+on every node) besides the world group, and ``node_scope`` builds that from the ranks' node ids.
+
 Collective names: torch 2.13 renames ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` to
 ``reduce_scatter_single`` / ``all_gather_single`` (the old names warn); torch 2.11 has only the old ones.
 ``_pick`` chooses whichever exists, new name first.
@@ -24,7 +28,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from llmq_ray.engine.train_engine import Communicator
+from llmq_ray.engine.train_engine import DONE, Communicator
+from llmq_ray.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -136,18 +141,29 @@ def destroy_group() -> None:
 
 
 class TorchDistCommunicator(Communicator):
-    """The engine's collectives over the default torch.distributed group.
+    """The engine's collectives over one torch.distributed group: the default (world) group, or a subgroup.
 
-    Buffers are flat 1-D tensors of the model dtype (gradients, weights) or small fp32/fp64 vectors (loss
-    sums, norms); all calls are in place and asynchronous to the host on CUDA (stream-ordered).
+    ``rank`` / ``world_size`` are this process's place in ``group``; ``members[i]`` is the global rank of
+    group rank i (broadcast and reduce name their root by global rank). Buffers are flat 1-D tensors of the
+    model dtype (gradients, weights) or small fp32/fp64 vectors (loss sums, norms); all calls are in place
+    and asynchronous to the host on CUDA (stream-ordered).
     """
 
-    def __init__(self, rank: int, world_size: int, backend: str, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, backend: str, timeout_s: float, group=None,
+                 members: list[int] | None = None):
         self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
+        self.group = group  # None: the default group (every rank of the run)
+        self.members = list(members) if members is not None else list(range(world_size))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
+    def all_reduce_start(self, tensor: torch.Tensor):
+        """Async, in place: tensor = sum over the group; returns the handle (a done one for a group of 1)."""
+        if self.world_size == 1:
+            return DONE
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def reduce_scatter_sum(self, shard_out: torch.Tensor, full: torch.Tensor) -> None:
         """shard_out[S] = (sum over ranks of full[W*S]) [rank*S:(rank+1)*S]; shard_out may alias that slice."""
@@ -161,10 +177,10 @@ class TorchDistCommunicator(Communicator):
         if shard_out.data_ptr() == own.data_ptr():
             # NCCL and gloo allow in-place only in their own sense; use a temporary to stay portable.
             tmp = torch.empty_like(shard_out)
-            _reduce_scatter(tmp, full, op=dist.ReduceOp.SUM)
+            _reduce_scatter(tmp, full, op=dist.ReduceOp.SUM, group=self.group)
             shard_out.copy_(tmp)
         else:
-            _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM)
+            _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM, group=self.group)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """full[W*S] = concatenation of every rank's shard[S]; shard may alias full's own slice."""
@@ -173,20 +189,130 @@ class TorchDistCommunicator(Communicator):
         size = shard.numel()
         own = full[self.rank * size:(self.rank + 1) * size]
         src = shard.clone() if shard.data_ptr() == own.data_ptr() and self.backend == "gloo" else shard
-        _all_gather(full, src)
-
+        _all_gather(full, src, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int):
-        """Async, in place: tensor = rank ``src``'s (ZeRO-3's weight gathers); returns the handle."""
+        """Async, in place: tensor = group rank ``src``'s (ZeRO-3's weight gathers); returns the handle."""
         if self.world_size == 1:
             return super().broadcast(tensor, src)
-        return dist.broadcast(tensor, src=src, async_op=True)
+        return dist.broadcast(tensor, src=self.members[src], group=self.group, async_op=True)
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int):
-        """Async, in place: on ``dst`` tensor = sum over ranks (ZeRO-3's gradient reduces); returns the handle."""
+        """Async, in place: on group rank ``dst`` tensor = sum over the group (ZeRO-3's gradient reduces);
+        returns the handle."""
         if self.world_size == 1:
             return super().reduce_sum(tensor, dst)
-        return dist.reduce(tensor, dst=dst, op=dist.ReduceOp.SUM, async_op=True)
+        return dist.reduce(tensor, dst=self.members[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+
+# ---------------------------------------------------------------------------------------------------- node scope
+def workers_per_node(node_of_rank: list[str], names: dict | None = None) -> int:
+    """--zero-scope node: the number of workers on each node, given the node (any hashable key) of each rank.
+
+    Node scope needs the ranks of a node to be contiguous (rank = node index x L + local rank) and the same
+    number L of workers on every node, since rank i of every node holds the same shard. One ConfigError
+    sentence naming the counts per node (``names``: key -> what to call the node, e.g. its IP) otherwise."""
+    counts: dict = {}
+    for node in node_of_rank:
+        counts[node] = counts.get(node, 0) + 1
+    per_node = counts[node_of_rank[0]]
+    nodes = list(counts)  # in order of their first rank
+    contiguous = node_of_rank == [n for n in nodes for _ in range(counts[n])]
+    if contiguous and len(set(counts.values())) == 1:
+        return per_node
+    names = names or {}
+    placed = ", ".join(f"{counts[n]} on {names.get(n, n)}" for n in nodes)
+    how = "the same number of workers on every node" if contiguous else "each node's workers to have consecutive ranks"
+    raise ConfigError(f"--zero-scope node needs {how}, but the {len(node_of_rank)} workers were placed {placed}; "
+                      f"use a worker count that fills every node evenly, or --zero-scope world.")
+
+
+def _new_groups(rank_lists: list[list[int]], timeout_s: float) -> list:
+    """One torch.distributed subgroup per list of global ranks; every rank must call this with the same lists."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return [dist.new_group(ranks=ranks, timeout=timeout) for ranks in rank_lists]
+
+
+class NodeScopeCommunicator(Communicator):
+    """--zero-scope node: ZeRO shards split among the L workers of a node, one copy of them on each of N nodes.
+
+    Ranks are contiguous per node (global rank = node x L + local rank), so this process belongs to two
+    subgroups: ``node``, the L ranks of its node (the shard group: ``rank`` = local rank, ``world_size`` = L),
+    and ``across``, the N ranks with its local rank on every node (the ranks holding the same shard). The shard
+    collectives run inside the node; gradients, which differ between nodes (each reads its own batches), are
+    summed across nodes by one all-reduce of the reduced shard, so every copy of a shard stays identical and
+    only 1/L of the gradient bytes cross the (slower) network between nodes. Totals that are per rank (loss
+    sums, target counts) are summed over the whole run.
+    """
+
+    def __init__(self, world: TorchDistCommunicator, per_node: int):
+        n_nodes = world.world_size // per_node
+        if per_node < 1 or n_nodes * per_node != world.world_size:
+            raise ValueError(f"NodeScopeCommunicator: {world.world_size} ranks do not split into nodes of {per_node}")
+        node, local = divmod(world.rank, per_node)
+        node_ranks = [[n * per_node + i for i in range(per_node)] for n in range(n_nodes)]
+        across_ranks = [[n * per_node + i for n in range(n_nodes)] for i in range(per_node)]
+        node_groups = _new_groups(node_ranks, world.timeout_s)  # all ranks create every group, in this order
+        across_groups = _new_groups(across_ranks, world.timeout_s)
+        self.world = world
+        self.node = TorchDistCommunicator(local, per_node, world.backend, world.timeout_s, node_groups[node],
+                                          node_ranks[node])
+        self.across = TorchDistCommunicator(node, n_nodes, world.backend, world.timeout_s, across_groups[local],
+                                            across_ranks[local])
+        self.rank, self.world_size = local, per_node
+        self.replica, self.replicas = node, n_nodes
+        self.backend, self.timeout_s = world.backend, world.timeout_s
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum over every rank of the run (per-rank totals: each rank's batches are its own)."""
+        self.world.all_reduce_sum(tensor)
+
+    def all_reduce_over_shards(self, tensor: torch.Tensor) -> None:
+        """Sum within the node only: its L ranks hold one copy of every shard."""
+        self.node.all_reduce_sum(tensor)
+
+    def reduce_scatter_sum(self, shard_out: torch.Tensor, full: torch.Tensor) -> None:
+        """shard_out[S] = this rank's shard of the sum over all ranks of full[L*S]: reduce-scatter within the
+        node, then all-reduce the shard [S] across nodes."""
+        self.node.reduce_scatter_sum(shard_out, full)
+        self.across.all_reduce_sum(shard_out)
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """full[L*S] from the node's L shards (every node holds the same ones: nothing crosses nodes)."""
+        self.node.all_gather(full, shard)
+
+    def broadcast(self, tensor: torch.Tensor, src: int):
+        """Async: tensor = local rank ``src``'s, broadcast within each node (each node has the owner's copy)."""
+        return self.node.broadcast(tensor, src)
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int):
+        """Async: on local rank ``dst`` of every node, tensor = sum over all ranks: a reduce within the node,
+        then (on the owners only) an all-reduce of the piece across nodes. The node reduce is waited for
+        before the all-reduce is queued (on CUDA that orders the streams, without a host sync)."""
+        handle = self.node.reduce_sum(tensor, dst)
+        if self.rank != dst:
+            return handle
+        handle.wait()
+        return self.across.all_reduce_start(tensor)
+
+
+def node_scope(world: TorchDistCommunicator, node_id: str, ip: str = "") -> Communicator:
+    """The Communicator for --zero-scope node, built by every rank together from the world group: the ranks'
+    (node id, IP) are all-gathered (``node_id``: this rank's, Ray's node id) to find the workers per node; on a
+    single node that is the world itself. The placement (actors/placement.py) puts a node's ranks next to each
+    other; a placement with unequal workers per node is refused here, by every rank alike, in the ConfigError
+    sentence of ``workers_per_node`` naming the count per node."""
+    found: list = [None] * world.world_size
+    if world.world_size > 1:
+        dist.all_gather_object(found, (node_id, ip))
+    else:
+        found = [(node_id, ip)]
+    ips = [ip for _, ip in dict(found).items()]
+    names = {n: (f"{i} (node {n[:8]})" if not i or ips.count(i) > 1 else i) for n, i in found}  # one IP, many nodes: tests
+    per_node = workers_per_node([n for n, _ in found], names=names)
+    if per_node == world.world_size:
+        return world
+    return NodeScopeCommunicator(world, per_node)
 
 
 def set_worker_threads(num_threads: int) -> None:

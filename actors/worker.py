@@ -30,7 +30,7 @@ import time
 import torch
 
 from llmq_ray.actors import telemetry
-from llmq_ray.actors.collectives import (destroy_group, free_port, free_port_in, init_group, node_ip,
+from llmq_ray.actors.collectives import (destroy_group, free_port, free_port_in, init_group, node_ip, node_scope,
                                         set_socket_interface, set_worker_threads)
 from llmq_ray.actors.data import eval_source, train_source
 from llmq_ray.actors.fault_injection import FaultInjector
@@ -128,6 +128,9 @@ class GPUWorker:
             self.device = torch.device("cpu")
         set_socket_interface(spec.socket_ifname)
         comm = init_group(init_method, self.rank, self.world_size, self.device, spec.collective_timeout_s)
+        if o.zero_scope == "node":  # shards within each node, a copy per node (actors/collectives.py)
+            where = self.node()
+            comm = node_scope(comm, where["node_id"], where["ip"])
         cfg, weights = resolve_model(o.model)
         backend = make_backend(spec.backend, o, self.device)
         self.engine = TrainEngine(cfg, o, backend, comm, init_weights=o.from_scratch or weights is None)
@@ -301,20 +304,25 @@ class GPUWorker:
         return os.getpid()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_shard(self, tmp_dir: str, step: int, upload_to: str | None = None) -> tuple[dict, dict]:
+    def save_shard(self, tmp_dir: str, step: int, upload_to: str | None = None) -> tuple[dict | None, dict]:
         """Write this rank's optimizer shard into the checkpoint being written at ``tmp_dir`` (``step`` =
         updates completed). Returns (the write record for ``finalize_checkpoint``, this rank's data state).
         A full disk raises the CheckpointError sentence of llmq_ray/checkpoints/store.py. ``upload_to``: the
         checkpoint's URI on an object store; ``tmp_dir`` is then a staging folder on this node (made here if
-        this is not the coordinator's node), and the shard is uploaded from it."""
+        this is not the coordinator's node), and the shard is uploaded from it.
+
+        With --zero-scope node every node holds a copy of the shards: only the first node's ranks write theirs
+        (as shard files 0 .. L-1: a checkpoint of L shards); the others return None and their data state."""
         from llmq_ray.checkpoints.store import rank_file_name, write_rank_shard
         from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
 
         e = self.engine
+        if e.comm.replica != 0:  # a copy of the shards the first node writes
+            return None, self.data_state()
         if upload_to is not None:
             os.makedirs(tmp_dir, exist_ok=True)
         self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
-        rec = write_rank_shard(tmp_dir, self.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
+        rec = write_rank_shard(tmp_dir, e.comm.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
         if upload_to is not None:
             from llmq_ray.checkpoints.remote import upload_rank_shard
 

@@ -232,6 +232,11 @@ class ParallelSettings:
         choices=(1, 2, 3))
     shard_gradients: bool = setting(False, "shard gradients too (same as --zero-level 2)")
     shard_weights: bool = setting(False, "shard weights too (same as --zero-level 3)")
+    zero_scope: str = setting(
+        "world",
+        "world: ZeRO shards over every worker; node: shards within each node and replicates across nodes (one "
+        "inter-node all-reduce of the shard; for clusters whose network is slower than NVLink)",
+        choices=('world', 'node'))
     ray_address: str | None = setting(None, "address of a running Ray cluster", runtime=True)
     rendezvous_port_range: str | None = setting(
         None,

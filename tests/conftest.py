@@ -45,30 +45,41 @@ RAY_NUM_CPUS = 4
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
 
 
+def session_ray_temp_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"rayt-{os.getpid()}")
+
+
+def start_session_ray() -> None:
+    """``ray.init`` of the session's local Ray instance (see the module docstring). Also called by a test module
+    that shut it down to run a cluster of its own (tests/test_zero_scope.py), to leave it as it found it."""
+    import ray
+
+    ray.init(
+        num_cpus=RAY_NUM_CPUS,
+        object_store_memory=RAY_OBJECT_STORE_BYTES,
+        _temp_dir=session_ray_temp_dir(),
+        include_dashboard=False,
+        _system_config={"metrics_report_interval_ms": 1000},
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray instance shared by the session; yields the ``ray`` module."""
     import ray
 
-    temp_dir = os.path.join(tempfile.gettempdir(), f"rayt-{os.getpid()}")
     started = False
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=RAY_NUM_CPUS,
-            object_store_memory=RAY_OBJECT_STORE_BYTES,
-            _temp_dir=temp_dir,
-            include_dashboard=False,
-            _system_config={"metrics_report_interval_ms": 1000},
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        start_session_ray()
         started = True
     try:
         yield ray
     finally:
         if started:
             ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+            shutil.rmtree(session_ray_temp_dir(), ignore_errors=True)
 
 
 class RuntimeShards(NamedTuple):

@@ -368,9 +368,12 @@ def build_manifest(step: int, *, config: ModelConfig, world_size: int, options: 
     """The manifest of a checkpoint, minus its "files" (which ``finalize_checkpoint`` adds).
 
     step: optimizer updates completed (the resumed run's first 0-based step). config: the ModelConfig
-    (stored with dataclasses.asdict). options: TrainOptions (or a dict). data_state: one TokenStream.state()
-    (or None) per rank. rng: ``rng_state(seed)``. extra: more JSON keys (e.g. the loss history, the export
-    dtype); they must not collide with the reserved ones.
+    (stored with dataclasses.asdict). world_size: the number of optimizer shard files. options: TrainOptions
+    (or a dict). data_state: one TokenStream.state() (or None) per worker that trained. That is one per
+    shard file, except under --zero-scope node, where every node held a copy of the shards and only the first
+    node's were saved: then the N x world_size workers' states are kept, and their count goes into the
+    manifest as "data_world_size" (``data_world_size`` reads it). rng: ``rng_state(seed)``. extra: more JSON
+    keys (e.g. the loss history, the export dtype); they must not collide with the reserved ones.
     """
     from llmq_ray.model.params import ParamLayout
 
@@ -386,8 +389,11 @@ def build_manifest(step: int, *, config: ModelConfig, world_size: int, options: 
         "data_state": [None if s is None else dict(s) for s in (data_state or [None] * int(world_size))],
         "rng": dict(rng) if rng is not None else None,
     }
-    if len(manifest["data_state"]) != int(world_size):
-        raise CheckpointError(f"build_manifest: {len(manifest['data_state'])} data states for world size {world_size}.")
+    n_data = len(manifest["data_state"])
+    if n_data == 0 or n_data % int(world_size):
+        raise CheckpointError(f"build_manifest: {n_data} data states for world size {world_size}.")
+    if n_data != int(world_size):
+        manifest["data_world_size"] = n_data
     for key, value in (extra or {}).items():
         if key in manifest or key == "files":
             raise CheckpointError(f"build_manifest: extra key {key!r} is reserved.")
@@ -903,16 +909,23 @@ def load_checkpoint(folder: str, *, expected_config: ModelConfig, world_size: in
     return out, manifest
 
 
-def data_state_for_rank(manifest: Mapping[str, Any], rank: int, world_size: int) -> dict | None:
-    """The TokenStream state that rank ``rank`` of ``world_size`` restores from.
+def data_world_size(manifest: Mapping[str, Any]) -> int:
+    """The number of workers that trained the checkpoint (each read its own batches): "world_size" (the
+    shard files), unless node-scoped ZeRO kept one copy of the shards for several nodes ("data_world_size")."""
+    return int(manifest.get("data_world_size", manifest["world_size"]))
 
-    Same world size: the rank's own saved state. Another world size: rank 0's (ranks advance in lockstep,
-    so every saved state holds the same epoch and cursor; TokenStream.restore rescales the cursor from
-    the state's world_size, which is filled in from the manifest when the state lacks it)."""
+
+def data_state_for_rank(manifest: Mapping[str, Any], rank: int, world_size: int) -> dict | None:
+    """The TokenStream state that rank ``rank`` of ``world_size`` (workers) restores from.
+
+    Same number of workers as saved (``data_world_size``): the rank's own saved state. Another number: rank
+    0's (ranks advance in lockstep, so every saved state holds the same epoch and cursor; TokenStream.restore
+    rescales the cursor from the state's world_size, which is filled in from the manifest when the state
+    lacks it)."""
     states = manifest.get("data_state") or []
     if not states:
         return None
-    if int(manifest["world_size"]) == int(world_size) and rank < len(states):
+    if data_world_size(manifest) == int(world_size) and rank < len(states):
         return states[rank]
     first = states[0]
     if first is not None and any(s is not None and (s.get("epoch"), s.get("cursor")) != (first.get("epoch"),
@@ -923,4 +936,4 @@ def data_state_for_rank(manifest: Mapping[str, Any], rank: int, world_size: int)
     if first is None:
         return None
     # the cursor counts windows per saved rank: TokenStream.restore needs the saved world size to rescale it
-    return {**first, "world_size": int(first.get("world_size", manifest["world_size"]))}
+    return {**first, "world_size": int(first.get("world_size", data_world_size(manifest)))}

@@ -23,6 +23,11 @@ weights; the model gathers each layer one layer ahead and its gradients are redu
 the backward produces them, straight into ``grad_shard`` (see llmq_ray/engine/zero3.py). The optimizer shard, and
 so the checkpoint format, is the same as under ZeRO-1/2.
 
+Node scope (``--zero-scope node``): the shards are split among the workers of one node and every node holds
+a copy; the ``Communicator`` hides it (its ``rank`` / ``world_size`` are the node-local shard group's, and
+its collectives add the one all-reduce across nodes), so the engine only has to count the squared gradient
+norm over one copy of the shards (``all_reduce_over_shards``).
+
 Host offloading (``--offload-*``, llmq_ray/engine/offload.py): the optimizer state and ``grad_shard`` may live in
 pinned host memory; the optimizer and the accumulation stream them through the device in chunks.
 
@@ -50,22 +55,38 @@ from llmq_ray.engine.zero3 import ShardedWeights
 
 
 class Communicator:
-    """Collectives over the flat buffers of all ranks. This base class is the single-process identity."""
+    """Collectives over the flat buffers of all ranks. This base class is the single-process identity.
+
+    ``rank`` / ``world_size`` are this rank's place in its *shard group*: the ranks that split the ZeRO
+    shards between them (every rank of the run, unless ``--zero-scope node`` makes it the ranks of one node).
+    Everything the engine sizes or indexes by shard uses them. ``replica`` / ``replicas``: which copy of the
+    shards this group is, and how many copies the run holds (1 unless the shards are replicated per node).
+    The shard collectives (``reduce_scatter_sum``, ``all_gather``, ``broadcast``, ``reduce_sum``) leave every
+    copy of a shard identical; ``all_reduce_sum`` sums over every rank of the run.
+    """
 
     rank = 0
     world_size = 1
+    replica = 0
+    replicas = 1
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        """In place: tensor = sum over ranks."""
+        """In place: tensor = sum over every rank of the run (data-parallel totals: loss sums, target counts)."""
+
+    def all_reduce_over_shards(self, tensor: torch.Tensor) -> None:
+        """In place: tensor = sum over the ranks of one shard group, so each shard counts once (e.g. the squared
+        gradient norm of this rank's shard; summing over every copy would count it ``replicas`` times)."""
+        self.all_reduce_sum(tensor)
 
     def reduce_scatter_sum(self, shard_out: torch.Tensor, full: torch.Tensor) -> None:
-        """shard_out[S] = (sum over ranks of full[W*S])[rank*S:(rank+1)*S]. May alias full's own shard."""
+        """shard_out[S] = (sum over every rank of the run of full[W*S])[rank*S:(rank+1)*S], W = world_size.
+        May alias full's own shard."""
         size = shard_out.numel()
         if shard_out.data_ptr() != full[self.rank * size:].data_ptr():
             shard_out.copy_(full[self.rank * size:(self.rank + 1) * size])
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """full[W*S] = concatenation of every rank's shard[S] (shard may alias full's own slice)."""
+        """full[W*S] = concatenation of the shard group's shards[S] (shard may alias full's own slice)."""
         size = shard.numel()
         if shard.data_ptr() != full[self.rank * size:].data_ptr():
             full[self.rank * size:(self.rank + 1) * size].copy_(shard)
@@ -73,12 +94,13 @@ class Communicator:
     # ZeRO-3's per-piece collectives: asynchronous, they return a handle whose ``wait()`` orders later work
     # after them. In place; any sizes (pieces of a layer are uneven).
     def broadcast(self, tensor: torch.Tensor, src: int):
-        """tensor = rank ``src``'s tensor, on every rank."""
-        return _DONE
+        """tensor = shard-group rank ``src``'s tensor, on every rank (every copy of a shard is the same)."""
+        return DONE
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int):
-        """On rank ``dst``: tensor = sum over ranks (other ranks' tensors are left undefined)."""
-        return _DONE
+        """On shard-group rank ``dst`` (in every copy): tensor = sum over every rank of the run (other ranks'
+        tensors are left undefined)."""
+        return DONE
 
 
 class _Done:
@@ -88,7 +110,7 @@ class _Done:
         pass
 
 
-_DONE = _Done()
+DONE = _Done()  # shared: a group of one rank returns it from its async collectives
 
 
 @dataclasses.dataclass
@@ -381,7 +403,7 @@ class TrainEngine:
             comm.reduce_scatter_sum(shard, self.grads)
         local = shard[:self.shard_end - self.shard_start]
         norm_sq = self.optimizer.grad_norm_squared(local)
-        comm.all_reduce_sum(norm_sq)
+        comm.all_reduce_over_shards(norm_sq)  # every shard once, also when nodes hold copies of them
         count = totals[1].clamp(min=1.0).float()
         norm = norm_sq.sqrt() / count
         coef = clip_coefficient(norm, self.opts.grad_clip)

@@ -335,7 +335,8 @@ def keep_global_batch(manifest: dict, folder: str, batch_size: int, grad_accumul
     (grad_accumulation, the one line saying so, or None when nothing changes). On the checkpoint's own worker
     count the flags are taken as given. ConfigError when no whole number of micro-steps gives the batch."""
     saved = manifest.get("train_options") or {}
-    sw, sb, sga = int(manifest.get("world_size", 1)), saved.get("batch_size"), saved.get("grad_accumulation")
+    sw = int(manifest.get("data_world_size", manifest.get("world_size", 1)))  # workers (node scope: > shards)
+    sb, sga = saved.get("batch_size"), saved.get("grad_accumulation")
     if not isinstance(sb, int) or not isinstance(sga, int):
         return grad_accumulation, None  # an older checkpoint without the options: nothing to compare
     target = sb * sga * sw
