@@ -41,23 +41,33 @@ class RuntimeSpec:
     ckpt_interval: int = 0                # checkpoint every N optimizer steps (0: never)
     ckpt_keep_n: int = 2                  # newest valid checkpoints kept
     ckpt_major: int = 0                   # steps that are multiples of this are kept forever (0: none)
+    ckpt_minutes: float = 0.0             # also every M minutes of training and after the last step (0: off)
     resume_from: Optional[str] = None     # checkpoint folder to start from (resolved by the trainer)
+    append_log: bool = False              # append to the run's log (a coordinator restarted by the driver)
     # robustness
     collective_timeout_s: float = 300.0   # every torch.distributed collective
     call_timeout_s: float = 1800.0        # every ray.get on a worker call but the steps (set-up, eval, checkpoints)
     step_timeout_s: float = 1800.0        # one optimizer step on every worker; longer counts as a hang
     max_restarts: int = 3                 # automatic restarts from the last checkpoint after a worker failure
+    elastic: bool = False                 # a restart with fewer placeable workers goes on with those (resharded)
+    restart_wait_s: float = 300.0         # how long a restart waits for room for every worker (without elastic)
     skip_update_on_spike: bool = False    # skip the update of a step whose loss or norm z-score is too high
     spike_window: int = 128               # steps in the spike guard's z-score window
     spike_threshold: float = 6.0          # z-score above which a step is a spike (always logged)
     # the test hook: faults injected on purpose (actors/fault_injection.py lists the kinds); None in real runs
     fault: Optional[dict] = None
     # observability
+    run_id: str = ""                      # the run's name: log records, the run_id label of its Ray metrics
     wandb_project: Optional[str] = None   # live W&B logging from the coordinator (WANDB_MODE honoured)
     wandb_run_name: Optional[str] = None
     log_gpu_util: int = 0                 # NVML sample (clocks, power, temperature, util) every N steps per worker
     rendezvous_ports: Optional[tuple] = None  # (lo, hi): the rendezvous port comes from this range (None: any)
     socket_ifname: Optional[str] = None   # the collectives' network interface (None: see actors/collectives.py)
+
+    @property
+    def checkpoints_on(self) -> bool:
+        """Checkpoints are written during the run (every N steps or every M minutes): restarts can resume."""
+        return self.ckpt_interval > 0 or self.ckpt_minutes > 0
 
     @property
     def ckpt_dir(self) -> str:
