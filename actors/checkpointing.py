@@ -9,6 +9,21 @@ Save (after the update of the step whose number of completed updates is ``step``
     build_manifest + finalize_checkpoint (manifest last, rename)  # here, once all returned
     apply_retention(keep_n, major_every)
 
+On an object store (``--checkpoint-dir s3://...``) the step loop's checkpoints upload in the background
+(llmq_ray/checkpoints/remote.py has the protocol)::
+
+    pending = stage_group_checkpoint(...)       # clear the step's prefix; every worker writes + hashes its shard
+                                                # and starts uploading it on its own thread; the step loop goes on
+    statuses = poll_group_upload(..., wait=False)   # at every step boundary: None while a rank still uploads
+    publish_group_checkpoint(spec, pending, statuses)   # all done: the manifest last, then retention
+
+The coordinator (actors/coordinator.py, ``_settle_upload``) waits (``wait=True``) only when the next
+checkpoint is due while this one still uploads, and at the end of the run. A failed upload raises
+``UploadFailed``: the staged copy and the step's prefix are removed and the coordinator logs one warning
+(``upload_failed_message``); the previous checkpoint stays the newest valid one and the run goes on.
+Other saves (local folders, and any save outside the step loop) go through ``save_group_checkpoint``,
+which returns only when the checkpoint is complete.
+
 A worker that cannot write (full disk) raises its CheckpointError sentence: ``abort_checkpoint`` removes
 the tmp folder and re-raises it (the previous checkpoint stays valid) -- that ends the run, since a restart
 would not free the disk. A worker that dies or hangs while writing raises WorkerError: the tmp folder is
@@ -31,13 +46,14 @@ to every automatic restart.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
 
 from llmq_ray import storage
 from llmq_ray.actors.failures import gather
-from llmq_ray.checkpoints.remote import begin as begin_remote, clear_step, publish
+from llmq_ray.checkpoints.remote import begin as begin_remote, clear_step, publish, reason_of
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.checkpoints.store import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
                                  build_manifest, discard_tmp, finalize_checkpoint, read_manifest, rng_state,
@@ -46,9 +62,76 @@ from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError
 
 
+class UploadFailed(CheckpointError):
+    """The checkpoint of ``step`` could not be uploaded to ``target``; the run goes on without it."""
+
+    def __init__(self, step: int, target: str, reason: str):
+        super().__init__(f"checkpoint of step {step} could not be uploaded to {target}: {reason}.")
+        self.step, self.target, self.reason = step, target, reason
+
+
+def upload_failed_message(exc: UploadFailed, previous: str | None) -> str:
+    """The one-sentence warning of a failed background upload; ``previous``: the newest valid checkpoint."""
+    tail = (f"the previous checkpoint {os.path.basename(previous.split('?')[0].rstrip('/'))} stays the newest "
+            f"valid one" if previous else "there is no earlier valid checkpoint")
+    return f"checkpoint of step {exc.step} could not be uploaded to {exc.target}: {exc.reason}; {tail}."
+
+
+@dataclasses.dataclass
+class PendingUpload:
+    """A checkpoint staged on every rank whose shards are uploading in the background."""
+    step: int
+    tmp: str            # the coordinator's staging folder (removed when published or failed)
+    target: str         # the step's prefix on the store
+    manifest: dict      # built at staging time: the state of ``step``
+    records: list       # every rank's write record (name, range, size, sha256)
+    started: float      # time.perf_counter() when staging began
+    staged_s: float     # how long the step loop waited (staging)
+
+
+def _write_shards(workers: list, tmp: str, step: int, target: str | None, timeout_s: float,
+                  background: bool = False) -> list:
+    """Every worker writes its shard into ``tmp`` (and uploads it to ``target`` on a store); [(record, data
+    state)] by rank. A failed write removes ``tmp`` and raises (see the module docstring)."""
+    try:
+        return gather([w.save_shard.remote(tmp, step, target, background) for w in workers], timeout_s,
+                      f"checkpoint save (step {step})")
+    except CheckpointError as exc:
+        abort_checkpoint(tmp, step, exc)  # removes tmp, re-raises the worker's sentence
+        raise  # not reached: abort_checkpoint always raises
+    except BaseException:
+        discard_tmp(tmp)
+        raise
+
+
+def _manifest_of(out: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict) -> tuple[dict, list]:
+    """(manifest, shard records) of the checkpoint of ``step`` from the workers' [(record, data state)]. Its
+    world size is the number of shard files: under --zero-scope node only the first node's ranks write one
+    (the other nodes hold copies, record None), while every worker's data state is kept."""
+    records = [rec for rec, _ in out if rec is not None]
+    manifest = build_manifest(step, config=cfg, world_size=len(records), options=spec.opts,
+                              data_state=[state for _, state in out], rng=rng_state(spec.opts.seed), extra=extra)
+    return manifest, records
+
+
+def _retain(spec: RuntimeSpec, final: str) -> tuple[list, list]:
+    """Apply retention after ``final`` was published; (deleted paths, warning messages)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        try:
+            deleted = apply_retention(spec.ckpt_dir, keep_n=spec.ckpt_keep_n, major_every=spec.ckpt_major,
+                                      protect=[final])
+        except OSError as exc:  # a store that went away after the manifest: nothing deleted, say so
+            deleted = []
+            warnings.warn(f"retention after checkpoint {os.path.basename(final.split('?')[0])} could not list or "
+                          f"delete older checkpoints ({reason_of(exc)}); they are kept.", CheckpointWarning)
+    return deleted, [str(w.message) for w in caught]
+
+
 def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict,
                           timeout_s: float) -> dict:
-    """Write the checkpoint of ``step`` from ``workers`` (rank order) and apply retention.
+    """Write the checkpoint of ``step`` from ``workers`` (rank order) and apply retention; on a store the
+    uploads are done when this returns.
 
     Returns {"path", "seconds", "deleted" (paths retention removed), "warnings" (messages)}. Raises the
     CheckpointError of a failed write, or the WorkerError of a worker that died or hung."""
@@ -59,25 +142,73 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
     if remote:
         clear_step(target)
     tmp = begin_remote(ckpt_dir, step) if remote else begin_checkpoint(ckpt_dir, step)
-    try:
-        out = gather([w.save_shard.remote(tmp, step, target) for w in workers], timeout_s,
-                     f"checkpoint save (step {step})")
-    except CheckpointError as exc:
-        abort_checkpoint(tmp, step, exc)  # removes tmp, re-raises the worker's sentence
-        raise  # not reached: abort_checkpoint always raises
-    except BaseException:
-        discard_tmp(tmp)
-        raise
-    records = [rec for rec, _ in out if rec is not None]  # --zero-scope node: the first node's shards only
-    manifest = build_manifest(step, config=cfg, world_size=len(records), options=spec.opts,
-                              data_state=[state for _, state in out], rng=rng_state(spec.opts.seed), extra=extra)
+    out = _write_shards(workers, tmp, step, target, timeout_s)
+    manifest, records = _manifest_of(out, spec, cfg, step, extra)
     final = publish(tmp, target, manifest, records) if remote else \
         finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=records)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", CheckpointWarning)
-        deleted = apply_retention(ckpt_dir, keep_n=spec.ckpt_keep_n, major_every=spec.ckpt_major, protect=[final])
-    return {"path": final, "seconds": time.perf_counter() - t0, "deleted": deleted,
-            "warnings": [str(w.message) for w in caught]}
+    deleted, messages = _retain(spec, final)
+    return {"path": final, "seconds": time.perf_counter() - t0, "deleted": deleted, "warnings": messages}
+
+
+def stage_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict,
+                           timeout_s: float) -> PendingUpload:
+    """A checkpoint of ``step`` on the store ``spec.ckpt_dir``, staged: every worker has written and hashed
+    its shard and uploads it in the background; the manifest is built (not uploaded). Raises UploadFailed
+    when the store cannot be reached to clear the step's prefix, the CheckpointError of a failed local write,
+    or the WorkerError of a worker that died or hung."""
+    t0 = time.perf_counter()
+    target = step_dir(spec.ckpt_dir, step)
+    try:
+        clear_step(target)
+    except OSError as exc:
+        raise UploadFailed(step, target, reason_of(exc)) from None
+    tmp = begin_remote(spec.ckpt_dir, step)
+    out = _write_shards(workers, tmp, step, target, timeout_s, background=True)
+    manifest, records = _manifest_of(out, spec, cfg, step, extra)
+    return PendingUpload(step, tmp, target, manifest, records, t0, time.perf_counter() - t0)
+
+
+def poll_group_upload(workers: list, pending: PendingUpload, *, wait: bool, timeout_s: float) -> list | None:
+    """Every rank's upload status of ``pending`` (see ``GPUWorker.upload_status``), or None while one still
+    runs. ``wait``: block until all are done; an upload still running after about ``timeout_s`` counts as
+    failed. Raises WorkerError when a worker died."""
+    wait_s = max(1.0, timeout_s - 30.0)
+    statuses = gather([w.upload_status.remote(pending.step, wait, wait_s if wait else None) for w in workers],
+                      timeout_s, f"checkpoint upload (step {pending.step})")
+    if all(s["done"] for s in statuses):
+        return statuses
+    if not wait:
+        return None
+    return [s if s["done"] else {"done": True, "error": f"the upload did not finish within {wait_s:.0f} s",
+                                 "seconds": wait_s} for s in statuses]
+
+
+def publish_group_checkpoint(spec: RuntimeSpec, pending: PendingUpload, statuses: list) -> dict:
+    """Every rank's upload of ``pending`` is done: upload the manifest and apply retention. Returns {"path",
+    "seconds" (staging: what the step loop waited), "upload_seconds", "deleted", "warnings"}. Raises
+    UploadFailed when a rank's upload or the manifest's failed (the staged copy and the step's prefix are
+    removed)."""
+    failed = [(r, s["error"]) for r, s in enumerate(statuses) if s.get("error")]
+    reason = None
+    if failed:
+        rank, why = failed[0]
+        reason = f"{why} (rank {rank}" + (f" and {len(failed) - 1} more" if len(failed) > 1 else "") + ")"
+        discard_tmp(pending.tmp)
+    else:
+        try:
+            final = publish(pending.tmp, pending.target, pending.manifest, pending.records)
+        except CheckpointError as exc:
+            reason = getattr(exc, "reason", None) or str(exc).rstrip(".")
+    if reason is not None:
+        try:  # the objects some ranks did upload: no reader takes them for a checkpoint, but they are clutter
+            clear_step(pending.target)
+        except OSError:
+            pass
+        raise UploadFailed(pending.step, pending.target, reason)
+    deleted, messages = _retain(spec, final)
+    return {"path": final, "seconds": pending.staged_s,
+            "upload_seconds": time.perf_counter() - pending.started - pending.staged_s, "deleted": deleted,
+            "warnings": messages}
 
 
 def load_group_checkpoint(workers: list, folder: str, timeout_s: float, *, verified: bool = False) -> dict:

@@ -51,7 +51,9 @@ import os
 import time
 
 from llmq_ray.actors import telemetry
-from llmq_ray.actors.checkpointing import load_group_checkpoint, restart_point, save_group_checkpoint
+from llmq_ray.actors.checkpointing import (UploadFailed, load_group_checkpoint, poll_group_upload,
+                                           publish_group_checkpoint, restart_point, save_group_checkpoint,
+                                           stage_group_checkpoint, upload_failed_message)
 from llmq_ray.actors.failures import WorkerError, dead_nodes_of, find_hung_ranks, gather, probe_activities
 from llmq_ray.actors.placement import create_workers
 from llmq_ray.actors.spec import RuntimeSpec
@@ -106,6 +108,7 @@ class Coordinator:
         self.pids: list[int] = []
         self.guard = SpikeGuard(spec.spike_window, spec.spike_threshold)
         self.checkpoints: list[str] = []   # written by this run, oldest first
+        self._upload = None                # a checkpoint uploading in the background, not yet published
         self.origin: str | None = None     # the checkpoint this run (or its last restart) started from
         self.restarts = 0
         self.skipped_steps = 0
@@ -331,9 +334,11 @@ class Coordinator:
         rec = self._record_step(step, lr, results, wall, self.spec.tokens_per_step)
         lines = [step_line(step, self.opts.steps, wall, rec["norm"], rec["loss"], rec["tokens_per_s"], rec["sol"],
                            rec.get("skip_reason") or rec["skipped"])] + rec.pop("warnings")
+        lines += self._settle_upload(wait=False)  # a background upload that finished is published now
         n = self.spec.ckpt_interval
         if n > 0 and self.step % n == 0:
-            lines.append(self.save_checkpoint()["line"])
+            lines += self._settle_upload(wait=True, why="it was still running when the next checkpoint was due")
+            lines.append(self.save_checkpoint(background=True)["line"])
         ev = None
         n = self.spec.eval_every_n_steps
         if n > 0 and self.spec.eval_file and self.step % n == 0 and self.step < self.opts.steps:
@@ -341,24 +346,110 @@ class Coordinator:
             lines.append(ev["line"])
         return {"record": rec, "lines": lines, "eval": ev}
 
-    def save_checkpoint(self) -> dict:
+    def save_checkpoint(self, background: bool = False) -> dict:
         """Checkpoint the current state (``self.step`` updates completed) into ckpt_dir/step_XXXXXXXX and
-        apply retention. Returns {"path", "seconds", "deleted", "line"}."""
+        apply retention. Returns {"path", "seconds", "deleted", "line"}. ``background`` (the step loop's
+        checkpoints, on an object store): return once every rank has staged its shard, "pending" True; the
+        uploads go on and ``_settle_upload`` publishes the checkpoint at a later step boundary."""
         if self.micro_pending:
             raise RuntimeError("save_checkpoint() between step() and update(): call update() first.")
+        from llmq_ray import storage
+
+        lines = self._settle_upload(wait=True, why="a checkpoint was asked for")  # one upload at a time
         extra = {"spike_guard": self.guard.state(), "restarts": self.restarts}
+        staged = background and storage.is_remote(self.spec.ckpt_dir)
         try:
-            info = save_group_checkpoint(self.workers, self.spec, self.cfg, self.step, extra, self.spec.call_timeout_s)
+            if staged:
+                pending = stage_group_checkpoint(self.workers, self.spec, self.cfg, self.step, extra,
+                                                 self.spec.call_timeout_s)
+            else:
+                info = save_group_checkpoint(self.workers, self.spec, self.cfg, self.step, extra,
+                                             self.spec.call_timeout_s)
+        except UploadFailed as exc:  # the store could not be reached: the run goes on without this one
+            return {"path": None, "seconds": 0.0, "deleted": [], "line": "\n".join(lines + [self._upload_failed(exc)])}
         except WorkerError:
             self.failed = True
             raise
+        if staged:
+            self._upload = pending
+            self.log.add("checkpoint_staged", step=self.step, path=pending.target, seconds=pending.staged_s)
+            self.log.flush()
+            line = checkpoint_line(self.step, pending.target, pending.staged_s) + " | staged, uploading"
+            return {"path": pending.target, "seconds": pending.staged_s, "deleted": [], "pending": True,
+                    "line": "\n".join(lines + [line])}
+        return self._published(info, self.step, lines)
+
+    def _published(self, info: dict, step: int, lines: list | None = None) -> dict:
+        """Book a complete checkpoint of ``step`` (log record, retention's warnings); sets info["line"]."""
         self.checkpoints = [p for p in self.checkpoints if p != info["path"]] + [info["path"]]
-        self.log.add("checkpoint", step=self.step, path=info["path"], seconds=info["seconds"], deleted=info["deleted"])
+        rec = {"step": step, "path": info["path"], "seconds": info["seconds"], "deleted": info["deleted"]}
+        if "upload_seconds" in info:  # uploaded in the background: published at this later step boundary
+            rec.update(upload_seconds=info["upload_seconds"], background=True, published_at_step=self.step)
+        self.log.add("checkpoint", **rec)
         for m in info["warnings"]:
-            self._warn(self.step, "checkpoint", m)
+            self._warn(step, "checkpoint", m)
         self.log.flush()
-        info["line"] = checkpoint_line(self.step, info["path"], info["seconds"])
+        line = checkpoint_line(step, info["path"], info["seconds"])
+        if "upload_seconds" in info:
+            line += f" | uploaded in the background ({info['upload_seconds']:.1f} s), published"
+        info["line"] = "\n".join((lines or []) + [line])
         return info
+
+    def _settle_upload(self, wait: bool, why: str = "") -> list[str]:
+        """The checkpoint uploading in the background: once every rank's upload is done, publish it (or warn
+        that it failed). ``wait``: block until then, logged as an "upload_wait" record with the seconds
+        waited and ``why``. Returns console lines. Raises WorkerError when a worker died."""
+        pending = self._upload
+        if pending is None:
+            return []
+        if not self.workers:  # the group is gone (torn down): so is the upload
+            self._drop_upload()
+            return []
+        waited = None
+        try:
+            statuses = poll_group_upload(self.workers, pending, wait=False, timeout_s=self.spec.call_timeout_s)
+            if statuses is None and wait:
+                t0 = time.perf_counter()
+                statuses = poll_group_upload(self.workers, pending, wait=True, timeout_s=self.spec.call_timeout_s)
+                waited = time.perf_counter() - t0
+        except WorkerError:
+            self.failed = True
+            raise
+        if statuses is None:
+            return []
+        self._upload, lines = None, []
+        if waited is not None:
+            self.log.add("upload_wait", step=self.step, checkpoint_step=pending.step, path=pending.target,
+                         seconds=waited, reason=why)
+            lines.append(f"[C] step {self.step:5d} | waited {waited:.1f} s for the upload of checkpoint "
+                         f"{pending.target} ({why})")
+        try:
+            info = publish_group_checkpoint(self.spec, pending, statuses)
+        except UploadFailed as exc:
+            return lines + [self._upload_failed(exc)]
+        return lines + [self._published(info, pending.step)["line"]]
+
+    def _upload_failed(self, exc: UploadFailed) -> str:
+        """The warning of a checkpoint that could not be uploaded (the run goes on); returns its line."""
+        from llmq_ray.checkpoints.store import step_of
+
+        older = [p for p in self.checkpoints + ([self.origin] if self.origin else [])
+                 if (step_of(p.split("?")[0]) or -1) < exc.step]
+        previous = max(older, key=lambda p: step_of(p.split("?")[0]) or -1) if older else None
+        line = self._warn(exc.step, "checkpoint_upload", upload_failed_message(exc, previous), path=exc.target,
+                          reason=exc.reason)
+        self.log.flush()
+        return line
+
+    def _drop_upload(self) -> None:
+        """The group that was uploading a checkpoint is gone: that checkpoint is never published."""
+        pending, self._upload = self._upload, None
+        if pending is not None:
+            from llmq_ray.checkpoints.store import discard_tmp
+
+            discard_tmp(pending.tmp)
+            self._warn(pending.step, "checkpoint_upload", f"checkpoint of step {pending.step} was still uploading "
+                       f"to {pending.target} when its workers were stopped; it was not published.")
 
     def _recover(self, exc: WorkerError) -> list[str]:
         """After a worker failure: rebuild the group and load the restart point, or re-raise ``exc`` when
@@ -492,6 +583,7 @@ class Coordinator:
     def finish(self) -> dict:
         """Final eval over the whole eval file, the export, the last log flush. Returns the summary."""
         # a stop requested now (SIGTERM after the last step) skips the final eval: the export is what matters
+        lines = self._settle_upload(wait=True, why="at the end of the run")
         final = self.validate(full=True) if self.spec.final_eval and not self.stop_requested else None
         if self.spec.export:
             self.export_path = self.export()
@@ -500,7 +592,7 @@ class Coordinator:
         self.log.end("finished", step=self.step)
         if self.wandb is not None:
             self.wandb.finish()
-        return {"summary": summary, "lines": [final["line"]] if final else []}
+        return {"summary": summary, "lines": lines + ([final["line"]] if final else [])}
 
     # ------------------------------------------------------------------ stopping and the end record
     def request_stop(self) -> None:
@@ -515,6 +607,7 @@ class Coordinator:
         by update() are discarded (the checkpoint holds the state after the last update).
         Returns {"step", "checkpoint" (path or None), "written" (bool), "note" (why none, or "")}."""
         self.stop_requested = True
+        settled = self._settle_upload(wait=True, why="before stopping")  # a checkpoint counts once published
         path, written, note = None, False, ""
         if self.micro_pending:
             note = f"{self.micro_pending} micro-step(s) without update() were discarded"
@@ -534,7 +627,7 @@ class Coordinator:
             path, written = self.save_checkpoint()["path"], True
         self.log.end("stopped", signal=reason, step=self.step, checkpoint=path, checkpoint_written=written,
                      **({"note": note} if note else {}))
-        return {"step": self.step, "checkpoint": path, "written": written, "note": note}
+        return {"step": self.step, "checkpoint": path, "written": written, "note": note, "lines": settled}
 
     def end(self, reason: str, **fields) -> bool:
         """Write the log's "end" record (the driver calls this for "failed"); False when it was written
@@ -574,6 +667,7 @@ class Coordinator:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        self._drop_upload()
         for w in self.workers:
             try:
                 ray.kill(w)

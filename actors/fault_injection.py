@@ -10,33 +10,48 @@ point          kind                        what happens on rank r
 before_step    ``raise`` (the default)     a RuntimeError at the start of 0-based step s
 before_step    ``kill``                    SIGKILL of the worker process at step s (as from the OOM killer)
 before_step    ``hang``                    blocks forever at step s, without holding the GIL (a stuck read)
+before_step    ``slow_step``               sleeps ``seconds`` at the start of every step >= s (a slow run, so
+                                           that a test can kill it mid-run)
 before_update  ``nan``                     a NaN in its gradients at step s (must never reach the weights)
 saving         ``save_full``               the checkpoint of step s (updates completed) fails as on a full disk
 saving         ``save_kill``               SIGKILL halfway through writing its file of the checkpoint of step s
 after_saving   ``save_slow``               sleeps ``seconds`` after writing its file of every checkpoint of a
                                            step >= s, before the manifest exists (a slow disk)
+uploading      ``upload_slow``             sleeps ``seconds`` on the background upload thread before uploading
+                                           its shard of every checkpoint of a step >= s (a slow network)
+uploading      ``upload_fail``             the background upload of its shard of the checkpoint of step s
+                                           fails as if the bucket went away
 eval_batch     ``slow_eval``               sleeps ``seconds`` before each eval batch (any step)
 =============  ==========================  ============================================================
 
 A restarted group runs without the fault unless the dict has ``"every_group": True`` (the coordinator drops it).
+
+Runs started as a command (``python -m llmq_ray.train.cli``, where ``fault`` is no flag) take the same dict as
+JSON from the environment variable ``LLMQ_RAY_TEST_FAULT``, for tests only (the driver forwards ``LLMQ_*`` to
+every worker); ``spec.fault`` wins when both are set.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import threading
 import time
 from typing import Optional
 
-KINDS = ("raise", "kill", "hang", "nan", "save_full", "save_kill", "save_slow", "slow_eval")
+KINDS = ("raise", "kill", "hang", "slow_step", "nan", "save_full", "save_kill", "save_slow", "upload_slow",
+         "upload_fail", "slow_eval")
+ENV = "LLMQ_RAY_TEST_FAULT"  # the fault dict as JSON, for runs started as a command (tests only)
 
 
 class FaultInjector:
     """The faults of ``spec`` (a ``RuntimeSpec.fault`` dict or None) that concern worker ``rank``."""
 
     def __init__(self, spec: Optional[dict], rank: int):
+        if spec is None and os.environ.get(ENV):
+            spec = json.loads(os.environ[ENV])
         self.spec = dict(spec) if spec and int(spec.get("rank", -1)) == rank else None
         self.rank = rank
         if self.spec is not None and self.spec.get("kind", "raise") not in KINDS:
@@ -53,6 +68,8 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._is("hang", step):
             threading.Event().wait()
+        if self._is("slow_step") and step >= int(self.spec.get("step", 0)):
+            time.sleep(float(self.spec.get("seconds", 1.0)))
 
     def before_update(self, step: int, grads) -> None:
         """``grads``: the gradient tensor the update reads (its first element becomes NaN)."""
@@ -78,6 +95,14 @@ class FaultInjector:
     def after_saving(self, step: int) -> None:
         if self._is("save_slow") and step >= int(self.spec.get("step", 0)):
             time.sleep(float(self.spec.get("seconds", 60.0)))
+
+    def uploading(self, step: int) -> None:
+        """On the worker's background upload thread, before it uploads its shard of the checkpoint of ``step``."""
+        if self._is("upload_slow") and step >= int(self.spec.get("step", 0)):
+            time.sleep(float(self.spec.get("seconds", 60.0)))
+        if self._is("upload_fail", step):
+            raise OSError("AWS Error NO_SUCH_BUCKET during PutObject operation: The specified bucket "
+                          "does not exist (injected by the test hook)")
 
     def eval_batch(self) -> None:
         if self._is("slow_eval"):

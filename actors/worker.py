@@ -94,6 +94,7 @@ class GPUWorker:
         self.rank, self.spec = rank, spec
         telemetry.set_run_id(spec.run_id)  # the run_id tag of every metric this worker publishes
         self.faults = FaultInjector(spec.fault, rank)  # tests only: does nothing without spec.fault
+        self._uploads = None  # checkpoint uploads running in the background (llmq_ray/checkpoints/remote.py)
         self.world_size = spec.world_size
         self.engine: TrainEngine | None = None
         self.device: torch.device | None = None
@@ -304,12 +305,15 @@ class GPUWorker:
         return os.getpid()
 
     # ------------------------------------------------------------------ checkpoints
-    def save_shard(self, tmp_dir: str, step: int, upload_to: str | None = None) -> tuple[dict | None, dict]:
+    def save_shard(self, tmp_dir: str, step: int, upload_to: str | None = None,
+                   background: bool = False) -> tuple[dict | None, dict]:
         """Write this rank's optimizer shard into the checkpoint being written at ``tmp_dir`` (``step`` =
         updates completed). Returns (the write record for ``finalize_checkpoint``, this rank's data state).
         A full disk raises the CheckpointError sentence of llmq_ray/checkpoints/store.py. ``upload_to``: the
         checkpoint's URI on an object store; ``tmp_dir`` is then a staging folder on this node (made here if
-        this is not the coordinator's node), and the shard is uploaded from it.
+        this is not the coordinator's node), and the shard is uploaded from it: before returning, or with
+        ``background`` on this worker's upload thread after returning (the file is written and hashed
+        first either way; ``upload_status`` tells when the upload is done).
 
         With --zero-scope node every node holds a copy of the shards: only the first node's ranks write theirs
         (as shard files 0 .. L-1: a checkpoint of L shards); the others return None and their data state."""
@@ -323,12 +327,27 @@ class GPUWorker:
             os.makedirs(tmp_dir, exist_ok=True)
         self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
         rec = write_rank_shard(tmp_dir, e.comm.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
-        if upload_to is not None:
+        if upload_to is not None and background:
+            from llmq_ray.checkpoints.remote import BackgroundUploads
+
+            self._uploads = self._uploads or BackgroundUploads()
+            self._uploads.submit(step, tmp_dir, rec, upload_to, before=lambda: self.faults.uploading(step))
+        elif upload_to is not None:
             from llmq_ray.checkpoints.remote import upload_rank_shard
 
             upload_rank_shard(tmp_dir, rec, upload_to)
         self.faults.after_saving(step)
         return rec, self.data_state()
+
+    def upload_status(self, step: int, wait: bool = False, timeout_s: float | None = None) -> dict:
+        """Whether the background upload of this rank's shard of checkpoint ``step`` finished: {"done": False}
+        while it runs (with ``wait``: after up to ``timeout_s`` of waiting), else {"done": True, "error": None
+        or the reason it failed, "seconds"}. Never raises for a failed upload."""
+        if self.engine is not None and self.engine.comm.replica != 0:  # --zero-scope node: wrote nothing
+            return {"done": True, "error": None, "seconds": 0.0}
+        if self._uploads is None:
+            return {"done": True, "error": f"rank {self.rank} has no upload of step {step}", "seconds": 0.0}
+        return self._uploads.status(step, wait, timeout_s)
 
     def load_checkpoint(self, folder: str, verified: bool = False) -> int:
         """Put this rank into the state of checkpoint ``folder`` (any saved world size): optimizer shard,

@@ -20,11 +20,15 @@ Usage::
         assert ray.is_initialized()
 
 ``shards`` (session scope): the small token files the runtime tests train on (see its docstring).
+
+``s3`` (module scope): a real S3 server (moto's server mode) on a random local port, with the bucket
+"bucket"; yields a pyarrow S3FileSystem to administer it (see its docstring). Skips without moto[server].
 """
 
 import os
 import pathlib
 import shutil
+import socket
 import tempfile
 from typing import NamedTuple
 
@@ -104,3 +108,39 @@ def shards(tmp_path_factory) -> RuntimeShards:
     write_shard(str(folder / "train.bin"), toks, 512)
     write_shard(str(folder / "eval.bin"), toks[:1200], 512)
     return RuntimeShards(str(folder / "train.bin"), str(folder / "eval.bin"), folder)
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server with the bucket "bucket"; the environment points every client (pyarrow, the CLI's
+    subprocesses and their Ray workers) at it; LLMQ_RAY_CACHE is this module's own cache folder."""
+    moto_server = pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
+    import pyarrow.fs as pafs
+
+    port = _free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = dict(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
+               AWS_DEFAULT_REGION="us-east-1", LLMQ_RAY_CACHE=str(tmp_path_factory.mktemp("cache")))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    admin = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="test",
+                              secret_key="test", region="us-east-1", allow_bucket_creation=True)
+    admin.create_dir("bucket")
+    try:
+        yield admin
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()

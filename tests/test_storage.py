@@ -16,7 +16,8 @@ import pytest
 from llmq_ray import storage
 from llmq_ray.errors import ConfigError, DataError
 
-moto_server = pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
+pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
+# the ``s3`` fixture (a moto S3 server with the bucket "bucket") is in conftest.py, shared with test_s3_resume.py
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,33 +28,6 @@ def _free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A moto S3 server with the bucket "bucket"; the environment points every client (pyarrow, the CLI's
-    subprocesses and their Ray workers) at it; LLMQ_RAY_CACHE is this module's own cache folder."""
-    import pyarrow.fs as pafs
-
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = dict(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",
-               AWS_DEFAULT_REGION="us-east-1", LLMQ_RAY_CACHE=str(tmp_path_factory.mktemp("cache")))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    admin = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", access_key="test",
-                              secret_key="test", region="us-east-1", allow_bucket_creation=True)
-    admin.create_dir("bucket")
-    try:
-        yield admin
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
 
 
 def _put(fs, key: str, data: bytes) -> None:
@@ -94,8 +68,9 @@ def _losses(log: str) -> list[float]:
 
 
 def _cli(args: list[str], cwd, env=None, timeout=240) -> subprocess.CompletedProcess:
+    # RAY_ADDRESS=local: a Ray of its own, never another Ray instance running on this machine
     env = {**os.environ, **(env or {}), "PYTHONPATH": REPO, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "local"}
     return subprocess.run([sys.executable, os.path.join(REPO, "examples", "train.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -16,6 +16,20 @@ node's mirror (``$LLMQ_RAY_CACHE/checkpoints/<hash of the URI>/step_*``, files t
 rename, the manifest last) and loads from there with the local code; ``--continue`` hashes that copy against the
 manifest before it picks the checkpoint, so a worker on the same node reuses it without reading the store again.
 Keep-N and major-checkpoint retention (``store.apply_retention``) delete whole prefixes through ``clear_step``.
+
+Background uploads (the step loop's checkpoints; ``BackgroundUploads``). Only the staging is synchronous: the
+coordinator removes an older copy of the step's prefix (``clear_step``, two small requests), then every rank
+writes its shard to its staging folder and hashes it -- the state of that step, captured before the next step
+changes it -- and returns. The upload itself runs on one background thread of the worker while training goes
+on. The coordinator asks every rank at each step boundary whether its upload finished (a call that never
+blocks) and, once all have, uploads the manifest (``publish``) and applies retention: only then does the
+checkpoint count (for retention, ``--continue``, automatic restarts and the run's "end" record). It waits for
+the uploads only when the next checkpoint is due while the previous one is still uploading (the log's
+"upload_wait" record says how long) and at the end of the run (finish or stop). A failed upload (a network
+error, a bucket gone) becomes one "warning" record -- the previous checkpoint stays the newest valid one --
+the staged copy and the step's prefix are removed, and the run goes on. A rank's staged file is removed after
+its upload, failed or not. Checkpoints the caller asks for outside the step loop (the end of the run, a stop,
+``LLMQTrainer.save_checkpoint``) upload synchronously, as does every checkpoint in a local folder.
 """
 
 from __future__ import annotations
@@ -23,7 +37,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from llmq_ray import storage
@@ -47,19 +65,90 @@ def begin(ckpt_uri: str, step: int) -> str:
     return store.begin_checkpoint(mirror_root(ckpt_uri), step)
 
 
-def upload_rank_shard(tmp_dir: str, record: Mapping, step_uri: str) -> None:
-    """Worker: upload its shard file (written and hashed in ``tmp_dir`` by ``store.write_rank_shard``) to the
-    checkpoint's prefix, then drop the local file. A failed upload raises CheckpointError naming the store."""
+def _upload_shard(tmp_dir: str, record: Mapping, step_uri: str, before: Callable[[], None] | None = None) -> None:
+    """Upload the rank's shard file of ``tmp_dir`` to ``step_uri``; the local file is removed, failed or not
+    (the folder is not: other ranks of this node may still be writing into it). OSError when the store
+    refuses it.
+    ``before`` runs first (the test hook's slow or failing uploads)."""
     local = os.path.join(tmp_dir, record["name"])
     try:
+        if before is not None:
+            before()
         storage.upload(local, storage.join(step_uri, record["name"]))
-    except OSError as exc:
-        raise CheckpointError(f"checkpoint {os.path.basename(_bare(step_uri))} could not be uploaded to "
-                              f"{step_uri} ({str(exc).splitlines()[0]}); the previous checkpoint is still "
-                              f"valid.") from None
     finally:
         if os.path.exists(local):
             os.remove(local)
+
+
+def upload_rank_shard(tmp_dir: str, record: Mapping, step_uri: str) -> None:
+    """Worker: upload its shard file (written and hashed in ``tmp_dir`` by ``store.write_rank_shard``) to the
+    checkpoint's prefix, then drop the local file. A failed upload raises CheckpointError naming the store."""
+    try:
+        _upload_shard(tmp_dir, record, step_uri)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {os.path.basename(_bare(step_uri))} could not be uploaded to "
+                              f"{step_uri} ({reason_of(exc)}); the previous checkpoint is still "
+                              f"valid.") from None
+
+
+def reason_of(exc: BaseException) -> str:
+    """The first line of an upload's error (pyarrow's messages run over several lines)."""
+    text = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+    if isinstance(exc, OSError) or isinstance(exc, CheckpointError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class BackgroundUploads:
+    """Worker: the uploads of its staged shards, on one background thread (module docstring).
+
+    ``submit`` returns at once; ``status(step)`` says whether the upload of ``step`` finished: {"done": False}
+    while it runs, else {"done": True, "error": None or its reason, "seconds"} (asked again, the same answer,
+    until the next ``submit`` forgets the finished ones).
+    ``before`` runs on the upload thread first (the test hook's slow or failing uploads)."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: dict[int, Future] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, step: int, tmp_dir: str, record: Mapping, step_uri: str,
+               before: Callable[[], None] | None = None) -> None:
+        t0 = time.monotonic()
+
+        def job() -> float:
+            _upload_shard(tmp_dir, record, step_uri, before)
+            return time.monotonic() - t0
+
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
+            # the coordinator has read the outcome of every earlier upload before it stages the next one
+            self._jobs = {s: f for s, f in self._jobs.items() if not f.done()}
+            self._jobs[int(step)] = self._pool.submit(job)
+
+    def status(self, step: int, wait: bool = False, timeout_s: float | None = None) -> dict:
+        with self._lock:
+            fut = self._jobs.get(int(step))
+        if fut is None:
+            return {"done": True, "error": f"this worker has no upload of step {step} (it was restarted?)",
+                    "seconds": 0.0}
+        if not wait and not fut.done():
+            return {"done": False}
+        try:
+            seconds = fut.result(timeout=timeout_s if wait else 0)
+        except FutureTimeout:
+            return {"done": False}
+        except BaseException as exc:  # noqa: BLE001 - every failure is a failed upload, told in one sentence
+            return {"done": True, "error": reason_of(exc), "seconds": 0.0}
+        return {"done": True, "error": None, "seconds": seconds}
+
+    def close(self) -> None:
+        """Stop taking uploads; one running goes on (the process usually ends next)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+                self._pool = None
 
 
 def publish(tmp_dir: str, step_uri: str, manifest: Mapping[str, Any], records: Sequence[Mapping]) -> str:
@@ -83,8 +172,10 @@ def publish(tmp_dir: str, step_uri: str, manifest: Mapping[str, Any], records: S
         full["files"] = files
         storage.write_bytes(storage.join(step_uri, store.MANIFEST), (json.dumps(full, indent=1) + "\n").encode())
     except OSError as exc:
-        raise CheckpointError(f"checkpoint {name}: its manifest could not be uploaded to {step_uri} "
-                              f"({str(exc).splitlines()[0]}); the previous checkpoint is still valid.") from None
+        err = CheckpointError(f"checkpoint {name}: its manifest could not be uploaded to {step_uri} "
+                              f"({reason_of(exc)}); the previous checkpoint is still valid.")
+        err.reason = f"its manifest could not be uploaded ({reason_of(exc)})"
+        raise err from None
     finally:
         store.discard_tmp(tmp_dir)
     return step_uri

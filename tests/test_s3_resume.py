@@ -1,0 +1,230 @@
+"""Checkpoints on an object store (a real S3 server: moto's server mode on a random local port, the ``s3``
+fixture of conftest.py), uploaded in the background (llmq_ray/checkpoints/remote.py):
+
+* the step after a save does not wait for a slow upload (the test hook delays the upload thread); the next
+  checkpoint waits for it and the log says how long;
+* a failed upload leaves the previous checkpoint the newest valid one, says so in one warning, removes the
+  staged copy and the step's prefix, and the run goes on (the next checkpoint is published);
+* acceptance: a 2-worker CLI run reading its tokens from s3:// and checkpointing to s3:// every 2 steps is
+  SIGKILLed (its whole process group: driver, Ray and workers) after its first checkpoint was published;
+  ``--continue`` from the store on 1 worker finishes with per-step losses bit-identical to the same resume
+  (1 worker, from the same step) of a 2-worker run checkpointing to local disk;
+* a partly uploaded checkpoint (objects without a manifest; a manifest whose files are not all there) is
+  skipped on resume with a warning, and the resume takes the step before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llmq_ray import storage
+from llmq_ray.observe.runlog import read_log
+
+pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = dict(collective_timeout_s=15.0, call_timeout_s=60.0, use_ray_data=False, verbose=False)
+BASE = dict(model="tiny", batch_size=2, seq_len=16, learning_rate=3e-3, warmup=2, device="cpu", backend="torch",
+            model_dtype="fp32", final_eval=False, export=False, ckpt_interval=2, **FAST)
+
+
+def _records(log_file: str, kind: str) -> list[dict]:
+    return [r for r in read_log(log_file) if r.get("log") == kind]
+
+
+def _put(fs, key: str, data: bytes) -> None:
+    with fs.open_output_stream(f"bucket/{key}") as f:
+        f.write(data)
+
+
+def _names(uri: str) -> list[str]:
+    return [n for n in storage.list_names(uri) if n.startswith("step_")]
+
+
+# ---------------------------------------------------------------------------------------------------- background
+def test_the_step_after_a_save_does_not_wait_for_a_slow_upload(s3, ray_cluster, shards, tmp_path, monkeypatch):
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    monkeypatch.chdir(tmp_path)
+    delay, store = 2.5, "s3://bucket/bg/slow"
+    res = LLMQTrainer(**BASE, workers=2, steps=5, train_file=shards.train, out_dir=str(tmp_path / "out"),
+                      checkpoint_dir=store, fault={"kind": "upload_slow", "rank": 1, "step": 2, "seconds": delay}).fit()
+    steps = {r["step"]: r for r in _records(res.log_file, "step")}
+    assert sorted(steps) == [0, 1, 2, 3, 4]
+    # the checkpoint of step 2 is staged after 0-based step 1; step 2 runs while rank 1 is still uploading
+    assert steps[2]["seconds"] < delay / 2, steps[2]["seconds"]
+    staged = {r["step"]: r for r in _records(res.log_file, "checkpoint_staged")}
+    assert staged[2]["seconds"] < delay / 2 and staged[4]["seconds"] < delay / 2
+    # the checkpoint of step 4 was due while step 2's upload still ran: it waited, and the log says how long
+    (wait,) = [r for r in _records(res.log_file, "upload_wait") if r["checkpoint_step"] == 2]
+    assert wait["step"] == 4 and 0.5 < wait["seconds"] < delay + 5 and "next checkpoint was due" in wait["reason"]
+    published = {r["step"]: r for r in _records(res.log_file, "checkpoint")}
+    assert published[2]["background"] and published[2]["published_at_step"] == 4
+    assert published[4]["background"] and published[4]["upload_seconds"] > delay * 0.8  # awaited at the end
+    log = read_log(res.log_file)
+    order = [(r.get("log"), r.get("step")) for r in log]
+    assert order.index(("checkpoint", 2)) > order.index(("step", 3))  # counted only once published
+    assert order.index(("checkpoint", 4)) < order.index(("end", 5))  # the end of the run awaited it
+    assert storage.size_of(f"{store}/step_00000004/manifest.json") is not None
+    assert res.metrics["warnings"] == 0
+
+
+@pytest.fixture(scope="module")
+def failed_upload(s3, ray_cluster, shards, tmp_path_factory):
+    """(Result, store) of a 2-worker run of 6 steps checkpointing every 2 steps whose upload of step 4 fails."""
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    out, store = tmp_path_factory.mktemp("fail"), "s3://bucket/bg/fail"
+    cwd = os.getcwd()
+    os.chdir(out)
+    try:
+        res = LLMQTrainer(**BASE, workers=2, steps=6, train_file=shards.train, out_dir=str(out / "out"),
+                          checkpoint_dir=store, fault={"kind": "upload_fail", "rank": 0, "step": 4}).fit()
+    finally:
+        os.chdir(cwd)
+    return res, store
+
+
+def test_a_failed_upload_leaves_the_previous_checkpoint_valid(failed_upload):
+    from llmq_ray.checkpoints.remote import mirror_root
+    from llmq_ray.checkpoints.store import resolve_continue
+
+    res, store = failed_upload
+    assert [r["step"] for r in res.history] == list(range(6))  # the run went on
+    warns = [r for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint_upload"]
+    assert len(warns) == 1 and warns[0]["step"] == 4
+    msg = warns[0]["message"]
+    assert msg.startswith(f"checkpoint of step 4 could not be uploaded to {store}/step_00000004: AWS Error "
+                          f"NO_SUCH_BUCKET") and msg.endswith(
+        "; the previous checkpoint step_00000002 stays the newest valid one."), msg
+    assert msg.count(". ") == 0  # one sentence
+    published = sorted(r["step"] for r in _records(res.log_file, "checkpoint"))
+    assert 4 not in published and {2, 6} <= set(published)  # a later checkpoint succeeded
+    assert "step_00000004" not in _names(store)  # the ranks' uploaded objects of step 4 were removed
+    staging = mirror_root(store)  # the staged local copies are gone (staging folders: .step_*.tmp-*)
+    leftovers = [os.path.join(d, f) for d, _, fs in os.walk(staging) for f in fs if "/.step_" in d]
+    assert leftovers == []
+    assert resolve_continue("latest", store).endswith(f"step_{max(published):08d}")
+
+
+# ---------------------------------------------------------------------------------------------------- acceptance
+def _cli(args: list[str], cwd, env: dict | None = None, popen: bool = False):
+    # RAY_ADDRESS=local: a Ray of its own, never one of the other Ray instances running on this machine
+    env = {**os.environ, **(env or {}), "PYTHONPATH": REPO, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "local"}
+    cmd = [sys.executable, "-m", "llmq_ray.train.cli", *args]
+    if popen:  # its own session: the driver, the Ray it starts and its workers form one process group
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-3000:])
+    return p
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Processes still alive in session ``sid`` (zombies are dead)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # fields: state, ppid, pgrp, session, ...
+            out.append(int(name))
+    return out
+
+
+def _step_losses(log_file: str) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in _records(log_file, "step")]
+
+
+COMMON = ["--device", "cpu", "--model", "tiny", "--backend", "torch", "--model-dtype", "fp32", "--batch-size", "2",
+          "--seq-len", "16", "--steps", "10", "--learning-rate", "3e-3", "--warmup", "2", "--eval-every-n-steps", "0",
+          "--no-final-eval", "--no-export", "--sample-tokens", "0", "--no-progress", "--ckpt-interval", "2",
+          "--ckpt-keep-n", "50", "--collective-timeout-s", "30", "--no-ray-data"]
+
+
+def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_disk(s3, shards, tmp_path):
+    _put(s3, "acc/data/train.bin", open(shards.train, "rb").read())
+    store = "s3://bucket/acc/ckpt"
+    s3_data = ["--train-file", "s3://bucket/acc/data/train*.bin"]
+    # 1. the s3 run, slowed (0.3 s a step, the test hook) so that it is killed mid-run
+    slow = {"LLMQ_RAY_TEST_FAULT": json.dumps({"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3})}
+    proc = _cli(COMMON + s3_data + ["--workers", "2", "--checkpoint-dir", store, "--out-dir", str(tmp_path / "a")],
+                tmp_path, slow, popen=True)
+    try:
+        deadline = time.monotonic() + 180
+        while storage.size_of(f"{store}/step_00000002/manifest.json") is None:
+            assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint was published within 180 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray (GCS, raylet, ...) and the workers
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _session_pids(proc.pid) and time.monotonic() < deadline:
+            for pid in _session_pids(proc.pid):  # a Ray process that moved to a process group of its own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert _session_pids(proc.pid) == []  # nothing of the killed run's Ray is left running
+    done = [r["step"] for r in _records(str(tmp_path / "a" / "log.jsonl"), "step")]
+    assert 2 <= len(done) < 10, done  # killed mid-run, after the first checkpoint
+
+    # 2. --continue from the store, on 1 worker
+    _cli(COMMON + s3_data + ["--workers", "1", "--checkpoint-dir", store, "--continue", "--out-dir",
+                             str(tmp_path / "b")], tmp_path)
+    log_b = str(tmp_path / "b" / "log.jsonl")
+    (resume,) = _records(log_b, "resume")
+    k = resume["step"]
+    assert k >= 2 and k % 2 == 0 and resume["saved_world_size"] == 2 and resume["path"].startswith(store)
+    s3_losses = _step_losses(log_b)
+    assert [s for s, _ in s3_losses] == list(range(k, 10))
+
+    # 3. the reference: the same 2-worker run on local disk, then the same resume from its step_K
+    local = tmp_path / "ckpt_local"
+    _cli(COMMON + ["--train-file", shards.train, "--workers", "2", "--checkpoint-dir", str(local), "--out-dir",
+                   str(tmp_path / "c")], tmp_path)
+    _cli(COMMON + ["--train-file", shards.train, "--workers", "1", "--checkpoint-dir", str(tmp_path / "ckpt_d"),
+                   "--continue", str(local / f"step_{k:08d}"), "--out-dir", str(tmp_path / "d")], tmp_path)
+    assert _step_losses(str(tmp_path / "d" / "log.jsonl")) == s3_losses  # bit for bit
+
+
+def test_a_partly_uploaded_checkpoint_is_skipped_on_resume(s3, failed_upload, shards, tmp_path, monkeypatch):
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    monkeypatch.chdir(tmp_path)
+    _, store = failed_upload  # its checkpoints: step 2 (kept by retention or not) and step 6, the newest
+    key = store[len("s3://bucket/"):]
+    assert _names(store)[-1] == "step_00000006"
+    six = f"{store}/step_00000006"
+    rank0 = s3.open_input_stream(f"bucket/{key}/step_00000006/rank_00000.safetensors").read()
+    # killed during the upload: the ranks' objects of step 8 but no manifest
+    _put(s3, f"{key}/step_00000008/rank_00000.safetensors", rank0)
+    _put(s3, f"{key}/step_00000008/rank_00001.safetensors", b"cut short")
+    # and a step 10 whose manifest is there but not all its files
+    manifest = json.loads(s3.open_input_stream(f"bucket/{key}/step_00000006/manifest.json").read())
+    _put(s3, f"{key}/step_00000010/rank_00000.safetensors", rank0)
+    _put(s3, f"{key}/step_00000010/manifest.json", json.dumps({**manifest, "step": 10}).encode())
+    res = LLMQTrainer(**BASE, workers=1, steps=8, train_file=shards.train, out_dir=str(tmp_path / "b"),
+                      checkpoint_dir=store, resume=True).fit()
+    (resume,) = _records(res.log_file, "resume")
+    assert resume["step"] == 6 and resume["path"] == six
+    assert [r["step"] for r in res.history] == [6, 7]
+    skipped = [r["message"] for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint"]
+    assert any("step_00000010" in m and "rank_00001.safetensors" in m for m in skipped), skipped
+    assert any("step_00000008" in m and "no manifest.json" in m for m in skipped), skipped
