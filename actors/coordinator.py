@@ -10,7 +10,8 @@ update's stats are the one host sync. The coordinator then:
 * publishes Ray metrics (tokens/s, loss, norm, step time),
 * runs the spike guard (llmq_ray/engine/spike_guard.py) and logs a "warning" record for every skipped update or
   loss/grad-norm spike,
-* writes a checkpoint every ``ckpt_interval`` steps (actors/checkpointing.py),
+* writes a checkpoint every ``ckpt_interval`` steps and every ``ckpt_minutes`` minutes of training, and after
+  the last step when the minutes are on (the default; actors/checkpointing.py),
 * evaluates every ``eval_every_n_steps`` steps on ``eval_num_steps`` batches, and at ``finish()`` over the
   whole eval file, then exports the weights as an HF folder (from a worker on the coordinator's node when
   there is one, so the export lands on the driver's machine).
@@ -21,7 +22,7 @@ group down (kills every worker, releases the placement group), places a new grou
 valid checkpoint this run wrote (or started from; from scratch when there is none yet), trains the lost
 steps again and then the step it was asked for -- up to
 ``max_restarts`` times per run, with "failure" / "restart" / "resume" records in the log. This needs
-checkpoints (``ckpt_interval`` > 0); without them the first failure ends the run. User errors (config,
+checkpoints (``ckpt_interval`` or ``ckpt_minutes``, on by default); without them the first failure ends the run. User errors (config,
 data, a checkpoint that cannot be written) are never retried. The step-level calls (``micro_step`` /
 ``update``) do not restart by themselves. A hang is pinned on the rank that hung, not on the peers that
 wait for it in a collective (actors/failures.py, ``find_hung_ranks``); when the restarts are used up, the
@@ -30,7 +31,8 @@ run ends with one sentence naming that rank and the timeout.
 Step-level calls for custom loops (``LLMQTrainer.step`` / ``update`` / ``validate`` / ``export``) map onto
 ``micro_step`` / ``update`` / ``validate`` / ``export`` here.
 
-Stopping (SIGTERM, a scheduler's preemption, ``LLMQTrainer.request_stop()``): the driver calls
+Stopping (SIGTERM, a scheduler's preemption, ``LLMQTrainer.request_stop()``, or Ray's drain notice for a node
+of ours, which ``train_step`` reports as "drain" after the step it ends with): the driver calls
 ``request_stop`` (in the probe concurrency group, beside a running step), so a ``train_step`` queued behind
 the running one returns at once without training; then ``stop`` writes a checkpoint of the last completed
 step (unless one exists or the caller says not to) and the log's "end" record. Every way a run ends leaves
@@ -54,14 +56,16 @@ from llmq_ray.actors import telemetry
 from llmq_ray.actors.checkpointing import (UploadFailed, load_group_checkpoint, poll_group_upload,
                                            publish_group_checkpoint, restart_point, save_group_checkpoint,
                                            stage_group_checkpoint, upload_failed_message)
-from llmq_ray.actors.failures import WorkerError, dead_nodes_of, find_hung_ranks, gather, probe_activities
-from llmq_ray.actors.placement import create_workers
+from llmq_ray.actors.failures import (WorkerError, dead_nodes_of, find_hung_ranks, gather, probe_activities,
+                                      wait_for_dead_nodes)
+from llmq_ray.actors.placement import TooFewWorkers, create_workers
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
 from llmq_ray.observe.metrics import sol_fraction, sol_record
 from llmq_ray.lr_schedule import learning_rate_at
 from llmq_ray.observe.runlog import RunLog, checkpoint_line, eval_line, step_line, warning_line
 from llmq_ray.engine.spike_guard import SpikeGuard
+from llmq_ray.errors import ConfigError
 
 
 
@@ -83,7 +87,7 @@ class Coordinator:
         from llmq_ray import storage  # out_dir may be a URI: the log is then staged here and uploaded
 
         telemetry.set_run_id(spec.run_id)  # the run_id tag of every metric the coordinator publishes
-        self.log = RunLog(spec.log_file or storage.join(spec.out_dir, "log.jsonl"), resume=bool(spec.resume_from))
+        self.log = RunLog(spec.log_file or storage.join(spec.out_dir, "log.jsonl"), resume=bool(spec.resume_from) or spec.append_log)
         self.max_step_logged = self.log.previous_last_step  # steps at or below it are trained again
         self.wandb = None
         if spec.wandb_project:
@@ -117,6 +121,8 @@ class Coordinator:
         self._eval_running: dict | None = None
         self.stop_requested = False        # set by request_stop(): queued train_steps return untrained
         self._exported: set[str] = set()   # export folders this run wrote (replaced on a second export)
+        self._last_checkpoint_t = time.monotonic()  # --ckpt-minutes counts from here (reset by every checkpoint)
+        self._drain_checked = 0.0          # when Ray's list of draining nodes was last asked for
 
     # ------------------------------------------------------------------ set-up
     def start(self, notes: list | None = None) -> dict:
@@ -151,13 +157,20 @@ class Coordinator:
                 "dataset": infos[0]["dataset"],
                 "seconds": time.perf_counter() - t0, "log_file": self.log.path, "step": self.step, "lines": lines}
 
-    def _launch(self) -> tuple[list, list]:
-        """Place a new group of workers and set them up; returns (set-up infos, nodes) by rank."""
+    def _launch(self, wait_s: float | None = None, why: str = "", elastic: bool = False,
+                restart: bool = False) -> tuple[list, list]:
+        """Place a new group of workers and set them up; returns (set-up infos, nodes) by rank. ``wait_s``: how
+        long the placement may wait for room (default: placement.py's), saying so in the log and on the console
+        when it has to wait; ``why``: what to change to wait longer, named when the time is up; ``elastic``:
+        raise placement's TooFewWorkers as soon as the alive nodes cannot hold the group; ``restart``: placed
+        again after a failure (a cluster smaller than the group is waited for)."""
         import ray
 
         spec = self.spec
         self.failed = False
-        self.pg, self.workers, nodes = create_workers(spec)
+        kwargs = {} if wait_s is None else {"wait_s": wait_s}
+        self.pg, self.workers, nodes = create_workers(spec, on_wait=self._waiting, why=why, elastic=elastic,
+                                                      restart=restart, **kwargs)
         try:
             address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
             self.log.add("rendezvous", address=address)  # where the process group meets (firewalls, debugging)
@@ -172,6 +185,33 @@ class Coordinator:
         self.gpu_name = infos[0]["device_name"] if spec.device == "cuda" else None
         self.pids = [n["pid"] for n in nodes]
         return infos, nodes
+
+    def _waiting(self, message: str) -> None:
+        """The placement has to wait for room: a "waiting" log record, and the line on the driver's console
+        (an actor's stdout reaches the driver) while the step call is still running."""
+        self.log.add("waiting", step=self.step, message=message)
+        self.log.flush()
+        print(f"llmq-ray: {message}", flush=True)
+
+    def _shrink(self, room: int) -> str | None:
+        """--elastic after a lost node: go on with the most workers (at most ``room``) that divide the global
+        batch, raising --grad-accumulation so the global batch stays; the checkpoint is resharded when loaded.
+        Returns the warning line, or None when no smaller group fits (room 0)."""
+        spec, o = self.spec, self.opts
+        total = spec.world_size * o.grad_accumulation  # micro-batches per optimizer step, over all workers
+        fits = [n for n in range(1, min(room, spec.world_size - 1) + 1) if total % n == 0]
+        if not fits:
+            return None
+        n = fits[-1]
+        ga = total // n
+        self.log.add("elastic", step=self.step, from_world_size=spec.world_size, world_size=n,
+                     from_grad_accumulation=o.grad_accumulation, grad_accumulation=ga)
+        line = self._warn(self.step, "elastic", f"--elastic: the cluster can place {room} of {spec.world_size} "
+                          f"worker(s); going on with {n}, --grad-accumulation {o.grad_accumulation} -> {ga} (the global "
+                          f"batch stays {total} x {o.batch_size} sequences).")
+        self.opts = dataclasses.replace(o, grad_accumulation=ga)
+        self.spec = dataclasses.replace(spec, world_size=n, opts=self.opts)
+        return line
 
     def _resume(self, folder: str, reason: str) -> str:
         """Load checkpoint ``folder`` into the current group and go on from its step; returns the [C] line."""
@@ -213,7 +253,8 @@ class Coordinator:
     def _explain_hang(self, pending: list[int], failed: int | None, error) -> WorkerError | None:
         """``gather``'s ``explain`` for train_step: the error naming the rank(s) that hung (see
         ``find_hung_ranks``), or None when the error that came back is the cause itself."""
-        activities = probe_activities(self.workers, pending + ([failed] if failed is not None else []))
+        died: set = set()
+        activities = probe_activities(self.workers, pending + ([failed] if failed is not None else []), died=died)
         hung = find_hung_ranks(activities, pending, failed)
         if not hung:
             return None
@@ -222,11 +263,15 @@ class Coordinator:
             return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))}"
 
         who, waiting = ranks(hung), [r for r in pending if r not in hung]
-        lost = dead_nodes_of(self.nodes, hung)
+        gone = sorted(r for r in hung if r in died)  # their actors are dead: a lost process or node, not a hang
+        lost = wait_for_dead_nodes(self.nodes, gone) if gone else dead_nodes_of(self.nodes, hung)
         if lost:  # not a hang: the machine is gone (Ray marked its node dead)
             ips = ", ".join(sorted({self.nodes[r]["ip"] for r in lost}))
             return WorkerError(f"node {ips} died during step {self.step + 1} (Ray reports it dead), taking "
                                f"{ranks(sorted(lost))} with it.")
+        if gone:
+            return WorkerError(f"{ranks(gone)} died during step {self.step + 1} (its process exited or was killed; "
+                               f"Ray reports the actor dead, its node alive); see the Ray logs of that actor.")
         known = [activities[r] for r in hung if activities[r] is not None]
         if known:
             a = known[0]
@@ -240,6 +285,17 @@ class Coordinator:
         also = f" while {ranks(waiting)} waited for it" if waiting else ""
         return WorkerError(f"{who} hung in {where}{also}: the step did not finish within "
                            f"--step-timeout-s={self.spec.step_timeout_s:g}.")
+
+    def _name_lost_node(self, exc: WorkerError) -> WorkerError:
+        """A rank that died in any call (a checkpoint save, an eval): when Ray reports its node dead (within
+        failures.NODE_DEATH_WAIT_S), the error names the node instead of the process."""
+        rank = getattr(exc, "died_rank", None)
+        if rank is None or rank >= len(self.nodes):
+            return exc
+        if not wait_for_dead_nodes(self.nodes, [rank]):
+            return exc
+        return WorkerError(f"node {self.nodes[rank]['ip']} died during {exc.during} (Ray reports it dead), taking "
+                           f"rank {rank} with it.")
 
     def _record_step(self, step: int, lr: float, results: list[dict], wall: float, tokens: int) -> dict:
         r0 = results[0]
@@ -335,16 +391,50 @@ class Coordinator:
         lines = [step_line(step, self.opts.steps, wall, rec["norm"], rec["loss"], rec["tokens_per_s"], rec["sol"],
                            rec.get("skip_reason") or rec["skipped"])] + rec.pop("warnings")
         lines += self._settle_upload(wait=False)  # a background upload that finished is published now
-        n = self.spec.ckpt_interval
-        if n > 0 and self.step % n == 0:
+        if self._checkpoint_due():
             lines += self._settle_upload(wait=True, why="it was still running when the next checkpoint was due")
             lines.append(self.save_checkpoint(background=True)["line"])
+        drain = self._drain_notice()
+        if drain:  # a preemption notice for a node of ours: stop at this step boundary, as on SIGTERM
+            self.stop_requested = True
+            lines.append(self._warn(self.step, "drain", f"{drain}: stopping after step {self.step} with a "
+                                    f"checkpoint, as on SIGTERM."))
+            return {"record": rec, "lines": lines, "eval": None, "drain": drain}
         ev = None
         n = self.spec.eval_every_n_steps
         if n > 0 and self.spec.eval_file and self.step % n == 0 and self.step < self.opts.steps:
             ev = self.validate(full=False)
             lines.append(ev["line"])
         return {"record": rec, "lines": lines, "eval": ev}
+
+    def _drain_notice(self) -> str | None:
+        """A sentence when Ray says a node holding one of our workers is being drained (a cloud preemption
+        notice, ``ray drain-node``, KubeRay scaling the node away), else None. Asked at most every 2 s."""
+        now = time.monotonic()
+        if now - self._drain_checked < 2.0 or not self.nodes:
+            return None
+        self._drain_checked = now
+        try:
+            from ray._private.state import state  # the GCS's list of draining nodes (as Ray Train reads it)
+
+            draining = state.get_draining_nodes() or {}
+        except Exception:  # noqa: BLE001 - an older Ray or no GCS access: no notice
+            return None
+        ips = sorted({n["ip"] for n in self.nodes if n.get("node_id") in draining})
+        if not ips:
+            return None
+        deadlines = [draining[n["node_id"]] for n in self.nodes if n.get("node_id") in draining]
+        left = [d / 1000.0 - time.time() for d in deadlines if d]
+        when = f", to be shut down in {max(min(left), 0):.0f} s" if left else ""
+        return f"node {', '.join(ips)} is being drained (Ray's drain notice{when})"
+
+    def _checkpoint_due(self) -> bool:
+        """After a step: every ``ckpt_interval`` steps, or when ``ckpt_minutes`` of training passed since the last
+        checkpoint (or the start of this group)."""
+        n, m = self.spec.ckpt_interval, self.spec.ckpt_minutes
+        if n > 0 and self.step % n == 0:
+            return True
+        return m > 0 and time.monotonic() - self._last_checkpoint_t >= 60.0 * m
 
     def save_checkpoint(self, background: bool = False) -> dict:
         """Checkpoint the current state (``self.step`` updates completed) into ckpt_dir/step_XXXXXXXX and
@@ -370,6 +460,7 @@ class Coordinator:
         except WorkerError:
             self.failed = True
             raise
+        self._last_checkpoint_t = time.monotonic()
         if staged:
             self._upload = pending
             self.log.add("checkpoint_staged", step=self.step, path=pending.target, seconds=pending.staged_s)
@@ -455,10 +546,11 @@ class Coordinator:
         """After a worker failure: rebuild the group and load the restart point, or re-raise ``exc`` when
         restarts are off or used up. Returns the console lines of what happened."""
         failed_step = self.step
+        exc = self._name_lost_node(exc)
         self.log.add("failure", step=failed_step, error=str(exc), restarts=self.restarts)
         self._teardown()
         limit = self.spec.max_restarts
-        if self.spec.ckpt_interval <= 0 or limit <= 0:
+        if not self.spec.checkpoints_on or limit <= 0:
             self.log.flush()
             raise exc
         if self.restarts >= limit:
@@ -476,7 +568,24 @@ class Coordinator:
         self.log.add("restart", attempt=self.restarts, failed_step=failed_step, checkpoint=folder)
         self.log.flush()
         t0 = time.perf_counter()
-        self._launch()
+        hint = ("raise --restart-wait-s to wait longer" if self.spec.elastic else
+                "pass --elastic to go on with the workers that can be placed, or raise --restart-wait-s")
+        elastic = self.spec.elastic
+        try:
+            while True:
+                try:
+                    self._launch(wait_s=self.spec.restart_wait_s, why=hint, elastic=elastic, restart=True)
+                    break
+                except TooFewWorkers as few:  # --elastic: a node is gone for good; go on with fewer workers
+                    shrunk = self._shrink(few.room)
+                    if shrunk is None:  # not even one worker fits: wait for room like a run without --elastic
+                        elastic = False
+                    else:
+                        lines.append(shrunk)
+        except ConfigError as err:
+            final = WorkerError(f"{str(exc).rstrip('.')}; restart {self.restarts}/{limit} gave up: {err}")
+            self.log.end("failed", step=self.step, error=str(final), restarts=self.restarts)
+            raise final from None
         if folder:
             lines.append(self._resume(folder, f"restart {self.restarts}"))
         elif self.origin is None:
@@ -584,6 +693,8 @@ class Coordinator:
         """Final eval over the whole eval file, the export, the last log flush. Returns the summary."""
         # a stop requested now (SIGTERM after the last step) skips the final eval: the export is what matters
         lines = self._settle_upload(wait=True, why="at the end of the run")
+        if self.spec.ckpt_minutes > 0 and self.step > 0 and not self._has_checkpoint_of(self.step):
+            self.save_checkpoint()  # the end of a run with time-interval checkpoints (the default) is kept too
         final = self.validate(full=True) if self.spec.final_eval and not self.stop_requested else None
         if self.spec.export:
             self.export_path = self.export()
@@ -612,10 +723,9 @@ class Coordinator:
         if self.micro_pending:
             note = f"{self.micro_pending} micro-step(s) without update() were discarded"
             self.micro_pending = 0
-        existing = [p for p in self.checkpoints + ([self.origin] if self.origin else [])
-                    if os.path.basename(p.split("?")[0]) == f"step_{self.step:08d}" and _is_checkpoint(p)]
+        existing = self._has_checkpoint_of(self.step)
         if existing:
-            path = existing[-1]
+            path = existing
         elif not checkpoint:
             note = note or "no checkpoint on exit was asked for"
         elif self.step == 0:
@@ -628,6 +738,12 @@ class Coordinator:
         self.log.end("stopped", signal=reason, step=self.step, checkpoint=path, checkpoint_written=written,
                      **({"note": note} if note else {}))
         return {"step": self.step, "checkpoint": path, "written": written, "note": note, "lines": settled}
+
+    def _has_checkpoint_of(self, step: int) -> str | None:
+        """The checkpoint of ``step`` this run wrote or started from, if it is still there."""
+        existing = [p for p in self.checkpoints + ([self.origin] if self.origin else [])
+                    if os.path.basename(p.split("?")[0]) == f"step_{step:08d}" and _is_checkpoint(p)]
+        return existing[-1] if existing else None
 
     def end(self, reason: str, **fields) -> bool:
         """Write the log's "end" record (the driver calls this for "failed"); False when it was written

@@ -28,6 +28,10 @@ class WorkerError(LLMQError, RuntimeError):
     """A worker actor raised, died, or did not answer in time (the message names the rank)."""
 
 
+class CoordinatorLost(WorkerError):
+    """The coordinator actor died (its process or its node): the driver may start a new one."""
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
@@ -50,8 +54,10 @@ def wrap_error(exc: BaseException, rank: int | None, what: str) -> LLMQError:
         except Exception:  # noqa: BLE001 - an exotic subclass signature
             return WorkerError(f"{where}: {msg}")
     if isinstance(cause, rex.RayActorError) or isinstance(exc, rex.RayActorError):
-        return WorkerError(f"{where} died during {what} (its process exited or was killed: "
-                           f"{_last_line(str(exc)) or 'no details'}); see the Ray logs of that actor.")
+        err = WorkerError(f"{where} died during {what} (its process exited or was killed: "
+                          f"{_last_line(str(exc)) or 'no details'}); see the Ray logs of that actor.")
+        err.died_rank, err.during = rank, what  # the coordinator names the node when Ray reports it dead
+        return err
     if isinstance(cause, rex.GetTimeoutError):
         return WorkerError(f"{where} did not finish {what} in time.")
     return WorkerError(f"{where} failed in {what}: {type(cause).__name__}: {_last_line(str(cause))}")
@@ -90,8 +96,9 @@ def gather(refs: list, timeout_s: float, what: str, explain: Optional[Callable] 
     return [results[r] for r in range(len(refs))]
 
 
-def probe_activities(workers: list, ranks: list[int], timeout_s: float = 10.0) -> dict:
-    """{rank: its ``GPUWorker.activity()`` dict, or None when it did not answer within timeout_s}."""
+def probe_activities(workers: list, ranks: list[int], timeout_s: float = 10.0, died: set | None = None) -> dict:
+    """{rank: its ``GPUWorker.activity()`` dict, or None when it did not answer within timeout_s}. ``died``: a set
+    that receives the ranks whose actor Ray reports dead (their process or node is gone: not a hang)."""
     import ray
 
     from llmq_ray.actors.worker import PROBE_GROUP
@@ -102,8 +109,10 @@ def probe_activities(workers: list, ranks: list[int], timeout_s: float = 10.0) -
     for r, ref in refs.items():
         try:
             out[r] = ray.get(ref, timeout=0) if ref in ready else None
-        except Exception:  # noqa: BLE001 - a dead rank does not answer either
+        except Exception as exc:  # noqa: BLE001 - a dead rank does not answer either
             out[r] = None
+            if died is not None and isinstance(exc, ray.exceptions.RayActorError):
+                died.add(r)
     return out
 
 
@@ -117,6 +126,43 @@ def dead_nodes_of(nodes: list, ranks: list[int]) -> list[int]:
     except Exception:  # noqa: BLE001 - no cluster state (outside Ray): nothing is known to be dead
         return []
     return [r for r in ranks if r < len(nodes) and nodes[r].get("node_id") in dead]
+
+
+# how long a step's failure waits for Ray to mark the node of a rank whose actor died as dead, so the error can
+# say "node X died" rather than "rank r died": Ray's health check takes 5 x 3 s by default to give up on a raylet
+NODE_DEATH_WAIT_S = 20.0
+
+
+def _raylet_answers(node_id: str) -> bool:
+    """Whether the raylet of ``node_id`` still accepts a TCP connection (1 s): a process that died on a live node
+    leaves it answering; a lost machine does not."""
+    import socket
+
+    import ray
+
+    try:
+        info = next(n for n in ray.nodes() if n["NodeID"] == node_id)
+        with socket.create_connection((info["NodeManagerAddress"], int(info["NodeManagerPort"])), timeout=1.0):
+            return True
+    except StopIteration:
+        return False
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def wait_for_dead_nodes(nodes: list, ranks: list[int], wait_s: float = NODE_DEATH_WAIT_S) -> list[int]:
+    """``dead_nodes_of(nodes, ranks)``; while it is empty but the raylet of one of the ranks' nodes no longer
+    answers, asked again every 0.5 s for up to ``wait_s`` (the ranks' actors are known to be dead; Ray marks
+    their node dead some seconds later). A rank whose raylet answers died alone: no wait."""
+    lost = dead_nodes_of(nodes, ranks)
+    if lost or all(_raylet_answers(nodes[r].get("node_id")) for r in ranks if r < len(nodes)):
+        return lost
+    deadline = time.monotonic() + wait_s
+    while True:
+        lost = dead_nodes_of(nodes, ranks)
+        if lost or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.5)
 
 
 def find_hung_ranks(activities: dict, pending: list[int], failed: Optional[int]) -> list[int]:

@@ -44,35 +44,107 @@ def _max_gpus_per_node() -> int:
     return max((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
 
 
-def create_workers(spec: RuntimeSpec):
+def bundle_of(spec: RuntimeSpec) -> dict:
+    """One worker's resources: {GPU: 1, CPU: k} on CUDA, {CPU: k} on CPU."""
+    k = spec.cpus_per_worker
+    return {"GPU": 1, "CPU": k} if spec.device == "cuda" else {"CPU": k}
+
+
+def placeable_workers(spec: RuntimeSpec) -> int:
+    """How many workers of ``spec``'s bundle the cluster's alive nodes can hold (by their total resources: what
+    other jobs hold right now is not counted). After a node is lost this says how far an elastic run shrinks."""
+    import ray
+
+    bundle = bundle_of(spec)
+    room = 0
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        have = n.get("Resources", {})
+        room += min(int(have.get(r, 0) // need) for r, need in bundle.items())
+    return room
+
+
+def describe_bundle(bundle: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in bundle.items()) + "}"
+
+
+def bundles_by_node(pg, n: int) -> list[int]:
+    """The ``n`` bundle indices of placement group ``pg`` ordered so that bundles on the same node follow each
+    other (nodes in the order of their first bundle): PACK may spread bundles 0, 1, 2, 3 as nodes A, B, A, B,
+    and ``--zero-scope node`` needs each node's ranks consecutive."""
+    import ray
+
+    try:
+        where = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
+    except Exception:  # noqa: BLE001 - no table: keep Ray's order
+        return list(range(n))
+    order = list(dict.fromkeys(where.get(i) for i in range(n)))
+    return sorted(range(n), key=lambda i: order.index(where.get(i)))
+
+
+class TooFewWorkers(ConfigError):
+    """Raised by ``create_workers(..., elastic=True)``: the alive nodes cannot hold the group any more; ``room``
+    says how many workers they can."""
+
+    def __init__(self, message: str, room: int):
+        super().__init__(message)
+        self.room = room
+
+
+def create_workers(spec: RuntimeSpec, wait_s: float = PLACEMENT_TIMEOUT_S, on_wait=None, why: str = "",
+                   elastic: bool = False, restart: bool = False):
     """Reserve the bundles and start the workers; returns (placement_group, [actor handles by rank], nodes).
 
-    ``nodes[r]`` is rank r's {"node_id", "ip", "pid", "gpu_ids", "local_rank"}.
+    ``nodes[r]`` is rank r's {"node_id", "ip", "pid", "gpu_ids", "local_rank"}. The placement group is awaited
+    up to ``wait_s`` seconds; when it is not ready within 5 s, ``on_wait(message)`` is called once with a
+    sentence saying what the run waits for (a restart after a lost node waits for capacity to come back).
+    ``why``: the flag to raise to wait longer, named in the error when the time is up. ``elastic``: instead of
+    waiting, raise ``TooFewWorkers`` as soon as the alive nodes cannot hold the group (checked every 2 s: Ray
+    marks a lost node dead some seconds after its workers' peers have noticed). ``restart``: the group is placed
+    again after a failure: a cluster that is too small now is waited for (it may grow back), not refused.
     """
+    import time
+
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    check_resources(spec)
-    n, k = spec.world_size, spec.cpus_per_worker
-    if spec.device == "cuda":
-        bundle = {"GPU": 1, "CPU": k}
-        strategy = "STRICT_PACK" if n <= _max_gpus_per_node() else "PACK"
-    else:
-        bundle = {"CPU": k}
-        strategy = "PACK"
+    n = spec.world_size
+    if elastic and placeable_workers(spec) < n:
+        room = placeable_workers(spec)
+        raise TooFewWorkers(f"the cluster's alive nodes can hold {room} of {n} worker(s)", room)
+    if not restart:  # a restart after a lost node waits for the cluster to grow back instead
+        check_resources(spec)
+    bundle = bundle_of(spec)
+    strategy = "STRICT_PACK" if spec.device == "cuda" and n <= _max_gpus_per_node() else "PACK"
     pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name="")
-    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-    if not ready:
-        remove_placement_group(pg)
-        raise ConfigError(f"Ray could not reserve {n} bundle(s) of {bundle} ({strategy}) within "
-                          f"{PLACEMENT_TIMEOUT_S:.0f} s; other jobs may hold those resources.")
+    t0 = time.monotonic()
+    told = False
+    while not ray.wait([pg.ready()], timeout=max(min(2.0, t0 + wait_s - time.monotonic()), 0.0))[0]:
+        room = placeable_workers(spec)
+        if elastic and room < n:
+            remove_placement_group(pg)
+            raise TooFewWorkers(f"the cluster's alive nodes can hold {room} of {n} worker(s)", room)
+        if time.monotonic() - t0 >= wait_s:
+            remove_placement_group(pg)
+            cause = (f"the cluster's alive nodes can hold only {room}" if room < n else
+                     f"the cluster has room for {room} but other jobs hold it")
+            raise ConfigError(f"Ray could not place {n} worker(s) of {describe_bundle(bundle)} within "
+                              f"{wait_s:.0f} s: {cause}" + (f"; {why}" if why else "") + ".")
+        if not told and time.monotonic() - t0 >= 5.0 and on_wait is not None:
+            told = True
+            on_wait(f"waiting up to {wait_s:.0f} s for room for {n} worker(s) of {describe_bundle(bundle)}: the "
+                    f"cluster's alive nodes can hold {room}" + (" (the rest is held by other jobs)"
+                                                                 if room >= n else "") + ".")
+    bundles = bundles_by_node(pg, n)  # rank r runs in bundle bundles[r]: a node's ranks are consecutive
+    k = spec.cpus_per_worker
     remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker)
     workers = []
     for rank in range(n):
         opts = dict(num_cpus=k, num_gpus=1 if spec.device == "cuda" else 0, max_restarts=0,
                     runtime_env={"env_vars": worker_env(k)},
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank))
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[rank]))
         workers.append(remote_cls.options(**opts).remote(rank, spec))
     try:
         nodes = gather([w.node.remote() for w in workers], PLACEMENT_TIMEOUT_S, "start-up")

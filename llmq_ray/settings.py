@@ -282,10 +282,22 @@ class CheckpointSettings:
         False,
         "--continue on another worker count keeps --grad-accumulation as given instead of adjusting it to "
         "keep the checkpoint's global batch", runtime=True)
+    ckpt_minutes: float = setting(
+        30.0,
+        "also checkpoint every M minutes of training and after the last step (0: off); on by default so that a "
+        "lost node or a preempted run never loses more than M minutes", short='minutes', runtime=True)
     max_restarts: int = setting(
         3,
         "after a worker dies or hangs, rebuild the group and resume from the last checkpoint up to N "
-        "times (needs --ckpt-interval)", runtime=True)
+        "times", runtime=True)
+    elastic: bool = setting(
+        False,
+        "when fewer workers can be placed than the run had, resume from the last checkpoint on those that can "
+        "(resharded; the global batch kept by raising --grad-accumulation) instead of waiting", runtime=True)
+    restart_wait_s: float = setting(
+        300.0,
+        "seconds a restart waits for the cluster to have room for every worker again before giving up "
+        "(without --elastic)", runtime=True)
     collective_timeout_s: float = setting(
         300.0,
         "a torch.distributed collective that waits longer than this (seconds) fails its rank", runtime=True)
@@ -314,6 +326,10 @@ class ObserveSettings:
         "batches per periodic eval (the final eval reads the whole eval file)", runtime=True)
     out_dir: str = setting('out', "folder of the export (out-dir/export) and the log", runtime=True)
     log_file: str | None = setting(None, "the run log, JSON Lines: one record per line as it happens", runtime=True)
+    run_id: str | None = setting(
+        None,
+        "the run's name in the log and as the run_id label of its Ray metrics (default: <UTC time>-<random>)",
+        runtime=True)
     wandb_project: str | None = setting(None, "log live to this W&B project (WANDB_MODE honoured)", runtime=True)
     wandb_run_name: str | None = setting(None, "W&B run name", runtime=True)
     log_gpu_util: int = setting(

@@ -73,7 +73,8 @@ def test_api_and_cli_share_their_defaults(tmp_path):
         via_cli = _trainer(argv, tmp_path)
         via_api = LLMQTrainer(out_dir=str(tmp_path), verbose=False, **kw)
         assert via_cli.opts == via_api.opts
-        assert via_cli.runtime == via_api.runtime
+        assert via_cli.runtime["run_id"] != via_api.runtime["run_id"]  # a fresh name per run
+        assert {**via_cli.runtime, "run_id": None} == {**via_api.runtime, "run_id": None}
     helps = {a.dest: a.help for a in cli.build_parser()._actions if a.help != argparse.SUPPRESS}
     d = api_defaults()
     for dest in ("grad_accumulation", "ckpt_keep_n", "max_restarts", "step_timeout_s", "beta_2", "opt_chunk_size"):

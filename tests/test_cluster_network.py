@@ -77,7 +77,7 @@ def test_a_rank_on_a_node_ray_reports_dead_is_named_as_such_not_as_a_hang(monkey
     assert dead_nodes_of(nodes, [0, 1]) == [1]
     c = coord_mod.Coordinator.__new__(coord_mod.Coordinator)  # only what _explain_hang reads
     c.workers, c.nodes, c.step = [None, None], nodes, 6
-    monkeypatch.setattr(coord_mod, "probe_activities", lambda workers, ranks: {0: {"step": 6, "at": 3,
+    monkeypatch.setattr(coord_mod, "probe_activities", lambda workers, ranks, died=None: {0: {"step": 6, "at": 3,
                                                                                "what": "in a collective",
                                                                                "seconds": 40.0}, 1: None})
     err = c._explain_hang([0, 1], None, None)

@@ -24,6 +24,7 @@ import time
 import pytest
 
 from llmq_ray.checkpoints.store import validate_checkpoint
+from llmq_ray.errors import CheckpointError
 from llmq_ray.observe.runlog import read_log, steps_as_one_run
 from llmq_ray.train.trainer import LLMQTrainer
 
@@ -102,7 +103,7 @@ def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster
 
 def _api_run(shards, out, **kw) -> LLMQTrainer:
     args = dict(model="tiny", train_file=shards.train, device="cpu", workers=1, batch_size=2, seq_len=16, steps=12,
-                learning_rate=3e-3, warmup=2, out_dir=str(out), export=False, final_eval=False, **FAST)
+                learning_rate=3e-3, warmup=2, out_dir=str(out), export=False, final_eval=False, ckpt_minutes=0, **FAST)
     return LLMQTrainer(**{**args, **kw})
 
 
@@ -178,9 +179,31 @@ def test_a_failed_run_says_why_in_its_last_record(ray_cluster, shards, tmp_path)
 
     out = tmp_path / "run"
     with pytest.raises(WorkerError, match="injected fault"):
-        _api_run(shards, out, steps=5, warmup=0, fault={"rank": 0, "step": 2}).fit()
+        _api_run(shards, out, steps=5, warmup=0, fault={"rank": 0, "step": 2}, max_restarts=0).fit()
     end = read_log(str(out / "log.jsonl"))[-1]
     assert end["log"] == "end" and end["reason"] == "failed" and "injected fault at step 2" in end["error"]
+
+
+def test_checkpoints_are_on_by_default_every_few_minutes_and_at_the_end(ray_cluster, shards, tmp_path, capsys):
+    """Without --ckpt-interval: a checkpoint whenever --ckpt-minutes have passed since the last one and after the
+    last step, so a failure restarts from there (or from scratch before the first one) instead of ending the run;
+    a second fresh run into the same --out-dir keeps the first run's checkpoints beside its own."""
+    out = tmp_path / "run"
+    # 1e-5 minutes: due after every step; the fault at step 2 is survived by a restart from step 2's checkpoint
+    res = _api_run(shards, out, steps=4, ckpt_minutes=1e-5, fault={"rank": 0, "step": 2}).fit()
+    assert res.metrics["restarts"] == 1 and [r["step"] for r in res.history] == [0, 1, 2, 3]
+    records = read_log(res.log_file)
+    assert [r["checkpoint"] for r in records if r["log"] == "restart"] == [str(out / "ckpt" / "step_00000002")]
+    assert [os.path.basename(p) for p in res.checkpoint_paths] == ["step_00000003", "step_00000004"]  # keep 2
+    # the default 30 minutes: only the checkpoint after the last step
+    again = _api_run(shards, out, steps=3, ckpt_minutes=30.0, verbose=True, progress=False)
+    kept = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("checkpoints: an earlier run's")]
+    assert len(kept) == 1 and "were kept as" in kept[0]
+    res = again.fit()
+    assert [os.path.basename(p) for p in res.checkpoint_paths] == ["step_00000003"]
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt.before-")) != []
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):  # a folder the user named is never moved
+        _api_run(shards, tmp_path / "other", steps=3, checkpoint_dir=str(out / "ckpt"))
 
 
 def test_resuming_on_fewer_workers_keeps_the_global_batch(ray_cluster, shards, tmp_path, capsys):

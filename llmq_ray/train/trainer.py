@@ -51,11 +51,11 @@ import threading
 import warnings
 from typing import Optional
 
-from llmq_ray.actors.failures import WorkerError, wrap_error
+from llmq_ray.actors.failures import CoordinatorLost, WorkerError, wrap_error
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
 from llmq_ray import storage
-from llmq_ray.errors import ConfigError, DataError, LLMQError
+from llmq_ray.errors import CheckpointError, ConfigError, DataError, LLMQError
 from llmq_ray.options import TrainOptions
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
@@ -141,6 +141,14 @@ def _absolute(path: str) -> str:
     return path if storage.is_remote(path) else os.path.abspath(path)
 
 
+def new_run_id() -> str:
+    """A run's default name: its start time in UTC and 6 random hex digits (``20261126-031904-a1b2c3``)."""
+    import secrets
+    import time
+
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
 def forwarded_env(names: Optional[str]) -> dict:
     """{name: value} of the driver's environment that the coordinator and every worker get: the variables with
     a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated).
@@ -170,7 +178,8 @@ class LLMQTrainer:
                  wandb_project: Optional[str] = None, wandb_run_name: Optional[str] = None, log_gpu_util: int = 0,
                  progress: bool = True, handle_signals: bool = True, cli: bool = False,
                  rendezvous_port_range: Optional[str] = None, socket_ifname: Optional[str] = None,
-                 forward_env: Optional[str] = None, **option_fields):
+                 forward_env: Optional[str] = None, ckpt_minutes: float = 30.0, elastic: bool = False,
+                 restart_wait_s: float = 300.0, run_id: Optional[str] = None, **option_fields):
         self.cli = cli  # error sentences name CLI flags (--warmup) instead of keyword arguments (warmup)
         self.notes: list[str] = []       # warnings found before start (skipped checkpoints), printed there
         self.lines: list[str] = []       # information found before start (the data used, a batch adjustment)
@@ -187,7 +196,8 @@ class LLMQTrainer:
                 collective_timeout_s=collective_timeout_s, call_timeout_s=call_timeout_s,
                 step_timeout_s=step_timeout_s, fault=fault, wandb_project=wandb_project,
                 wandb_run_name=wandb_run_name, log_gpu_util=log_gpu_util, forward_env=forward_env,
-                rendezvous_port_range=rendezvous_port_range, socket_ifname=socket_ifname),
+                rendezvous_port_range=rendezvous_port_range, socket_ifname=socket_ifname,
+                ckpt_minutes=ckpt_minutes, elastic=elastic, restart_wait_s=restart_wait_s, run_id=run_id),
                 resume=resume, ray_address=ray_address, checkpoint_on_exit=checkpoint_on_exit,
                 allow_batch_change=allow_batch_change)
         except LLMQError as exc:
@@ -208,6 +218,8 @@ class LLMQTrainer:
         self._ended = False                      # the log's "end" record is written
         self._steps_done = 0                     # optimizer steps completed (as far as the driver knows)
         self._stopped: Optional[dict] = None     # what stop() returned
+        self._stop_reason: Optional[str] = None  # why the run stops when no signal says it (a drain notice)
+        self._coordinator_restarts = 0           # coordinators started again after the previous one died
 
     def _configure(self, options, option_fields: dict, runtime: dict, *, resume, ray_address, checkpoint_on_exit,
                    allow_batch_change) -> None:
@@ -242,6 +254,7 @@ class LLMQTrainer:
                                                              where["--log-file"])
         if resume_dir is not None:
             resume = where["--continue"]
+        self._default_ckpt_dir = r["checkpoint_dir"] is None  # out_dir/ckpt: an earlier run's is set aside
         ckpt = r["checkpoint_dir"] or storage.join(r["out_dir"], "ckpt")  # an s3:// out-dir: s3://.../ckpt
         self.checkpoint_dir = _absolute(ckpt)
         r["checkpoint_dir"] = self.checkpoint_dir
@@ -285,6 +298,13 @@ class LLMQTrainer:
             if moved_to:
                 self.lines.append(f"continuing from {os.path.basename(self.resume_from)}: the newer checkpoints "
                                   f"{', '.join(names)} were moved to {moved_to} (kept, no longer resumed from)")
+        if self._set_aside_ckpt:
+            from llmq_ray.observe.runlog import set_aside_name
+
+            kept = set_aside_name(self._set_aside_ckpt, default_ext="")
+            os.replace(self._set_aside_ckpt, kept)
+            self.lines.append(f"checkpoints: an earlier run's checkpoints at {self._set_aside_ckpt} were kept as "
+                              f"{kept} (pass --continue to resume a run instead)")
         if self.verbose:
             for line in self.lines:
                 print(line, flush=True)
@@ -347,6 +367,15 @@ class LLMQTrainer:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ConfigError(f"--step-timeout-s={t!r} must be a number of seconds > 0 (default 1800: a step "
                               f"that takes longer counts as a hung worker).")
+        for flag in ("ckpt_minutes", "restart_wait_s"):
+            v = r[flag]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ConfigError(f"--{flag.replace('_', '-')}={v!r} must be a number >= 0.")
+        if r["run_id"] is None:
+            r["run_id"] = new_run_id()
+        elif not (isinstance(r["run_id"], str) and re.fullmatch(r"[A-Za-z0-9._-]{1,64}", r["run_id"])):
+            raise ConfigError(f"--run-id={r['run_id']!r} must be 1-64 letters, digits, '.', '_' or '-' (it becomes a "
+                              f"metric label).")
         if not (isinstance(r["spike_threshold"], (int, float)) and r["spike_threshold"] > 0):
             raise ConfigError(f"--spike-threshold={r['spike_threshold']!r} must be a number > 0.")
         if r["ckpt_keep_n"] == 1:
@@ -375,8 +404,16 @@ class LLMQTrainer:
         explicit = r["log_file"] is not None
         log = r["log_file"] or storage.join(r["out_dir"], "log.jsonl")  # as given: the message names it
         check_log_file(log, "--log-file" if explicit else "--out-dir", self.resume not in (False, None), explicit)
-        if self.resume in (False, None) and (self.checkpoint_on_exit or r["ckpt_interval"]):
-            check_fresh_checkpoint_dir(self.checkpoint_dir)
+        self._set_aside_ckpt = None
+        if self.resume in (False, None) and (self.checkpoint_on_exit or r["ckpt_interval"] or r["ckpt_minutes"]):
+            try:
+                check_fresh_checkpoint_dir(self.checkpoint_dir)
+            except CheckpointError:
+                if not (self._default_ckpt_dir and not storage.is_remote(self.checkpoint_dir)):
+                    raise  # a folder the user named: never move it, say so
+                # checkpoints are on by default (--ckpt-minutes) into out_dir/ckpt: a second fresh run in the same
+                # --out-dir keeps the first one's checkpoints beside it (moved once every check has passed)
+                self._set_aside_ckpt = self.checkpoint_dir
 
     def _check_data(self) -> None:
         """Every train/eval file: header, size, token ids against the model's vocabulary; one window at least."""
@@ -428,7 +465,9 @@ class LLMQTrainer:
 
         if not ray.is_initialized():
             kwargs = {"address": self.ray_address, "log_to_driver": True}
-            if self.ray_address is None:
+            # RAY_ADDRESS (set by `ray job submit` for its entrypoint) names a cluster to join, unless it says "local"
+            joins = os.environ.get("RAY_ADDRESS", "local") != "local"
+            if self.ray_address is None and not joins:
                 # a fresh local instance: declare more CPUs than the workers take (Ray Data needs spare ones)
                 kwargs.update(num_cpus=max(os.cpu_count() or 1, (self.runtime["workers"] or 1) + 2),
                               dashboard_host="127.0.0.1")
@@ -482,7 +521,9 @@ class LLMQTrainer:
                            fault=r["fault"], wandb_project=r["wandb_project"],
                            wandb_run_name=r["wandb_run_name"], log_gpu_util=r["log_gpu_util"],
                            rendezvous_ports=parse_port_range(r["rendezvous_port_range"]),
-                           socket_ifname=r["socket_ifname"])
+                           socket_ifname=r["socket_ifname"], ckpt_minutes=float(r["ckpt_minutes"]),
+                           elastic=bool(r["elastic"]), restart_wait_s=float(r["restart_wait_s"]),
+                           run_id=r["run_id"])
 
     def start(self) -> dict:
         """Join/start Ray, place the workers and build their engines (done lazily by every other call)."""
@@ -495,22 +536,14 @@ class LLMQTrainer:
 
     def _start(self) -> dict:
         ray = self._init_ray()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from llmq_ray.actors.coordinator import Coordinator
-        from llmq_ray.actors.worker import PROBE_GROUP
-
         self.spec = self._build_spec(ray)
         from llmq_ray.actors.placement import check_resources
 
         check_resources(self.spec)  # --gpus above what exists: one sentence, before any actor starts
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         env.update(forwarded_env(self.runtime["forward_env"]))  # credentials, endpoints, NCCL/GLOO, W&B...
-        here = ray.get_runtime_context().get_node_id()
-        # the probe group runs Coordinator.progress beside a running call (the eval bar polls it)
-        self.coordinator = ray.remote(concurrency_groups={PROBE_GROUP: 1})(Coordinator).options(
-            num_cpus=0, max_restarts=0, runtime_env={"env_vars": env},
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(self.spec)
+        self._coordinator_env = env
+        self.coordinator = self._new_coordinator(self.spec)
         try:
             self.info = self._get(self.coordinator.start.remote(self.notes), "start-up")
         except BaseException as exc:
@@ -522,6 +555,51 @@ class LLMQTrainer:
             self._print_setup()
         self._print(self.info["lines"])
         return self.info
+
+    def _new_coordinator(self, spec: RuntimeSpec):
+        """The coordinator actor of ``spec``, on the driver's node when it can be (the log is local to the user)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from llmq_ray.actors.coordinator import Coordinator
+        from llmq_ray.actors.worker import PROBE_GROUP
+
+        here = ray.get_runtime_context().get_node_id()
+        # the probe group runs Coordinator.progress beside a running call (the eval bar polls it)
+        return ray.remote(concurrency_groups={PROBE_GROUP: 1})(Coordinator).options(
+            num_cpus=0, max_restarts=0, runtime_env={"env_vars": self._coordinator_env},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(spec)
+
+    def _replace_coordinator(self, lost: CoordinatorLost) -> int:
+        """The coordinator died (its process was killed, or its node lost while the driver lives on): start a
+        new one that resumes from the newest valid checkpoint (or from the start when there is none yet), up to
+        --max-restarts times. Its workers and placement group died with it (Ray's fate sharing). Returns the
+        step the new coordinator goes on from; re-raises ``lost`` when restarts are off or used up."""
+        import ray
+
+        from llmq_ray.checkpoints.store import CheckpointWarning, find_latest_valid
+
+        self._coordinator_restarts += 1
+        limit = self.runtime["max_restarts"]
+        if not self.spec.checkpoints_on or self._coordinator_restarts > limit:
+            raise lost
+        try:
+            ray.kill(self.coordinator)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self.coordinator = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", CheckpointWarning)
+            folder = find_latest_valid(self.checkpoint_dir) or self.spec.resume_from
+        notes = [str(w.message) for w in caught]
+        self._say(f"warning: {str(lost).rstrip('.')}; restarting the coordinator from "
+                  f"{folder or 'scratch (no checkpoint yet)'} (restart {self._coordinator_restarts}/{limit}).",
+                  sys.stderr)
+        self.spec = dataclasses.replace(self.spec, resume_from=folder, append_log=True, fault=None)
+        self.coordinator = self._new_coordinator(self.spec)
+        self.info = self._get(self.coordinator.start.remote(notes), "start-up after the coordinator was lost")
+        self._print(self.info["lines"])
+        return int(self.info["step"])
 
     def _print_setup(self) -> None:
         s, i = self.spec, self.info
@@ -563,7 +641,7 @@ class LLMQTrainer:
                 raise cause from None
             raise wrap_error(exc, None, what) from None
         except rex.RayActorError as exc:
-            raise wrap_error(exc, None, what) from None
+            raise CoordinatorLost(str(wrap_error(exc, None, what))) from None
 
     def _eval_progress(self) -> Optional[dict]:
         """The coordinator's report on the eval running now (see ``Coordinator.progress``); None if none,
@@ -648,9 +726,18 @@ class LLMQTrainer:
             while len(in_flight) < 2 and submitted < self.opts.steps and not self._stop_requested.is_set():
                 in_flight.append(self.coordinator.train_step.remote())
                 submitted += 1
-            out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout(), bar=evals)
+            try:
+                out = self._get(in_flight.popleft(), f"step {done + 1}", self._step_timeout(), bar=evals)
+            except CoordinatorLost as lost:
+                in_flight.clear()  # the queued step died with it
+                done = submitted = self._replace_coordinator(lost)
+                bar.n = done
+                continue
             if out.get("stopped"):
                 continue  # queued behind the stop request: nothing was trained
+            if out.get("drain") and not self._stop_requested.is_set():
+                self._stop_reason = out["drain"]  # Ray's preemption notice: stop as on SIGTERM
+                self.request_stop()
             done += 1
             self._steps_done = done
             if self.verbose:
@@ -703,7 +790,7 @@ class LLMQTrainer:
         from llmq_ray.train.stop_signals import EXIT_CODE_REQUEST, EXIT_CODES, signal_name
 
         self._stop_requested.set()
-        name = signal_name(self._stop_signal)
+        name = self._stop_reason or signal_name(self._stop_signal)
         info = {"step": self._steps_done, "checkpoint": None, "written": False, "note": ""}
         if self.coordinator is not None:
             info = self._get(self.coordinator.stop.remote(name, self.checkpoint_on_exit), "stop")

@@ -1,0 +1,122 @@
+"""One multi-node run on a simulated Ray cluster, in a process of its own (tests/test_cluster_survival.py runs it).
+
+    python tests/_cluster_scenario.py SPEC_JSON OUT_JSON
+
+``ray.cluster_utils.Cluster`` starts one raylet per "node" on this machine: a head node with no CPUs (the driver
+and the coordinator, which takes none) and ``spec["nodes"]`` worker nodes of one CPU each, so each holds exactly
+one CPU worker. Every node has its own cache folder (``LLMQ_RAY_CACHE``, where it fetches the shards and stages
+checkpoints), and the run reads its shards from and writes its checkpoints to s3:// (the S3 server's address
+comes in the environment), so nothing is shared through the local disk. With ``spec["remove_after_step"]``
+a watcher thread waits until the checkpoint of that step is on the store, then removes one node that holds a
+worker (``allow_graceful=False``: its raylet and workers are killed, as when a machine is lost), and with
+``spec["add_after_remove"]`` adds a fresh node after that many seconds.
+
+Writes {"history": per-step records, "log": the run's log records, "error": the error sentence or None,
+"removed_at": seconds into the run or None} to OUT_JSON. A process of its own because a Cluster cannot share
+a process with the test session's Ray instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+# Ray notices a lost raylet after health_check_period_ms x failure_threshold (default 3 s x 5): 1 s x 5 here
+# (shorter periods mark busy nodes dead by mistake on a loaded 2-core machine)
+SYSTEM_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
+                 "health_check_failure_threshold": 5}
+
+
+def _manifest_on_store(ckpt_dir: str, step: int) -> bool:
+    from llmq_ray.checkpoints.store import has_manifest, step_dir
+
+    try:
+        return has_manifest(step_dir(ckpt_dir, step))
+    except Exception:  # noqa: BLE001 - not there yet
+        return False
+
+
+def _node_of_a_worker(cluster):
+    """A worker node that holds a bundle of the run's placement group (the one rank 1 runs on, if possible)."""
+    import ray
+
+    for pg in ray.util.placement_group_table().values():
+        if pg.get("state") != "CREATED":
+            continue
+        where = pg.get("bundles_to_node_id") or {}
+        wanted = [where[i] for i in sorted(where)]
+        for node_id in reversed(wanted):
+            for node in cluster.worker_nodes:
+                if node.node_id == node_id:
+                    return node
+    return None
+
+
+def main(spec_path: str, out_path: str) -> None:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from llmq_ray.errors import LLMQError
+    from llmq_ray.observe.runlog import read_log
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    spec = json.load(open(spec_path))
+    root = spec["root"]
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
+                                                                _system_config=SYSTEM_CONFIG))
+
+    def add_node(i: int):
+        cache = os.path.join(root, f"node{i}")
+        os.makedirs(cache, exist_ok=True)
+        return cluster.add_node(num_cpus=1, env_vars={"LLMQ_RAY_CACHE": cache})
+
+    for i in range(spec["nodes"]):
+        add_node(i)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    deadline = time.monotonic() + 60  # the driver's view of the cluster's resources lags the nodes' start by a moment
+    while ray.cluster_resources().get("CPU", 0) < spec["nodes"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    out = {"history": [], "log": [], "error": None, "removed_at": None}
+    t0 = time.monotonic()
+
+    def remove_one():
+        while not _manifest_on_store(spec["kwargs"]["checkpoint_dir"], spec["remove_after_step"]):
+            if time.monotonic() - t0 > 120:
+                return
+            time.sleep(0.1)
+        node = _node_of_a_worker(cluster)
+        if node is None:
+            return
+        cluster.remove_node(node, allow_graceful=False)
+        out["removed_at"] = time.monotonic() - t0
+        if spec.get("add_after_remove") is not None:
+            time.sleep(spec["add_after_remove"])
+            add_node(spec["nodes"])
+
+    watcher = None
+    if spec.get("remove_after_step"):
+        watcher = threading.Thread(target=remove_one, daemon=True)
+        watcher.start()
+    trainer = LLMQTrainer(**spec["kwargs"])
+    try:
+        result = trainer.fit()
+        out["history"] = result.history
+        log = result.log_file
+    except LLMQError as exc:
+        out["error"] = str(exc)
+        log = trainer._log_path()
+    out["log"] = read_log(log)
+    if watcher is not None:
+        watcher.join(timeout=5)
+    with open(out_path, "w") as f:
+        json.dump(out, f, default=str)
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,117 @@
+"""Surviving a lost node on a simulated 3-node Ray cluster (``ray.cluster_utils.Cluster``, one raylet per node, each
+with its own cache folder) with shards and checkpoints on an S3 server (moto) -- issue 24's survival points:
+
+(a) a spare node: the run restarts there from the last checkpoint and ends with the uninterrupted run's losses;
+(b) no spare, ``elastic=True``: the run goes on with 1 worker (grad accumulation doubled), the log records it;
+(c) no spare, no elastic: the restart says what it waits for and gives up after ``restart_wait_s``.
+
+Each scenario runs in a process of its own (tests/_cluster_scenario.py), since a Cluster cannot share a process
+with the session's Ray instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 10
+COMMON = dict(model="tiny", device="cpu", workers=2, backend="torch", batch_size=2, seq_len=16, steps=STEPS,
+              warmup=0, export=False, final_eval=False, eval_every_n_steps=0, verbose=False, use_ray_data=False,
+              ckpt_interval=2, ckpt_minutes=0, ckpt_keep_n=5, step_timeout_s=60.0, collective_timeout_s=20.0)
+# rank 0 sleeps 0.3 s per step (in every group) so the watcher removes the node while the run is under way
+SLOW = {"rank": 0, "step": 0, "kind": "slow_step", "seconds": 0.3, "every_group": True}
+
+
+@pytest.fixture(scope="module")
+def bucket(s3, shards):
+    """The shards on the S3 server; returns the train file's URI."""
+    with open(shards.train, "rb") as f:
+        data = f.read()
+    with s3.open_output_stream("bucket/survival/data/train.bin") as f:
+        f.write(data)
+    return "s3://bucket/survival/data/train.bin"
+
+
+def _scenario(tmp_path, name: str, nodes: int, **extra) -> dict:
+    kwargs = dict(COMMON, train_file=extra.pop("train_file"), out_dir=str(tmp_path / "out"),
+                  checkpoint_dir=f"s3://bucket/survival/{name}/ckpt", fault=SLOW, **extra.pop("kwargs", {}))
+    spec = dict(root=str(tmp_path / "nodes"), nodes=nodes, kwargs=kwargs, **extra)
+    spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_cluster_scenario.py"), str(spec_path),
+                           str(out_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out_path.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, shards, tmp_path_factory):
+    """The uninterrupted 2-worker run's per-step losses (same data, seed and batch)."""
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    out = tmp_path_factory.mktemp("reference")
+    kw = dict(COMMON, train_file=shards.train, out_dir=str(out), checkpoint_dir=str(out / "ckpt"))
+    return [r["loss"] for r in LLMQTrainer(**kw).fit().history]
+
+
+def _story(out: dict) -> str:
+    """What went wrong, for an assertion message: the error and the log's failure/restart records."""
+    kinds = ("failure", "restart", "waiting", "elastic", "resume", "warning", "end")
+    return f"{out['error']} | removed at {out['removed_at']} | " + " / ".join(
+        f"{r['log']}: {r.get('error') or r.get('message') or r.get('reason') or r.get('checkpoint') or ''}"
+        for r in out["log"] if r.get("log") in kinds)
+
+
+def _kinds(log: list, kind: str) -> list:
+    return [r for r in log if r.get("log") == kind]
+
+
+def test_a_lost_node_is_replaced_by_a_spare_and_the_losses_stay_those_of_the_uninterrupted_run(
+        bucket, reference, tmp_path):
+    out = _scenario(tmp_path, "spare", nodes=3, train_file=bucket, remove_after_step=4)
+    assert out["error"] is None and out["removed_at"] is not None, _story(out)
+    assert [r["step"] for r in out["history"]] == list(range(STEPS))
+    assert [r["loss"] for r in out["history"]] == reference  # bit for bit: fp32 on CPU, same world size
+    (restart,) = _kinds(out["log"], "restart")
+    assert restart["checkpoint"].startswith("s3://bucket/survival/spare/ckpt/step_")
+    assert not _kinds(out["log"], "elastic")
+
+
+def test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch(bucket, reference, tmp_path):
+    out = _scenario(tmp_path, "elastic", nodes=2, train_file=bucket, remove_after_step=4,
+                    kwargs=dict(elastic=True, restart_wait_s=60.0))
+    assert out["error"] is None, _story(out)
+    assert [r["step"] for r in out["history"]] == list(range(STEPS))
+    (shrink,) = _kinds(out["log"], "elastic")
+    assert (shrink["from_world_size"], shrink["world_size"]) == (2, 1)
+    assert (shrink["from_grad_accumulation"], shrink["grad_accumulation"]) == (1, 2)
+    resumed = _kinds(out["log"], "resume")[-1]
+    assert (resumed["saved_world_size"], resumed["world_size"]) == (2, 1)
+    # the same global batch on 1 worker: the losses differ from the 2-worker run's only by the summation order
+    np.testing.assert_allclose([r["loss"] for r in out["history"]], reference, rtol=1e-5, atol=0)
+    assert [r["tokens"] for r in out["history"]] == [2 * 2 * 16] * STEPS
+
+
+def test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up(bucket, tmp_path):
+    out = _scenario(tmp_path, "waiting", nodes=2, train_file=bucket, remove_after_step=4,
+                    kwargs=dict(restart_wait_s=7.0))
+    assert out["error"] is not None and out["removed_at"] is not None
+    # the API's names (the CLI says --elastic and --restart-wait-s)
+    assert "; restart 1/3 gave up: Ray could not place 2 worker(s) of {CPU: 1} within 7 s: the cluster's alive " \
+           "nodes can hold only 1; pass elastic=True to go on with the workers that can be placed, or raise " \
+           "restart_wait_s." in out["error"], out["error"]
+    assert out["error"].startswith("node 127.0.0.1 died during "), out["error"]  # a step or a checkpoint save
+    (waiting,) = _kinds(out["log"], "waiting")
+    assert waiting["message"] == ("waiting up to 7 s for room for 2 worker(s) of {CPU: 1}: the cluster's alive "
+                                  "nodes can hold 1.")
+    assert _kinds(out["log"], "end")[-1]["reason"] == "failed"

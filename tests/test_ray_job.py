@@ -1,0 +1,118 @@
+"""``ray job submit`` of a CPU run to a simulated cluster (tests/_cluster_serve.py), then ``ray job stop``: the
+stop reaches the run as SIGTERM, which writes a checkpoint of the last completed step to the S3 store before
+the job ends; a resubmitted job with ``--continue`` finishes with the per-step losses of an uninterrupted run,
+bit for bit (fp32 on CPU, one worker)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from llmq_ray import storage
+from llmq_ray.observe.runlog import read_log
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 24
+FLAGS = ["--device", "cpu", "--model", "tiny", "--backend", "torch", "--model-dtype", "fp32", "--batch-size", "2",
+         "--seq-len", "16", "--steps", str(STEPS), "--warmup", "2", "--eval-every-n-steps", "0", "--no-final-eval",
+         "--no-export", "--sample-tokens", "0", "--no-progress", "--no-ray-data", "--workers", "1",
+         "--ckpt-minutes", "0"]
+
+
+@pytest.fixture(scope="module")
+def job_cluster(tmp_path_factory):
+    """The simulated cluster's job server address (the cluster runs in a process of its own)."""
+    info = tmp_path_factory.mktemp("jobcluster") / "info.json"
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_cluster_serve.py"), str(info)],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 180
+    while not info.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the simulated cluster did not come up"
+        time.sleep(0.5)
+    time.sleep(0.2)
+    try:
+        yield json.loads(info.read_text())["dashboard"]
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _ray_job(dashboard: str, *args: str, timeout: float = 240) -> str:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    deadline = time.monotonic() + 90
+    while True:  # the job agent of the head node comes up a little after the dashboard
+        proc = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "job", args[0], "--address", dashboard,
+                               *args[1:]],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        if "No available agent" not in proc.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _runtime_env() -> str:
+    """The S3 server's address and credentials for the job (the workers get them forwarded by the driver)."""
+    keep = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "LLMQ_RAY_CACHE",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env["LLMQ_RAY_TEST_FAULT"] = json.dumps({"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3})
+    return json.dumps({"env_vars": env})
+
+
+def _steps(log: list) -> dict:
+    """The loss of every step in the log (a step trained again after a resume replaces the earlier record)."""
+    return {r["step"]: r["loss"] for r in log if r.get("log") == "step"}
+
+
+def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exact(
+        job_cluster, s3, ray_cluster, shards, tmp_path):
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    with open(shards.train, "rb") as f, s3.open_output_stream("bucket/job/data/train.bin") as g:
+        g.write(f.read())
+    store, out = "s3://bucket/job/ckpt", tmp_path / "out"
+    flags = FLAGS + ["--train-file", "s3://bucket/job/data/train.bin", "--checkpoint-dir", store,
+                     "--out-dir", str(out)]
+    entry = [sys.executable, "-m", "llmq_ray.train.cli"] + flags
+    submitted = _ray_job(job_cluster, "submit", "--no-wait", "--runtime-env-json", _runtime_env(), "--", *entry)
+    job_id = next(w for w in submitted.replace("'", " ").split() if w.startswith("raysubmit_"))
+    log_file = out / "log.jsonl"
+    deadline = time.monotonic() + 120
+    while len(_steps(read_log(str(log_file)) if log_file.exists() else [])) < 4:  # a few steps under way
+        assert time.monotonic() < deadline, _ray_job(job_cluster, "logs", job_id)
+        time.sleep(0.3)
+    _ray_job(job_cluster, "stop", job_id)
+    status = _ray_job(job_cluster, "status", job_id)
+    assert "was stopped" in status, status
+    log = read_log(str(log_file))
+    end = [r for r in log if r.get("log") == "end"][-1]
+    assert end["reason"] == "stopped" and end["signal"] == "SIGTERM" and end["checkpoint_written"], end
+    last = max(_steps(log))
+    assert end["step"] == last + 1 < STEPS  # the checkpoint holds every completed step
+    assert end["checkpoint"] == storage.join(store, f"step_{last + 1:08d}")
+    assert f"step_{last + 1:08d}" in storage.list_names(store)
+
+    again = _ray_job(job_cluster, "submit", "--runtime-env-json", _runtime_env(), "--", *entry,
+                     "--continue")
+    assert "succeeded" in again, again
+    ours = _steps(read_log(str(log_file)))
+    reference = LLMQTrainer(model="tiny", device="cpu", backend="torch", model_dtype="fp32", batch_size=2, seq_len=16,
+                            steps=STEPS, warmup=2, eval_every_n_steps=0, final_eval=False, export=False, workers=1,
+                            use_ray_data=False, ckpt_minutes=0, train_file=shards.train, verbose=False,
+                            out_dir=str(tmp_path / "reference")).fit()
+    assert [ours[s] for s in range(STEPS)] == [r["loss"] for r in reference.history]
