@@ -9,10 +9,11 @@ checkpoints), and the run reads its shards from and writes its checkpoints to s3
 comes in the environment), so nothing is shared through the local disk. With ``spec["remove_after_step"]``
 a watcher thread waits until the checkpoint of that step is on the store, then removes one node that holds a
 worker (``allow_graceful=False``: its raylet and workers are killed, as when a machine is lost), and with
-``spec["add_after_remove"]`` adds a fresh node after that many seconds.
+``spec["add_after_remove"]`` adds a fresh node after that many seconds; with ``spec["drain_after_step"]`` it
+sends Ray's drain notice (reason: preemption, 60 s deadline) for such a node instead.
 
 Writes {"history": per-step records, "log": the run's log records, "error": the error sentence or None,
-"removed_at": seconds into the run or None} to OUT_JSON. A process of its own because a Cluster cannot share
+"removed_at" / "drained_at": seconds into the run or None, "stopped": ``Result.stopped``} to OUT_JSON. A process of its own because a Cluster cannot share
 a process with the test session's Ray instance.
 """
 
@@ -97,7 +98,23 @@ def main(spec_path: str, out_path: str) -> None:
             time.sleep(spec["add_after_remove"])
             add_node(spec["nodes"])
 
+    def drain_one():  # Ray's drain notice for a node of ours, as a cloud's preemption warning gives it
+        from ray.core.generated import autoscaler_pb2
+
+        while not _manifest_on_store(spec["kwargs"]["checkpoint_dir"], spec["drain_after_step"]):
+            if time.monotonic() - t0 > 120:
+                return
+            time.sleep(0.1)
+        node = _node_of_a_worker(cluster)
+        gcs = ray._raylet.GcsClient(address=cluster.address)
+        accepted, why = gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.Value(
+            "DRAIN_NODE_REASON_PREEMPTION"), "spot instance preempted", int(time.time() * 1000) + 60_000)
+        out["drained_at"] = time.monotonic() - t0 if accepted else f"refused: {why}"
+
     watcher = None
+    if spec.get("drain_after_step"):
+        watcher = threading.Thread(target=drain_one, daemon=True)
+        watcher.start()
     if spec.get("remove_after_step"):
         watcher = threading.Thread(target=remove_one, daemon=True)
         watcher.start()
@@ -105,6 +122,7 @@ def main(spec_path: str, out_path: str) -> None:
     try:
         result = trainer.fit()
         out["history"] = result.history
+        out["stopped"] = result.stopped
         log = result.log_file
     except LLMQError as exc:
         out["error"] = str(exc)

@@ -1,9 +1,12 @@
 """Surviving a lost node on a simulated 3-node Ray cluster (``ray.cluster_utils.Cluster``, one raylet per node, each
 with its own cache folder) with shards and checkpoints on an S3 server (moto) -- issue 24's survival points:
 
+Every location is a URI (shards, checkpoints, the out-dir with the log): nothing is shared through a local disk.
+
 (a) a spare node: the run restarts there from the last checkpoint and ends with the uninterrupted run's losses;
 (b) no spare, ``elastic=True``: the run goes on with 1 worker (grad accumulation doubled), the log records it;
-(c) no spare, no elastic: the restart says what it waits for and gives up after ``restart_wait_s``.
+(c) no spare, no elastic: the restart says what it waits for and gives up after ``restart_wait_s``;
+(d) Ray's drain notice (a preemption warning) for a node of ours: a checkpoint at the step boundary and a clean stop.
 
 Each scenario runs in a process of its own (tests/_cluster_scenario.py), since a Cluster cannot share a process
 with the session's Ray instance.
@@ -41,7 +44,7 @@ def bucket(s3, shards):
 
 
 def _scenario(tmp_path, name: str, nodes: int, **extra) -> dict:
-    kwargs = dict(COMMON, train_file=extra.pop("train_file"), out_dir=str(tmp_path / "out"),
+    kwargs = dict(COMMON, train_file=extra.pop("train_file"), out_dir=f"s3://bucket/survival/{name}/out",
                   checkpoint_dir=f"s3://bucket/survival/{name}/ckpt", fault=SLOW, **extra.pop("kwargs", {}))
     spec = dict(root=str(tmp_path / "nodes"), nodes=nodes, kwargs=kwargs, **extra)
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
@@ -115,3 +118,17 @@ def test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up(bucket,
     assert waiting["message"] == ("waiting up to 7 s for room for 2 worker(s) of {CPU: 1}: the cluster's alive "
                                   "nodes can hold 1.")
     assert _kinds(out["log"], "end")[-1]["reason"] == "failed"
+
+
+def test_a_drain_notice_for_a_node_of_ours_stops_the_run_with_a_checkpoint_as_sigterm_does(bucket, tmp_path):
+    out = _scenario(tmp_path, "drain", nodes=2, train_file=bucket, drain_after_step=2,
+                    kwargs=dict(steps=40))
+    assert out["error"] is None and isinstance(out.get("drained_at"), float), _story(out)
+    stopped = out["stopped"]
+    assert stopped is not None and stopped["written"] and 2 <= stopped["step"] < 40, stopped
+    assert stopped["signal"].startswith("node 127.0.0.1 is being drained (Ray's drain notice, to be shut down in ")
+    assert stopped["checkpoint"] == f"s3://bucket/survival/drain/ckpt/step_{stopped['step']:08d}"
+    end = _kinds(out["log"], "end")[-1]
+    assert end["reason"] == "stopped" and end["checkpoint_written"] and end["step"] == stopped["step"]
+    (warning,) = [w for w in _kinds(out["log"], "warning") if w["kind"] == "drain"]
+    assert warning["message"].endswith(f": stopping after step {stopped['step']} with a checkpoint, as on SIGTERM.")

@@ -315,3 +315,39 @@ def test_signal_handlers_leave_ignored_signals_alone(monkeypatch):
         for s, h in previous.items():
             signal.signal(s, h)
     assert signal.getsignal(signal.SIGTERM) is previous[signal.SIGTERM]
+
+
+def test_a_coordinator_that_dies_is_started_again_from_the_last_checkpoint(ray_cluster, shards, tmp_path):
+    """The coordinator actor is killed mid-run (as when its process is OOM-killed): the driver starts a new one
+    from the newest valid checkpoint, which finishes the run with the uninterrupted run's losses in one log."""
+    import threading
+
+    import ray
+
+    out = tmp_path / "run"
+    slow = {"rank": 0, "step": 0, "kind": "slow_step", "seconds": 0.2, "every_group": True}
+    trainer = _api_run(shards, out, steps=10, ckpt_interval=2, fault=slow)
+    killed = {}
+
+    def kill_after_step_4():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            log = str(out / "log.jsonl")
+            if os.path.exists(log) and any(r["log"] == "checkpoint" and r["step"] >= 4 for r in read_log(log)):
+                killed["coordinator"] = trainer.coordinator
+                ray.kill(trainer.coordinator)
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=kill_after_step_4, daemon=True)
+    watcher.start()
+    result = trainer.fit()
+    watcher.join(5)
+    assert killed and trainer.coordinator is None  # closed at the end; the killed one was replaced
+    assert [r["step"] for r in result.history] == list(range(10))
+    records = read_log(result.log_file)
+    resumes = [r for r in records if r["log"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] >= 4 and resumes[0]["path"].startswith(str(out / "ckpt"))
+    assert [r["reason"] for r in records if r["log"] == "end"] == ["finished"]
+    reference = _api_run(shards, tmp_path / "ref", steps=10).fit()
+    assert [r["loss"] for r in steps_as_one_run(records)] == [r["loss"] for r in reference.history]

@@ -134,9 +134,13 @@ def _dumps(record: dict) -> str:
 
 def read_log(path: str) -> list[dict]:
     """The records of a run log: JSON Lines (one record per line; a last line cut short by a crash is skipped)
-    or the single JSON list of earlier versions. ValueError naming the file (and line) otherwise."""
-    with open(path) as f:
-        text = f.read()
+    or the single JSON list of earlier versions; ``path`` may be a URI (a log on an object store). ValueError
+    naming the file (and line) otherwise."""
+    if storage.is_remote(path):
+        text = storage.read_bytes(path).decode()
+    else:
+        with open(path) as f:
+            text = f.read()
     if text.lstrip().startswith("["):
         try:
             records = json.loads(text)

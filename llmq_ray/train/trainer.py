@@ -220,6 +220,7 @@ class LLMQTrainer:
         self._stopped: Optional[dict] = None     # what stop() returned
         self._stop_reason: Optional[str] = None  # why the run stops when no signal says it (a drain notice)
         self._coordinator_restarts = 0           # coordinators started again after the previous one died
+        self._seen: list = []                    # every step record fit() received (kept across coordinators)
 
     def _configure(self, options, option_fields: dict, runtime: dict, *, resume, ray_address, checkpoint_on_exit,
                    allow_batch_change) -> None:
@@ -685,6 +686,9 @@ class LLMQTrainer:
                 self._ended = True
                 self._print(fin["lines"])
                 hist = self._get(self.coordinator.get_history.remote(), "history")
+                if self._coordinator_restarts:  # the steps before the new coordinator's resume point, as seen here
+                    first = hist["steps"][0]["step"] if hist["steps"] else self.opts.steps
+                    hist["steps"] = [r for r in self._seen if r["step"] < first] + hist["steps"]
                 summary = fin["summary"]
                 if self.verbose:
                     self._print_summary(summary)
@@ -740,6 +744,8 @@ class LLMQTrainer:
                 self.request_stop()
             done += 1
             self._steps_done = done
+            if out.get("record"):
+                self._seen.append(out["record"])
             if self.verbose:
                 for line in out["lines"]:
                     try:
