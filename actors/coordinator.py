@@ -23,7 +23,12 @@ valid checkpoint this run wrote (or started from; from scratch when there is non
 steps again and then the step it was asked for -- up to
 ``max_restarts`` times per run, with "failure" / "restart" / "resume" records in the log. This needs
 checkpoints (``ckpt_interval`` or ``ckpt_minutes``, on by default); without them the first failure ends the run. User errors (config,
-data, a checkpoint that cannot be written) are never retried. The step-level calls (``micro_step`` /
+data, a checkpoint that cannot be written) are never retried. Placing the new group waits up to
+``restart_wait_s`` for room (a "waiting" record and line) and then gives up in one sentence; with ``elastic`` it
+goes on with the workers the alive nodes can hold (``_shrink``: the global batch kept by raising the gradient
+accumulation, an "elastic" record). A rank whose actor died while its node's raylet stops answering is named by
+its node once Ray reports the node dead (``_name_lost_node``). The driver starts a new coordinator if this one
+dies (llmq_ray/train/trainer.py, ``_replace_coordinator``). The step-level calls (``micro_step`` /
 ``update``) do not restart by themselves. A hang is pinned on the rank that hung, not on the peers that
 wait for it in a collective (actors/failures.py, ``find_hung_ranks``); when the restarts are used up, the
 run ends with one sentence naming that rank and the timeout.
