@@ -190,6 +190,10 @@ def publish_group_checkpoint(spec: RuntimeSpec, pending: PendingUpload, statuses
     removed)."""
     failed = [(r, s["error"]) for r, s in enumerate(statuses) if s.get("error")]
     reason = None
+    if any(rec.get("pending") for rec in pending.records):  # written on the upload threads: their records now
+        by_rank = {int(s["record"]["rank"]): s["record"] for s in statuses if s.get("record")}
+        pending.records = [by_rank.get(int(rec["rank"]), rec) if rec.get("pending") else rec
+                           for rec in pending.records]
     if failed:
         rank, why = failed[0]
         reason = f"{why} (rank {rank}" + (f" and {len(failed) - 1} more" if len(failed) > 1 else "") + ")"

@@ -95,6 +95,7 @@ class GPUWorker:
         telemetry.set_run_id(spec.run_id)  # the run_id tag of every metric this worker publishes
         self.faults = FaultInjector(spec.fault, rank)  # tests only: does nothing without spec.fault
         self._uploads = None  # checkpoint uploads running in the background (llmq_ray/checkpoints/remote.py)
+        self._snapshot = None  # the reused host buffers a background checkpoint is copied into (HostSnapshot)
         self.world_size = spec.world_size
         self.engine: TrainEngine | None = None
         self.device: torch.device | None = None
@@ -312,8 +313,10 @@ class GPUWorker:
         A full disk raises the CheckpointError sentence of llmq_ray/checkpoints/store.py. ``upload_to``: the
         checkpoint's URI on an object store; ``tmp_dir`` is then a staging folder on this node (made here if
         this is not the coordinator's node), and the shard is uploaded from it: before returning, or with
-        ``background`` on this worker's upload thread after returning (the file is written and hashed
-        first either way; ``upload_status`` tells when the upload is done).
+        ``background`` on this worker's upload thread after returning: then only a copy of the state into
+        reused (pinned) host buffers happens before returning, and the file is written, hashed and uploaded on
+        that thread; the record is {"rank", "pending": True} and ``upload_status`` returns the real one when
+        the upload is done.
 
         With --zero-scope node every node holds a copy of the shards: only the first node's ranks write theirs
         (as shard files 0 .. L-1: a checkpoint of L shards); the others return None and their data state."""
@@ -326,13 +329,21 @@ class GPUWorker:
         if upload_to is not None:
             os.makedirs(tmp_dir, exist_ok=True)
         self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
-        rec = write_rank_shard(tmp_dir, e.comm.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
         if upload_to is not None and background:
-            from llmq_ray.checkpoints.remote import BackgroundUploads
+            from llmq_ray.checkpoints.remote import BackgroundUploads, HostSnapshot
 
+            # the only synchronous part: a copy of the state into (pinned) host buffers; the file is written,
+            # hashed and uploaded on the upload thread while the next steps train
+            self._snapshot = self._snapshot or HostSnapshot()
+            state = self._snapshot.take(engine_checkpoint_tensors(e))
+            rank, start, end = e.comm.rank, e.shard_start, e.shard_end
             self._uploads = self._uploads or BackgroundUploads()
-            self._uploads.submit(step, tmp_dir, rec, upload_to, before=lambda: self.faults.uploading(step))
-        elif upload_to is not None:
+            self._uploads.submit(step, tmp_dir, None, upload_to, before=lambda: self.faults.uploading(step),
+                                 write=lambda: write_rank_shard(tmp_dir, rank, state, start, end))
+            self.faults.after_saving(step)
+            return {"rank": rank, "pending": True}, self.data_state()
+        rec = write_rank_shard(tmp_dir, e.comm.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
+        if upload_to is not None:
             from llmq_ray.checkpoints.remote import upload_rank_shard
 
             upload_rank_shard(tmp_dir, rec, upload_to)

@@ -41,8 +41,12 @@ def _manifest_on_store(ckpt_dir: str, step: int) -> bool:
 
 
 def _node_of_a_worker(cluster):
-    """A worker node that holds a bundle of the run's placement group (the one rank 1 runs on, if possible)."""
+    """A worker node that holds a bundle of the run's placement group (the one rank 1 runs on, if possible), and
+    not the driver's: on a one-machine cluster the driver may attach to any node's raylet, and the coordinator
+    runs beside it (losing the driver's node is losing the job, not a worker)."""
     import ray
+
+    drivers = ray.get_runtime_context().get_node_id()
 
     for pg in ray.util.placement_group_table().values():
         if pg.get("state") != "CREATED":
@@ -51,7 +55,7 @@ def _node_of_a_worker(cluster):
         wanted = [where[i] for i in sorted(where)]
         for node_id in reversed(wanted):
             for node in cluster.worker_nodes:
-                if node.node_id == node_id:
+                if node.node_id == node_id and node_id != drivers:
                     return node
     return None
 

@@ -228,3 +228,20 @@ def test_a_partly_uploaded_checkpoint_is_skipped_on_resume(s3, failed_upload, sh
     skipped = [r["message"] for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint"]
     assert any("step_00000010" in m and "rank_00001.safetensors" in m for m in skipped), skipped
     assert any("step_00000008" in m and "no manifest.json" in m for m in skipped), skipped
+
+
+def test_a_host_snapshot_keeps_the_state_of_its_step_and_reuses_its_buffers():
+    """The synchronous part of a background checkpoint: copies of the state that later updates do not change,
+    in the same buffers every time (no allocation per checkpoint)."""
+    import torch
+
+    from llmq_ray.checkpoints.remote import HostSnapshot
+
+    state = {"master": torch.arange(6, dtype=torch.float32), "m": torch.ones(6), "v": torch.zeros(6, dtype=torch.bfloat16)}
+    snap = HostSnapshot()
+    first = snap.take(state)
+    state["master"].add_(100.0)  # the next update
+    assert torch.equal(first["master"], torch.arange(6, dtype=torch.float32)) and first["v"].dtype == torch.bfloat16
+    second = snap.take(state)
+    assert all(second[k].data_ptr() == first[k].data_ptr() for k in state)
+    assert torch.equal(second["master"], torch.arange(6, dtype=torch.float32) + 100.0)
