@@ -128,6 +128,7 @@ class Coordinator:
         self._exported: set[str] = set()   # export folders this run wrote (replaced on a second export)
         self._last_checkpoint_t = time.monotonic()  # --ckpt-minutes counts from here (reset by every checkpoint)
         self._drain_checked = 0.0          # when Ray's list of draining nodes was last asked for
+        self._deferred: int | None = None  # the step whose checkpoint waits for the previous upload to finish
 
     # ------------------------------------------------------------------ set-up
     def start(self, notes: list | None = None) -> dict:
@@ -136,7 +137,11 @@ class Coordinator:
         Returns the set-up info, with "step" (where the run goes on) and "lines" (console lines)."""
         spec = self.spec
         t0 = time.perf_counter()
-        infos, nodes = self._launch()
+        if spec.append_log:  # started by the driver after the previous coordinator died: wait for room as a restart
+            infos, nodes = self._launch(wait_s=spec.restart_wait_s, restart=True,
+                                        why="raise --restart-wait-s to wait longer")
+        else:
+            infos, nodes = self._launch()
         sol = sol_record(self.cfg, self.opts.seq_len, self.gpu_name, self.opts.matmul_dtype)
         self.peak = sol["peak_tflops"]
         self.log.add("options", **dataclasses.asdict(self.opts),
@@ -157,7 +162,10 @@ class Coordinator:
         self.log.flush()
         if self.log.set_aside:
             lines.append(f"log: an earlier run's log at {self.log.path} was kept as {self.log.set_aside}")
-        return {"world_size": spec.world_size, "gpu": self.gpu_name, "device": infos[0]["device"],
+        import ray
+
+        return {"world_size": spec.world_size, "gpu": self.gpu_name,
+                "coordinator_node": ray.get_runtime_context().get_node_id(), "device": infos[0]["device"],
                 "nodes": nodes, "memory": infos[0]["memory"], "memories": [i["memory"] for i in infos],
                 "dataset": infos[0]["dataset"],
                 "seconds": time.perf_counter() - t0, "log_file": self.log.path, "step": self.step, "lines": lines}
@@ -396,9 +404,12 @@ class Coordinator:
         lines = [step_line(step, self.opts.steps, wall, rec["norm"], rec["loss"], rec["tokens_per_s"], rec["sol"],
                            rec.get("skip_reason") or rec["skipped"])] + rec.pop("warnings")
         lines += self._settle_upload(wait=False)  # a background upload that finished is published now
-        if self._checkpoint_due():
-            lines += self._settle_upload(wait=True, why="it was still running when the next checkpoint was due")
-            lines.append(self.save_checkpoint(background=True)["line"])
+        if self._checkpoint_due() or self._deferred is not None:
+            if self._upload is not None:  # the previous upload still runs: the step loop does not wait for it
+                lines += self._defer_checkpoint()
+            else:
+                self._deferred = None
+                lines.append(self.save_checkpoint(background=True)["line"])
         drain = self._drain_notice()
         if drain:  # a preemption notice for a node of ours: stop at this step boundary, as on SIGTERM
             self.stop_requested = True
@@ -525,6 +536,21 @@ class Coordinator:
             return lines + [self._upload_failed(exc)]
         return lines + [self._published(info, pending.step)["line"]]
 
+    def _defer_checkpoint(self) -> list[str]:
+        """A checkpoint is due while the previous one still uploads (the store is slower than the interval): take
+        it at the first step boundary after that upload is published, instead of waiting for the network. The
+        first deferral of a checkpoint is a warning (record kind "checkpoint_deferred"); returns its line."""
+        if self._deferred is not None:
+            return []
+        self._deferred = self.step
+        pending = self._upload
+        line = self._warn(self.step, "checkpoint_deferred",
+                          f"checkpoint of step {self.step} deferred: the upload of step {pending.step} to "
+                          f"{self.spec.ckpt_dir} is still running (the store takes longer than the checkpoint "
+                          f"interval); it is taken once that upload is done, the steps go on meanwhile.",
+                          upload_step=pending.step)
+        return [line]
+
     def _upload_failed(self, exc: UploadFailed) -> str:
         """The warning of a checkpoint that could not be uploaded (the run goes on); returns its line."""
         from llmq_ray.checkpoints.store import step_of
@@ -564,7 +590,8 @@ class Coordinator:
             self.log.end("restarts_exhausted", step=self.step, error=str(final), restarts=self.restarts)
             raise final from None
         self.restarts += 1
-        if not (self.spec.fault or {}).get("every_group"):
+        faults = self.spec.fault if isinstance(self.spec.fault, list) else [self.spec.fault or {}]
+        if not any(f.get("every_group") for f in faults):
             self.spec = dataclasses.replace(self.spec, fault=None)  # a test hook fires in the first group only
         folder, skipped = restart_point(self.checkpoints + ([self.origin] if self.origin else []), failed_step)
         lines = [self._warn(failed_step, "failure", f"{exc} -- restart {self.restarts}/{limit} from "
@@ -698,8 +725,10 @@ class Coordinator:
         """Final eval over the whole eval file, the export, the last log flush. Returns the summary."""
         # a stop requested now (SIGTERM after the last step) skips the final eval: the export is what matters
         lines = self._settle_upload(wait=True, why="at the end of the run")
-        if self.spec.ckpt_minutes > 0 and self.step > 0 and not self._has_checkpoint_of(self.step):
-            self.save_checkpoint()  # the end of a run with time-interval checkpoints (the default) is kept too
+        if (self.spec.ckpt_minutes > 0 or self._deferred is not None) and self.step > 0 and \
+                not self._has_checkpoint_of(self.step):
+            # the end of a run with time-interval checkpoints (the default) is kept too, as is a deferred one
+            self.save_checkpoint()
         final = self.validate(full=True) if self.spec.final_eval and not self.stop_requested else None
         if self.spec.export:
             self.export_path = self.export()

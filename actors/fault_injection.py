@@ -1,7 +1,7 @@
 """The one test hook of the Ray runtime: faults injected into a worker on purpose, to test that llmq-ray survives
 them. Nothing here runs in a real run: ``FaultInjector(None, rank)`` does nothing at every point.
 
-Tests pass ``fault={"rank": r, "step": s, "kind": k, ...}`` to ``LLMQTrainer`` (it travels in
+Tests pass ``fault={"rank": r, "step": s, "kind": k, ...}`` (or a list of such dicts) to ``LLMQTrainer`` (it travels in
 ``RuntimeSpec.fault``); rank r's worker then calls the injector at four points of its work:
 
 =============  ==========================  ============================================================
@@ -19,8 +19,8 @@ after_saving   ``save_slow``               sleeps ``seconds`` after writing its 
                                            step >= s, before the manifest exists (a slow disk)
 uploading      ``upload_slow``             sleeps ``seconds`` on the background upload thread before uploading
                                            its shard of every checkpoint of a step >= s (a slow network)
-uploading      ``upload_fail``             the background upload of its shard of the checkpoint of step s
-                                           fails as if the bucket went away
+uploading      ``upload_fail``             the background upload of its shard of the first checkpoint of a
+                                           step >= s fails as if the bucket went away (once)
 eval_batch     ``slow_eval``               sleeps ``seconds`` before each eval batch (any step)
 =============  ==========================  ============================================================
 
@@ -47,19 +47,31 @@ ENV = "LLMQ_RAY_TEST_FAULT"  # the fault dict as JSON, for runs started as a com
 
 
 class FaultInjector:
-    """The faults of ``spec`` (a ``RuntimeSpec.fault`` dict or None) that concern worker ``rank``."""
+    """The faults of ``spec`` (a ``RuntimeSpec.fault`` dict, a list of such dicts, or None) that concern worker
+    ``rank``."""
 
-    def __init__(self, spec: Optional[dict], rank: int):
+    def __init__(self, spec, rank: int):
         if spec is None and os.environ.get(ENV):
             spec = json.loads(os.environ[ENV])
-        self.spec = dict(spec) if spec and int(spec.get("rank", -1)) == rank else None
+        specs = spec if isinstance(spec, list) else [spec] if spec else []
+        self.specs = [dict(f) for f in specs if int(f.get("rank", -1)) == rank]
         self.rank = rank
-        if self.spec is not None and self.spec.get("kind", "raise") not in KINDS:
-            raise ValueError(f"fault kind {self.spec.get('kind')!r} is not one of {KINDS}")
+        self._upload_failed = False
+        for f in self.specs:
+            if f.get("kind", "raise") not in KINDS:
+                raise ValueError(f"fault kind {f.get('kind')!r} is not one of {KINDS}")
 
-    def _is(self, kind: str, step: Optional[int] = None) -> bool:
-        f = self.spec
-        return f is not None and f.get("kind", "raise") == kind and (step is None or int(f.get("step", -1)) == step)
+    def _is(self, kind: str, step: Optional[int] = None, from_step: Optional[int] = None) -> Optional[dict]:
+        """The fault of ``kind`` at exactly ``step`` (or, with ``from_step``, at any step >= its own), or None."""
+        for f in self.specs:
+            if f.get("kind", "raise") != kind:
+                continue
+            if step is not None and int(f.get("step", -1)) != step:
+                continue
+            if from_step is not None and from_step < int(f.get("step", 0)):
+                continue
+            return f
+        return None
 
     def before_step(self, step: int) -> None:
         if self._is("raise", step):
@@ -68,8 +80,9 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         if self._is("hang", step):
             threading.Event().wait()
-        if self._is("slow_step") and step >= int(self.spec.get("step", 0)):
-            time.sleep(float(self.spec.get("seconds", 1.0)))
+        slow = self._is("slow_step", from_step=step)
+        if slow:
+            time.sleep(float(slow.get("seconds", 1.0)))
 
     def before_update(self, step: int, grads) -> None:
         """``grads``: the gradient tensor the update reads (its first element becomes NaN)."""
@@ -93,17 +106,21 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def after_saving(self, step: int) -> None:
-        if self._is("save_slow") and step >= int(self.spec.get("step", 0)):
-            time.sleep(float(self.spec.get("seconds", 60.0)))
+        slow = self._is("save_slow", from_step=step)
+        if slow:
+            time.sleep(float(slow.get("seconds", 60.0)))
 
     def uploading(self, step: int) -> None:
         """On the worker's background upload thread, before it uploads its shard of the checkpoint of ``step``."""
-        if self._is("upload_slow") and step >= int(self.spec.get("step", 0)):
-            time.sleep(float(self.spec.get("seconds", 60.0)))
-        if self._is("upload_fail", step):
+        slow = self._is("upload_slow", from_step=step)
+        if slow:
+            time.sleep(float(slow.get("seconds", 60.0)))
+        if self._is("upload_fail", from_step=step) and not self._upload_failed:
+            self._upload_failed = True  # once: the first checkpoint at or after step s (one may have been deferred)
             raise OSError("AWS Error NO_SUCH_BUCKET during PutObject operation: The specified bucket "
                           "does not exist (injected by the test hook)")
 
     def eval_batch(self) -> None:
-        if self._is("slow_eval"):
-            time.sleep(float(self.spec.get("seconds", 0.0)))
+        slow = self._is("slow_eval")
+        if slow:
+            time.sleep(float(slow.get("seconds", 0.0)))

@@ -40,13 +40,15 @@ def _manifest_on_store(ckpt_dir: str, step: int) -> bool:
         return False
 
 
-def _node_of_a_worker(cluster):
+def _node_of_a_worker(cluster, trainer=None):
     """A worker node that holds a bundle of the run's placement group (the one rank 1 runs on, if possible), and
     not the driver's: on a one-machine cluster the driver may attach to any node's raylet, and the coordinator
     runs beside it (losing the driver's node is losing the job, not a worker)."""
     import ray
 
-    drivers = ray.get_runtime_context().get_node_id()
+    keep = {ray.get_runtime_context().get_node_id()}
+    if trainer is not None and trainer.info:  # and the coordinator's node (set-up says where it runs)
+        keep.add(trainer.info.get("coordinator_node"))
 
     for pg in ray.util.placement_group_table().values():
         if pg.get("state") != "CREATED":
@@ -55,7 +57,7 @@ def _node_of_a_worker(cluster):
         wanted = [where[i] for i in sorted(where)]
         for node_id in reversed(wanted):
             for node in cluster.worker_nodes:
-                if node.node_id == node_id and node_id != drivers:
+                if node.node_id == node_id and node_id not in keep:
                     return node
     return None
 
@@ -93,7 +95,7 @@ def main(spec_path: str, out_path: str) -> None:
             if time.monotonic() - t0 > 120:
                 return
             time.sleep(0.1)
-        node = _node_of_a_worker(cluster)
+        node = _node_of_a_worker(cluster, trainer)
         if node is None:
             return
         cluster.remove_node(node, allow_graceful=False)
@@ -109,7 +111,7 @@ def main(spec_path: str, out_path: str) -> None:
             if time.monotonic() - t0 > 120:
                 return
             time.sleep(0.1)
-        node = _node_of_a_worker(cluster)
+        node = _node_of_a_worker(cluster, trainer)
         gcs = ray._raylet.GcsClient(address=cluster.address)
         accepted, why = gcs.drain_node(node.node_id, autoscaler_pb2.DrainNodeReason.Value(
             "DRAIN_NODE_REASON_PREEMPTION"), "spot instance preempted", int(time.time() * 1000) + 60_000)

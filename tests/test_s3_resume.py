@@ -1,8 +1,8 @@
 """Checkpoints on an object store (a real S3 server: moto's server mode on a random local port, the ``s3``
 fixture of conftest.py), uploaded in the background (llmq_ray/checkpoints/remote.py):
 
-* the step after a save does not wait for a slow upload (the test hook delays the upload thread); the next
-  checkpoint waits for it and the log says how long;
+* the step after a save does not wait for a slow upload (the test hook delays the upload thread); a checkpoint
+  due while it runs is deferred with a warning, and no step waits for the network;
 * a failed upload leaves the previous checkpoint the newest valid one, says so in one warning, removes the
   staged copy and the step's prefix, and the run goes on (the next checkpoint is published);
 * acceptance: a 2-worker CLI run reading its tokens from s3:// and checkpointing to s3:// every 2 steps is
@@ -61,32 +61,40 @@ def test_the_step_after_a_save_does_not_wait_for_a_slow_upload(s3, ray_cluster, 
     # the checkpoint of step 2 is staged after 0-based step 1; step 2 runs while rank 1 is still uploading
     assert steps[2]["seconds"] < delay / 2, steps[2]["seconds"]
     staged = {r["step"]: r for r in _records(res.log_file, "checkpoint_staged")}
-    assert staged[2]["seconds"] < delay / 2 and staged[4]["seconds"] < delay / 2
-    # the checkpoint of step 4 was due while step 2's upload still ran: it waited, and the log says how long
-    (wait,) = [r for r in _records(res.log_file, "upload_wait") if r["checkpoint_step"] == 2]
-    assert wait["step"] == 4 and 0.5 < wait["seconds"] < delay + 5 and "next checkpoint was due" in wait["reason"]
+    assert 2 in staged and all(r["seconds"] < delay / 2 for r in staged.values())
+    # the checkpoint of step 4 was due while step 2's upload still ran: the steps did not wait for the network;
+    # it was deferred (one warning) and taken at the first step boundary after that upload was published
+    assert [r["reason"] for r in _records(res.log_file, "upload_wait")] in ([], ["at the end of the run"])
+    assert steps[3]["seconds"] < delay / 2 and steps[4]["seconds"] < delay / 2
+    (deferred,) = [r for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint_deferred"]
+    assert deferred["step"] == 4 and deferred["upload_step"] == 2
+    assert deferred["message"].startswith(f"checkpoint of step 4 deferred: the upload of step 2 to {store} is "
+                                          f"still running")
     published = {r["step"]: r for r in _records(res.log_file, "checkpoint")}
-    assert published[2]["background"] and published[2]["published_at_step"] == 4
-    assert published[4]["background"] and published[4]["upload_seconds"] > delay * 0.8  # awaited at the end
+    assert published[2]["background"] and published[2]["upload_seconds"] > delay * 0.8
     log = read_log(res.log_file)
     order = [(r.get("log"), r.get("step")) for r in log]
     assert order.index(("checkpoint", 2)) > order.index(("step", 3))  # counted only once published
-    assert order.index(("checkpoint", 4)) < order.index(("end", 5))  # the end of the run awaited it
-    assert storage.size_of(f"{store}/step_00000004/manifest.json") is not None
-    assert res.metrics["warnings"] == 0
+    assert sorted(published) in ([2, 5], [2, 4, 5])  # step 5 at the latest: the end of the run takes one
+    assert storage.size_of(f"{store}/step_00000005/manifest.json") is not None
+    assert res.metrics["warnings"] == 1
 
 
 @pytest.fixture(scope="module")
 def failed_upload(s3, ray_cluster, shards, tmp_path_factory):
-    """(Result, store) of a 2-worker run of 6 steps checkpointing every 2 steps whose upload of step 4 fails."""
+    """(Result, store) of a 2-worker run of 10 steps checkpointing every 2 steps whose first upload of a
+    checkpoint from step 4 on fails."""
     from llmq_ray.train.trainer import LLMQTrainer
 
     out, store = tmp_path_factory.mktemp("fail"), "s3://bucket/bg/fail"
     cwd = os.getcwd()
     os.chdir(out)
     try:
-        res = LLMQTrainer(**BASE, workers=2, steps=6, train_file=shards.train, out_dir=str(out / "out"),
-                          checkpoint_dir=store, fault={"kind": "upload_fail", "rank": 0, "step": 4}).fit()
+        res = LLMQTrainer(**BASE, workers=2, steps=10, train_file=shards.train, out_dir=str(out / "out"),
+                          checkpoint_dir=store,
+                          # 0.2 s steps: step 2's upload is done before step 4's checkpoint is due
+                          fault=[{"kind": "upload_fail", "rank": 0, "step": 4},
+                                 {"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.2}]).fit()
     finally:
         os.chdir(cwd)
     return res, store
@@ -97,17 +105,18 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_valid(failed_upload):
     from llmq_ray.checkpoints.store import resolve_continue
 
     res, store = failed_upload
-    assert [r["step"] for r in res.history] == list(range(6))  # the run went on
+    assert [r["step"] for r in res.history] == list(range(10))  # the run went on
     warns = [r for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint_upload"]
-    assert len(warns) == 1 and warns[0]["step"] == 4
-    msg = warns[0]["message"]
-    assert msg.startswith(f"checkpoint of step 4 could not be uploaded to {store}/step_00000004: AWS Error "
+    # the first checkpoint from step 4 on (4, or later when step 4's was deferred behind step 2's upload)
+    assert len(warns) == 1 and 4 <= warns[0]["step"] < 10
+    msg, bad = warns[0]["message"], warns[0]["step"]
+    assert msg.startswith(f"checkpoint of step {bad} could not be uploaded to {store}/step_{bad:08d}: AWS Error "
                           f"NO_SUCH_BUCKET") and msg.endswith(
         "; the previous checkpoint step_00000002 stays the newest valid one."), msg
     assert msg.count(". ") == 0  # one sentence
     published = sorted(r["step"] for r in _records(res.log_file, "checkpoint"))
-    assert 4 not in published and {2, 6} <= set(published)  # a later checkpoint succeeded
-    assert "step_00000004" not in _names(store)  # the ranks' uploaded objects of step 4 were removed
+    assert bad not in published and 2 in published and max(published) == 10  # a later checkpoint succeeded
+    assert f"step_{bad:08d}" not in _names(store)  # the ranks' uploaded objects of that step were removed
     staging = mirror_root(store)  # the staged local copies are gone (staging folders: .step_*.tmp-*)
     leftovers = [os.path.join(d, f) for d, _, fs in os.walk(staging) for f in fs if "/.step_" in d]
     assert leftovers == []
@@ -208,26 +217,26 @@ def test_a_partly_uploaded_checkpoint_is_skipped_on_resume(s3, failed_upload, sh
     from llmq_ray.train.trainer import LLMQTrainer
 
     monkeypatch.chdir(tmp_path)
-    _, store = failed_upload  # its checkpoints: step 2 (kept by retention or not) and step 6, the newest
+    _, store = failed_upload  # its checkpoints: step 2 (kept by retention or not) and step 10, the newest
     key = store[len("s3://bucket/"):]
-    assert _names(store)[-1] == "step_00000006"
-    six = f"{store}/step_00000006"
-    rank0 = s3.open_input_stream(f"bucket/{key}/step_00000006/rank_00000.safetensors").read()
+    assert _names(store)[-1] == "step_00000010"
+    six = f"{store}/step_00000010"
+    rank0 = s3.open_input_stream(f"bucket/{key}/step_00000010/rank_00000.safetensors").read()
     # killed during the upload: the ranks' objects of step 8 but no manifest
-    _put(s3, f"{key}/step_00000008/rank_00000.safetensors", rank0)
-    _put(s3, f"{key}/step_00000008/rank_00001.safetensors", b"cut short")
+    _put(s3, f"{key}/step_00000012/rank_00000.safetensors", rank0)
+    _put(s3, f"{key}/step_00000012/rank_00001.safetensors", b"cut short")
     # and a step 10 whose manifest is there but not all its files
-    manifest = json.loads(s3.open_input_stream(f"bucket/{key}/step_00000006/manifest.json").read())
-    _put(s3, f"{key}/step_00000010/rank_00000.safetensors", rank0)
-    _put(s3, f"{key}/step_00000010/manifest.json", json.dumps({**manifest, "step": 10}).encode())
-    res = LLMQTrainer(**BASE, workers=1, steps=8, train_file=shards.train, out_dir=str(tmp_path / "b"),
+    manifest = json.loads(s3.open_input_stream(f"bucket/{key}/step_00000010/manifest.json").read())
+    _put(s3, f"{key}/step_00000014/rank_00000.safetensors", rank0)
+    _put(s3, f"{key}/step_00000014/manifest.json", json.dumps({**manifest, "step": 14}).encode())
+    res = LLMQTrainer(**BASE, workers=1, steps=12, train_file=shards.train, out_dir=str(tmp_path / "b"),
                       checkpoint_dir=store, resume=True).fit()
     (resume,) = _records(res.log_file, "resume")
-    assert resume["step"] == 6 and resume["path"] == six
-    assert [r["step"] for r in res.history] == [6, 7]
+    assert resume["step"] == 10 and resume["path"] == six
+    assert [r["step"] for r in res.history] == [10, 11]
     skipped = [r["message"] for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint"]
-    assert any("step_00000010" in m and "rank_00001.safetensors" in m for m in skipped), skipped
-    assert any("step_00000008" in m and "no manifest.json" in m for m in skipped), skipped
+    assert any("step_00000014" in m and "rank_00001.safetensors" in m for m in skipped), skipped
+    assert any("step_00000012" in m and "no manifest.json" in m for m in skipped), skipped
 
 
 def test_a_host_snapshot_keeps_the_state_of_its_step_and_reuses_its_buffers():

@@ -11,7 +11,7 @@
 #   keeps the first call's logs, so its table shows all runs.
 # Ran 2026-11-26 on nvidia-h200: call 1 as below (pair 1 + micro-benchmark, pair 2 skipped for time), call 2
 # `PAIRS=2 MICRO=0 bash benchmarks/archive/device_issue24.sh`; results/h200-2026-11-26.md.
-# Carry: .whl (the Ray wheels: bash ../shared/device/make-wheels.sh) and .whl-moto: moto 5.1.22 with only the
+# Carry: .whl (the Ray wheels, built as the device notes describe) and .whl-moto: moto 5.1.22 with only the
 # wheels the device image lacks (boto3, botocore with its data/ cut to s3 + sts + endpoints, s3transfer,
 # jmespath, cryptography, cffi, pycparser, xmltodict, responses, flask, flask-cors, blinker, itsdangerous,
 # py-partiql-parser, werkzeug, python-dateutil, six: 13.4 MB). moto goes into /tmp/site-moto, on the path of

@@ -19,16 +19,18 @@ Keep-N and major-checkpoint retention (``store.apply_retention``) delete whole p
 
 Background uploads (the step loop's checkpoints; ``BackgroundUploads``). Only the staging is synchronous: the
 coordinator removes an older copy of the step's prefix (``clear_step``, two small requests), then every rank
-writes its shard to its staging folder and hashes it -- the state of that step, captured before the next step
-changes it -- and returns. The upload itself runs on one background thread of the worker while training goes
-on. The coordinator asks every rank at each step boundary whether its upload finished (a call that never
-blocks) and, once all have, uploads the manifest (``publish``) and applies retention: only then does the
-checkpoint count (for retention, ``--continue``, automatic restarts and the run's "end" record). It waits for
-the uploads only when the next checkpoint is due while the previous one is still uploading (the log's
-"upload_wait" record says how long) and at the end of the run (finish or stop). A failed upload (a network
-error, a bucket gone) becomes one "warning" record -- the previous checkpoint stays the newest valid one --
-the staged copy and the step's prefix are removed, and the run goes on. A rank's staged file is removed after
-its upload, failed or not. Checkpoints the caller asks for outside the step loop (the end of the run, a stop,
+copies its state into reused pinned host buffers (``HostSnapshot``: the state of that step, captured before the
+next step changes it) and returns. Writing the shard file, its sha256 and the upload run on one background
+thread of the worker while training goes on. The coordinator asks every rank at each step boundary whether its
+upload finished (a call that never blocks) and, once all have, uploads the manifest (``publish``) and applies
+retention: only then does the checkpoint count (for retention, ``--continue``, automatic restarts and the run's
+"end" record). A checkpoint due while the previous one is still uploading is deferred to the first step boundary
+after that upload is published (one "checkpoint_deferred" warning; the buffers hold one checkpoint at a time),
+so the steps never wait for the network; the end of the run (finish or stop) waits for the upload in flight
+(the log's "upload_wait" record says how long). A failed upload (a network error, a bucket gone) becomes one
+"warning" record -- the previous checkpoint stays the newest valid one -- the staged copy and the step's prefix
+are removed, and the run goes on. A rank's staged file is removed after its upload, failed or not. Checkpoints
+the caller asks for outside the step loop (the end of the run, a stop,
 ``LLMQTrainer.save_checkpoint``) upload synchronously, as does every checkpoint in a local folder.
 """
 

@@ -686,9 +686,8 @@ class LLMQTrainer:
                 self._ended = True
                 self._print(fin["lines"])
                 hist = self._get(self.coordinator.get_history.remote(), "history")
-                if self._coordinator_restarts:  # the steps before the new coordinator's resume point, as seen here
-                    first = hist["steps"][0]["step"] if hist["steps"] else self.opts.steps
-                    hist["steps"] = [r for r in self._seen if r["step"] < first] + hist["steps"]
+                if self._coordinator_restarts:  # the steps before the new coordinator's resume point: from the log
+                    hist["steps"] = self._earlier_steps(hist["steps"]) + hist["steps"]
                 summary = fin["summary"]
                 if self.verbose:
                     self._print_summary(summary)
@@ -712,6 +711,18 @@ class LLMQTrainer:
                 raise
             finally:
                 self.close()
+
+    def _earlier_steps(self, steps: list) -> list:
+        """After the coordinator was replaced: the records of the steps before the first of ``steps`` (the new
+        coordinator's), from the run's log (one record per step, the latest), else as this driver saw them."""
+        from llmq_ray.observe.runlog import read_log, steps_as_one_run
+
+        first = steps[0]["step"] if steps else self.opts.steps
+        try:
+            logged = [{k: v for k, v in r.items() if k != "log"} for r in steps_as_one_run(read_log(self._log_path()))]
+        except (OSError, ValueError):  # no readable log: what fit() received
+            logged = self._seen
+        return [r for r in logged if r["step"] < first]
 
     def _train_loop(self) -> None:
         """The steps of ``fit``, one queued behind the running one, until done or a stop is requested."""
