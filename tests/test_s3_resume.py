@@ -248,7 +248,10 @@ def test_a_host_snapshot_keeps_the_state_of_its_step_and_reuses_its_buffers():
 
     state = {"master": torch.arange(6, dtype=torch.float32), "m": torch.ones(6), "v": torch.zeros(6, dtype=torch.bfloat16)}
     snap = HostSnapshot()
+    snap.reserve(state)  # at set-up
+    reserved = {k: snap._buffers[k].data_ptr() for k in state}
     first = snap.take(state)
+    assert {k: first[k].data_ptr() for k in state} == reserved
     state["master"].add_(100.0)  # the next update
     assert torch.equal(first["master"], torch.arange(6, dtype=torch.float32)) and first["v"].dtype == torch.bfloat16
     second = snap.take(state)

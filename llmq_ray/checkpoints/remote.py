@@ -113,16 +113,27 @@ class HostSnapshot:
     def __init__(self):
         self._buffers: dict = {}
 
+    def reserve(self, tensors: Mapping) -> None:
+        """Allocate the buffers for ``tensors`` now (at set-up: page-locking gigabytes takes seconds)."""
+        for name, t in tensors.items():
+            self._buffer(name, t.detach().reshape(-1))
+
+    def _buffer(self, name: str, t):
+        import torch
+
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.is_cuda)
+            self._buffers[name] = buf
+        return buf
+
     def take(self, tensors: Mapping) -> dict:
         import torch
 
         out = {}
         for name, t in tensors.items():
             t = t.detach().reshape(-1)
-            buf = self._buffers.get(name)
-            if buf is None or buf.numel() != t.numel() or buf.dtype != t.dtype:
-                buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.is_cuda)
-                self._buffers[name] = buf
+            buf = self._buffer(name, t)
             buf.copy_(t, non_blocking=t.is_cuda)
             out[name] = buf
         if any(t.is_cuda for t in tensors.values()):
