@@ -154,7 +154,10 @@ def test_checkpoints_on_s3_are_written_pruned_and_resumed(s3, ray_cluster, shard
     losses = lambda res: [r["loss"] for r in res.history]  # noqa: E731
     ref = LLMQTrainer(**base, workers=2, out_dir=str(tmp_path / "ref")).fit()
     store_uri = "s3://bucket/ckpts/run1"
-    a = LLMQTrainer(**base, workers=2, out_dir=str(tmp_path / "a"), checkpoint_dir=store_uri).fit()
+    # 0.3 s steps: each background upload ends before the next checkpoint is due (none is deferred), so the
+    # checkpoints are those of steps 2, 4, 6, 8 exactly
+    a = LLMQTrainer(**base, workers=2, out_dir=str(tmp_path / "a"), checkpoint_dir=store_uri,
+                    fault={"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3}).fit()
     assert losses(a) == losses(ref)
     # steps 2, 4, 6, 8 written; keep the newest 2 (6, 8) and every multiple of 4 (4, 8): step 2 pruned
     assert storage.list_names(store_uri) == ["step_00000004", "step_00000006", "step_00000008"]
