@@ -111,8 +111,8 @@ def create_workers(spec: RuntimeSpec, wait_s: float = PLACEMENT_TIMEOUT_S, on_wa
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     n = spec.world_size
-    if elastic and placeable_workers(spec) < n:
-        room = placeable_workers(spec)
+    room = placeable_workers(spec) if elastic else n
+    if room < n:
         raise TooFewWorkers(f"the cluster's alive nodes can hold {room} of {n} worker(s)", room)
     if not restart:  # a restart after a lost node waits for the cluster to grow back instead
         check_resources(spec)

@@ -28,7 +28,6 @@ Usage::
 import os
 import pathlib
 import shutil
-import socket
 import tempfile
 from typing import NamedTuple
 
@@ -110,14 +109,6 @@ def shards(tmp_path_factory) -> RuntimeShards:
     return RuntimeShards(str(folder / "train.bin"), str(folder / "eval.bin"), folder)
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A moto S3 server with the bucket "bucket"; the environment points every client (pyarrow, the CLI's
@@ -125,7 +116,9 @@ def s3(tmp_path_factory):
     moto_server = pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
     import pyarrow.fs as pafs
 
-    port = _free_port()
+    from llmq_ray.actors.collectives import free_port
+
+    port = free_port("127.0.0.1")
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = dict(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -19,15 +18,9 @@ from llmq_ray.errors import ConfigError, DataError
 pytest.importorskip("moto.server", reason="the object-store tests need moto[server] (dev extra)")
 # the ``s3`` fixture (a moto S3 server with the bucket "bucket") is in conftest.py, shared with test_s3_resume.py
 
+from llmq_ray.actors.collectives import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _put(fs, key: str, data: bytes) -> None:
@@ -105,7 +98,7 @@ def test_unknown_schemes_and_unreachable_stores_end_in_one_sentence_before_train
     with pytest.raises(ConfigError, match=r"^train_file='nosuch://x/\*.bin': no filesystem handles nosuch://"):
         LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "nosuch://x/*.bin"})
     LLMQTrainer(**{**base, "out_dir": "s3://bucket/out"})  # outputs on a store are fine (tests/test_store_outputs.py)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port('127.0.0.1')}")  # nothing listens there
     with pytest.raises(DataError, match=r"^train_file: cannot list s3://bucket/run .*(connect|Connect)"):
         LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "s3://bucket/run/*.bin"})
     assert not any(n.startswith(("nosuch", "s3:")) for n in os.listdir(tmp_path))  # no folder named after a URI
