@@ -11,28 +11,23 @@ because a Cluster cannot share a process with the test session's Ray instance.
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 import urllib.request
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(info_path: str) -> None:
     from ray.cluster_utils import Cluster
 
-    port = _free_port()
+    from llmq_ray.actors.collectives import free_port
+
+    port = free_port("127.0.0.1")
     # every node's dashboard agent on a free port of its own: the default one (52365) may be taken by another Ray
     # instance on this machine (the test session's), and a head without its agent takes no jobs
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=True,
                                                                 dashboard_host="127.0.0.1", dashboard_port=port,
-                                                                dashboard_agent_listen_port=_free_port()))
-    cluster.add_node(num_cpus=3, dashboard_agent_listen_port=_free_port())
+                                                                dashboard_agent_listen_port=free_port("127.0.0.1")))
+    cluster.add_node(num_cpus=3, dashboard_agent_listen_port=free_port("127.0.0.1"))
     cluster.wait_for_nodes()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -18,7 +18,8 @@ import pytest
 from llmq_ray import storage
 from llmq_ray.errors import CheckpointError, ConfigError
 
-from test_storage import REPO, _cli, _free_port  # the ``s3`` fixture (moto) is in conftest.py
+from llmq_ray.actors.collectives import free_port
+from test_storage import REPO, _cli  # the ``s3`` fixture (moto) is in conftest.py
 
 FAST = dict(collective_timeout_s=30.0, call_timeout_s=120.0, verbose=False, use_ray_data=False)
 
@@ -167,7 +168,7 @@ def test_out_dir_and_log_file_uris_are_checked_before_anything_starts(s3, tmp_pa
     t = LLMQTrainer(**base, out_dir="s3://bucket/fresh/run")  # no actor yet: nothing written anywhere
     assert t.checkpoint_dir == "s3://bucket/fresh/run/ckpt" and t._log_path() == "s3://bucket/fresh/run/log.jsonl"
     assert not storage.exists("s3://bucket/fresh")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port('127.0.0.1')}")  # nothing listens there
     for kw, flag in ((dict(out_dir="s3://bucket/o"), "out_dir"),
                      (dict(out_dir=str(tmp_path / "o"), log_file="s3://bucket/l.jsonl"), "log_file")):
         with pytest.raises(ConfigError, match=rf"^{flag}='s3://bucket/.*': cannot reach it"):
