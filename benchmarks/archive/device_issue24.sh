@@ -17,6 +17,10 @@
 # py-partiql-parser, werkzeug, python-dateutil, six: 13.4 MB). moto goes into /tmp/site-moto, on the path of
 # the server only.
 #   bash benchmarks/archive/device_issue24.sh
+# Ran again 2026-11-26 (session 12, nvidia-h200) with a pre-training-sized batch so that 50 steps outlast one
+# upload to moto: `GA=8 STEPS=105 TA=250 TB=320 PAIRS=1 MICRO=0 bash benchmarks/archive/device_issue24.sh` (262,144 tokens
+# per step; checkpoints at 50 and 100, the end-of-run one at 105 outside the timed window 10..104).
+#   GA (1), STEPS (160), INTERVAL (50) and the run time limits (TA, TB) are read from the environment.
 # The step records' "seconds" time the train_step call alone: the synchronous staging and any upload wait
 # happen after the record. So every line of each run's log.jsonl is time-stamped as it appears (a poller,
 # 2 ms), and the honest figure is the wall time per step, (t(step 159) - t(step 9)) / 150; the engine's own
@@ -72,14 +76,14 @@ with open(out, "w") as o:
                 time.sleep(0.002)
 PY
 COMMON="-m llmq_ray.train.cli --model Qwen2.5-0.5B --backend triton --synthetic-data --batch-size 32
-  --grad-accumulation 1 --seq-len 1024 --steps 160 --opt-m-dtype bf16 --opt-v-dtype bf16 --use-cuda-graphs
+  --grad-accumulation ${GA:-1} --seq-len 1024 --steps ${STEPS:-160} --opt-m-dtype bf16 --opt-v-dtype bf16 --use-cuda-graphs
   --gpus 1 --eval-every-n-steps 0 --no-export --no-final-eval --no-progress --sample-tokens 0 --ckpt-minutes 0"
 train() {  # train NAME TIMEOUT EXTRA...: one run into /tmp/i24/NAME, its log stamped into /tmp/i24/NAME.stamped
   name=$1; tmo=$2; shift 2
   python3 /tmp/i24/stamp.py /tmp/i24/$name/log.jsonl /tmp/i24/$name.stamped & st=$!
   s0=$(date +%s); run $name $tmo $COMMON --out-dir /tmp/i24/$name "$@"
   eval "dur_$name=$(( $(date +%s) - s0 ))"; sleep 0.5; kill $st; }
-ckptB() { echo --ckpt-interval 50 --checkpoint-dir "s3://llmq-bench/ckpt-$1$(cat /tmp/i24/query 2>/dev/null)" --ckpt-keep-n 2; }
+ckptB() { echo --ckpt-interval ${INTERVAL:-50} --checkpoint-dir "s3://llmq-bench/ckpt-$1$(cat /tmp/i24/query 2>/dev/null)" --ckpt-keep-n 2; }
 elapsed() { echo $(( $(date +%s) - T0 )); }
 micro() {
   echo "== staging micro-benchmark" >> "$L"
@@ -116,8 +120,8 @@ PY
 for p in ${PAIRS:-1 2}; do  # each pair: A then B; a pair starts only while the call has room for it
   if [ -n "$dur_A1" ] && [ $(( $(elapsed) + dur_A1 + dur_B1 + 30 )) -ge 590 ]; then
     echo "== pair $p skipped: elapsed $(elapsed)s" | tee -a "$L"; continue; fi
-  train A$p 170
-  train B$p 300 $(ckptB B$p)
+  train A$p ${TA:-170}
+  train B$p ${TB:-300} $(ckptB B$p)
   [ -z "$dur_A1" ] && dur_A1=$(eval echo \$dur_A$p) dur_B1=$(eval echo \$dur_B$p)
   echo "== A$p $(eval echo \$dur_A$p)s, B$p $(eval echo \$dur_B$p)s, elapsed $(elapsed)s" | tee -a "$L"
   if [ -z "$micro_done" ] && [ "${MICRO:-1}" = 1 ] && [ $(( $(elapsed) + 60 )) -lt 560 ]; then micro; micro_done=1; fi
@@ -126,9 +130,10 @@ stop_smi 10
 ls -la ~/.cache/llmq_ray/checkpoints/*/ 2>/dev/null | head -20 >> "$L"
 grep -c "" /tmp/moto.log >> "$L"; grep -v " 200 -$" /tmp/moto.log | tail -5 >> "$L"
 tar -czf $OUT/i24-logs.tgz -C /tmp/i24 --exclude='*/ckpt' . 2>/dev/null
-python3 - <<'PY' | tee -a "$L"
+GA=${GA:-1} STEPS=${STEPS:-160} python3 - <<'PY' | tee -a "$L"
 import glob, json, os, statistics as S
-TOK = 32 * 1024
+TOK = 32 * 1024 * int(os.environ["GA"])
+LAST = int(os.environ["STEPS"]) - 1
 rows = {}
 for path in sorted(glob.glob("/tmp/i24/*.stamped")):
     name = os.path.basename(path)[:-8]
@@ -140,33 +145,34 @@ for path in sorted(glob.glob("/tmp/i24/*.stamped")):
         except ValueError:
             pass
     steps = {r["step"]: (t, r) for t, r in recs if r.get("log") == "step"}
-    if 159 not in steps or 9 not in steps:
+    if LAST not in steps or 9 not in steps:
         print(f"{name}: incomplete ({len(steps)} steps)"); continue
-    win = range(10, 160)
+    win = range(10, LAST + 1)
     sec = [steps[s][1]["seconds"] for s in win]
     staged = [r for t, r in recs if r.get("log") == "checkpoint_staged"]
+    deferred = [r.get("step") for t, r in recs if "checkpoint_deferred" in json.dumps(r)]
     ckpts = [r for t, r in recs if r.get("log") == "checkpoint"]
     waits = [r for t, r in recs if r.get("log") == "upload_wait"]
-    stage_win = sum(r["seconds"] for r in staged if r["step"] <= 159)
-    wait_win = sum(r["seconds"] for r in waits if r["step"] <= 159)
+    stage_win = sum(r["seconds"] for r in staged if r["step"] <= LAST)
+    wait_win = sum(r["seconds"] for r in waits if r["step"] <= LAST)
     busy = set()
     for c in ckpts:
         busy |= set(range(c["step"], c.get("published_at_step", c["step"])))
     rows[name] = dict(
         median_ms=1e3 * S.median(sec), mean_ms=1e3 * S.mean(sec),
-        wall_ms=1e3 * (steps[159][0] - steps[9][0]) / 150,
-        engine_sum_ms=1e3 * (sum(sec) + stage_win + wait_win) / 150,
+        wall_ms=1e3 * (steps[LAST][0] - steps[9][0]) / len(win),
+        engine_sum_ms=1e3 * (sum(sec) + stage_win + wait_win) / len(win),
         peak_gib=max(max(steps[s][1]["memory"]) for s in steps) / 2**30,
         staged_s=[round(r["seconds"], 2) for r in staged],
         upload_s=[round(c.get("upload_seconds", float("nan")), 1) for c in ckpts],
         published_at=[c.get("published_at_step") for c in ckpts],
-        waits_s=[(w["step"], round(w["seconds"], 1), w.get("reason", "")[:30]) for w in waits],
+        deferred=deferred, waits_s=[(w["step"], round(w["seconds"], 1), w.get("reason", "")[:30]) for w in waits],
         busy_mean_ms=1e3 * S.mean([steps[s][1]["seconds"] for s in win if s in busy]) if busy & set(win) else None,
         idle_mean_ms=1e3 * S.mean([steps[s][1]["seconds"] for s in win if s not in busy]))
 json.dump(rows, open(os.environ["OUT"] + "/i24-summary.json", "w"), indent=1)
 for n, r in rows.items():
     print(f"DETAIL {n}: staging s {r['staged_s']} | upload s {r['upload_s']} (published at steps {r['published_at']})"
-          f" | waits {r['waits_s']} | step mean while uploading {r['busy_mean_ms'] or float('nan'):.1f} ms, "
+          f" | deferred at {r['deferred']} | waits {r['waits_s']} | step mean while uploading {r['busy_mean_ms'] or float('nan'):.1f} ms, "
           f"otherwise {r['idle_mean_ms']:.1f} ms")
 print("| run | median step ms | mean step ms (records) | wall per step ms | engine sum ms | tokens/s (wall) "
       "| tokens/s (median) | peak GiB |")
