@@ -6,9 +6,11 @@ fixture of conftest.py), uploaded in the background (llmq_ray/checkpoints/remote
 * a failed upload leaves the previous checkpoint the newest valid one, says so in one warning, removes the
   staged copy and the step's prefix, and the run goes on (the next checkpoint is published);
 * acceptance: a 2-worker CLI run reading its tokens from s3:// and checkpointing to s3:// every 2 steps is
-  SIGKILLed (its whole process group: driver, Ray and workers) after its first checkpoint was published;
-  ``--continue`` from the store on 1 worker finishes with per-step losses bit-identical to the same resume
-  (1 worker, from the same step) of a 2-worker run checkpointing to local disk;
+  SIGKILLed (its whole process group: driver, Ray and workers) while its second checkpoint is being uploaded
+  (rank 0's shard of step 4 is in the bucket, rank 1's upload is held back by the test hook), after its first
+  was published; ``--continue`` from the store on 1 worker skips the half-uploaded step 4 with a warning and
+  finishes with per-step losses bit-identical to the same resume (1 worker, from step 2) of a 2-worker run
+  checkpointing to local disk;
 * a partly uploaded checkpoint (objects without a manifest; a manifest whose files are not all there) is
   skipped on resume with a warning, and the resume takes the step before.
 """
@@ -167,15 +169,18 @@ def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_d
     _put(s3, "acc/data/train.bin", open(shards.train, "rb").read())
     store = "s3://bucket/acc/ckpt"
     s3_data = ["--train-file", "s3://bucket/acc/data/train*.bin"]
-    # 1. the s3 run, slowed (0.3 s a step, the test hook) so that it is killed mid-run
-    slow = {"LLMQ_RAY_TEST_FAULT": json.dumps({"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3})}
+    # 1. the s3 run, slowed (0.3 s a step, the test hook) so that it is killed mid-run, and rank 1's upload of
+    # every checkpoint from step 4 on held back 120 s: it is killed while step 4 is half uploaded
+    faults = [{"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3},
+              {"kind": "upload_slow", "rank": 1, "step": 4, "seconds": 120.0}]
     proc = _cli(COMMON + s3_data + ["--workers", "2", "--checkpoint-dir", store, "--out-dir", str(tmp_path / "a")],
-                tmp_path, slow, popen=True)
+                tmp_path, {"LLMQ_RAY_TEST_FAULT": json.dumps(faults)}, popen=True)
     try:
         deadline = time.monotonic() + 180
-        while storage.size_of(f"{store}/step_00000002/manifest.json") is None:
+        while (storage.size_of(f"{store}/step_00000002/manifest.json") is None
+               or storage.size_of(f"{store}/step_00000004/rank_00000.safetensors") is None):
             assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint was published within 180 s"
+            assert time.monotonic() < deadline, "no checkpoint was published and half uploaded within 180 s"
             time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray (GCS, raylet, ...) and the workers
@@ -192,7 +197,8 @@ def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_d
     assert proc.returncode == -signal.SIGKILL
     assert _session_pids(proc.pid) == []  # nothing of the killed run's Ray is left running
     done = [r["step"] for r in _records(str(tmp_path / "a" / "log.jsonl"), "step")]
-    assert 2 <= len(done) < 10, done  # killed mid-run, after the first checkpoint
+    assert 4 <= len(done) < 10, done  # killed mid-run, during the upload of the second checkpoint
+    assert storage.size_of(f"{store}/step_00000004/manifest.json") is None  # step 4: rank 0's shard, no manifest
 
     # 2. --continue from the store, on 1 worker
     _cli(COMMON + s3_data + ["--workers", "1", "--checkpoint-dir", store, "--continue", "--out-dir",
@@ -200,7 +206,9 @@ def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_d
     log_b = str(tmp_path / "b" / "log.jsonl")
     (resume,) = _records(log_b, "resume")
     k = resume["step"]
-    assert k >= 2 and k % 2 == 0 and resume["saved_world_size"] == 2 and resume["path"].startswith(store)
+    assert k == 2 and resume["saved_world_size"] == 2 and resume["path"] == f"{store}/step_00000002"
+    skipped = [r["message"] for r in _records(log_b, "warning") if r["kind"] == "checkpoint"]
+    assert any("step_00000004" in m and "no manifest.json" in m for m in skipped), skipped
     s3_losses = _step_losses(log_b)
     assert [s for s, _ in s3_losses] == list(range(k, 10))
 
