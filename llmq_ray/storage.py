@@ -11,7 +11,8 @@ the URI's query (``s3://bucket/x?endpoint_override=host:9000&scheme=http``, pyar
 kept on every URI derived from the one given.
 
 Token shards on an object store are read through a local cache (``fetch``): each node downloads a shard once
-into ``$LLMQ_RAY_CACHE`` (default ``~/.cache/llmq_ray``) under ``remote/``, keyed by the URI, its size and its
+into its cache folder (``cache_root``: the node's ``$LLMQ_RAY_CACHE``, else the driver's, else
+``~/.cache/llmq_ray``) under ``remote/``, keyed by the URI, its size and its
 modification time, written to a temporary name and renamed, then memory-maps it like any local shard. Why a
 cache rather than range reads: the data pipeline reads windows at random offsets every step, which on an object
 store would be one request per window; one sequential download per shard per node costs less and keeps the exact
@@ -174,9 +175,17 @@ def _glob_regex(pattern: str) -> str:
     return "".join(out)
 
 
+# the driver's LLMQ_RAY_CACHE, as the actors receive it (llmq_ray/train/trainer.py ``forwarded_env``)
+DRIVER_CACHE_ENV = "LLMQ_RAY_DRIVER_CACHE"
+
+
 def cache_root() -> str:
-    """Where remote files are cached on this node: ``$LLMQ_RAY_CACHE`` or ``~/.cache/llmq_ray``."""
-    return os.environ.get("LLMQ_RAY_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "llmq_ray")
+    """Where remote files are cached and uploads staged on this node: the node's own ``$LLMQ_RAY_CACHE`` (in the
+    environment its Ray was started with), else the driver's (forwarded as ``$LLMQ_RAY_DRIVER_CACHE``), else
+    ``~/.cache/llmq_ray``. The node's own setting wins because the cache is a folder on the node's disk: a path
+    that exists on the driver's machine need not exist, or be fast, on another."""
+    return (os.environ.get("LLMQ_RAY_CACHE") or os.environ.get(DRIVER_CACHE_ENV)
+            or os.path.join(os.path.expanduser("~"), ".cache", "llmq_ray"))
 
 
 def fetch(uri: str, what: str = "path") -> str:

@@ -4,16 +4,22 @@
 
 ``ray.cluster_utils.Cluster`` starts one raylet per "node" on this machine: a head node with no CPUs (the driver
 and the coordinator, which takes none) and ``spec["nodes"]`` worker nodes of one CPU each, so each holds exactly
-one CPU worker. Every node has its own cache folder (``LLMQ_RAY_CACHE``, where it fetches the shards and stages
-checkpoints), and the run reads its shards from and writes its checkpoints to s3:// (the S3 server's address
-comes in the environment), so nothing is shared through the local disk. With ``spec["remove_after_step"]``
+one CPU worker. Every worker node has a disk of its own: its raylet (and so every process it starts: the
+workers, Ray's agents) runs in a mount namespace of its own (``unshare --mount``) with a fresh tmpfs mounted on
+``ROOT/disks``, where its cache (``LLMQ_RAY_CACHE``: fetched shards, staged checkpoints) and ``TMPDIR`` live;
+no other node, the driver included, sees that tmpfs. The run reads its shards from and writes its checkpoints
+and log to s3:// (the S3 server's address comes in the environment), so a file one node wrote and another read
+would fail the run. Where mount namespaces are not allowed (no CAP_SYS_ADMIN), each node gets a folder of its
+own on the shared disk instead and the output says ``"private_disks": false``. With ``spec["remove_after_step"]``
 a watcher thread waits until the checkpoint of that step is on the store, then removes one node that holds a
 worker (``allow_graceful=False``: its raylet and workers are killed, as when a machine is lost), and with
 ``spec["add_after_remove"]`` adds a fresh node after that many seconds; with ``spec["drain_after_step"]`` it
 sends Ray's drain notice (reason: preemption, 60 s deadline) for such a node instead.
 
 Writes {"history": per-step records, "log": the run's log records, "error": the error sentence or None,
-"removed_at" / "drained_at": seconds into the run or None, "stopped": ``Result.stopped``} to OUT_JSON. A process of its own because a Cluster cannot share
+"removed_at" / "drained_at": seconds into the run or None, "stopped": ``Result.stopped``, "private_disks": bool,
+"disk_files": {node index: the files on that node's own disk at the end, as its raylet sees them, for the nodes
+still alive}, "head_disk_files": what the driver sees under ROOT/disks} to OUT_JSON. A process of its own because a Cluster cannot share
 a process with the test session's Ray instance.
 """
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -29,6 +36,45 @@ import time
 # (shorter periods mark busy nodes dead by mistake on a loaded 2-core machine)
 SYSTEM_CONFIG = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
                  "health_check_failure_threshold": 5}
+
+
+# what a worker node's raylet runs first, in its new mount namespace: $1 is the disk's mount point
+_OWN_DISK = ('mount -t tmpfs -o size=1g llmq-node-disk "$1" && mkdir -p "$LLMQ_RAY_CACHE" "$TMPDIR" '
+             '&& shift && exec "$@"')
+
+
+def _private_disks_allowed(where: str) -> bool:
+    """Whether this machine lets a process mount a tmpfs in a mount namespace of its own (root or
+    CAP_SYS_ADMIN, ``unshare`` installed)."""
+    os.makedirs(where, exist_ok=True)
+    try:
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                               'mount -t tmpfs none "$0" && touch "$0/x"', where],
+                              capture_output=True, timeout=10).returncode == 0 and not os.listdir(where)
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _start_raylets_on_own_disks(disks: str) -> None:
+    """Make ``ray.cluster_utils.Cluster`` start the raylet of every node whose environment names a
+    ``LLMQ_RAY_TEST_OWN_DISK`` inside a new mount namespace with a tmpfs on ``disks`` (the raylet's pid stays
+    the one Ray knows: unshare and sh exec into it, so removing the node kills it as before)."""
+    from ray._private import services
+
+    start = services.start_ray_process
+
+    def start_ray_process(command, process_type, *args, **kwargs):
+        env = kwargs.get("env_updates") or (args[1] if len(args) > 1 else None) or {}
+        if process_type == "raylet" and env.get("LLMQ_RAY_TEST_OWN_DISK"):
+            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", _OWN_DISK, "own-disk",
+                       disks, *command]
+        return start(command, process_type, *args, **kwargs)
+
+    services.start_ray_process = start_ray_process
+
+
+def _files_under(path: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
 
 
 def _manifest_on_store(ckpt_dir: str, step: int) -> bool:
@@ -71,14 +117,24 @@ def main(spec_path: str, out_path: str) -> None:
     from llmq_ray.train.trainer import LLMQTrainer
 
     spec = json.load(open(spec_path))
-    root = spec["root"]
+    disks = os.path.join(spec["root"], "disks")
+    private = _private_disks_allowed(disks)
+    if private:
+        _start_raylets_on_own_disks(disks)
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
                                                                 _system_config=SYSTEM_CONFIG))
+    nodes = {}  # node index -> the Ray node
 
     def add_node(i: int):
-        cache = os.path.join(root, f"node{i}")
-        os.makedirs(cache, exist_ok=True)
-        return cluster.add_node(num_cpus=1, env_vars={"LLMQ_RAY_CACHE": cache})
+        own = os.path.join(disks, f"node{i}")  # on the node's tmpfs (or, without namespaces, a folder of its own)
+        env = {"LLMQ_RAY_CACHE": os.path.join(own, "cache"), "TMPDIR": os.path.join(own, "tmp")}
+        if private:
+            env["LLMQ_RAY_TEST_OWN_DISK"] = "1"
+        else:
+            os.makedirs(env["LLMQ_RAY_CACHE"], exist_ok=True)
+            os.makedirs(env["TMPDIR"], exist_ok=True)
+        nodes[i] = cluster.add_node(num_cpus=1, env_vars=env)
+        return nodes[i]
 
     for i in range(spec["nodes"]):
         add_node(i)
@@ -87,7 +143,7 @@ def main(spec_path: str, out_path: str) -> None:
     deadline = time.monotonic() + 60  # the driver's view of the cluster's resources lags the nodes' start by a moment
     while ray.cluster_resources().get("CPU", 0) < spec["nodes"] and time.monotonic() < deadline:
         time.sleep(0.1)
-    out = {"history": [], "log": [], "error": None, "removed_at": None}
+    out = {"history": [], "log": [], "error": None, "removed_at": None, "private_disks": private}
     t0 = time.monotonic()
 
     def remove_one():
@@ -136,6 +192,12 @@ def main(spec_path: str, out_path: str) -> None:
     out["log"] = read_log(log)
     if watcher is not None:
         watcher.join(timeout=5)
+    out["disk_files"] = {}  # each live node's own disk, seen through its raylet's /proc/PID/root
+    for i, node in nodes.items():
+        raylets = node.all_processes.get("raylet") or []  # none left for a removed node
+        if raylets and raylets[0].process.poll() is None:
+            out["disk_files"][i] = _files_under(f"/proc/{raylets[0].process.pid}/root{disks}/node{i}")
+    out["head_disk_files"] = _files_under(disks)
     with open(out_path, "w") as f:
         json.dump(out, f, default=str)
     ray.shutdown()

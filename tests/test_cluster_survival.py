@@ -1,7 +1,9 @@
 """Surviving a lost node on a simulated 3-node Ray cluster (``ray.cluster_utils.Cluster``, one raylet per node, each
 with its own cache folder) with shards and checkpoints on an S3 server (moto) -- issue 24's survival points:
 
-Every location is a URI (shards, checkpoints, the out-dir with the log): nothing is shared through a local disk.
+Every location is a URI (shards, checkpoints, the out-dir with the log), and each worker node has a disk of its
+own (a tmpfs in a mount namespace of its own, which no other node sees; see tests/_cluster_scenario.py):
+nothing is shared through a local disk.
 
 (a) a spare node: the run restarts there from the last checkpoint and ends with the uninterrupted run's losses;
 (b) no spare, ``elastic=True``: the run goes on with 1 worker (grad accumulation doubled), the log records it;
@@ -88,6 +90,15 @@ def test_a_lost_node_is_replaced_by_a_spare_and_the_losses_stay_those_of_the_uni
     (restart,) = _kinds(out["log"], "restart")
     assert restart["checkpoint"].startswith("s3://bucket/survival/spare/ckpt/step_")
     assert not _kinds(out["log"], "elastic")
+    print("own disks:", out["private_disks"], out["disk_files"], out["head_disk_files"])
+    if not out["private_disks"]:
+        pytest.skip("this machine allows no mount namespaces (unshare --mount needs CAP_SYS_ADMIN): each node "
+                    "had a folder of its own on the shared disk, and everything above held")
+    # each live worker node fetched the shard onto its own disk, which the driver's node never saw
+    assert out["head_disk_files"] == []
+    assert len(out["disk_files"]) == 2, out["disk_files"]
+    for files in out["disk_files"].values():
+        assert any(f.startswith("cache/remote/") and f.endswith("train.bin") for f in files), files
 
 
 def test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch(bucket, reference, tmp_path):

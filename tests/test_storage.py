@@ -127,6 +127,21 @@ def test_the_drivers_environment_reaches_the_workers(monkeypatch):
     assert w["NCCL_SOCKET_IFNAME"] == "eth1" and w["OMP_NUM_THREADS"] == "2" and "UNRELATED" not in w
 
 
+def test_a_nodes_own_cache_folder_wins_over_the_drivers(monkeypatch):
+    from llmq_ray.train.trainer import forwarded_env
+
+    monkeypatch.setenv("LLMQ_RAY_CACHE", "/driver/cache")
+    env = forwarded_env(None)  # the driver's folder travels as a default, not as the node's own setting
+    assert "LLMQ_RAY_CACHE" not in env and env[storage.DRIVER_CACHE_ENV] == "/driver/cache"
+    monkeypatch.setenv(storage.DRIVER_CACHE_ENV, "/driver/cache")
+    assert storage.cache_root() == "/driver/cache"  # what the driver itself (and a node with none) uses
+    monkeypatch.setenv("LLMQ_RAY_CACHE", "/node/nvme/cache")
+    assert storage.cache_root() == "/node/nvme/cache"  # a node whose Ray was started with its own
+    monkeypatch.delenv("LLMQ_RAY_CACHE")
+    monkeypatch.delenv(storage.DRIVER_CACHE_ENV)
+    assert storage.cache_root() == os.path.expanduser("~/.cache/llmq_ray")
+
+
 def test_checkpoints_on_s3_are_written_pruned_and_resumed(s3, ray_cluster, shards, tmp_path, monkeypatch):
     """Two workers checkpoint straight to s3:// (each rank uploads its own shard, the manifest goes last) with
     the same losses as the run checkpointing locally; keep-N and major retention prune the store; a prefix

@@ -132,7 +132,7 @@ def parse_port_range(text: Optional[str]) -> Optional[tuple]:
 
 
 # environment variables every worker gets from the driver's shell (Ray does not pass them on by itself): object
-# store credentials and endpoints, the collectives' and torch's knobs, W&B, our own (LLMQ_RAY_CACHE, ...)
+# store credentials and endpoints, the collectives' and torch's knobs, W&B, our own (LLMQ_*; LLMQ_RAY_CACHE as a default only)
 FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "HF_", "NCCL_", "GLOO_", "TORCH_", "WANDB_", "LLMQ_")
 
 
@@ -151,11 +151,15 @@ def new_run_id() -> str:
 
 def forwarded_env(names: Optional[str]) -> dict:
     """{name: value} of the driver's environment that the coordinator and every worker get: the variables with
-    a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated).
-    ``LLMQ_RAY_FORWARDED`` lists them all, so the coordinator passes the same set on to the workers."""
+    a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated), except that
+    the driver's ``LLMQ_RAY_CACHE`` travels as ``LLMQ_RAY_DRIVER_CACHE``, so a node whose own environment sets
+    ``LLMQ_RAY_CACHE`` keeps its own cache folder. ``LLMQ_RAY_FORWARDED`` lists them all, so the coordinator
+    passes the same set on to the workers."""
     wanted = {n.strip() for n in (names or "").split(",") if n.strip()}
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in wanted}
     env.pop("LLMQ_RAY_FORWARDED", None)
+    if "LLMQ_RAY_CACHE" in env:  # a default only: a node's own LLMQ_RAY_CACHE wins (storage.cache_root)
+        env[storage.DRIVER_CACHE_ENV] = env.pop("LLMQ_RAY_CACHE")
     env["LLMQ_RAY_FORWARDED"] = ",".join(sorted(env))
     return env
 
