@@ -52,7 +52,7 @@ def check_adamw_shards(param, grad, m, v, master, step: int, dtypes=(torch.float
         if t is not None and (t.dim() != 1 or t.numel() != n):
             raise ValueError(f"adamw_update: {name} has shape {tuple(t.shape)}, expected flat [{n}] like param")
     for name, t in (("param", param), ("m", m), ("v", v), ("master", master)):
-        if t is not None and t.dtype not in dtypes:
+        if t is not None and t.dtype not in dtypes and not (name == "m" and t.dtype == torch.float8_e4m3fn):
             raise TypeError(f"adamw_update: {name} must be fp32 or bf16, got {t.dtype}")
     if param.dim() != 1:
         raise ValueError(f"adamw_update: param must be a flat 1-D shard, got shape {tuple(param.shape)}")
@@ -351,7 +351,8 @@ class Backend:
     # ------------------------------------------------------------------ optimizer
     def adamw_update(self, param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
                      master: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
-                     weight_decay: float, step: int, grad_scale: torch.Tensor | float, seed: int) -> None:
+                     weight_decay: float, step: int, grad_scale: torch.Tensor | float, seed: int,
+                     m_scale: torch.Tensor | None = None) -> None:
         """One AdamW step over flat 1-D shards of equal length (in place on param, m, v, master).
 
         g = grad * grad_scale (fp32; grad_scale folds in 1/tokens and the clip factor);
@@ -361,6 +362,8 @@ class Backend:
         overwritten with master rounded to nearest in the model dtype. Every bf16 tensor that is the
         storage of record (m, v, master, or param without master) is written with **stochastic rounding**
         seeded by ``seed`` (reproducible), so that small updates are not lost on average.
+        m may be e4m3 (torch.float8_e4m3fn) with ``m_scale`` [ceil(n/256)] fp32, its power-of-two block scales,
+        both rewritten in place (backends/fp8_moment.py: the format and its stochastic rounding).
         """
         raise NotImplementedError
 

@@ -41,11 +41,12 @@ class RecomputeOptions:
 
 
 def __getattr__(name: str):
-    """``DTYPES`` ({"fp32": torch.float32, "bf16": torch.bfloat16}) is built on first use, importing torch."""
+    """``DTYPES`` ({"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}) is built on
+    first use, importing torch (e4m3 only for --opt-m-dtype)."""
     if name == "DTYPES":
         import torch
 
-        return {"fp32": torch.float32, "bf16": torch.bfloat16}
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -99,7 +100,11 @@ class _TrainOptionsBase:
         need(self.grad_clip >= 0, f"--grad-clip={self.grad_clip} must be >= 0 (0 turns clipping off).")
         for flag in ("model_dtype", "master_dtype", "opt_m_dtype", "opt_v_dtype"):
             value = getattr(self, flag)
-            need(value in DTYPE_NAMES, f"--{flag.replace('_', '-')}={value!r} must be one of {sorted(DTYPE_NAMES)}.")
+            names = DTYPE_NAMES + (("e4m3",) if flag == "opt_m_dtype" else ())
+            need(value in names, f"--{flag.replace('_', '-')}={value!r} must be one of {sorted(names)}.")
+        need(not (self.opt_m_dtype == "e4m3" and self.offload_opt_m),
+             "--opt-m-dtype=e4m3 cannot be combined with --offload-opt-m: the 8-bit first moment (1 byte per "
+             "parameter) is meant to stay on the GPU.")
         need(not (self.model_dtype == "fp32" and self.master_dtype == "bf16"),
              "--master-dtype=bf16 with --model-dtype=fp32 makes no sense: the master copy would be less precise "
              "than the weights it updates; use --master-dtype=fp32.")

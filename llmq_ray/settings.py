@@ -123,7 +123,8 @@ class NumericsSettings:
         "FP8 backward operands (with --matmul-dtype e4m3)",
         choices=('e4m3', 'e5m2'))
     master_dtype: str = setting('fp32', "master weights", choices=('fp32', 'bf16'))
-    opt_m_dtype: str = setting('fp32', "AdamW first moment", choices=('fp32', 'bf16'))
+    opt_m_dtype: str = setting('fp32', "AdamW first moment (e4m3: 8 bits with a power-of-two scale per 256)",
+                               choices=('fp32', 'bf16', 'e4m3'))
     opt_v_dtype: str = setting('fp32', "AdamW second moment", choices=('fp32', 'bf16'))
 
 

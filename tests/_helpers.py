@@ -34,3 +34,31 @@ def bf16_stochastic_neighbours(got_bf16, want_fp32):
     away = ((bits & -65536) + 65536).view(torch.float32)
     got = got_bf16.float()
     return ((got == toward_zero) | (got == away) | (got == want_fp32)).all().item()
+
+
+def e4m3_stochastic_neighbours(q, scale, want_fp32, rel: float = 1e-6):
+    """An e4m3 first moment (q [n], block scales [ceil(n/256)], backends/fp8_moment.py) against the fp32 values
+    it stores: every block's scale is the one its fp32 maxima call for, and every stored value is one of the
+    two e4m3 grid points around its fp32 value (``rel``: the slack for want coming from a different fp32
+    operation order). Returns a list of what failed (empty when all holds)."""
+    from llmq_ray.backends import fp8_moment
+
+    want = want_fp32.float().reshape(-1)
+    n = want.numel()
+    blocks = torch.nn.functional.pad(want, (0, fp8_moment.num_blocks(n) * 256 - n)).view(-1, 256)
+    bad = []
+    if not torch.equal(scale, fp8_moment.block_scales(blocks.abs().amax(dim=1))):
+        bad.append("block scales differ from those of the fp32 maxima")
+    s = scale.repeat_interleave(256)[:n]
+    y = want / s  # exact: s is a power of two
+    a = y.abs()
+    exp = torch.floor(torch.log2(torch.where(a > 0, a, torch.ones_like(a))))
+    step = torch.where(a >= 2.0 ** -6, torch.exp2(exp - 3), torch.full_like(a, 2.0 ** -9))
+    got = q.float()
+    lo = torch.floor(y / step) * step  # the grid point at or below y (exact: step is a power of two)
+    slack = rel * a + 1e-30
+    ok = ((got - lo).abs() <= slack) | ((got - (lo + step)).abs() <= slack)
+    if not ok.all():
+        i = int((~ok).nonzero()[0])
+        bad.append(f"element {i}: stored {got[i].item()} is not a grid neighbour of {y[i].item()} (step {step[i].item()})")
+    return bad

@@ -102,7 +102,9 @@ def _batches(stream):
     # the kept chunks' current values and a resume must put them back on the device
     dict(model_dtype="bf16", master_dtype="fp32", opt_m_dtype="bf16", opt_v_dtype="bf16", offload_master=True,
          offload_opt_m=True, offload_opt_v=True, opt_chunk_size=5000, opt_resident_gib=3.5 * 5000 * 8 / 2**30),
-], ids=["fp32", "bf16-sr", "offloaded-part-kept"])
+    # the 8-bit first moment: saved as its exact bf16 values, re-quantized to the same numbers on load
+    dict(model_dtype="bf16", master_dtype="fp32", opt_m_dtype="e4m3", opt_v_dtype="bf16"),
+], ids=["fp32", "bf16-sr", "offloaded-part-kept", "e4m3-m"])
 def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
     opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, steps=12, learning_rate=3e-3, warmup=2,
                         lr_schedule="cosine", seed=7, **dtypes)

@@ -92,7 +92,7 @@ def _kernel_signatures() -> dict[str, list[type]]:
     sigs = {}
     for module in rt.MODULES:
         src = rt.kernel_source(module)
-        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\(\d+\)\s+)?(\w+)\s*\(([^)]*)\)", src):
+        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)", src):
             types = []
             for param in m.group(2).split(","):
                 param = param.strip()
@@ -110,6 +110,7 @@ class RecordingKernels(rt.Kernels):
     def __init__(self):  # no CuPy, no device
         self.sm_count = 132
         self.launches = []
+        self.calls = []  # (name, grid, block, args) of each launch
         self.sigs = _kernel_signatures()
 
     def launch(self, module, name, grid, block, args, shared_mem=0):
@@ -124,6 +125,7 @@ class RecordingKernels(rt.Kernels):
         assert all(g >= 1 for g in grid) and all(g <= 65535 for g in grid[1:]), (name, grid)
         assert shared_mem <= 48 * 1024, (name, shared_mem)
         self.launches.append(name)
+        self.calls.append((name, grid, block, args))
 
     def zero_u32(self, t):
         assert t.dtype == torch.float32 and t.numel() == 1
@@ -172,6 +174,10 @@ def test_host_side_launches_match_the_kernels(rec, dtype, n, c, i, v, d):
     for master in (None, torch.randn(1003)):
         rec.adamw_update(t(1003), t(1003), t(1003), torch.rand(1003).to(dtype), master=master, lr=1e-3, beta1=0.9,
                          beta2=0.95, eps=1e-8, weight_decay=0.1, step=2, grad_scale=torch.tensor(0.5), seed=1)
+        # the e4m3 first moment (backends/fp8_moment.py): bytes + [ceil(n/256)] fp32 block scales
+        rec.adamw_update(t(1003), t(1003), torch.zeros(1003, dtype=torch.float8_e4m3fn), torch.rand(1003).to(dtype),
+                         master=master, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=2,
+                         grad_scale=0.5, seed=1, m_scale=torch.ones(4))
     names = {name.split("<")[0] for name in rec.k.launches}
     assert names == {"rmsnorm_fwd", "rmsnorm_bwd", "column_sum", "rope", "swiglu_fwd", "swiglu_bwd", "emb_fwd",
                      "emb_bwd_head", "emb_bwd_segments", "classifier", "absmax_kernel", "quantize_flat",
@@ -179,6 +185,49 @@ def test_host_side_launches_match_the_kernels(rec, dtype, n, c, i, v, d):
     vec = rt.VEC[dtype]
     aligned_shape = c % vec == 0
     assert (f"rmsnorm_fwd<{rt.T_NAME[dtype]}, {vec}, " in " ".join(rec.k.launches)) == aligned_shape
+
+
+ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=2, seed=1)
+
+
+@pytest.mark.parametrize("n", [1003, 4096, 3 * 2**20 + 77])
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("master_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_e4m3_m_launch(rec, n, offset, master_dtype, v_dtype):
+    """An e4m3 m goes to adamw<VEC>'s block path: m_scale's pointer (null otherwise), 256 threads, one block per
+    1024 elements (4 scale blocks) up to the grid-stride cap; VEC = 1 when a shard is not 4-element aligned
+    (offset 1 shifts every pointer by one element); m's dtype flag is 0 (the kernel reads bytes)."""
+    def flat(dt):  # a shard `offset` elements into a bigger buffer
+        return torch.zeros(n + offset, dtype=dt)[offset:]
+
+    param, m, v = flat(torch.bfloat16), flat(torch.float8_e4m3fn), flat(v_dtype)
+    master = None if master_dtype is None else flat(master_dtype)
+    m_scale = torch.ones(-(-n // 256))
+    rec.adamw_update(param, flat(torch.bfloat16), m, v, master=master, grad_scale=torch.tensor(0.5),
+                     m_scale=m_scale, **ADAM)
+    (name, grid, block, args), = rec.k.calls
+    assert name == f"adamw<{1 if offset else 4}>"
+    assert block == (256,) and grid == (min(-(-n // 1024), 132 * 8),)
+    assert int(args[2]) == m.data_ptr() and int(args[3]) == m_scale.data_ptr()
+    assert [int(a) for a in args[6:11]] == [1, 1, 0, int(v_dtype == torch.bfloat16),
+                                           int(master_dtype == torch.bfloat16)]
+    # the fp32 / bf16 m path passes a null m_scale
+    rec.adamw_update(param, flat(torch.bfloat16), flat(torch.float32), v, master=master, grad_scale=0.5, **ADAM)
+    assert int(rec.k.calls[-1][3][3]) == 0
+
+
+def test_adamw_e4m3_m_needs_its_block_scales(rec):
+    p, g, v = torch.zeros(1003), torch.zeros(1003), torch.zeros(1003)
+    q = torch.zeros(1003, dtype=torch.float8_e4m3fn)
+    for bad in (None, torch.ones(3), torch.ones(4, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="m_scale"):
+            rec.adamw_update(p, g, q, v, master=None, grad_scale=1.0, m_scale=bad, **ADAM)
+    with pytest.raises(ValueError, match="only for an e4m3 m"):
+        rec.adamw_update(p, g, torch.zeros(1003), v, master=None, grad_scale=1.0, m_scale=torch.ones(4), **ADAM)
+    with pytest.raises(TypeError, match="v must be fp32 or bf16"):
+        rec.adamw_update(p, g, q, q.clone(), master=None, grad_scale=1.0, m_scale=torch.ones(4), **ADAM)
+    assert rec.k.launches == []
 
 
 def test_row_layout_for_real_hidden_sizes():

@@ -229,3 +229,71 @@ def test_kernels_run_on_torchs_current_stream(cp, ref):
         x.fill_(1.0)  # must not overtake the absmax above
     side.synchronize()
     assert amax.item() == 7.5
+
+
+# ---------------------------------------------------------------------------------------------- e4m3 m
+# The e4m3 first moment (backends/fp8_moment.py), as tests/test_triton_kernels.py checks it for Triton.
+ADAM_E4M3 = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7, seed=1234)
+
+
+def _shard(t, offset):
+    """t copied `offset` elements into a bigger buffer (offset 1: no pointer is 4-element aligned, VEC = 1)."""
+    buf = torch.zeros(t.numel() + offset, dtype=t.dtype, device=t.device)
+    buf[offset:] = t
+    return buf[offset:]
+
+
+@pytest.mark.parametrize("n,offset", [(5003, 0), (5003, 1), (3 * 2**20 + 77, 0)])
+@pytest.mark.parametrize("v_dtype", DTYPES)
+def test_adamw_e4m3_m_is_a_stochastic_rounding_of_the_fp32_update(cp, ref, n, offset, v_dtype):
+    """master and v within 1e-6 of the torch reference's fp32 update made from the same (dequantized) m; the new m
+    one of the two e4m3 neighbours of the reference's fp32 m at the block scale its maxima call for (partial last
+    block: n % 256 != 0); reproducible for a seed."""
+    from _helpers import bf16_stochastic_neighbours, e4m3_stochastic_neighbours
+    from llmq_ray.backends import fp8_moment
+
+    master, grad = randn(n, seed=40, scale=0.1), randn(n, seed=41, scale=0.01)
+    v0 = (randn(n, seed=42, scale=1e-3) ** 2 * 100).to(v_dtype)
+    m0 = randn(n, seed=43, scale=1e-3) * torch.logspace(-3, 0, n, device=DEV).roll(n // 3)  # blocks of all sizes
+    m0[256:512] = 0.0  # an all-zero block: scale 2^-126
+    r16 = torch.randint(0, 1 << 16, (n,), generator=torch.Generator(device=DEV).manual_seed(44), device=DEV,
+                        dtype=torch.int32)
+    q0, scale0 = fp8_moment.quantize(m0, r16)
+    want = dict(param=master.clone(), m=fp8_moment.dequantize(q0, scale0), v=v0.to(torch.float32, copy=True))
+    ref.adamw_update(want["param"], grad, want["m"], want["v"], master=None, grad_scale=0.5, **ADAM_E4M3)
+    runs = []
+    for _ in range(2):
+        s = dict(param=_shard(master.to(torch.bfloat16), offset), m=_shard(q0, offset), scale=scale0.clone(),
+                 v=_shard(v0, offset), master=_shard(master, offset))
+        cp.adamw_update(s["param"], _shard(grad, offset), s["m"], s["v"], master=s["master"],
+                        grad_scale=torch.tensor(0.5, device=DEV), m_scale=s["scale"], **ADAM_E4M3)
+        runs.append(s)
+    for k in runs[0]:
+        assert torch.equal(runs[0][k].view(torch.uint8), runs[1][k].view(torch.uint8)), f"{k} not reproducible"
+    s = runs[0]
+    assert_close(s["master"], want["param"], 1e-6, "master (fp32)")
+    assert torch.equal(s["param"], s["master"].to(torch.bfloat16)), "param = master rounded to nearest"
+    if v_dtype == torch.float32:
+        assert_close(s["v"], want["v"], 1e-6, "v")
+    else:
+        assert bf16_stochastic_neighbours(s["v"], want["v"])
+    assert e4m3_stochastic_neighbours(s["m"].cpu(), s["scale"].cpu(), want["m"].cpu()) == []
+    assert not torch.equal(s["m"].view(torch.uint8), q0.view(torch.uint8))
+
+
+def test_adamw_e4m3_m_rounding_is_unbiased(cp):
+    """16,384 elements whose new m is one value between two e4m3 grid points: the stored values average to it
+    (within 4 standard errors), and both neighbours occur."""
+    from llmq_ray.backends import fp8_moment
+
+    n = 64 * 256
+    g = torch.full((n,), 0.0123456, device=DEV)
+    q = torch.zeros(n, dtype=fp8_moment.DTYPE, device=DEV)
+    scale = torch.ones(fp8_moment.num_blocks(n), device=DEV)
+    cp.adamw_update(torch.zeros(n, device=DEV), g, q, torch.zeros(n, device=DEV), master=None, grad_scale=1.0,
+                    m_scale=scale, **{**ADAM_E4M3, "step": 1})
+    got = fp8_moment.dequantize(q, scale).cpu().double()
+    x = 0.1 * 0.0123456  # (1 - beta1) * g
+    assert got.unique().numel() == 2
+    spacing = (got.max() - got.min()).item()
+    assert abs(got.mean().item() - x) < 4 * 0.5 * spacing / n ** 0.5, (got.mean().item(), x)

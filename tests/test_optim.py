@@ -185,6 +185,58 @@ def test_state_round_trip_resumes_bit_for_bit(layout):
         assert torch.equal(o3.m, o1.m) and torch.equal(o3.v, o1.v)
 
 
+def test_e4m3_first_moment_round_trip_resumes_bit_for_bit(layout):
+    """--opt-m-dtype e4m3: the checkpoint carries m as bf16 values (exact), loading re-quantizes them to the same
+    numbers, and 3 + 3 steps equal 6 uninterrupted ones bit for bit (bf16 weights, bf16 v); loaded into another
+    sharding (2 shards) the values come back within e4m3's rounding (the blocks are cut elsewhere)."""
+    E4M3 = torch.float8_e4m3fn
+    grads = make_grads(layout, 6)
+    straight = initial_params(layout).to(BF16)
+    o1 = make_opt(layout, straight, master=F32, m=E4M3, v=BF16, seed=7, chunk=40_000)  # 3 chunks + the no-decay run
+    assert o1.m.dtype == E4M3 and o1.m_scale.numel() == sum(-(-(hi - lo) // 256) for lo, hi, _ in o1.chunks)
+    for step, g in enumerate(grads, start=1):
+        o1.step(g, lr=lr_of(step), step=step, grad_scale=1.0)
+
+    first = initial_params(layout).to(BF16)
+    o2 = make_opt(layout, first, master=F32, m=E4M3, v=BF16, seed=7, chunk=40_000)
+    for step, g in enumerate(grads[:3], start=1):
+        o2.step(g, lr=lr_of(step), step=step, grad_scale=1.0)
+    saved = {k: t.clone() for k, t in o2.state_tensors().items()}
+    assert saved["m"].dtype == BF16 and saved["m"].abs().max() > 0
+    resumed = initial_params(layout).to(BF16)
+    o3 = make_opt(layout, resumed, master=F32, m=E4M3, v=BF16, seed=7, chunk=40_000)
+    o3.load_state_tensors(saved)
+    # the same numbers (a block whose largest value rounded down to 224 or less may come back as 2q at half the
+    # scale: other bytes, the same values, which is all the update reads)
+    assert torch.equal(o3.state_tensors()["m"], saved["m"])
+    for step, g in enumerate(grads[3:], start=4):
+        o3.step(g, lr=lr_of(step), step=step, grad_scale=1.0)
+    assert torch.equal(resumed, straight)
+    assert torch.equal(o3.state_tensors()["m"], o1.state_tensors()["m"]) and torch.equal(o3.v, o1.v)
+
+    half = layout.shard_size(2)
+    for lo, hi in ((0, half), (half, layout.numel)):  # another world size: other block boundaries
+        o = make_opt(layout, initial_params(layout).to(BF16), lo, hi, master=F32, m=E4M3, v=BF16, seed=7)
+        o.load_state_tensors({k: t[lo:hi] for k, t in saved.items()})
+        got = o.state_tensors()["m"].float()
+        want = saved["m"][lo:hi].float()
+        assert ((got - want).abs() <= want.abs().max() / 16).all()  # within one e4m3 step of the block max
+
+
+def test_e4m3_first_moment_tracks_fp32(layout):
+    """10 steps: the e4m3 first moment (3 significant bits + sign, unbiased rounding, a scale per 256) moves
+    the weights like fp32 m within 5% of the total update's norm (measured 3.6%; bf16 m: 0.23%), and without
+    bias (mean difference 7e-5 of the mean |update|; assert 1%). Seeds are fixed: this cannot flake."""
+    flat0 = initial_params(layout)
+    grads = make_grads(layout, 10)
+    p32, _ = _run(layout, grads, flat0, F32, F32, F32, F32)
+    p8, opt = _run(layout, grads, flat0, F32, F32, torch.float8_e4m3fn, F32)
+    update = p32 - flat0
+    assert (p8 - p32).norm() <= 0.05 * update.norm()
+    assert abs((p8 - p32).mean().item()) <= 0.01 * update.abs().mean().item()
+    assert opt.memory_bytes() == layout.numel * (1 + 4) + opt.m_scale.numel() * 4
+
+
 def test_memory_bytes(layout):
     flat = initial_params(layout).to(BF16)
     n = layout.numel

@@ -609,3 +609,71 @@ def test_swiglu_backward_fp8_equals_backward_then_quantize(tri, ref, dtype, fp8)
     ref.swiglu_backward(dinp_ref, dout, inp)
     tol = 2.0 ** -4 if fp8 == torch.float8_e4m3fn else 2.0 ** -3
     assert_close(q.float() * d2, dinp_ref.float(), tol, "dequantized FP8 d(up+gate) vs torch_ref")
+
+
+# ---------------------------------------------------------------------------------------------------- e4m3 m
+def _e4m3_state(n, seed=50):
+    from llmq_ray.backends import fp8_moment
+
+    st = _adam_state(n, {"param": torch.bfloat16}, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    m0 = (torch.randn(n, generator=gen) * 1e-3) * torch.logspace(-3, 0, n).roll(n // 3)  # blocks of all sizes
+    q, scale = fp8_moment.quantize(m0, torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32))
+    return st, q.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["tri", "ref"])
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_e4m3_m_is_a_stochastic_rounding_of_the_fp32_update(request, ref, backend, v_dtype):
+    """m in e4m3 with block scales (backends/fp8_moment.py): master and v within 1e-6 of the fp32 update made
+    from the same (dequantized) m; the new m one of the two e4m3 neighbours of its fp32 value at the block
+    scale its maxima call for; reproducible for a seed; a partial last block (n = 5003)."""
+    from llmq_ray.backends import fp8_moment
+    from _helpers import e4m3_stochastic_neighbours
+
+    be = request.getfixturevalue(backend)
+    n = 5003
+    st, q0, scale0 = _e4m3_state(n)
+    master = st["param"].float().to(DEVICE)
+    grad = st["grad"].to(DEVICE)
+    v0 = st["v"].to(DEVICE).to(v_dtype)
+    want = dict(param=master.clone(), m=fp8_moment.dequantize(q0, scale0), v=v0.float().clone())
+    ref.adamw_update(want["param"], grad, want["m"], want["v"], master=None, grad_scale=0.5, **ADAM)
+    runs = []
+    for _ in range(2):
+        s = dict(param=master.to(torch.bfloat16), m=q0.clone(), scale=scale0.clone(), v=v0.clone(),
+                 master=master.clone())
+        be.adamw_update(s["param"], grad, s["m"], s["v"], master=s["master"], grad_scale=0.5, m_scale=s["scale"],
+                        **ADAM)
+        runs.append(s)
+    for k in runs[0]:
+        assert torch.equal(runs[0][k], runs[1][k]), f"{k} not reproducible for the same seed"
+    s = runs[0]
+    assert_close(s["master"], want["param"], 1e-6, "master (fp32)")
+    if v_dtype == torch.float32:
+        assert_close(s["v"], want["v"], 1e-6, "v")
+    else:
+        assert bf16_stochastic_neighbours(s["v"], want["v"])
+    assert e4m3_stochastic_neighbours(s["m"].cpu(), s["scale"].cpu(), want["m"].cpu()) == []
+    assert not torch.equal(s["m"], q0)
+
+
+@pytest.mark.parametrize("backend", ["tri", "ref"])
+def test_adamw_e4m3_m_rounding_is_unbiased(request, backend):
+    """16,384 elements whose new m is one value between two e4m3 grid points: the stored values average to it
+    (within 4 standard errors), and both neighbours occur."""
+    from llmq_ray.backends import fp8_moment
+
+    be = request.getfixturevalue(backend)
+    n = 64 * 256
+    g = torch.full((n,), 0.0123456, device=DEVICE)
+    q = torch.zeros(n, dtype=fp8_moment.DTYPE, device=DEVICE)
+    scale = torch.ones(fp8_moment.num_blocks(n), device=DEVICE)
+    v = torch.zeros(n, device=DEVICE)
+    be.adamw_update(torch.zeros(n, device=DEVICE), g, q, v, master=None, grad_scale=1.0, m_scale=scale,
+                    **{**ADAM, "step": 1})
+    got = fp8_moment.dequantize(q, scale).cpu().double()
+    x = 0.1 * 0.0123456  # (1 - beta1) * g
+    assert got.unique().numel() == 2
+    spacing = (got.max() - got.min()).item()
+    assert abs(got.mean().item() - x) < 4 * 0.5 * spacing / n ** 0.5, (got.mean().item(), x)

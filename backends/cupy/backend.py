@@ -20,13 +20,14 @@ from llmq_ray.backends.cupy import _runtime as rt
 from llmq_ray.backends.cupy._runtime import T_NAME, VEC, aligned, cdiv, f32, i32, i64, ptr, u64
 from llmq_ray.backends.base import Backend, check_adamw_shards, check_stochastic_round_args
 from llmq_ray.backends.torch_ref import TorchBackend
-from llmq_ray.backends.torch_ref_optim import derive_seed
+from llmq_ray.backends.torch_ref_optim import check_m_scale, derive_seed
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16)
 BWD_MAX_BLOCKS = 1024   # partial dweight rows of rmsnorm_backward: fixed, so the sum order depends on N only
 REDUCE_BLOCKS = 1024    # partials of global_norm_squared: likewise a function of the size only
 SMEM_FLOATS = 12288     # 48 KiB of dynamic shared memory for rmsnorm_backward's per-block dweight rows
 EMB_CHUNK = 32          # sorted positions per block of embedding_backward (CHUNK in embedding.cu)
+M8_TILE = 1024          # elements per block iteration of adamw with an e4m3 m (M8_TILE in adamw.cu)
 
 
 def _contiguous(*tensors: torch.Tensor | None) -> None:
@@ -314,9 +315,21 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------------ optimizer
     def adamw_update(self, param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-                     seed):
-        _contiguous(param, grad, m, v, master)
+                     seed, m_scale=None):
+        """One launch of ``adamw<VEC>`` (kernels/adamw.cu) over flat [n] shards: param [n] fp32|bf16, grad [n]
+        fp32|bf16, m [n] fp32|bf16|e4m3, v [n] fp32|bf16, master None or [n] fp32|bf16; grad_scale a float or a
+        0-d tensor (read on the device). VEC = 4 when every pointer is aligned to 4 of its elements, else 1.
+
+        fp32/bf16 m: a grid-stride loop of 4 elements per thread. e4m3 m (torch.float8_e4m3fn, with ``m_scale``
+        [ceil(n/256)] fp32 power-of-two block scales, backends/fp8_moment.py): the kernel sees m as bytes and
+        the non-null m_scale selects its block path, 256 threads per block and 1024 elements (4 scale blocks)
+        per iteration, because the new scale of each 256-element block needs the block-wide absmax of the new
+        m before any of its elements can be rounded; m and m_scale are rewritten in place. It is the same
+        kernel (not a second one) so that the instantiations listed in _runtime.MODULES cover it.
+        """
+        _contiguous(param, grad, m, v, master, m_scale)
         n = check_adamw_shards(param, grad, m, v, master, step, MODEL_DTYPES)
+        check_m_scale(m, m_scale)
         if grad.dtype not in MODEL_DTYPES:  # the CUDA kernel reads the gradient as fp32 or bf16 only
             raise TypeError(f"adamw_update: grad must be fp32 or bf16, got {grad.dtype}")
         if n == 0:
@@ -326,13 +339,17 @@ class CupyBackend(Backend):
             scale_t = grad_scale.to(param.device, torch.float32, non_blocking=True).reshape(())
         tensors = (param, grad, m, v, master)
         vec = 4 if all(t is None or t.data_ptr() % (4 * t.element_size()) == 0 for t in tensors) else 1
-        bf = [i32(0 if t is None or t.dtype == torch.float32 else 1) for t in tensors]
-        args = (ptr(param), ptr(grad), ptr(m), ptr(v), ptr(master), *bf, ptr(scale_t),
+        bf = [i32(0 if t is None or t.dtype != torch.bfloat16 else 1) for t in tensors]
+        args = (ptr(param), ptr(grad), ptr(m), ptr(m_scale), ptr(v), ptr(master), *bf, ptr(scale_t),
                 f32(0.0 if scale_t is not None else float(grad_scale)), i64(n), f32(1.0 - lr * weight_decay),
                 f32(beta2), f32(1.0 - beta1), f32(1.0 - beta2), f32((1.0 - beta2 ** step) ** 0.5),
                 f32(-(lr / (1.0 - beta1 ** step))), f32(eps), u64(derive_seed(seed, "m")),
                 u64(derive_seed(seed, "v")), u64(derive_seed(seed, "p")), i32(1 if (1.0 - beta1) < 0.5 else 0))
-        self._launch("adamw", f"adamw<{vec}>", self.k.grid_for(cdiv(n, vec), 256), 256, args)
+        if m_scale is not None:  # 256 threads (the kernel assumes it) per tile of M8_TILE elements
+            grid = self.k.grid_for(cdiv(n, M8_TILE) * 256, 256)
+        else:
+            grid = self.k.grid_for(cdiv(n, vec), 256)
+        self._launch("adamw", f"adamw<{vec}>", grid, 256, args)
 
     def global_norm_squared(self, out, tensor):
         if out.dtype != torch.float32 or out.numel() != 1:

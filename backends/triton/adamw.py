@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from llmq_ray.backends.base import check_adamw_shards, check_stochastic_round_args
-from llmq_ray.backends.torch_ref_optim import derive_seed
+from llmq_ray.backends.torch_ref_optim import check_m_scale, derive_seed
 from llmq_ray.backends.triton._common import cast_to, elementwise_block, num_warps_for
 
 _SEED_MASK = (1 << 63) - 1
@@ -115,12 +115,25 @@ def _stochastic_round_kernel(out_ptr, x_ptr, n, seed, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, sr_bf16(x, (tl.randint(seed, offs) & 0xFFFF).to(tl.int32)), mask=mask)
 
 
-def adamw_update(param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed):
-    """One AdamW step in place on flat [n] shards (see Backend.adamw_update); a single kernel launch."""
+def adamw_update(param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale, seed,
+                 m_scale=None):
+    """One AdamW step in place on flat [n] shards (see Backend.adamw_update); a single kernel launch. An e4m3
+    m (with its block scales ``m_scale``) goes to adamw_fp8m.py's kernel."""
     n = check_adamw_shards(param, grad, m, v, master, step)
+    check_m_scale(m, m_scale)
     if n == 0:
         return
     scale_is_tensor = isinstance(grad_scale, torch.Tensor)
+    if m_scale is not None:
+        from llmq_ray.backends.triton import adamw_fp8m
+
+        scalars = dict(decay=1.0 - lr * weight_decay, beta2=beta2, one_minus_beta1=1.0 - beta1,
+                       one_minus_beta2=1.0 - beta2, bias_correction2_sqrt=(1.0 - beta2 ** step) ** 0.5,
+                       neg_step_size=-(lr / (1.0 - beta1 ** step)), eps=eps)
+        adamw_fp8m.launch(param, grad, m.view(torch.uint8), m_scale, v, master, n, scalars,
+                          (derive_seed(seed, "m"), derive_seed(seed, "p")), scale_is_tensor=scale_is_tensor,
+                          grad_scale=grad_scale)
+        return
     block = elementwise_block()
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, grad, m, v, master if master is not None else param,

@@ -123,12 +123,13 @@ class TritonBackend(Backend):
 
     # ------------------------------------------------------------------ optimizer
     def adamw_update(self, param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
-                     seed):
-        _contiguous(param, grad, m, v, master)
+                     seed, m_scale=None):
+        _contiguous(param, grad, m, v, master, m_scale)
         if isinstance(grad_scale, torch.Tensor) and grad_scale.device != param.device:
             grad_scale = grad_scale.to(param.device, non_blocking=True)
         _adamw.adamw_update(param, grad, m, v, master=master, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, seed=seed)
+                            weight_decay=weight_decay, step=step, grad_scale=grad_scale, seed=seed,
+                            m_scale=m_scale)
 
     def global_norm_squared(self, out, tensor):
         if out.dtype != torch.float32 or out.numel() != 1:

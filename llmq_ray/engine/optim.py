@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from llmq_ray.backends import fp8_moment
 from llmq_ray.errors import CheckpointError, ConfigError
 from llmq_ray.engine.offload import StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.lr_schedule import SCHEDULES, learning_rate_at  # noqa: F401 - re-exported (schedules live there)
@@ -82,7 +83,10 @@ class ShardedAdamW:
     Buffers (all 1-D, length n = end - start, on params' device):
 
     * ``m`` (m_dtype), ``v`` (v_dtype): Adam moments, zero-initialized; fp32 or bf16 (bf16 written with
-      stochastic rounding by the backend).
+      stochastic rounding by the backend). m may also be e4m3 (backends/fp8_moment.py): then ``m_scale``
+      (fp32) holds its power-of-two scales, one per 256 elements of each chunk (``scale_at[j]``: where chunk
+      j's scales start), and checkpoints carry m as its exact bf16 values (``state_tensors``), so they load
+      on any world size and a resume on the same one is bit-identical.
     * any of master/m/v named in ``offload`` lives in host memory (pinned on CUDA) instead; ``step`` streams
       it through three chunk-sized device slots per tensor (``staging``), or, with ``zero_copy``, hands the
       host tensors to the kernel directly (CUDA with the triton backend: it reads pinned memory over PCIe).
@@ -106,8 +110,11 @@ class ShardedAdamW:
                  params_offset: int = 0, chunk: int = DEFAULT_CHUNK, offload: Iterable[str] = (),
                  zero_copy: bool = False, grads_on_host: bool = False, schedule=None):
         for flag, dt in (("--master-dtype", master_dtype), ("--opt-m-dtype", m_dtype), ("--opt-v-dtype", v_dtype)):
-            if dt not in _DTYPES:
+            if dt not in _DTYPES and not (flag == "--opt-m-dtype" and dt == fp8_moment.DTYPE):
                 raise ConfigError(f"{flag}: optimizer state must be fp32 or bf16, got {dt}.")
+        if m_dtype == fp8_moment.DTYPE and "m" in set(offload):
+            raise ConfigError("--opt-m-dtype=e4m3 cannot be combined with --offload-opt-m: the 8-bit first "
+                              "moment (1 byte per parameter) is meant to stay on the GPU.")
         if params_flat.dim() != 1:
             raise ValueError(f"ShardedAdamW: params_flat must be 1-D, got shape {tuple(params_flat.shape)}")
         if not (0 <= start <= end <= layout.numel):
@@ -155,6 +162,12 @@ class ShardedAdamW:
         # call (and every stochastic-rounding seed) is per chunk, offloaded or not, so both give the same bits.
         self.runs = layout.decay_runs(start, end)
         self.chunks = [(lo, hi, decay) for rs, re_, decay in self.runs for lo, hi in fixed_chunks(rs, re_, self.chunk)]
+        self.m_scale, self.scale_at = None, []
+        if m_dtype == fp8_moment.DTYPE:  # one power-of-two scale per 256 elements of each chunk (kernel call)
+            blocks = [fp8_moment.num_blocks(hi - lo) for lo, hi, _ in self.chunks]
+            self.scale_at = [sum(blocks[:j]) for j in range(len(blocks))]
+            self.m_scale = torch.ones(sum(blocks), dtype=torch.float32, device=device)
+        self._m_values = None  # host buffer of m's bf16 values for checkpoints (e4m3 m only; state_tensors)
         self.grads_on_host = bool(grads_on_host)
         streamed = {k: getattr(self, k).dtype for k in self.offloaded}
         if self.grads_on_host:
@@ -269,9 +282,10 @@ class ShardedAdamW:
             lo, hi = g_lo - self.start, g_hi - self.start
             part = {k: staged[k] if k in staged else t[lo:hi] for k, t in (
                 ("grad", grads_shard), ("m", self.m), ("v", self.v), ("master", self.master)) if t is not None}
+            extra = {"m_scale": self._chunk_scales(j)} if self.m_scale is not None else {}
             self.backend.adamw_update(self.params[lo:hi], part["grad"], part["m"], part["v"],
                                       master=part.get("master"), weight_decay=self.weight_decay if decay else 0.0,
-                                      seed=_step_seed(self.seed, step, g_lo), **hyper)
+                                      seed=_step_seed(self.seed, step, g_lo), **hyper, **extra)
             if after_chunk is not None:
                 after_chunk(j)
 
@@ -282,6 +296,11 @@ class ShardedAdamW:
         with torch.cuda.stream(stream):
             self._run(host, store, update, order)
             self._update_done = stream.record_event()
+
+    def _chunk_scales(self, j: int) -> torch.Tensor:
+        """The block scales of chunk j's e4m3 m (a view of ``m_scale``)."""
+        lo, hi, _ = self.chunks[j]
+        return self.m_scale[self.scale_at[j]:self.scale_at[j] + fp8_moment.num_blocks(hi - lo)]
 
     def join(self) -> None:
         """Order the current stream after an update queued on a side stream (``step(stream=...)``)."""
@@ -348,10 +367,27 @@ class ShardedAdamW:
         """
         self.sync()
         self._copy_resident(to_host=True)
-        return self._storage()
+        state = self._storage()
+        if self.m_scale is not None:
+            state["m"] = self._m_bf16_values()
+        return state
 
     def _storage(self) -> dict[str, torch.Tensor]:
         return {"master": self.master if self.master is not None else self.params, "m": self.m, "v": self.v}
+
+    def _m_bf16_values(self) -> torch.Tensor:
+        """An e4m3 m as its exact bf16 values [n], chunk by chunk into a host buffer kept for the next call
+        (page-locked on CUDA): no device temporary beyond one chunk, which at 7B matters (bf16 m: 15 GB)."""
+        if self._m_values is None:
+            pin = self.device.type == "cuda"
+            self._m_values = torch.empty(self.numel, dtype=torch.bfloat16, pin_memory=pin)
+        for j, (g_lo, g_hi, _) in enumerate(self.chunks):
+            lo, hi = g_lo - self.start, g_hi - self.start
+            values = fp8_moment.dequantize(self.m[lo:hi], self._chunk_scales(j)).to(torch.bfloat16)
+            self._m_values[lo:hi].copy_(values, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return self._m_values
 
     def load_state_tensors(self, state: dict[str, torch.Tensor]) -> None:
         """Copy a checkpoint's {"master", "m", "v"} of this same shard range into the state (and the params).
@@ -368,17 +404,29 @@ class ShardedAdamW:
             if src.numel() != dest.numel():
                 raise CheckpointError(f"optimizer state {name!r} has {src.numel()} elements, the shard "
                                       f"[{self.start}, {self.end}) needs {dest.numel()} (another model or world size?)")
-            dest.copy_(src.reshape(-1))
+            if name == "m" and self.m_scale is not None:
+                self._load_e4m3_m(src.reshape(-1))
+            else:
+                dest.copy_(src.reshape(-1))
         self._copy_resident(to_host=False)
         if self.master is not None:
             for lo, hi in fixed_chunks(0, self.numel, self.chunk):
                 self.params[lo:hi].copy_(self.master[lo:hi])
 
+    def _load_e4m3_m(self, values: torch.Tensor) -> None:
+        """Quantize a checkpoint's m values into the e4m3 m and its scales, chunk by chunk: the same numbers
+        when they were saved from this layout (``fp8_moment.requantize``), rounded to nearest otherwise."""
+        for j, (g_lo, g_hi, _) in enumerate(self.chunks):
+            lo, hi = g_lo - self.start, g_hi - self.start
+            q, scale, _ = fp8_moment.requantize(values[lo:hi].to(self.device))
+            self.m[lo:hi].copy_(q)
+            self._chunk_scales(j).copy_(scale)
+
     def memory_bytes(self) -> int:
         """Bytes of optimizer-owned state on the device: m, v and the separate master (if any) unless offloaded,
         the part of the offloaded ones kept on the device (keep_resident), plus the staging slots."""
         tensors = [getattr(self, k) for k in ("master", "m", "v") if k not in self.offloaded]
-        tensors += list(self.resident.values())
+        tensors += list(self.resident.values()) + [self.m_scale]
         staging = self.staging.nbytes() if self.staging is not None else 0
         return sum(t.numel() * t.element_size() for t in tensors if t is not None) + staging
 

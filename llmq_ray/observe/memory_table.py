@@ -134,7 +134,7 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
     rows = [
         ("weights", c.claim(weights)),
         ("master", c.claim([getattr(opt, "master", None), *_kept(opt, "master")])),
-        ("adam_m", c.claim([getattr(opt, "m", None), *_kept(opt, "m")])),
+        ("adam_m", c.claim([getattr(opt, "m", None), getattr(opt, "m_scale", None), *_kept(opt, "m")])),
         ("adam_v", c.claim([getattr(opt, "v", None), *_kept(opt, "v")])),
         ("grads", c.claim(engine.grad_tensors() if hasattr(engine, "grad_tensors") else
                           [engine.grads, getattr(engine, "grad_shard", None), getattr(engine, "_grad_shard_tmp", None)])),
