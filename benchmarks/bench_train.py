@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--overlap-wgrad-sms", type=int, default=0, metavar="SMS",
                    help="the block wgrads on a side stream sized for SMS SMs (0: off)")
     p.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"], help="master weights dtype")
-    p.add_argument("--opt-m-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam m dtype")
+    p.add_argument("--opt-m-dtype", default="fp32", choices=["fp32", "bf16", "e4m3"], help="Adam m dtype")
     p.add_argument("--opt-v-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam v dtype")
     p.add_argument("--memory-table", action="store_true", help="print rank 0's memory table after set-up")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")

@@ -17,6 +17,8 @@ llm.q and PyTorch anchors measured on the H100, B=16 at 0.5B):
 - triton, bf16 and e4m3 (``--matmul-dtypes``), with CUDA graphs;
 - triton, bf16, with the block wgrads on a side stream, if ``--overlap-wgrad-sms`` > 0;
 - torch (the reference backend), bf16;
+- llm.q (its prebuilt binary, ``llmq_baseline.py``) at the triton rows' shapes, one row per matmul dtype, when
+  ``--llmq-bin`` names its folder: every speed claim is a ratio measured side by side;
 - the HF baseline, unless ``--no-hf-baseline``.
 
 All of ours run from scratch on random tokens, with fp32 master weights, bf16 Adam m and v, and ZeRO-1.
@@ -56,7 +58,7 @@ class Row:
     """One line of the table: what to run (``argv``, after the Python executable) and, once run, its record."""
     model: str
     setup: str            # what the line says the row is
-    kind: str             # "ours" (bench_train.py) or "hf" (hf_baseline.py)
+    kind: str             # "ours" (bench_train.py), "llmq" (llmq_baseline.py) or "hf" (hf_baseline.py)
     matmul_dtype: str     # "bf16" or "e4m3": which peak SOL is measured against
     batch: int
     micro_steps: int
@@ -65,8 +67,10 @@ class Row:
     error: str | None = field(default=None)
 
 
-def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_baseline, device="cuda"):
-    """The rows of the grid, in the order they run (each model's rows together, its baseline last)."""
+def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_baseline, device="cuda",
+              llmq_bin=None):
+    """The rows of the grid, in the order they run (each model's rows together, then llm.q's, its baseline
+    last)."""
     rows = []
     for model in models:
         shapes = ROW_SHAPES.get(model, DEFAULT_SHAPES)
@@ -93,6 +97,14 @@ def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_ba
                         argv += ["--overlap-wgrad-sms", str(sms)]
                         setup += f", wgrads on a side stream ({sms} SMs)"
                     rows.append(Row(model, setup + ", through Ray", "ours", dtype, b, g, argv))
+        if llmq_bin:
+            b, g, steps, warm = shapes["triton"]
+            for dtype in matmul_dtypes:
+                argv = [os.path.join(HERE, "llmq_baseline.py"), "--llmq-bin", llmq_bin, "--model", model,
+                        "--batch-size", str(b), "--grad-accumulation", str(g), "--seq-len", str(seq_len),
+                        "--steps", str(steps), "--warmup-steps", str(warm), "--matmul-dtype", dtype]
+                rows.append(Row(model, f"llm.q, {dtype}, CUDA graphs (its prebuilt binary)", "llmq", dtype, b, g,
+                                argv))
         if hf_baseline:
             b, steps = shapes["hf"]
             argv = [os.path.join(HERE, "hf_baseline.py"), "--model", model, "--batch-size", str(b),
@@ -198,6 +210,7 @@ def main(argv=None) -> int:
     p.add_argument("--overlap-wgrad-sms", type=int, default=0,
                    help=">0: also a triton bf16 row with the block wgrads on a side stream of this many SMs")
     p.add_argument("--no-hf-baseline", dest="hf_baseline", action="store_false", help="leave out the HF baseline")
+    p.add_argument("--llmq-bin", default=None, help="folder of llm.q's prebuilt train binary: adds its rows")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script")
     p.add_argument("--row-timeout-s", type=float, default=150.0, help="time limit of one row")
     p.add_argument("--log", default="speed_table.log", help="every row's output is appended here")
@@ -214,7 +227,7 @@ def main(argv=None) -> int:
             p.error(f"--models: {', '.join(unknown)} is not a preset; choose from {', '.join(sorted(PRESETS))}")
         seq_len = a.seq_len
         rows = plan_rows(a.models, a.backends, a.matmul_dtypes, seq_len, a.overlap_wgrad_sms,
-                         a.hf_baseline and a.device == "cuda", a.device)
+                         a.hf_baseline and a.device == "cuda", a.device, a.llmq_bin)
         path = [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]  # the rows import this checkout
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
         for i, row in enumerate(rows, 1):
