@@ -7,6 +7,8 @@ import pathlib
 import sys
 import time
 
+import numpy as np
+
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -121,3 +123,31 @@ def test_one_real_row_through_ray_on_cpu(tmp_path):
     assert "| tiny | llmq-ray torch, fp32, through Ray [1] | 8 x 1 | **" in table
     assert speed_table.main(["--merge", str(out)]) == 0
     assert not list(tmp_path.glob("*.tmp*"))  # the JSON and markdown were renamed into place
+
+
+def test_llmq_rows_run_at_the_triton_rows_shapes():
+    rows = speed_table.plan_rows(["Qwen2.5-0.5B"], ["triton"], ["bf16", "e4m3"], 1024, 0, True, llmq_bin="/x/bin")
+    assert [r.kind for r in rows] == ["ours", "ours", "llmq", "llmq", "hf"]
+    for ours, llmq in zip(rows[:2], rows[2:4]):
+        assert llmq.argv[0].endswith("llmq_baseline.py") and arg(llmq, "--llmq-bin") == "/x/bin"
+        assert llmq.matmul_dtype == ours.matmul_dtype == arg(llmq, "--matmul-dtype")
+        for flag in ("--batch-size", "--grad-accumulation", "--seq-len", "--steps", "--warmup-steps"):
+            assert arg(llmq, flag) == arg(ours, flag), flag
+
+
+def test_llmq_output_becomes_a_record(tmp_path):
+    spec = importlib.util.spec_from_file_location("llmq_baseline", ROOT / "benchmarks" / "llmq_baseline.py")
+    llmq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(llmq)
+    text = "\n".join(f"[T] step {s:4d} [ 12.5%] | time:  {ms} ms | norm 1.0 | loss 11.9" for s, ms in
+                     enumerate([900, 215, 210, 205, 220]))
+    rec = llmq.record_from_output(text, 32 * 1024, warmup_steps=1)
+    assert rec["step_ms"] == 212.5 and rec["timed_steps"] == 4
+    assert rec["tokens_per_s_per_gpu"] == 32 * 1024 / 212.5 * 1e3
+    assert llmq.record_from_output("Thread 0 exited with uncaught exception", 1, 1) is None
+    path = tmp_path / "train.bin"
+    llmq.write_tokens(str(path), 1000)
+    header = np.fromfile(path, np.int32, 256)
+    assert header[:2].tobytes() == b"BIN.TOK\n" and list(header[2:6]) == [2, 4, 1000, 151643]
+    assert path.stat().st_size == 1024 + 4 * 1000
+    assert llmq.main(["--llmq-bin", str(tmp_path), "--model", "x", "--batch-size", "1", "--json", "o"]) == 2
