@@ -61,6 +61,32 @@ def _store_state(ptr, offs, mask, value, r16):
         tl.store(ptr + offs, value, mask=mask)
 
 
+@triton.jit
+def adamw_math(g, p, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, bias_correction2_sqrt, neg_step_size,
+               eps, LERP_FROM_START: tl.constexpr):
+    """torch.optim.AdamW's step on fp32 values (g already scaled) in its operation order -> (p, m, v)."""
+    p = p * decay
+    if LERP_FROM_START:  # torch.lerp: weight < 0.5 -> start + w (end - start), else end - (1 - w)(end - start)
+        m = tl.fma(one_minus_beta1, g - m, m)
+    else:
+        m = g - (g - m) * (1.0 - one_minus_beta1)
+    v = tl.fma(one_minus_beta2 * g, g, v * beta2)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p + tl.div_rn(neg_step_size * m, denom)
+    return p, m, v
+
+
+@triton.jit
+def load_scaled_grad(grad_ptr, offs, mask, grad_scale_ptr, grad_scale, SCALE_IS_TENSOR: tl.constexpr):
+    """fp32 grad * grad_scale (a float argument, or the 0-d tensor at grad_scale_ptr)."""
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SCALE_IS_TENSOR:
+        g = g * tl.load(grad_scale_ptr).to(tl.float32)
+    else:
+        g = g * grad_scale
+    return g
+
+
 # The seeds change at every step and chunk: were they specialized (Triton keys compiled variants on whether an
 # int argument is 1 or a multiple of 16), a step whose seeds first hit a new combination would stop the host
 # for a JIT compile mid-update (seen at 7B as the 4th update ~0.6 s slower, the 5th faster, in every run).
@@ -72,11 +98,7 @@ def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, master_ptr, grad_scale_ptr,
     groups = tl.program_id(0).to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     offs = groups[:, None] * 4 + tl.arange(0, 4)[None, :]  # [BLOCK/4, 4] elements, 4 per Philox call
     mask = offs < n
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if SCALE_IS_TENSOR:
-        g = g * tl.load(grad_scale_ptr).to(tl.float32)
-    else:
-        g = g * grad_scale
+    g = load_scaled_grad(grad_ptr, offs, mask, grad_scale_ptr, grad_scale, SCALE_IS_TENSOR)
     if HAS_MASTER:
         rec_ptr = master_ptr
     else:
@@ -84,14 +106,8 @@ def _adamw_kernel(param_ptr, grad_ptr, m_ptr, v_ptr, master_ptr, grad_scale_ptr,
     p = tl.load(rec_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = p * decay
-    if LERP_FROM_START:  # torch.lerp: weight < 0.5 -> start + w (end - start), else end - (1 - w)(end - start)
-        m = tl.fma(one_minus_beta1, g - m, m)
-    else:
-        m = g - (g - m) * (1.0 - one_minus_beta1)
-    v = tl.fma(one_minus_beta2 * g, g, v * beta2)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p + tl.div_rn(neg_step_size * m, denom)
+    p, m, v = adamw_math(g, p, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, bias_correction2_sqrt,
+                         neg_step_size, eps, LERP_FROM_START)
     if m_ptr.dtype.element_ty == tl.bfloat16 or v_ptr.dtype.element_ty == tl.bfloat16:
         r_mv = _philox_words(seed_mv, groups)
     else:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from llmq_ray.backends.triton._common import cast_to
-from llmq_ray.backends.triton.adamw import _store_state, sr_bf16
+from llmq_ray.backends.triton.adamw import _store_state, adamw_math, load_scaled_grad, sr_bf16
 
 ROWS = 4  # blocks of 256 per program: a 1024-element tile
 
@@ -77,11 +77,7 @@ def _adamw_fp8m_kernel(param_ptr, grad_ptr, m_ptr, m_scale_ptr, v_ptr, master_pt
     offs = groups[:, :, None] * 4 + tl.arange(0, 4)[None, None, :]  # [R, 64, 4] elements
     mask = offs < n
     row_mask = rows * 256 < n
-    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if SCALE_IS_TENSOR:
-        g = g * tl.load(grad_scale_ptr).to(tl.float32)
-    else:
-        g = g * grad_scale
+    g = load_scaled_grad(grad_ptr, offs, mask, grad_scale_ptr, grad_scale, SCALE_IS_TENSOR)
     if HAS_MASTER:
         rec_ptr = master_ptr
     else:
@@ -90,14 +86,8 @@ def _adamw_fp8m_kernel(param_ptr, grad_ptr, m_ptr, m_scale_ptr, v_ptr, master_pt
     old_scale = tl.load(m_scale_ptr + rows, mask=row_mask, other=1.0)
     m = _e4m3_decode(tl.load(m_ptr + offs, mask=mask, other=0)) * old_scale[:, None, None]
     v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p = p * decay
-    if LERP_FROM_START:  # torch.lerp, as in adamw.py
-        m = tl.fma(one_minus_beta1, g - m, m)
-    else:
-        m = g - (g - m) * (1.0 - one_minus_beta1)
-    v = tl.fma(one_minus_beta2 * g, g, v * beta2)
-    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p + tl.div_rn(neg_step_size * m, denom)
+    p, m, v = adamw_math(g, p, m, v, decay, beta2, one_minus_beta1, one_minus_beta2, bias_correction2_sqrt,
+                         neg_step_size, eps, LERP_FROM_START)
 
     r0, r1, r2, r3 = tl.randint4x(seed_mv, groups)
     j = tl.arange(0, 4)[None, None, :]
