@@ -7,8 +7,9 @@ Each element i draws g_t = N(0, 1) * s_i for 100 steps, with per-element scales 
 spread of log s_i, i.e. how different the gradient magnitudes within a block are). m and v follow AdamW (beta1
 0.9, beta2 0.95); the stored m is re-rounded after every step exactly as the optimizer stores it
 (backends/fp8_moment.py: a power-of-two scale per block, stochastic rounding to e4m3; or bf16 with stochastic
-rounding; or, "e4m3u/B", not implemented in the optimizer: u = m / (sqrt(v) + eps) stored in e4m3 blocks and m
-read back as u * (sqrt(v) + eps)). Printed: the relative error ||u_q - u|| / ||u|| of u = m / (sqrt(v) + eps), averaged over the last 20
+rounding; not implemented in the optimizer: "int8/B", m in int8 blocks (a linear absmax / 127 scale per block,
+stochastic rounding), and "e4m3u/B" / "int8u/B", u = m / (sqrt(v) + eps) stored that way and m read back as
+u * (sqrt(v) + eps)). Printed: the relative error ||u_q - u|| / ||u|| of u = m / (sqrt(v) + eps), averaged over the last 20
 steps, per storage (fp32 = 0 by construction).
 """
 
@@ -31,6 +32,11 @@ def store(m: torch.Tensor, how: str, gen: torch.Generator) -> torch.Tensor:
     if how == "bf16":
         return _round_chunk(m, gen).float()
     block = int(how.split("/")[1])
+    if how.startswith("int8"):
+        x = m.view(-1, block)
+        s = x.abs().amax(dim=1).clamp(min=1e-30) / 127
+        q = torch.floor(x / s[:, None] + torch.rand(x.shape, generator=gen)).clamp(-127, 127)
+        return (q * s[:, None]).reshape(-1)
     x = m.view(-1, block)
     s = fp8_moment.block_scales(x.abs().amax(dim=1))
     y = (x / s[:, None]).reshape(-1).contiguous()
@@ -48,8 +54,8 @@ def drift(sigma: float, how: str, n: int = 1 << 16, steps: int = 100, b1: float 
         m32 = b1 * m32 + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         d = v.sqrt() + 1e-8
-        if how.startswith("e4m3u/"):  # the update direction quantized, not m
-            mq = store((b1 * mq + (1 - b1) * g) / d, how.replace("e4m3u", "e4m3"), gen) * d
+        if how.split("/")[0].endswith("u"):  # the update direction quantized, not m
+            mq = store((b1 * mq + (1 - b1) * g) / d, how.replace("u/", "/"), gen) * d
         else:
             mq = store(b1 * mq + (1 - b1) * g, how, gen)
         errs.append(((mq / d - m32 / d).norm() / (m32 / d).norm()).item())
@@ -59,7 +65,8 @@ def drift(sigma: float, how: str, n: int = 1 << 16, steps: int = 100, b1: float 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sigma", type=float, nargs="+", default=[0.5, 1.5, 3.0])
-    p.add_argument("--storage", nargs="+", default=["bf16", "e4m3/256", "e4m3/64", "e4m3/32", "e4m3u/256"])
+    p.add_argument("--storage", nargs="+", default=["bf16", "e4m3/256", "e4m3/32", "e4m3u/256", "int8/256",
+                                                                "int8u/256"])
     a = p.parse_args(argv)
     print("| sigma | " + " | ".join(a.storage) + " |")
     print("|---|" + "---|" * len(a.storage))
