@@ -334,6 +334,11 @@ class Coordinator:
         for r, res in enumerate(results):
             if res.get("gpu_util"):
                 self.log.add("gpu_util", rank=r, **res["gpu_util"])
+        monitors = [res["fp8_monitor"] for res in results if res.get("fp8_monitor")]
+        if monitors:  # --fp8-monitor-every: per layer, the largest |SwiGLU output| of the step on any rank
+            per_layer = [max(values) for values in zip(*monitors)]
+            top = max(range(len(per_layer)), key=per_layer.__getitem__)
+            self.log.add("fp8_monitor", step=step, swiglu_absmax=per_layer, max=per_layer[top], max_layer=top)
         telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
                            "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})
         rec["warnings"] = self._check_step(rec)

@@ -238,10 +238,15 @@ class GPUWorker:
         self._gc_pauses.take()
         t0 = time.perf_counter()
         data_s = 0.0
+        if o.fp8_monitor_every and (step + 1) % o.fp8_monitor_every == 0:
+            self.engine.monitor_begin()
         for k in range(o.grad_accumulation):
             data_s += self.micro_step(step, k)
         self._mark(step, 2 * o.grad_accumulation, "in the update")
         out = self.update(step, lr, limits)  # reads the stats to the host: the step's one sync
+        monitor = self.engine.monitor_take()  # after that sync: no extra wait
+        if monitor is not None:
+            out["fp8_monitor"] = monitor
         self._mark(step, 2 * o.grad_accumulation + 1, "done with the step")
         seconds = time.perf_counter() - t0
         tokens = o.batch_size * o.seq_len * o.grad_accumulation

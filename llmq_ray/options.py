@@ -102,6 +102,9 @@ class _TrainOptionsBase:
             value = getattr(self, flag)
             names = DTYPE_NAMES + (("e4m3",) if flag == "opt_m_dtype" else ())
             need(value in names, f"--{flag.replace('_', '-')}={value!r} must be one of {sorted(names)}.")
+        need(self.fp8_monitor_every >= 0, f"--fp8-monitor-every={self.fp8_monitor_every} must be >= 0 (0: off).")
+        need(self.fp8_monitor_every == 0 or self.matmul_dtype == "e4m3",
+             "--fp8-monitor-every needs --matmul-dtype e4m3: it reports the scales of the FP8 down projection.")
         need(not (self.opt_m_dtype == "e4m3" and self.offload_opt_m),
              "--opt-m-dtype=e4m3 cannot be combined with --offload-opt-m: the 8-bit first moment (1 byte per "
              "parameter) is meant to stay on the GPU.")

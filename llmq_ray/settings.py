@@ -126,6 +126,9 @@ class NumericsSettings:
     opt_m_dtype: str = setting('fp32', "AdamW first moment (e4m3: 8 bits with a power-of-two scale per 256)",
                                choices=('fp32', 'bf16', 'e4m3'))
     opt_v_dtype: str = setting('fp32', "AdamW second moment", choices=('fp32', 'bf16'))
+    fp8_monitor_every: int = setting(
+        0, "e4m3: every N steps, log each layer's largest |SwiGLU output| (the FP8 down projection's input; "
+        "JSON log record fp8_monitor, W&B fp8/*); 0: off")
 
 
 @dataclass

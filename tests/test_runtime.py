@@ -208,7 +208,8 @@ def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path, monkeyp
 
 def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, shards, tmp_path, monkeypatch):
     """--wandb-project logs the run live from the coordinator (WANDB_MODE=offline: a local run folder whose
-    .wandb file holds our keys), and every worker's measured memory table lands in the log."""
+    .wandb file holds our keys), every worker's measured memory table lands in the log, and the FP8 monitor
+    (--fp8-monitor-every 2, e4m3) logs once, at the second step, each layer's max over both ranks."""
     train, evalf, _ = shards
     monkeypatch.setenv("WANDB_MODE", "offline")
     from llmq_ray.train.trainer import LLMQTrainer
@@ -217,13 +218,17 @@ def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, sh
     result = LLMQTrainer(model="tiny", train_file=train, eval_file=evalf, steps=3, batch_size=2, seq_len=16,
                          device="cpu", workers=2, out_dir=str(out), export=False, collective_timeout_s=60.0,
                          call_timeout_s=120.0, verbose=False, wandb_project="llmq-test", wandb_run_name="t",
-                         log_gpu_util=1).fit()
+                         log_gpu_util=1, model_dtype="bf16", matmul_dtype="e4m3", fp8_monitor_every=2).fit()
     assert result.metrics["steps"] == 3
     runs = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 1
     folder = out / "wandb" / runs[0]
     blob = b"".join(open(folder / f, "rb").read() for f in os.listdir(folder) if f.endswith(".wandb"))
-    assert b"train/loss" in blob and b"eval/final_loss" in blob
+    assert b"train/loss" in blob and b"eval/final_loss" in blob and b"fp8/swiglu_absmax/max" in blob
+    (monitor,) = [rec for rec in read_log(result.log_file) if rec["log"] == "fp8_monitor"]
+    layers = len(monitor["swiglu_absmax"])
+    assert monitor["step"] == 1 and layers > 1 and all(v > 0 for v in monitor["swiglu_absmax"])
+    assert monitor["max"] == max(monitor["swiglu_absmax"]) == monitor["swiglu_absmax"][monitor["max_layer"]]
     allocators = [rec for rec in read_log(result.log_file) if rec["log"] == "allocator"]
     assert sorted(r["rank"] for r in allocators) == [0, 1]
     assert all(r["weights"] > 0 and r["activations"] > 0 for r in allocators)

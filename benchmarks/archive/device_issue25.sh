@@ -4,7 +4,8 @@
 #   2. benchmarks/speed_table.py for Qwen2.5-0.5B: triton bf16 and e4m3 (bf16 m and v, the README rows) and
 #      llm.q's prebuilt binary at the same shapes, bf16 and e4m3 (its e4m3 path may abort on CUDA 13);
 #   3. the same triton bf16 row with --opt-m-dtype e4m3 (what the 8-bit m costs or saves in the update).
-# Carry .whl (Ray wheels) and .anchors (a copy of ../shared/anchors: llm.q's binary). One call:
+# Carry .whl (Ray wheels) and .anchors (an ignored folder holding llmq-bin/: the prebuilt llm.q binary and its
+# library, built for sm_90 against CUDA 13). One call:
 #   bash benchmarks/archive/device_issue25.sh
 source benchmarks/device_lib.sh issue25.log smi25.csv
 echo "== GPU tests" | tee -a "$L"

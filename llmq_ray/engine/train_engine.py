@@ -217,6 +217,7 @@ class TrainEngine:
         self.layout = self.model.layout
         self.optimizer = self._make_optimizer()
         self.micro_steps_done = 0
+        self._monitor: torch.Tensor | None = None  # [L] fp32: this step's FP8 monitor, while one is collected
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
         if opts.overlap_update and world == 1 and opts.effective_zero_level == 1:
             self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule)
@@ -353,7 +354,27 @@ class TrainEngine:
             self.store.finish_micro_step()
         elif self.grad_shard is not None:
             self._accumulate_grad_shard(first=self.micro_steps_done == 0)
+        if self._monitor is not None:  # the forward wrote each layer's max|SwiGLU out| (the FP8 scale's absmax)
+            torch.maximum(self._monitor, self.model.amax[:, 3], out=self._monitor)
         self.micro_steps_done += 1
+
+    def monitor_begin(self) -> None:
+        """Collect the FP8 monitor over this step's micro-steps (--fp8-monitor-every): per layer, the largest
+        |SwiGLU output| (the down projection's FP8 input), read from the absmax its quantization takes anyway,
+        so it costs one [L] max per micro-step and nothing inside the forward (CUDA graphs unchanged). With
+        current scaling that value is quantized to exactly the FP8 maximum and nothing is clipped; what the
+        maxima show is the range the rest of the layer's values must share."""
+        if not getattr(self.model.lin, "fp8", False):
+            raise ConfigError("--fp8-monitor-every needs --matmul-dtype e4m3: it reports the scales of the FP8 "
+                              "down projection.")
+        self._monitor = torch.zeros(self.cfg.num_layers, dtype=torch.float32, device=self.model.amax.device)
+
+    def monitor_take(self) -> list[float] | None:
+        """The collected monitor as host floats [L] (a device sync; call it after the update's), or None."""
+        if self._monitor is None:
+            return None
+        values, self._monitor = self._monitor.tolist(), None
+        return values
 
     def _accumulate_grad_shard(self, first: bool) -> None:
         """ZeRO-2: grad_shard (+)= this micro-step's gradients reduce-scattered over the ranks."""

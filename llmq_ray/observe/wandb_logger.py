@@ -17,6 +17,7 @@ Record -> W&B (``record_to_wandb``), with the W&B step = optimizer steps done (t
     eval       eval/loss (a "full" eval: eval/final_loss too), eval/seconds
     gpu_util   gpu{rank}/<key> for every numeric key of ``llmq_ray.observe.gpu_stats`` (clocks, power, temperature,
                utilization, memory), at its "step"
+    fp8_monitor  fp8/swiglu_absmax/layerNN per layer and fp8/swiglu_absmax/max, at the step record's W&B step
     options, sol, dataset, gpu, allocator   merged into the run config (under "sol/", "dataset/", "gpu{rank}/",
                "memory/")
     summary    the run summary (``run.summary``)
@@ -82,6 +83,10 @@ def record_to_wandb(record: dict) -> Optional[tuple[str, dict, Optional[int]]]:
         data = {f"gpu{rank}/{k}": _number(v) for k, v in record.items()
                 if k not in ("log", "step", "rank", "index") and _number(v) is not None}
         return "log", data, int(record["step"])
+    if kind == "fp8_monitor":  # at the step record's W&B step
+        data = {f"fp8/swiglu_absmax/layer{i:02d}": _number(v) for i, v in enumerate(record.get("swiglu_absmax", []))}
+        data["fp8/swiglu_absmax/max"] = _number(record.get("max"))
+        return "log", {k: v for k, v in data.items() if v is not None}, int(record["step"]) + 1
     if kind == "options":
         return "config", {k: v for k, v in record.items() if k != "log"}, None
     if kind == "gpu":
