@@ -48,8 +48,9 @@ def block_scales(absmax: torch.Tensor) -> torch.Tensor:
     """[B] fp32 block maxima (>= 0, finite) -> [B] fp32 scales 2^k, k the smallest with absmax / 2^k <= 448.
 
     Exact integer arithmetic on the fp32 bits: absmax = f * 2^E with f in [1, 2); k = E - 8 when f <= 1.75, else
-    E - 7, so absmax / 2^k is in (224, 448]. A zero block (or one below 2^-119) gets the scale 2^-127's
-    neighbour 2^-126, the smallest normal fp32 power of two (its values quantize to 0 or to tiny subnormals)."""
+    E - 7, so absmax / 2^k is in (224, 448]. k is clamped at -126 (2^-126, the smallest normal fp32 power of
+    two): a zero block, or one whose maximum is below ~2^-118, gets that scale, and its values quantize to 0 or
+    to e4m3 subnormals."""
     bits = absmax.contiguous().view(torch.int32)
     exp = ((bits >> 23) & 0xFF) - 127
     k = torch.where((bits & 0x7FFFFF) <= _MANT_175, exp - 8, exp - 7).clamp_(min=-126)
