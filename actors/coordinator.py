@@ -81,6 +81,16 @@ def _is_checkpoint(path: str) -> bool:
 
     return has_manifest(path) if storage.is_remote(path) else os.path.isdir(path)
 
+
+def merge_fp8_monitors(monitors: list[list[float]]) -> tuple[list[float], int]:
+    """The ranks' FP8 monitors ([L] floats each) -> (per layer the largest over ranks, the index of the largest
+    layer). NaN wins everywhere (an overflow must not hide behind another rank's finite value, as Python's max
+    would let it depending on the order)."""
+    per_layer = [math.nan if any(math.isnan(v) for v in vs) else max(vs) for vs in zip(*monitors)]
+    nan_layers = [i for i, v in enumerate(per_layer) if math.isnan(v)]
+    top = nan_layers[0] if nan_layers else max(range(len(per_layer)), key=per_layer.__getitem__)
+    return per_layer, top
+
 class Coordinator:
     """Owns the placement group and the workers of one run (they die with it)."""
 
@@ -336,8 +346,7 @@ class Coordinator:
                 self.log.add("gpu_util", rank=r, **res["gpu_util"])
         monitors = [res["fp8_monitor"] for res in results if res.get("fp8_monitor")]
         if monitors:  # --fp8-monitor-every: per layer, the largest |SwiGLU output| of the step on any rank
-            per_layer = [max(values) for values in zip(*monitors)]
-            top = max(range(len(per_layer)), key=per_layer.__getitem__)
+            per_layer, top = merge_fp8_monitors(monitors)
             self.log.add("fp8_monitor", step=step, swiglu_absmax=per_layer, max=per_layer[top], max_layer=top)
         telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
                            "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})

@@ -37,6 +37,7 @@ BLOCK = 256  # elements per scale
 E4M3_MAX = 448.0
 DTYPE = torch.float8_e4m3fn
 _MANT_175 = 0x600000  # fp32 mantissa bits of 1.75 (448 = 1.75 * 2^8)
+K_MIN = -117  # the smallest scale exponent (block_scales): 2^-9 * 2^-117 = 2^-126, fp32's smallest normal
 
 
 def num_blocks(n: int) -> int:
@@ -48,12 +49,14 @@ def block_scales(absmax: torch.Tensor) -> torch.Tensor:
     """[B] fp32 block maxima (>= 0, finite) -> [B] fp32 scales 2^k, k the smallest with absmax / 2^k <= 448.
 
     Exact integer arithmetic on the fp32 bits: absmax = f * 2^E with f in [1, 2); k = E - 8 when f <= 1.75, else
-    E - 7, so absmax / 2^k is in (224, 448]. k is clamped at -126 (2^-126, the smallest normal fp32 power of
-    two): a zero block, or one whose maximum is below ~2^-118, gets that scale, and its values quantize to 0 or
-    to e4m3 subnormals."""
+    E - 7, so absmax / 2^k is in (224, 448]. k is clamped at ``K_MIN`` = -117, so that the smallest nonzero
+    stored value, e4m3's smallest subnormal 2^-9 times the scale, is 2^-126: a normal fp32, exact in bf16 (a
+    checkpoint holds m as bf16) and never flushed to zero by a GPU's flush-to-zero mode. A block whose maximum
+    is below ~2^-109 (e.g. the embedding rows of tokens not seen for ~700 steps) gets that scale, and its
+    values round to multiples of 2^-126 or to 0."""
     bits = absmax.contiguous().view(torch.int32)
     exp = ((bits >> 23) & 0xFF) - 127
-    k = torch.where((bits & 0x7FFFFF) <= _MANT_175, exp - 8, exp - 7).clamp_(min=-126)
+    k = torch.where((bits & 0x7FFFFF) <= _MANT_175, exp - 8, exp - 7).clamp_(min=K_MIN)
     return ((k + 127) << 23).view(torch.float32)
 
 

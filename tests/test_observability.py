@@ -522,3 +522,12 @@ def test_fp8_monitor_is_each_layers_largest_swiglu_output_over_the_step():
     bf16 = TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=32), get_backend("torch"))
     with pytest.raises(ConfigError, match="--fp8-monitor-every needs --matmul-dtype e4m3"):
         bf16.monitor_begin()
+
+
+def test_fp8_monitors_of_the_ranks_merge_with_nan_winning():
+    from llmq_ray.actors.coordinator import merge_fp8_monitors
+
+    assert merge_fp8_monitors([[1.0, 7.0, 2.0], [3.0, 5.0, 2.5]]) == ([3.0, 7.0, 2.5], 1)
+    for monitors in ([[1.0, 5.0], [float("nan"), 9.0]], [[float("nan"), 9.0], [1.0, 5.0]]):
+        per_layer, top = merge_fp8_monitors(monitors)  # whatever the rank order
+        assert math.isnan(per_layer[0]) and per_layer[1] == 9.0 and top == 0

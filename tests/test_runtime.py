@@ -209,7 +209,8 @@ def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path, monkeyp
 def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, shards, tmp_path, monkeypatch):
     """--wandb-project logs the run live from the coordinator (WANDB_MODE=offline: a local run folder whose
     .wandb file holds our keys), every worker's measured memory table lands in the log, and the FP8 monitor
-    (--fp8-monitor-every 2, e4m3) logs once, at the second step, each layer's max over both ranks."""
+    (--fp8-monitor-every 2, e4m3, 2 ranks) logs once, at the second step, one positive maximum per layer (the
+    merge over ranks: tests/test_observability.py::test_fp8_monitors_of_the_ranks_merge_with_nan_winning)."""
     train, evalf, _ = shards
     monkeypatch.setenv("WANDB_MODE", "offline")
     from llmq_ray.train.trainer import LLMQTrainer

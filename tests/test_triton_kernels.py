@@ -659,21 +659,29 @@ def test_adamw_e4m3_m_is_a_stochastic_rounding_of_the_fp32_update(request, ref, 
 
 
 @pytest.mark.parametrize("backend", ["tri", "ref"])
-def test_adamw_e4m3_m_rounding_is_unbiased(request, backend):
+@pytest.mark.parametrize("where", ["normal", "subnormal"])
+def test_adamw_e4m3_m_rounding_is_unbiased(request, backend, where):
     """16,384 elements whose new m is one value between two e4m3 grid points: the stored values average to it
-    (within 4 standard errors), and both neighbours occur."""
+    (within 4 standard errors), and both neighbours occur. "subnormal": each block's first element is 10^5
+    times larger, so the others land among e4m3's subnormals (|m / scale| < 2^-6), the other rounding path."""
     from llmq_ray.backends import fp8_moment
 
     be = request.getfixturevalue(backend)
     n = 64 * 256
     g = torch.full((n,), 0.0123456, device=DEVICE)
+    if where == "subnormal":
+        g = torch.full((n,), 1.23456e-5, device=DEVICE)
+        g[::256] = 1.0
     q = torch.zeros(n, dtype=fp8_moment.DTYPE, device=DEVICE)
     scale = torch.ones(fp8_moment.num_blocks(n), device=DEVICE)
     v = torch.zeros(n, device=DEVICE)
     be.adamw_update(torch.zeros(n, device=DEVICE), g, q, v, master=None, grad_scale=1.0, m_scale=scale,
                     **{**ADAM, "step": 1})
     got = fp8_moment.dequantize(q, scale).cpu().double()
-    x = 0.1 * 0.0123456  # (1 - beta1) * g
+    x = 0.1 * g[1].item()  # (1 - beta1) * g
+    if where == "subnormal":
+        got = got.view(64, 256)[:, 1:].reshape(-1)
+        assert (got / scale.cpu().double().repeat_interleave(255)).abs().max() < 2.0 ** -6
     assert got.unique().numel() == 2
     spacing = (got.max() - got.min()).item()
     assert abs(got.mean().item() - x) < 4 * 0.5 * spacing / n ** 0.5, (got.mean().item(), x)

@@ -64,7 +64,7 @@ def _block_scale_exponent(absmax):
     bits = absmax.to(tl.int32, bitcast=True)
     exp = ((bits >> 23) & 0xFF) - 127
     k = tl.where((bits & 0x7FFFFF) <= 0x600000, exp - 8, exp - 7)
-    return tl.maximum(k, -126)
+    return tl.maximum(k, -117)  # fp8_moment.K_MIN
 
 
 @triton.jit(do_not_specialize=["seed_mv", "seed_p"])  # per-call seeds: no recompiles (see adamw.py)

@@ -25,9 +25,10 @@
 // arithmetic on its bits, and stores m * 2^-k stochastically rounded to the e4m3 grid (sr_e4m3: 16 random
 // bits, the same Philox words that m would use as bf16) and encoded exactly as bytes, plus the new scale.
 // Elements past n (the partial last block) read as 0, so they never raise a block's absmax, and are not
-// written. The power-of-two scalings use mul_rn (no flush-to-zero), so even a zero block's 2^-126 scale and
-// the e4m3 subnormals give torch's values; every e4m3 step is exact bit arithmetic (as in
-// backends/triton/adamw_fp8m.py), so the stored m is one of the two e4m3 neighbours of the fp32 update.
+// written. The scale exponent is at least -117 (fp8_moment.K_MIN), so every nonzero stored value is at least
+// 2^-126, a normal float that -ftz never flushes, and the power-of-two scalings use mul_rn; every e4m3 step is
+// exact bit arithmetic (as in backends/triton/adamw_fp8m.py), so the stored m is one of the two e4m3
+// neighbours of the fp32 update.
 
 template <int N> __device__ __forceinline__ void ld(const void* p, int bf, i64 first, float (&f)[N]) {
     if (bf) load_f32<bf16, N>((const bf16*)p + first, f);
@@ -131,10 +132,10 @@ __device__ __forceinline__ float sr_e4m3(float y, unsigned r) {
 }
 
 // fp32 bits of a block's absmax (>= 0, finite) -> k of its scale 2^k, the smallest k with absmax / 2^k <= 448
-// (fp8_moment.block_scales): absmax = f 2^E, f in [1, 2): k = E - 8 if f <= 1.75 else E - 7, at least -126
+// (fp8_moment.block_scales): absmax = f 2^E, f in [1, 2): k = E - 8 if f <= 1.75 else E - 7, at least -117
 __device__ __forceinline__ int e4m3_block_exponent(unsigned absmax_bits) {
     const int e = (int)((absmax_bits >> 23) & 0xffu) - 127;
-    return max((absmax_bits & 0x7fffffu) <= 0x600000u ? e - 8 : e - 7, -126);
+    return max((absmax_bits & 0x7fffffu) <= 0x600000u ? e - 8 : e - 7, -117);
 }
 
 // Four consecutive elements first..first+3 (first % 4 == 0), `cnt` of them inside the shard: one access when
