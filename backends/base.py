@@ -70,13 +70,23 @@ def check_stochastic_round_args(out, inp) -> int:
     return inp.numel()
 
 
+def dlogits_fp8_scale(dtype: torch.dtype, dloss: float) -> float:
+    """The FP8 scale of the LM head's output gradient d = dloss * (softmax - onehot): |d| <= |dloss| always
+    (a probability minus at most 1), so s = fp8_max / |dloss| maps the largest possible value to the format's
+    largest, computed in fp32 (the value every backend multiplies by). Raises ValueError for dloss == 0."""
+    if dloss == 0:
+        raise ValueError("dlogits_fp8_scale: dloss must be nonzero")
+    fp8_max = torch.tensor(torch.finfo(dtype).max, dtype=torch.float32)
+    return float(fp8_max / torch.tensor(abs(dloss), dtype=torch.float32))
+
+
 GEMM_OPS = ("matmul", "matmul_beside", "prepare_beside", "matmul_fp8")
 ATTENTION_OPS = ("attention_forward", "attention_backward", "attention_rope_backward")
 COMPOSED_OPS = ("rope_backward_from", "swiglu_backward_fp8", "quantize_with_transpose")
 KERNEL_OPS = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "fused_residual_rmsnorm_forward",
               "rmsnorm_backward", "rope_forward", "rope_backward", "rope_backward_from", "swiglu_forward",
               "swiglu_backward", "swiglu_backward_fp8", "bias_backward", "absmax", "quantize", "quantize_transpose",
-              "quantize_with_transpose", "fused_classifier", "adamw_update", "global_norm_squared",
+              "quantize_with_transpose", "fused_classifier", "fused_classifier_fp8", "adamw_update", "global_norm_squared",
               "stochastic_round")
 OPS = KERNEL_OPS + GEMM_OPS + ATTENTION_OPS  # every op of the protocol
 
@@ -345,6 +355,18 @@ class Backend:
         If write_dlogits, logits is overwritten **in place** with dloss * (softmax(logits) - onehot(target))
         (all zero for masked rows): the LM head's backward starts from there without another [n, V] buffer.
         Softmax in fp32.
+        """
+        raise NotImplementedError
+
+    def fused_classifier_fp8(self, logits: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
+                             q: torch.Tensor, q_t: torch.Tensor, descale: torch.Tensor, dloss: float = 1.0) -> None:
+        """The classifier of ``fused_classifier`` for an FP8 LM head: losses[n] as there, and the gradient
+        d = dloss * (softmax(logits) - onehot(target)) (fp32, zero on masked rows) written straight to FP8 in
+        both layouts its GEMMs need -- q[n, V] = saturate(d * s) for the dgrad and q_t[V, n] = q^T for the
+        wgrad -- instead of back into logits (which are left unchanged). q and q_t share one FP8 dtype.
+
+        The scale is static, ``s = dlogits_fp8_scale(q.dtype, dloss)``: every |d| <= |dloss|, so no absmax
+        pass is needed and no value saturates; descale (fp32 0-d) = 1/s.
         """
         raise NotImplementedError
 

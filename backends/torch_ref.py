@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from llmq_ray.backends import torch_ref_optim
-from llmq_ray.backends.base import Backend
+from llmq_ray.backends.base import Backend, dlogits_fp8_scale
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -143,8 +143,9 @@ class TorchBackend(Backend):
             self._classifier_rows(logits[lo:hi], losses[lo:hi], targets[lo:hi], dloss, write_dlogits)
 
     @staticmethod
-    def _classifier_rows(logits, losses, targets, dloss, write_dlogits):
-        x = logits.float()
+    def _classifier_rows(logits, losses, targets, dloss, write_dlogits, fp32_out=False):
+        """One block of rows; ``fp32_out``: logits is an fp32 copy and receives the fp32 dlogits unrounded."""
+        x = logits if fp32_out else logits.float()
         valid = targets != -100
         tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
         row_lse = torch.logsumexp(x, dim=-1)
@@ -155,6 +156,23 @@ class TorchBackend(Backend):
             probs[torch.arange(x.shape[0], device=x.device), tgt] -= 1.0
             probs.mul_((valid.float() * dloss)[:, None])
             logits.copy_(probs)
+
+    def fused_classifier_fp8(self, logits, losses, targets, q, q_t, descale, dloss=1.0):
+        if q.dtype != q_t.dtype or q.shape != logits.shape or q_t.shape != logits.shape[::-1]:
+            raise ValueError(f"fused_classifier_fp8: q {q.dtype} {tuple(q.shape)} and q_t {q_t.dtype} "
+                             f"{tuple(q_t.shape)} must be one FP8 dtype shaped like logits {tuple(logits.shape)} "
+                             f"and its transpose")
+        s = dlogits_fp8_scale(q.dtype, dloss)
+        fp8_max = float(torch.finfo(q.dtype).max)
+        rows = max(1, (1 << 20) // logits.shape[1]) if logits.device.type == "cpu" else max(1, (1 << 27) // logits.shape[1])
+        for lo in range(0, logits.shape[0], rows):
+            hi = min(lo + rows, logits.shape[0])
+            d = logits[lo:hi].to(torch.float32, copy=True)  # a copy: the rows' dlogits are computed in it, logits stay as they are
+            self._classifier_rows(d, losses[lo:hi], targets[lo:hi], dloss, True, fp32_out=True)
+            fp8 = (d * s).clamp(-fp8_max, fp8_max).to(q.dtype)
+            q[lo:hi].copy_(fp8)
+            q_t[:, lo:hi].copy_(fp8.t())
+        descale.fill_(1.0 / s)
 
     # ------------------------------------------------------------------ optimizer
     def adamw_update(self, param, grad, m, v, **kwargs):

@@ -122,6 +122,10 @@ class _TrainOptionsBase:
              f"--gradient-dtype={self.gradient_dtype} only applies with --matmul-dtype=e4m3.")
         need(self.matmul_dtype != "e4m3" or self.model_dtype == "bf16",
              "--matmul-dtype=e4m3 needs --model-dtype=bf16.")
+        need(self.lmhead_dtype in (None, self.model_dtype, "e4m3"),
+             f"--lmhead-dtype={self.lmhead_dtype!r} must be the model dtype or e4m3.")
+        need(self.lmhead_dtype != "e4m3" or self.model_dtype == "bf16",
+             "--lmhead-dtype=e4m3 needs --model-dtype=bf16.")
         need(self.zero_level in (1, 2, 3), f"--zero-level={self.zero_level} must be 1, 2 or 3.")
         need(self.batch_size % self.attn_bwd_chunks == 0,
              f"--attn-bwd-chunks={self.attn_bwd_chunks} must divide --batch-size={self.batch_size}.")

@@ -122,6 +122,11 @@ class NumericsSettings:
         None,
         "FP8 backward operands (with --matmul-dtype e4m3)",
         choices=('e4m3', 'e5m2'))
+    lmhead_dtype: str | None = setting(
+        None,
+        "dtype of the LM head's three GEMMs (default: the model dtype; e4m3: FP8, with the loss gradient in e5m2 "
+        "written by the classifier; needs --model-dtype bf16)",
+        choices=('fp32', 'bf16', 'e4m3'))
     master_dtype: str = setting('fp32', "master weights", choices=('fp32', 'bf16'))
     opt_m_dtype: str = setting('fp32', "AdamW first moment (e4m3: 8 bits with a power-of-two scale per 256)",
                                choices=('fp32', 'bf16', 'e4m3'))

@@ -104,7 +104,9 @@ def _batches(stream):
          offload_opt_m=True, offload_opt_v=True, opt_chunk_size=5000, opt_resident_gib=3.5 * 5000 * 8 / 2**30),
     # the 8-bit first moment: saved as its exact bf16 values, re-quantized to the same numbers on load
     dict(model_dtype="bf16", master_dtype="fp32", opt_m_dtype="e4m3", opt_v_dtype="bf16"),
-], ids=["fp32", "bf16-sr", "offloaded-part-kept", "e4m3-m"])
+    dict(model_dtype="bf16", master_dtype="fp32", opt_m_dtype="bf16", opt_v_dtype="bf16", matmul_dtype="e4m3",
+         lmhead_dtype="e4m3"),
+], ids=["fp32", "bf16-sr", "offloaded-part-kept", "e4m3-m", "fp8-head"])
 def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
     opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, steps=12, learning_rate=3e-3, warmup=2,
                         lr_schedule="cosine", seed=7, **dtypes)
@@ -119,6 +121,7 @@ def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
             saved["path"] = save_engine_checkpoint(str(ckpt_dir), 6, engine, data_state=[stream.state()])
 
     full = train_steps(engine, _batches(stream), on_step=on_step)
+    assert engine.model.head.fp8 == (dtypes.get("lmhead_dtype") == "e4m3")
     assert saved["path"].endswith("step_00000006")
     assert len(engine.optimizer.resident_at) == (3 if dtypes.get("opt_resident_gib") else 0)
 

@@ -17,6 +17,8 @@ BAD = [
     (dict(opt_m_dtype="int8"), "--opt-m-dtype='int8'"),
     (dict(matmul_dtype="e4m3", model_dtype="fp32"), "--matmul-dtype=e4m3 needs --model-dtype=bf16"),
     (dict(gradient_dtype="e5m2"), "--gradient-dtype=e5m2 only applies with --matmul-dtype=e4m3"),
+    (dict(lmhead_dtype="e4m3", model_dtype="fp32"), "--lmhead-dtype=e4m3 needs --model-dtype=bf16"),
+    (dict(lmhead_dtype="e5m2", model_dtype="bf16"), "--lmhead-dtype='e5m2' must be the model dtype or e4m3"),
     (dict(zero_level=4), "--zero-level=4"),
     (dict(grad_clip=-1.0), "--grad-clip=-1.0"),
     (dict(beta_2=1.0), "--beta-2=1.0"),

@@ -77,6 +77,11 @@ def test_fused_classifier_full_vocab(tri, ref, dtype):
     kc.check_fused_classifier_full_vocab(tri, ref, dtype)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_fused_classifier_fp8_full_vocab(tri, ref, fp8):
+    kc.check_fused_classifier_fp8_full_vocab(tri, ref, fp8)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding_backward_deterministic(tri, ref, dtype):
     kc.check_embedding_backward_deterministic(tri, ref, dtype)

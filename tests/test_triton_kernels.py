@@ -315,6 +315,35 @@ def test_fused_classifier(tri, ref, dtype):
     assert torch.equal(losses, res["tri"][1])
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e5m2, torch.float8_e4m3fn])
+def test_fused_classifier_fp8_matches_torch_float8_casts(tri, ref, fp8):
+    """The FP8 LM head's classifier (tile kernel, rows not a multiple of its 16-row tile) against the torch
+    reference, which casts the fp32 gradient with torch's float8 conversion at the same static scale: losses
+    within 1e-5, the FP8 codes equal (exactly here, where both take exp on the CPU; kc.codes_agree allows one
+    step where a GPU's exp differs in the last fp32 bit), q^T exactly the transpose of q, logits untouched."""
+    n, v = 37, 1000
+    logits = randn(n, v, seed=16, dtype=torch.bfloat16, scale=3.0)
+    targets = torch.randint(0, v, (n,), generator=_gen(17)).to(DEVICE)
+    targets[[2, 36]] = -100
+    res = {}
+    for name, be in (("tri", tri), ("ref", ref)):
+        lg, losses = logits.clone(), torch.full((n,), 7.0, device=DEVICE)
+        q, q_t = torch.empty(n, v, dtype=fp8, device=DEVICE), torch.empty(v, n, dtype=fp8, device=DEVICE)
+        descale = torch.zeros((), device=DEVICE)
+        be.fused_classifier_fp8(lg, losses, targets, q, q_t, descale, dloss=0.5)
+        assert torch.equal(lg, logits)
+        res[name] = (losses, q, q_t, descale)
+    (l_t, q_t8, qt_t8, d_t), (l_r, q_r8, qt_r8, d_r) = res["tri"], res["ref"]
+    assert_close(l_t, l_r, 1e-5, "losses")
+    assert d_t.item() == d_r.item() == torch.tensor(0.5 / torch.finfo(fp8).max).item()
+    assert torch.equal(q_t8.view(torch.uint8), q_r8.view(torch.uint8)), "FP8 codes differ from torch's casts"
+    assert torch.equal(qt_t8.view(torch.uint8), q_t8.view(torch.uint8).t().contiguous())
+    assert (q_t8[[2, 36]].float() == 0).all() and (l_t[[2, 36]] == 0).all()
+    # dequantized, it is the gradient: -0.5 at the target (1 - p, up to e5m2/e4m3 rounding), sums to ~0 per row
+    deq = q_t8.float() * d_t
+    assert deq[0, targets[0]] < -0.4 and deq.sum(1).abs().max() < 0.05
+
+
 # ---------------------------------------------------------------------------------------------- embedding
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_embedding_forward_backward_deterministic(tri, ref, dtype):

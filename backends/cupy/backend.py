@@ -3,8 +3,8 @@ non-GEMM, non-attention op of backends/base.py.
 
 GEMMs and attention are components (backends/base.py): by default the ``torch`` GEMM provider and the ``sdpa``
 attention provider (cuBLAS and cuDNN through torch); ``--gemm cublaslt`` gives it the Triton backend's GEMMs.
-``bias_backward`` has no kernel here: it is the torch reference's, listed in ``FALLBACKS`` (and so on the start-up
-line). Each
+``bias_backward`` and ``fused_classifier_fp8`` (the FP8 LM head's classifier, --lmhead-dtype e4m3) have no kernel
+here: they are the torch reference's, listed in ``FALLBACKS`` (and so on the start-up line). Each
 method here checks shapes and picks a launch geometry on the host, then launches one kernel (two or three
 where a deterministic cross-block reduction is needed) on torch's current stream, on the tensors' own memory,
 with no host sync. Each kernel has a 16-byte-vector variant and a scalar one (VEC = 1) for rows or pointers
@@ -69,7 +69,7 @@ class CupyBackend(Backend):
 
     name = "cupy"
     graph_capturable = True  # launches on torch's current stream, no host sync inside a step
-    FALLBACKS = ("bias_backward",)
+    FALLBACKS = ("bias_backward", "fused_classifier_fp8")
 
     def __init__(self, device="cuda", **components):
         cupy = rt.require_cupy(torch.device(device))  # before anything touches CUDA: one clear sentence if absent

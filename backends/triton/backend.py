@@ -121,6 +121,10 @@ class TritonBackend(Backend):
         _contiguous(losses, targets)
         _classifier.fused_classifier(logits, losses, targets, dloss, write_dlogits)
 
+    def fused_classifier_fp8(self, logits, losses, targets, q, q_t, descale, dloss=1.0):
+        _contiguous(losses, targets)
+        _classifier.fused_classifier_fp8(logits, losses, targets, q, q_t, descale, dloss)
+
     # ------------------------------------------------------------------ optimizer
     def adamw_update(self, param, grad, m, v, *, master, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
                      seed, m_scale=None):

@@ -6,6 +6,12 @@ target's logit is one scalar load. loss = lse - x[target]. Pass 2 reads the row 
 dloss * (exp(x - lse) - onehot(target)). Two reads and one write of the row in total, nothing else in
 memory: no probs buffer, no separate softmax / loss / gradient kernels. Rows with target -100 get loss 0 and
 all-zero dlogits. Everything in fp32; the logits are rounded once, when written back.
+
+``fused_classifier_fp8`` (the FP8 LM head, --lmhead-dtype e4m3): the same two passes, but pass 2 writes the
+gradient straight to FP8 at the static scale of backends/base.py ``dlogits_fp8_scale`` (|d| <= dloss), in both
+layouts the head's GEMMs need: q[n, V] (dgrad) and q^T[V, n] (wgrad). A program owns BLOCK_R rows, so the
+transposed store writes BLOCK_R consecutive bytes per vocabulary entry; the logits are read twice and never
+written, so the traffic stays that of the bf16 classifier (2 reads of 2 bytes, 2 writes of 1 byte).
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for
+from llmq_ray.backends.base import dlogits_fp8_scale
+from llmq_ray.backends.triton._common import INTERPRET, cast_to, fp8_store_view, next_pow2, num_warps_for
+from llmq_ray.backends.triton.fp8 import _fp8_args, _to_fp8
 
 
 @triton.jit
@@ -57,3 +65,60 @@ def fused_classifier(logits, losses, targets, dloss: float = 1.0, write_dlogits:
     block_v = min(next_pow2(v), 16384 if INTERPRET else 4096)
     _classifier_kernel[(n,)](logits, losses, targets, v, logits.stride(0), float(dloss),
                              BLOCK_V=block_v, WRITE_DLOGITS=write_dlogits, num_warps=num_warps_for(block_v))
+
+
+@triton.jit
+def _classifier_fp8_kernel(logits_ptr, losses_ptr, targets_ptr, q_ptr, qt_ptr, N, V, stride_row, dloss, s,
+                           FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < N
+    safe = tl.minimum(rows, N - 1).to(tl.int64)  # rows past N read the last row; nothing of theirs is stored
+    base = logits_ptr + safe * stride_row
+    target = tl.load(targets_ptr + safe).to(tl.int64)
+    valid = target != -100
+    tgt = tl.where(valid, target, 0)
+    cols = tl.arange(0, BLOCK_V)
+    run_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_R], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        x = tl.load(base[:, None] + c[None, :], mask=(c < V)[None, :], other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=1))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max[:, None]), axis=1)
+        run_max = new_max
+    lse = run_max + tl.log(run_sum)
+    picked = tl.load(base + tgt).to(tl.float32)
+    tl.store(losses_ptr + rows, tl.where(valid, lse - picked, 0.0), mask=row_ok)
+    scale = tl.where(valid, dloss, 0.0)
+    for start in range(0, V, BLOCK_V):
+        c = start + cols
+        c_ok = c < V
+        x = tl.load(base[:, None] + c[None, :], mask=c_ok[None, :], other=0.0).to(tl.float32)
+        p = tl.exp(x - lse[:, None])
+        p = tl.where(c[None, :] == tgt[:, None], p - 1.0, p)
+        y = _to_fp8(p * scale[:, None], s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
+        ok = row_ok[:, None] & c_ok[None, :]
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * V + c[None, :], y, mask=ok)
+        tl.store(qt_ptr + c.to(tl.int64)[None, :] * N + rows[:, None], y, mask=ok)
+
+
+def fused_classifier_fp8(logits, losses, targets, q, q_t, descale, dloss: float = 1.0) -> None:
+    """losses[n] as fused_classifier; q[n, V] and q_t[V, n] (one FP8 dtype) = saturate(dloss * (softmax -
+    onehot) * s) and its transpose, s = dlogits_fp8_scale(q.dtype, dloss); descale (fp32 0-d) = 1/s. logits
+    (model dtype, rows contiguous, row stride may exceed V) are only read."""
+    n, v = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("fused_classifier_fp8: logits rows must be contiguous")
+    if q.dtype != q_t.dtype or tuple(q.shape) != (n, v) or tuple(q_t.shape) != (v, n) \
+            or not (q.is_contiguous() and q_t.is_contiguous()):
+        raise ValueError(f"fused_classifier_fp8: q {q.dtype} {tuple(q.shape)} and q_t {q_t.dtype} "
+                         f"{tuple(q_t.shape)} must be one contiguous FP8 dtype shaped [{n}, {v}] and [{v}, {n}]")
+    s = dlogits_fp8_scale(q.dtype, dloss)
+    descale.fill_(1.0 / s)
+    if n == 0:
+        return
+    block_r, block_v = (16, min(next_pow2(v), 1024)) if INTERPRET else (32, 256)
+    _classifier_fp8_kernel[(triton.cdiv(n, block_r),)](
+        logits, losses, targets, fp8_store_view(q), fp8_store_view(q_t), n, v, logits.stride(0), float(dloss), s,
+        BLOCK_R=block_r, BLOCK_V=block_v, num_warps=8, **_fp8_args(q.dtype))

@@ -17,7 +17,8 @@ One block, for N = B*T rows (the residual stream ``x_l`` is the block's input):
 
 then ``final_norm`` and the LM head, run in ``lmhead_chunks`` row chunks: each chunk's logits [N/chunks, V]
 go through the fused classifier, which turns them into dlogits in place, and the chunk's LM-head backward
-runs at once, so the full [N, V] logits never exist.
+runs at once, so the full [N, V] logits never exist (llmq_ray/model/lm_head.py; ``lmhead_dtype="e4m3"`` runs
+its three GEMMs in FP8).
 
 Loss scaling: the classifier writes the gradient of the *sum* of token losses. Gradients are therefore sums
 over all tokens of all micro-steps (and all ranks); the update divides by the true number of unmasked target
@@ -38,6 +39,7 @@ from llmq_ray.backends.base import Backend
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.linear import BlockLinears
+from llmq_ray.model.lm_head import LMHead
 from llmq_ray.options import RecomputeOptions  # noqa: F401 - defined with the other options, used here
 from llmq_ray.model.params import ModelParams, ParamLayout
 from llmq_ray.model.units import EMBED, HEAD, Policy, UnitHooks
@@ -293,7 +295,7 @@ class LlamaModel:
                  lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None,
                  matmul_dtype: str | None = None, gradient_dtype: str | None = None,
                  weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
-                 quants: str = "persistent", schedule: UnitHooks | None = None):
+                 quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None):
         self.cfg, self.backend = cfg, backend
         # the policies around each unit and the side streams they use (llmq_ray/model/units.py); the engine
         # passes its Schedule, a model built on its own runs them in order on the compute stream
@@ -347,7 +349,11 @@ class LlamaModel:
         self.final_ln = empty(n, c)
         self.final_rstd = empty(n, dt=torch.float32)
         self.scratch_nc = empty(n, c)  # attention-out / MLP-out projection before the residual add
-        self.logits = empty(n // lmhead_chunks, cfg.vocab_size)
+        if lmhead_dtype not in (None, "e4m3"):
+            raise ValueError(f"lmhead_dtype={lmhead_dtype!r} must be None (the model dtype) or 'e4m3'")
+        self.head = LMHead(backend, cfg.vocab_size, c, n // lmhead_chunks, lmhead_chunks, dtype,
+                           fp8=lmhead_dtype == "e4m3")
+        self.logits = self.head.logits
         self.losses = empty(n, dt=torch.float32)
         # backward buffers, shared by all layers
         self.d_residual = empty(n, c)
@@ -440,7 +446,7 @@ class LlamaModel:
         next_w = self.w.final_norm if last else self.w.blocks[layer + 1].ln1_w
         be.fused_residual_rmsnorm_forward(a.residual[layer + 1], next_ln, next_rstd, mid, self.scratch_nc,
                                           next_w, cfg.rms_norm_eps,
-                                          absmax=None if last else self._amax(layer + 1, 0))
+                                          absmax=self.head.x_amax if last else self._amax(layer + 1, 0))
 
     def _forward_trunk(self, tokens: torch.Tensor) -> None:
         """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
@@ -567,18 +573,12 @@ class LlamaModel:
     def _lm_head_loss(self, targets: torch.Tensor, backward: bool) -> None:
         """Chunked LM head + fused cross-entropy; with ``backward``, also dL/d final_ln into d_ln and the
         LM-head weight gradient. Adds the chunk losses to ``loss_sum``."""
-        be = self.backend
         self.schedule.before(HEAD, backward)
         w_head, g_head = self._lm_head(backward)
-        rows = self.logits.shape[0]
-        for chunk in range(self.lmhead_chunks):
-            sl = slice(chunk * rows, (chunk + 1) * rows)
-            x = self.final_ln[sl]
-            be.matmul(self.logits, x, w_head, transpose_b=True)
-            be.fused_classifier(self.logits, self.losses[sl], targets[sl], 1.0, write_dlogits=backward)
-            if backward:
-                be.matmul(self.d_ln[sl], self.logits, w_head)
-                be.matmul(g_head, self.logits, x, transpose_a=True, accumulate=True)
+        if backward:
+            self.head.run(self.final_ln, w_head, self.losses, targets, dx=self.d_ln, dw=g_head)
+        else:
+            self.head.run(self.final_ln, w_head, self.losses, targets)
         self.schedule.after(HEAD, backward)
         self.loss_sum += self.losses.sum()
         self.target_count += (targets != -100).sum()

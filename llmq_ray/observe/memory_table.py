@@ -11,7 +11,8 @@ storages:
     adam_m/adam_v the AdamW moments of this rank's shard
     grads         the flat gradient buffer, plus ZeRO-2's shard accumulator and its temporary
     activations   the saved forward activations (``model.acts``: per-layer and recomputed scratch buffers)
-    fp8           FP8 copies of the block weights and FP8 operand scratch (``model.lin``; 0 without FP8)
+    fp8           FP8 copies of the block weights and FP8 operand scratch (``model.lin``; 0 without FP8), and
+                  the FP8 LM head's (``model.head``, --lmhead-dtype e4m3)
     scratch       the model's other buffers: logits chunk, losses, final norm, backward buffers, RoPE tables...
     other         anything else reachable from the engine (e.g. backend workspaces); usually 0
 
@@ -139,7 +140,7 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
         ("grads", c.claim(engine.grad_tensors() if hasattr(engine, "grad_tensors") else
                           [engine.grads, getattr(engine, "grad_shard", None), getattr(engine, "_grad_shard_tmp", None)])),
         ("activations", c.claim(iter_tensors(model.acts))),
-        ("fp8", c.claim(iter_tensors(model.lin))),
+        ("fp8", c.claim([*iter_tensors(model.lin), *model.head.fp8_tensors()])),
         ("scratch", c.claim(iter_tensors(model))),
         ("other", c.claim(iter_tensors(engine))),
     ]

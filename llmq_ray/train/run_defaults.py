@@ -55,6 +55,8 @@ def resolve_option_fields(given: dict, device: str) -> TrainOptions:
     opts = TrainOptions(**fields)
     if opts.matmul_dtype == opts.model_dtype:
         opts.matmul_dtype = None
+    if opts.lmhead_dtype == opts.model_dtype:
+        opts.lmhead_dtype = None
     return opts
 
 

@@ -1,0 +1,104 @@
+"""The LM head and the loss over row chunks: logits = x W^T, the fused cross-entropy, and in training the
+head's dgrad and wgrad -- in the model dtype, or (``fp8``, --lmhead-dtype e4m3) as three FP8 GEMMs.
+
+x is the final RMSNorm's output [N, C]; W [V, C] is the head's weight (the embedding table when tied). Each
+chunk of N / chunks rows has its logits [rows, V] in one reused buffer, so the full [N, V] logits never exist.
+
+Why FP8 here: the head's GEMMs are 2 N C V FLOPs each, ~28% of the linear layers' FLOPs in Qwen2.5-0.5B
+(V = 151,936 against C = 896), and in an e4m3 step with a bf16 head they were 19% of the time on an H100.
+The three GEMMs and their FP8 operands (per-tensor scaling, as the block linears in llmq_ray/model/linear.py):
+
+    forward  logits[n, V] = q(x) q(W)^T        x [n, C] e4m3 at max|x| (written by the final RMSNorm)
+                                               W [V, C] e4m3 at max|W|
+    dgrad    dx[n, C]     = q(d) q(W^T)^T      d [n, V] e5m2 at a static scale, W^T [C, V] e4m3
+    wgrad    dW[V, C]    += q(d^T) q(x^T)^T    d^T [V, n] e5m2, x^T [C, n] e4m3
+
+d = softmax - onehot is never written in the model dtype: the classifier (backends/base.py
+``fused_classifier_fp8``) writes q(d) and q(d^T) itself. Its scale is static because |d| <= 1 always (no
+absmax pass, nothing saturates); e5m2 and not e4m3 because d holds the probabilities of the whole
+vocabulary, most of them far below 1e-5, which e4m3 at that scale (smallest step 2^-9 / 448 = 4.4e-6) would
+flush to zero while e5m2 keeps them down to ~2.7e-10.
+
+The weight copies are made at every micro-step (one absmax read and one dual-layout pass over V x C: ~0.3 ms
+at 0.5B) rather than kept across the step: the head's weights may be the tied embedding, gathered per pass
+under ZeRO-3 or captured in a CUDA graph, and re-quantizing unchanged weights gives the same bytes anyway.
+Memory with fp8: 2 FP8 bytes of gradient per logit beside the model-dtype logits, 2 V C bytes of weight
+copies, 2 n C bytes for x. ``logits_for`` (generation, tests) keeps the model-dtype head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmq_ray.backends.base import Backend
+from llmq_ray.errors import ConfigError
+
+
+class LMHead:
+    """Buffers and GEMMs of the chunked LM head. rows = tokens per chunk; ``x_amax`` (fp32 0-d) is where the
+    kernel producing x writes max|x| when ``fp8`` (the model's final RMSNorm)."""
+
+    def __init__(self, backend: Backend, vocab: int, hidden: int, rows: int, chunks: int, dtype: torch.dtype,
+                 fp8: bool):
+        dev = backend.device
+        self.be, self.chunks, self.fp8 = backend, chunks, fp8
+        self.logits = torch.empty(rows, vocab, dtype=dtype, device=dev)
+        self.x_amax = None
+        if not fp8:
+            return
+        if dev.type == "cuda" and (vocab % 16 or hidden % 16 or rows % 16):
+            raise ConfigError(f"--lmhead-dtype e4m3 needs the vocabulary ({vocab}), the hidden size ({hidden}) and "
+                              f"the rows per LM-head chunk ({rows}) to be multiples of 16 (FP8 GEMM shapes).")
+        e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+        self.w_q = torch.empty(vocab, hidden, dtype=e4m3, device=dev)
+        self.wt_q = torch.empty(hidden, vocab, dtype=e4m3, device=dev)
+        self.x_q = torch.empty(rows, hidden, dtype=e4m3, device=dev)
+        self.xt_q = torch.empty(hidden, rows, dtype=e4m3, device=dev)
+        self.d_q = torch.empty(rows, vocab, dtype=e5m2, device=dev)
+        self.dt_q = torch.empty(vocab, rows, dtype=e5m2, device=dev)
+        self.x_amax = torch.zeros((), dtype=torch.float32, device=dev)
+        self.w_amax = torch.zeros((), dtype=torch.float32, device=dev)
+        # separate 0-d tensors: cuBLASLt wants 16-byte aligned scale pointers (llmq_ray/model/linear.py)
+        self.x_descale, self.w_descale, self.d_descale = (torch.ones((), dtype=torch.float32, device=dev)
+                                                          for _ in range(3))
+
+    def fp8_tensors(self) -> list[torch.Tensor]:
+        """The FP8 buffers and their scales (for the memory table's fp8 row; [] without fp8)."""
+        if not self.fp8:
+            return []
+        return [self.w_q, self.wt_q, self.x_q, self.xt_q, self.d_q, self.dt_q, self.x_amax, self.w_amax,
+                self.x_descale, self.w_descale, self.d_descale]
+
+    def run(self, x: torch.Tensor, w: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
+            dx: torch.Tensor | None = None, dw: torch.Tensor | None = None) -> None:
+        """losses[N] (fp32) = cross-entropy of x[N, C] W[V, C]^T against targets[N] (-100 = masked); with dx
+        and dw (training), dx[N, C] = dL/dx (overwritten) and dw[V, C] += dL/dW, L = the *sum* of the losses."""
+        be, backward = self.be, dw is not None
+        rows = self.logits.shape[0]
+        if self.fp8:
+            be.absmax(self.w_amax, w)
+            if backward:
+                be.quantize_with_transpose(self.w_q, self.wt_q, self.w_descale, w, self.w_amax)
+            else:
+                be.quantize(self.w_q, self.w_descale, w, self.w_amax)
+        for chunk in range(self.chunks):
+            sl = slice(chunk * rows, (chunk + 1) * rows)
+            xc = x[sl]
+            if not self.fp8:
+                be.matmul(self.logits, xc, w, transpose_b=True)
+                be.fused_classifier(self.logits, losses[sl], targets[sl], 1.0, write_dlogits=backward)
+                if backward:
+                    be.matmul(dx[sl], self.logits, w)
+                    be.matmul(dw, self.logits, xc, transpose_a=True, accumulate=True)
+                continue
+            if backward:  # x^T waits for the wgrad
+                be.quantize_with_transpose(self.x_q, self.xt_q, self.x_descale, xc, self.x_amax)
+            else:
+                be.quantize(self.x_q, self.x_descale, xc, self.x_amax)
+            be.matmul_fp8(self.logits, self.x_q, self.w_q, self.x_descale, self.w_descale)
+            if not backward:
+                be.fused_classifier(self.logits, losses[sl], targets[sl], 1.0, write_dlogits=False)
+                continue
+            be.fused_classifier_fp8(self.logits, losses[sl], targets[sl], self.d_q, self.dt_q, self.d_descale, 1.0)
+            be.matmul_fp8(dx[sl], self.d_q, self.wt_q, self.d_descale, self.w_descale)
+            be.matmul_fp8(dw, self.dt_q, self.xt_q, self.d_descale, self.x_descale, accumulate=True)
