@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", help="torch, triton, cupy or auto (fastest available)")
     p.add_argument("--model-dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--matmul-dtype", default=None, choices=["bf16", "e4m3"], help="default: the model dtype")
+    p.add_argument("--lmhead-dtype", default=None, choices=["bf16", "e4m3"],
+                   help="the LM head's GEMMs (default: the model dtype; e4m3: FP8)")
     p.add_argument("--zero-level", type=int, default=1, choices=[1, 2, 3], help="ZeRO level")
     p.add_argument("--lmhead-chunks", type=int, default=1, help="LM head row chunks")
     p.add_argument("--attn-bwd-chunks", type=int, default=1, help="attention backward batch chunks")
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
     kwargs = dict(model=a.model, from_scratch=True, batch_size=a.batch_size, seq_len=a.seq_len,
                   grad_accumulation=a.grad_accumulation, steps=a.steps, learning_rate=3e-4, warmup=0,
                   model_dtype=dtype, matmul_dtype=a.matmul_dtype if a.matmul_dtype != dtype else None,
+                  lmhead_dtype=a.lmhead_dtype if a.lmhead_dtype != dtype else None,
                   zero_level=a.zero_level, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
                   master_dtype=a.master_dtype if dtype == "bf16" else "fp32", opt_m_dtype=a.opt_m_dtype,
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,

@@ -68,7 +68,7 @@ class Row:
 
 
 def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_baseline, device="cuda",
-              llmq_bin=None):
+              llmq_bin=None, fp8_head=False):
     """The rows of the grid, in the order they run (each model's rows together, then llm.q's, its baseline
     last)."""
     rows = []
@@ -88,8 +88,12 @@ def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_ba
                     argv += ["--gpus", "1"] if device == "cuda" else ["--workers", "1"]
                     if dtype == "e4m3":
                         argv += ["--matmul-dtype", "e4m3"]
+                        if fp8_head:
+                            argv += ["--lmhead-dtype", "e4m3"]
                     # the CPU runs the model in fp32 (bench_train.py's default there): say so
                     setup = f"llmq-ray {backend}, {dtype if device == 'cuda' or dtype == 'e4m3' else 'fp32'}"
+                    if dtype == "e4m3" and fp8_head:
+                        setup += " (LM head too)"
                     if backend == "triton" and device == "cuda":
                         argv.append("--use-cuda-graphs")
                         setup += ", CUDA graphs"
@@ -210,6 +214,7 @@ def main(argv=None) -> int:
     p.add_argument("--overlap-wgrad-sms", type=int, default=0,
                    help=">0: also a triton bf16 row with the block wgrads on a side stream of this many SMs")
     p.add_argument("--no-hf-baseline", dest="hf_baseline", action="store_false", help="leave out the HF baseline")
+    p.add_argument("--fp8-head", action="store_true", help="the e4m3 rows run the LM head in FP8 too (--lmhead-dtype e4m3)")
     p.add_argument("--llmq-bin", default=None, help="folder of llm.q's prebuilt train binary: adds its rows")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script")
     p.add_argument("--row-timeout-s", type=float, default=150.0, help="time limit of one row")
@@ -227,7 +232,7 @@ def main(argv=None) -> int:
             p.error(f"--models: {', '.join(unknown)} is not a preset; choose from {', '.join(sorted(PRESETS))}")
         seq_len = a.seq_len
         rows = plan_rows(a.models, a.backends, a.matmul_dtypes, seq_len, a.overlap_wgrad_sms,
-                         a.hf_baseline and a.device == "cuda", a.device, a.llmq_bin)
+                         a.hf_baseline and a.device == "cuda", a.device, a.llmq_bin, fp8_head=a.fp8_head)
         path = [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]  # the rows import this checkout
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
         for i, row in enumerate(rows, 1):
