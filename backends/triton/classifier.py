@@ -10,8 +10,15 @@ all-zero dlogits. Everything in fp32; the logits are rounded once, when written 
 ``fused_classifier_fp8`` (the FP8 LM head, --lmhead-dtype e4m3): the same two passes, but pass 2 writes the
 gradient straight to FP8 at the static scale of backends/base.py ``dlogits_fp8_scale`` (|d| <= dloss), in both
 layouts the head's GEMMs need: q[n, V] (dgrad) and q^T[V, n] (wgrad). A program owns BLOCK_R rows, so the
-transposed store writes BLOCK_R consecutive bytes per vocabulary entry; the logits are read twice and never
-written, so the traffic stays that of the bf16 classifier (2 reads of 2 bytes, 2 writes of 1 byte).
+transposed store writes BLOCK_R consecutive bytes per vocabulary entry; the logits are read twice from memory
+and never written (2 reads of 2 bytes, 2 writes of 1 byte per logit, as the bf16 classifier's 2 + 2 + 2).
+
+Why the transposed tile is computed a second time from its own load instead of storing the row-major tile
+transposed: Triton 3.6 on the H100 miscompiles the FP8 (and uint8) layout conversion that a second,
+transposed store of the same register tile needs -- ~20% of the q^T bytes came out wrong (always at the same
+byte positions within each 4-byte word), for every tile shape tried, with ``tl.trans`` as well; one tile per
+store layout is exact. At 32,768 x 151,936 on an H100 it takes 15.2 ms, against 10.1 ms for the bf16
+classifier, which the FP8 GEMMs repay several times over (benchmarks/LOG.md, 2026-11-26).
 """
 
 from __future__ import annotations
@@ -98,9 +105,14 @@ def _classifier_fp8_kernel(logits_ptr, losses_ptr, targets_ptr, q_ptr, qt_ptr, N
         p = tl.exp(x - lse[:, None])
         p = tl.where(c[None, :] == tgt[:, None], p - 1.0, p)
         y = _to_fp8(p * scale[:, None], s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
-        ok = row_ok[:, None] & c_ok[None, :]
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * V + c[None, :], y, mask=ok)
-        tl.store(qt_ptr + c.to(tl.int64)[None, :] * N + rows[:, None], y, mask=ok)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * V + c[None, :], y, mask=row_ok[:, None] & c_ok[None, :])
+        # the transposed tile, computed again from a [BLOCK_V, BLOCK_R] load of the same logits (an L1/L2 hit):
+        # each store then has the layout of its own tile (module docstring: why not store y transposed)
+        xt = tl.load(base[None, :] + c[:, None], mask=c_ok[:, None], other=0.0).to(tl.float32)
+        pt = tl.exp(xt - lse[None, :])
+        pt = tl.where(c[:, None] == tgt[None, :], pt - 1.0, pt)
+        yt = _to_fp8(pt * scale[None, :], s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
+        tl.store(qt_ptr + c.to(tl.int64)[:, None] * N + rows[None, :], yt, mask=c_ok[:, None] & row_ok[None, :])
 
 
 def fused_classifier_fp8(logits, losses, targets, q, q_t, descale, dloss: float = 1.0) -> None:
@@ -118,7 +130,7 @@ def fused_classifier_fp8(logits, losses, targets, q, q_t, descale, dloss: float 
     descale.fill_(1.0 / s)
     if n == 0:
         return
-    block_r, block_v = (16, min(next_pow2(v), 1024)) if INTERPRET else (32, 256)
+    block_r, block_v = (16, min(next_pow2(v), 1024)) if INTERPRET else (32, 128)
     _classifier_fp8_kernel[(triton.cdiv(n, block_r),)](
         logits, losses, targets, fp8_store_view(q), fp8_store_view(q_t), n, v, logits.stride(0), float(dloss), s,
         BLOCK_R=block_r, BLOCK_V=block_v, num_warps=8, **_fp8_args(q.dtype))
