@@ -115,3 +115,25 @@ def quantize_with_transpose(out, out_t, descale, inp, absmax) -> None:
         _launch_tiles(None, out_t, descale, inp, absmax)
         return
     _launch_tiles(out, out_t, descale, inp, absmax)
+
+
+@triton.jit
+def _transpose_kernel(out_t_ptr, x_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=mask)
+    tl.store(out_t_ptr + cols.to(tl.int64)[None, :] * M + rows[:, None], x, mask=mask)
+
+
+def transpose(out_t, inp) -> None:
+    """out_t[K, M] = inp[M, K]^T for FP8 tensors (copied as bytes; one store layout per tile, as the tile
+    kernel above)."""
+    m, k = inp.shape
+    if out_t.dtype != inp.dtype or tuple(out_t.shape) != (k, m) or not (inp.is_contiguous() and out_t.is_contiguous()):
+        raise ValueError(f"transpose: out_t {out_t.dtype} {tuple(out_t.shape)} must be the contiguous transpose of "
+                         f"inp {inp.dtype} {tuple(inp.shape)}")
+    block = 128 if INTERPRET else 64
+    grid = (max(1, triton.cdiv(m, block)), max(1, triton.cdiv(k, block)))
+    _transpose_kernel[grid](out_t.view(torch.uint8), inp.view(torch.uint8), m, k, BLOCK_M=block, BLOCK_K=block,
+                            num_warps=4)
