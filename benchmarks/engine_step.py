@@ -112,6 +112,7 @@ def main():
     ap.add_argument("--model-dtype", default="bf16")
     ap.add_argument("--matmul-dtype", default=None, help="e4m3 for FP8 block GEMMs")
     ap.add_argument("--gradient-dtype", default=None, help="e4m3 or e5m2 (with --matmul-dtype e4m3)")
+    ap.add_argument("--lmhead-dtype", default=None, help="e4m3: the LM head's GEMMs in FP8 too")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one step (torch profiler)")
     ap.add_argument("--master-dtype", default="fp32")
     ap.add_argument("--opt-dtype", default="bf16", help="Adam m and v dtype")
@@ -139,6 +140,7 @@ def main():
                         grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,
                         master_dtype=args.master_dtype, opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype,
                         lmhead_chunks=args.lmhead_chunks, matmul_dtype=args.matmul_dtype,
+                        lmhead_dtype=args.lmhead_dtype,
                         gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs,
                         offload_opt_m=args.offload_opt, offload_opt_v=args.offload_opt,
                         transient_quants=args.transient_quants,
