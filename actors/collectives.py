@@ -14,6 +14,13 @@ The coordinator additionally bounds every ``ray.get`` and kills the actors on fa
 replicated on every node; each rank joins two subgroups (its node's ranks, and the ranks with its local rank
 on every node) besides the world group, and ``node_scope`` builds that from the ranks' node ids.
 
+Reduction order on gloo (CPU): ``reduce_sum`` is a gather to the root, which adds the ranks' values in rank
+order, and ``reduce_scatter_sum`` is one such reduce per shard. Gloo's own reduce and reduce-scatter add in
+orders of their own, which differ between the two from 3 ranks on; with one order for both, ZeRO-1 (one
+reduce-scatter of the whole gradient) and ZeRO-2 (per-layer reduces onto the owners) give the same bits
+(tests/test_zero3.py). NCCL keeps its own (faster) algorithms: bit-identity across ZeRO levels is a CPU
+property.
+
 Collective names: torch 2.13 renames ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` to
 ``reduce_scatter_single`` / ``all_gather_single`` (the old names warn); torch 2.11 has only the old ones.
 ``_pick`` chooses whichever exists, new name first.
@@ -174,8 +181,16 @@ class TorchDistCommunicator(Communicator):
             raise ValueError(f"reduce_scatter_sum: full has {full.numel()} elements, expected "
                              f"{self.world_size} x {size}")
         own = full[self.rank * size:(self.rank + 1) * size]
+        if self.backend == "gloo":  # rank-ordered sums (module docstring): one reduce per shard
+            pending = [self.reduce_sum(full[r * size:(r + 1) * size].clone() if r == self.rank else
+                                       full[r * size:(r + 1) * size], dst=r) for r in range(self.world_size)]
+            for r, handle in enumerate(pending):
+                handle.wait()
+                if r == self.rank:
+                    shard_out.copy_(handle.tensor)
+            return
         if shard_out.data_ptr() == own.data_ptr():
-            # NCCL and gloo allow in-place only in their own sense; use a temporary to stay portable.
+            # NCCL allows in-place only in its own sense; use a temporary to stay portable.
             tmp = torch.empty_like(shard_out)
             _reduce_scatter(tmp, full, op=dist.ReduceOp.SUM, group=self.group)
             shard_out.copy_(tmp)
@@ -202,7 +217,30 @@ class TorchDistCommunicator(Communicator):
         returns the handle."""
         if self.world_size == 1:
             return super().reduce_sum(tensor, dst)
+        if self.backend == "gloo":  # rank-ordered sum (module docstring)
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)] if self.rank == dst else None
+            work = dist.gather(tensor, gather_list=parts, dst=self.members[dst], group=self.group, async_op=True)
+            return _RankOrderSum(work, tensor, parts)
         return dist.reduce(tensor, dst=self.members[dst], op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
+
+class _RankOrderSum:
+    """The handle of a gloo reduce done as a gather: ``wait`` waits for it and, on the root, writes
+    ((x_0 + x_1) + x_2) + ... into ``tensor`` -- the same order for every reduce and reduce-scatter."""
+
+    def __init__(self, work, tensor: torch.Tensor, parts: list[torch.Tensor] | None):
+        self.work, self.tensor, self.parts = work, tensor, parts
+
+    def wait(self) -> None:
+        if self.work is None:
+            return
+        self.work.wait()
+        self.work = None
+        if self.parts is not None:
+            self.tensor.copy_(self.parts[0])
+            for part in self.parts[1:]:
+                self.tensor.add_(part)
+            self.parts = None
 
 
 # ---------------------------------------------------------------------------------------------------- node scope

@@ -156,10 +156,11 @@ class _TrainOptionsBase:
         need(not self.transient_quants or not (self.persistent_quants or self.offload_quants),
              "--transient-quants contradicts --persistent-quants and --offload-quants (copies made per layer are "
              "not kept); pick one.")
-        need(not self.use_cuda_graphs or (self.effective_zero_level < 3 and not self.offload_residual
+        need(not self.use_cuda_graphs or (self.effective_zero_level < 2 and not self.offload_residual
                                           and not self.offload_quants),
-             "--use-cuda-graphs cannot capture --zero-level 3, --offload-residual or --offload-quants (their per-layer "
-             "copies and collectives run on side streams); drop one of them.")
+             f"--use-cuda-graphs cannot capture --zero-level {self.effective_zero_level if self.effective_zero_level > 1 else '2/3'}, "
+             "--offload-residual or --offload-quants (their per-layer copies and collectives run on side streams); "
+             "drop one of them.")
         need(not self.use_cuda_graphs or not self.transient_quants,
              "--use-cuda-graphs cannot capture --transient-quants (which layers need quantizing is decided on the "
              "host at every pass); drop one of them.")
@@ -168,9 +169,9 @@ class _TrainOptionsBase:
         need(not self.overlap_wgrad_sms or self.matmul_dtype in (None, self.model_dtype),
              f"--overlap-wgrad-sms runs the model-dtype weight-gradient GEMMs beside the backward; it does not apply "
              f"with --matmul-dtype={self.matmul_dtype}.")
-        need(not self.overlap_wgrad_sms or self.effective_zero_level < 3,
-             "--overlap-wgrad-sms needs all weights resident; it cannot be combined with --zero-level 3 (which "
-             "reduces each layer's gradients as soon as its backward ends).")
+        need(not self.overlap_wgrad_sms or self.effective_zero_level < 2,
+             f"--overlap-wgrad-sms cannot be combined with --zero-level {self.effective_zero_level} (which reduces "
+             "each layer's gradients as soon as its backward ends, before a side-stream wgrad would be done).")
         need(not self.overlap_wgrad_sms or not self.offload_residual,
              "--overlap-wgrad-sms is not verified with --offload-residual (whose fetches run on their own side "
              "stream); drop one of them.")

@@ -195,7 +195,7 @@ def test_memory_table_moves_offloaded_state_to_host_rows():
     o = off.optimizer
     assert (b["host_master"], b["host_adam_m"], b["host_adam_v"]) == (nb(o.master), nb(o.m), nb(o.v))
     assert b["master"] == b["adam_m"] == b["adam_v"] == 0 < a["master"]
-    assert b["host_grads"] == nb(off.grad_shard) and b["grads"] == a["grads"] - 2 * nb(base.grad_shard)
+    assert b["host_grads"] == nb(off.grad_shard) and b["grads"] == a["grads"] - nb(base.grad_shard)
     n, c, L = 32, PRESETS["tiny"].hidden_size, PRESETS["tiny"].num_layers
     assert b["host_activations"] == L * n * c * 2
     assert b["activations"] == a["activations"] - (L - 2) * n * c * 2  # L+1 residuals -> 2 slots + the final one
@@ -240,7 +240,8 @@ BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-m
        (dict(persistent_quants=True, model_dtype="bf16"), "--persistent-quants only applies with --matmul-dtype e4m3"),
        (dict(offload_quants=True, model_dtype="bf16", matmul_dtype="e4m3"), "--offload-quants needs --persistent-quants"),
        (dict(use_cuda_graphs=True, persistent_quants=True, offload_quants=True, model_dtype="bf16",
-             matmul_dtype="e4m3"), "--use-cuda-graphs cannot capture --zero-level 3, --offload-residual or --offload-quants"),
+             matmul_dtype="e4m3"), "--use-cuda-graphs cannot capture --zero-level 2/3, --offload-residual or --offload-quants"),
+       (dict(use_cuda_graphs=True, zero_level=2), "--use-cuda-graphs cannot capture --zero-level 2,"),
        (dict(transient_quants=True, model_dtype="bf16"), "--transient-quants only applies with --matmul-dtype e4m3"),
        (dict(transient_quants=True, persistent_quants=True, model_dtype="bf16", matmul_dtype="e4m3"),
         "--transient-quants contradicts --persistent-quants"),

@@ -97,6 +97,7 @@ def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
     (dict(overlap_wgrad_sms=-1), "--overlap-wgrad-sms=-1 must be 0"),
     (dict(model_dtype="bf16", matmul_dtype="e4m3"), "does not apply with --matmul-dtype=e4m3"),
     (dict(zero_level=3), "--zero-level 3"),
+    (dict(zero_level=2), "--zero-level 2"),
     (dict(offload_residual=True), "--offload-residual"),
 ])
 def test_the_option_refuses_what_it_cannot_run(bad, message):

@@ -127,26 +127,33 @@ class _Rank1Of4(Communicator):
     rank, world_size = 1, 4
 
 
-def test_memory_table_shows_sharded_weights():
-    """8 layers over 4 ranks: ZeRO-3 holds a quarter of the weights plus two layers and the [V, C] head buffer
-    (and the same for gradients) instead of the full flat buffers."""
+def test_memory_table_shows_sharded_weights_and_gradients():
+    """8 layers over 4 ranks. ZeRO-2 keeps the whole weights but, instead of ZeRO-1's full gradient buffer,
+    only the shard accumulator (exactly a quarter of it) plus the backward's scratch: two layers' gradients and
+    the [V, C] head buffer. ZeRO-3 has the same gradient buffers and holds a quarter of the weights plus two
+    layers and the head buffer."""
     import dataclasses
 
     from llmq_ray.observe.memory_table import memory_dict, memory_table
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=8, name="tiny8")
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, zero_level=2)
-    z2 = TrainEngine(cfg, opts, get_backend("torch"), _Rank1Of4())
-    z3 = TrainEngine(cfg, dataclasses.replace(opts, zero_level=3), get_backend("torch"), _Rank1Of4())
-    a, b = memory_dict(memory_table(z2)), memory_dict(memory_table(z3))
-    s = z3.store
+    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, zero_level=1)
+    z1, z2, z3 = (TrainEngine(cfg, dataclasses.replace(opts, zero_level=z), get_backend("torch"), _Rank1Of4())
+                  for z in (1, 2, 3))
+    m1, m2, m3 = (memory_dict(memory_table(e)) for e in (z1, z2, z3))
     nb = lambda t: t.numel() * t.element_size()  # noqa: E731
-    assert b["weights"] == nb(s.params_shard) + nb(s.plain) + 2 * nb(s.layer_bufs[0]) + nb(s.head_buf)
-    assert nb(s.params_shard) == a["weights"] // 4
-    assert b["weights"] < 0.6 * a["weights"]
-    # ZeRO-2 keeps the full gradient buffer (the backward's scratch) + the shard accumulator and its temporary
-    assert b["grads"] == nb(s.plain_grads) + 2 * nb(s.layer_grads[0]) + nb(s.head_grad) + nb(z3.grad_shard) * 2
-    assert b["grads"] < 0.6 * a["grads"]
+    # ZeRO-2: gradients that persist across micro-steps are 1/4 of ZeRO-1's; the rest is per-layer scratch
+    s2 = z2.store
+    assert z2.grads is None and nb(z2.grad_shard) * 4 == m1["grads"] == nb(z1.grads)
+    scratch = nb(s2.plain_grads) + 2 * nb(s2.layer_grads[0]) + nb(s2.head_grad)
+    assert m2["grads"] == nb(z2.grad_shard) + scratch
+    assert m2["grads"] < 0.75 * m1["grads"] and m2["weights"] == m1["weights"]
+    # ZeRO-3: the same gradient buffers, and sharded weights
+    s = z3.store
+    assert m3["grads"] == m2["grads"]
+    assert m3["weights"] == nb(s.params_shard) + nb(s.plain) + 2 * nb(s.layer_bufs[0]) + nb(s.head_buf)
+    assert nb(s.params_shard) == m1["weights"] // 4
+    assert m3["weights"] < 0.6 * m1["weights"]
 
 
 def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
@@ -201,3 +208,57 @@ def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
         losses = _steps(one, 0, 3)
         assert dist[persistent][0] == losses, persistent
         assert torch.equal(dist[persistent][1], one.full_params()), persistent
+
+
+def _zero12_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One of ``world`` gloo ranks: 3 fp32 steps of ZeRO-1, then of ZeRO-2, each rank on its own micro-batches;
+    rank 0 saves both runs' losses, gradient shards and final weights."""
+    torch.set_num_threads(1)
+    from llmq_ray.actors.collectives import destroy_group, init_group
+
+    comm = init_group(f"tcp://127.0.0.1:{port}", rank, world, torch.device("cpu"), timeout_s=60)
+    try:
+        out = {}
+        for zero in (1, 2):
+            opts = TrainOptions(model="tiny-llama", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=zero)
+            e = TrainEngine(PRESETS["tiny-llama"], opts, get_backend("torch"), comm)
+            losses, shards = [], []
+            for step in range(3):
+                e.micro_step(*_batch(step, rank, opts))
+                if zero == 2:  # the reduced shard, before the update consumes it
+                    shards.append(e.grad_shard.clone())
+                losses.append(e.update(2e-3, step + 1).loss)
+            out[zero] = (losses, shards, e.full_params().clone())
+        if rank == 0:
+            torch.save(out, f"{out_dir}/rank0.pt")
+    finally:
+        destroy_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero2_equals_zero1_bit_for_bit_on_gloo_ranks(tmp_path, world):
+    """ZeRO-2 (each layer's gradients reduced onto their owners during the backward, no full gradient buffer)
+    against ZeRO-1 (one reduce-scatter of the full buffer at the update), fp32 on 2 and 4 gloo processes: the
+    same per-step losses and the same final weights, bit for bit. One micro-step per update: with more, the two
+    sum over ranks and micro-steps in a different order, which rounds differently."""
+    import multiprocessing
+
+    from llmq_ray.actors.collectives import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_zero12_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+    for p in procs:
+        if p.is_alive():  # a hang (mismatched collectives): fail instead of leaving the process behind
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * world
+    out = torch.load(tmp_path / "rank0.pt")
+    (l1, _, p1), (l2, shards, p2) = out[1], out[2]
+    assert l1 == l2 and len(set(l1)) == 3  # equal, and every update changed the model
+    assert all(bool(s.abs().sum() > 0) for s in shards)
+    assert torch.equal(p1, p2)

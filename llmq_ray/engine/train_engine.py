@@ -12,11 +12,12 @@ A step is ``micro_step`` x grad_accumulation, then ``update``:
 * grad_scale = clip_coefficient / total_target_tokens is folded into the AdamW kernel (no extra pass);
 * each rank updates its shard of the weights, then the weights are all-gathered.
 
-ZeRO-2 (``--zero-level=2`` or ``--shard-gradients``): the full gradient buffer is reduce-scattered after
-*every* micro-step and added into a shard-sized accumulator ``grad_shard`` (model dtype, [S]); the full
-buffer is then zeroed for the next micro-step, and the update uses the accumulator directly. The
-accumulated gradients that persist across micro-steps are thus sharded; the full buffer is still the
-backward's scratch.
+ZeRO-2 (``--zero-level=2`` or ``--shard-gradients``): no full gradient buffer. The backward writes each
+layer's gradients into a two-layer scratch, reduced (summed) onto the owners of their pieces while the next
+layer's backward runs, and each owner adds its pieces into a shard-sized accumulator ``grad_shard`` (model
+dtype, [S]) that the update uses directly (llmq_ray/engine/zero3.py, ``ResidentGradShards``). The weights stay
+whole on every rank, as under ZeRO-1. Gradient memory per rank: S + two layers + the embedding/LM head's
+[V, C] scratch, against the full N under ZeRO-1.
 
 ZeRO-3 (``--zero-level=3`` or ``--shard-weights``): no full buffers at all. The rank keeps its shard of the
 weights; the model gathers each layer one layer ahead and its gradients are reduced onto their owners as
@@ -51,7 +52,7 @@ from llmq_ray.model.params import ParamLayout, init_params
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.engine.update_overlap import UpdateOverlap
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
-from llmq_ray.engine.zero3 import ShardedWeights
+from llmq_ray.engine.zero3 import ResidentGradShards, ShardedWeights
 
 
 class Communicator:
@@ -206,6 +207,14 @@ class TrainEngine:
             if init_weights:
                 init_params(layout, self.store.params_shard, opts.seed, start=rank * self.shard_size)
                 self.store.after_update()
+        elif opts.effective_zero_level == 2:  # whole weights, gradients reduced per layer (zero3.py)
+            padded = self.shard_size * world
+            params = torch.zeros(padded, dtype=dtype, device=backend.device)
+            self.store = ResidentGradShards(layout, self.comm, self.shard_size, params, sink=self._add_grad_piece)
+            self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
+            self.params, self.grads = params, None
+            if init_weights:
+                init_params(layout, self.params, opts.seed)
         else:  # the full flat buffers, padded so that every rank's shard has equal size
             self.store = None
             padded = self.shard_size * world
@@ -224,7 +233,7 @@ class TrainEngine:
             self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule)
         # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
         # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
-        self.grad_shard = self._grad_shard_tmp = self._grad_staging = None
+        self.grad_shard = self._grad_staging = None
         if opts.effective_zero_level >= 2:
             if opts.offload_gradients:
                 self.grad_shard = host_zeros(self.shard_size, dtype, backend.device)
@@ -233,7 +242,6 @@ class TrainEngine:
                                                   "gradients")
             else:
                 self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
-                self._grad_shard_tmp = torch.empty_like(self.grad_shard)
         if opts.overlap_wgrad_sms:  # before any graph is captured: the graph keeps the order it was captured in
             enable_wgrad_overlap(self.model, opts.overlap_wgrad_sms)
         # --use-cuda-graphs: the forward + backward of a micro-step replayed from a graph (llmq_ray/engine/cuda_graphs.py)
@@ -290,11 +298,11 @@ class TrainEngine:
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """The device buffers that hold gradients (memory table); offloaded ones are listed by host_tensors."""
-        out = self.store.tensors()["grads"] if self.zero3 else [self.grads]
-        return out + [t for t in (self.grad_shard, self._grad_shard_tmp) if t is not None]
+        out = self.store.tensors()["grads"] if self.store is not None else [self.grads]
+        return out + ([self.grad_shard] if self.grad_shard is not None else [])
 
     def _add_grad_piece(self, offset: int, piece: torch.Tensor) -> None:
-        """ZeRO-3's sink: grad_shard[offset : offset + len] (+)= a reduced gradient piece of this rank's shard
+        """The ZeRO-2/3 sink: grad_shard[offset : offset + len] (+)= a reduced gradient piece of this rank's shard
         (copied on a step's first micro-step, added afterwards; streamed when the accumulator is on the host)."""
         first = self.micro_steps_done == 0
         if self._grad_staging is None:
@@ -348,13 +356,9 @@ class TrainEngine:
         """Forward + backward of one micro-batch [B, T]; the first of a step zeroes the gradients."""
         if self.micro_steps_done == 0:
             self.model.zero_grads()
-        elif self.grads is not None and self.grad_shard is not None:
-            self.grads.zero_()  # ZeRO-2: the previous micro-step's gradients already sit in grad_shard
         self._forward_backward(inputs, targets)
-        if self.zero3:  # the layers' gradients were reduced into grad_shard during the backward
+        if self.store is not None:  # ZeRO-2/3: the layers' gradients were reduced into grad_shard during the backward
             self.store.finish_micro_step()
-        elif self.grad_shard is not None:
-            self._accumulate_grad_shard(first=self.micro_steps_done == 0)
         if self._monitor is not None:  # the forward wrote each layer's max|SwiGLU out| (the FP8 scale's absmax)
             torch.maximum(self._monitor, self.model.amax[:, 3], out=self._monitor)
         self.micro_steps_done += 1
@@ -377,32 +381,6 @@ class TrainEngine:
         values, self._monitor = self._monitor.tolist(), None
         return values
 
-    def _accumulate_grad_shard(self, first: bool) -> None:
-        """ZeRO-2: grad_shard (+)= this micro-step's gradients reduce-scattered over the ranks."""
-        if self._grad_staging is None:
-            if first:
-                self.comm.reduce_scatter_sum(self.grad_shard, self.grads)
-            else:
-                self.comm.reduce_scatter_sum(self._grad_shard_tmp, self.grads)
-                self.grad_shard += self._grad_shard_tmp
-            return
-        # --offload-gradients: reduce into this rank's own slice of the full buffer, then stream it into the
-        # host accumulator chunk by chunk (copy on the first micro-step, add afterwards: same bits as above).
-        size = self.shard_size
-        own = self.grads[self.comm.rank * size:(self.comm.rank + 1) * size]
-        self.comm.reduce_scatter_sum(own, self.grads)
-        ranges = fixed_chunks(0, size, self._grad_staging.chunk)
-
-        def accumulate(i: int, staged: dict[str, torch.Tensor]) -> None:
-            lo, hi = ranges[i]
-            if first:
-                staged["acc"].copy_(own[lo:hi])
-            else:
-                staged["acc"].add_(own[lo:hi])
-
-        load = {} if first else {"acc": self.grad_shard}
-        self._grad_staging.run(ranges, load, {"acc": self.grad_shard}, accumulate)
-
     def update(self, lr: float, step: int, *, max_loss: float | None = None,
                max_norm: float | None = None) -> StepStats:
         """Reduce gradients, clip by the global norm, AdamW on the local shard, gather weights.
@@ -418,7 +396,7 @@ class TrainEngine:
         model, comm = self.model, self.comm
         totals = torch.stack([model.loss_sum.double(), model.target_count.double()])
         comm.all_reduce_sum(totals)
-        if self.grad_shard is not None:  # ZeRO-2: reduced at every micro-step already
+        if self.grad_shard is not None:  # ZeRO-2/3: reduced during every backward already
             shard = self.grad_shard
         else:  # ZeRO-1: reduce once, at the end of the step
             shard = self.grads[self.comm.rank * self.shard_size:(self.comm.rank + 1) * self.shard_size]

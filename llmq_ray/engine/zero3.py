@@ -1,11 +1,14 @@
-"""ZeRO-3: each rank keeps only its shard of the weights; a layer's weights are gathered just before use.
+"""ZeRO-2 and ZeRO-3: each rank keeps only its shard of the gradients (ZeRO-2, ``ResidentGradShards``) and
+also only its shard of the weights (ZeRO-3, ``ShardedWeights``), a layer's weights gathered just before use.
 
 The flat parameter buffer (``ParamLayout``) is cut into W equal shards [r*S, (r+1)*S) exactly as for the
 optimizer state under ZeRO-1/2, so the optimizer, its checkpoints and resharding are unchanged: rank r's
 ``params_shard`` [S] *is* its slice of the flat buffer, and nobody holds the whole buffer any more.
 
-What the model sees (``ShardedWeights``, the store behind ``LlamaModel.w`` / ``.g``; see ``ResidentWeights``
-in llmq_ray/model/transformer.py for the protocol):
+What the model sees (the store behind ``LlamaModel.w`` / ``.g``; see ``ResidentWeights`` in
+llmq_ray/model/transformer.py for the protocol). Under ZeRO-2 the weights are the full flat buffer, resident
+and all-gathered after each update as under ZeRO-1, and only the "gradients" point below applies; under
+ZeRO-3 all of it:
 
 * **gather units**: each layer's four matrices (qkv, out, up+gate, down -- contiguous in the layout), the
   embedding and the untied LM head. A unit's range [lo, hi) of the flat buffer generally spans one or two
@@ -59,13 +62,14 @@ class _NamedViews:
         return self[name] if name in self else default
 
 
-class ShardedWeights(Policy):
-    """This rank's weight shard, the replicated norms/biases and the gather/reduce buffers of ZeRO-3.
+class ShardedGradients(Policy):
+    """The gradient half of ZeRO-2 and ZeRO-3: per-layer gradient buffers reduced onto their owners during the
+    backward (module docstring, "gradients"), so no rank holds a full gradient buffer.
 
-    Buffers (model dtype, on ``device``): ``params_shard`` [S]; ``plain`` / ``plain_grads`` [P] (the
-    replicated tail); ``layer_bufs`` / ``layer_grads`` 2 x [layer numel]; ``head_buf`` / ``head_grad`` [V*C].
-    ``sink(offset, piece)`` adds a reduced gradient piece into the rank's accumulator at ``offset`` within the
-    shard (the engine decides copy-or-add for the first micro-step).
+    Buffers (model dtype, on ``device``): ``plain_grads`` [P] (the replicated tail's gradients);
+    ``layer_grads`` 2 x [layer numel]; ``head_grad`` [V*C]. ``sink(offset, piece)`` adds a reduced gradient
+    piece into the rank's accumulator at ``offset`` within the shard (the engine decides copy-or-add for the
+    first micro-step). Subclasses say where the weights are: ``weight_view`` and the three gather hooks.
     """
 
     layer_grads_fresh = True  # the layer gradient buffers are overwritten by every backward
@@ -80,13 +84,11 @@ class ShardedWeights(Policy):
                  sink: Callable[[int, torch.Tensor], None]):
         self.layout, self.comm, self.sink = layout, comm, sink
         self.shard_size, self.shard_lo = shard_size, comm.rank * shard_size
+        self.dtype, self.device = dtype, device
         cfg = layout.cfg
-        zeros = lambda n: torch.zeros(n, dtype=dtype, device=device)  # noqa: E731
-        self.params_shard = zeros(shard_size)
         self.plain_lo = layout.decay_end
-        self.plain = zeros(layout.numel - self.plain_lo)
-        self.plain_grads = zeros(layout.numel - self.plain_lo)
-        # gather units: name -> [lo, hi) of the flat buffer
+        self.plain_grads = self._zeros(layout.numel - self.plain_lo)
+        # units: name -> [lo, hi) of the flat buffer
         self.units: dict = {"embed": (layout.slots["embed"].offset, layout.slots["embed"].end)}
         if not cfg.tie_word_embeddings:
             self.units["lm_head"] = (layout.slots["lm_head"].offset, layout.slots["lm_head"].end)
@@ -99,36 +101,25 @@ class ShardedWeights(Policy):
                 self.unit_of[name] = int(name.split(".")[1]) if name.startswith("layers.") else name
         layer_numel = {hi - lo for u, (lo, hi) in self.units.items() if isinstance(u, int)}
         assert len(layer_numel) == 1, "every layer has the same matrices"
-        n_layer = layer_numel.pop()
-        self.layer_bufs = [zeros(n_layer), zeros(n_layer)]
-        self.layer_grads = [zeros(n_layer), zeros(n_layer)]
-        n_head = self.units["embed"][1] - self.units["embed"][0]
-        self.head_buf, self.head_grad = zeros(n_head), zeros(n_head)
-        # what each buffer holds, and the collectives still in flight on it
+        self.layer_numel = layer_numel.pop()
+        self.head_numel = self.units["embed"][1] - self.units["embed"][0]
+        self.layer_grads = [self._zeros(self.layer_numel), self._zeros(self.layer_numel)]
+        self.head_grad = self._zeros(self.head_numel)
+        # which layer each buffer pair holds, and the reduces still in flight on it
         self.layer_holder: list = [None, None]
-        self.layer_gathered = [False, False]  # False: the buffer is the layer's for gradients, weights skipped
-        self.layer_gathers: list[list] = [[], []]
         self.grad_reduces: list[list] = [[], []]
-        self.head_holder = None
         self.head_reduces: list = []
         self._views: dict = {}
         self.w, self.g = _NamedViews(self, False), _NamedViews(self, True)
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ collectives on ranges
     def _pieces(self, lo: int, hi: int):
         """[(owner rank, piece lo, piece hi)] covering the flat range [lo, hi)."""
         size = self.shard_size
         return [(r, max(lo, r * size), min(hi, (r + 1) * size)) for r in range(lo // size, (hi - 1) // size + 1)]
-
-    def _gather(self, lo: int, hi: int, buf: torch.Tensor) -> list:
-        """Start filling buf[0:hi-lo] with the weights [lo, hi): each owner broadcasts its piece."""
-        handles = []
-        for r, plo, phi in self._pieces(lo, hi):
-            piece = buf[plo - lo:phi - lo]
-            if r == self.comm.rank:
-                piece.copy_(self.params_shard[plo - self.shard_lo:phi - self.shard_lo])
-            handles.append(self.comm.broadcast(piece, src=r))
-        return handles
 
     def _reduce(self, lo: int, hi: int, buf: torch.Tensor) -> list:
         """Start summing the gradient pieces buf[0:hi-lo] of [lo, hi) onto their owners."""
@@ -153,44 +144,41 @@ class ShardedWeights(Policy):
     def view(self, name: str, grads: bool) -> torch.Tensor:
         """The tensor ``name`` (a weight, or with ``grads`` its gradient) in the buffer that holds it now."""
         slot = self.layout.slots[name]
-        if slot.offset >= self.plain_lo:
+        if slot.offset >= self.plain_lo and grads:
             key = (name, grads)
             if key not in self._views:
-                flat = self.plain_grads if grads else self.plain
-                self._views[key] = flat[slot.offset - self.plain_lo:slot.end - self.plain_lo].view(slot.shape)
+                self._views[key] = self.plain_grads[slot.offset - self.plain_lo:slot.end - self.plain_lo].view(slot.shape)
             return self._views[key]
+        if not grads:
+            return self.weight_view(name)
         unit = self.unit_of[name]
         if isinstance(unit, int):
             i = unit % 2
-            if self.layer_holder[i] != unit or not (grads or self.layer_gathered[i]):
-                raise RuntimeError(f"ZeRO-3: {name} used while layer {unit} is not gathered")
-            flat = self.layer_grads[i] if grads else self.layer_bufs[i]
+            if self.layer_holder[i] != unit:
+                raise RuntimeError(f"ZeRO: the gradient of {name} used while layer {unit} does not run")
+            flat = self.layer_grads[i]
         else:
-            if not grads and self.head_holder != unit:
-                raise RuntimeError(f"ZeRO-3: {name} used while it is not gathered")
-            flat = self.head_grad if grads else self.head_buf
+            flat = self.head_grad
         lo = self.units[unit][0]
         return flat[slot.offset - lo:slot.end - lo].view(slot.shape)
 
+    def weight_view(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
     def _ensure_layer(self, layer: int) -> None:
-        """Make buffer layer % 2 the layer's (its gradients go there); gather its weights unless
-        ``layer_needed`` says nobody will read them (the same answer on every rank: the model's state)."""
-        i = layer % 2
-        needed = self.layer_needed(layer)
-        if self.layer_holder[i] != layer or (needed and not self.layer_gathered[i]):
-            self.layer_gathers[i] = self._gather(*self.units[layer], self.layer_bufs[i]) if needed else []
-            self.layer_holder[i] = layer
-            self.layer_gathered[i] = needed
+        """Make buffer pair layer % 2 the layer's (its gradients go there; ZeRO-3 also gathers its weights)."""
+        self.layer_holder[layer % 2] = layer
+
+    def _wait_layer(self, layer: int) -> None:
+        """The layer's weights are in place (ZeRO-3 waits for its gather)."""
 
     def _ensure_head(self, unit: str) -> None:
-        if self.head_holder != unit:
-            self._wait(self._gather(*self.units[unit], self.head_buf))
-            self.head_holder = unit
+        """The embedding / LM head weights are in place (ZeRO-3 gathers them)."""
 
     def begin(self, unit, backward: bool = False) -> None:
         if isinstance(unit, int):
             self._ensure_layer(unit)
-            self._wait(self.layer_gathers[unit % 2])
+            self._wait_layer(unit)
             nxt = unit - 1 if backward else unit + 1
             if 0 <= nxt < self.layout.cfg.num_layers:
                 self._ensure_layer(nxt)  # prefetch into the other buffer (its previous layer is done)
@@ -231,6 +219,97 @@ class ShardedWeights(Policy):
         self._finish(self._reduce(self.plain_lo, self.layout.numel, self.plain_grads))
         self.plain_grads.zero_()
 
+    def tensors(self) -> dict[str, list[torch.Tensor]]:
+        """{"weights": [...], "grads": [...]}: the device buffers by role (memory table)."""
+        return {"weights": [], "grads": [self.plain_grads, *self.layer_grads, self.head_grad]}
+
+
+class ResidentGradShards(ShardedGradients):
+    """ZeRO-2: every rank holds all the weights (``params``, the flat buffer [>= layout.numel], all-gathered
+    after each update as under ZeRO-1), but only its shard of the gradients: the backward writes each layer's
+    gradients into a two-layer scratch that is reduced onto the owners while the next layer's backward runs."""
+
+    def __init__(self, layout: ParamLayout, comm, shard_size: int, params: torch.Tensor,
+                 sink: Callable[[int, torch.Tensor], None]):
+        super().__init__(layout, comm, shard_size, params.dtype, params.device, sink)
+        self.params = params
+
+    def weight_view(self, name: str) -> torch.Tensor:
+        key = (name, False)
+        if key not in self._views:
+            slot = self.layout.slots[name]
+            self._views[key] = self.params[slot.offset:slot.end].view(slot.shape)
+        return self._views[key]
+
+
+class ShardedWeights(ShardedGradients):
+    """ZeRO-3: this rank's weight shard, the replicated norms/biases and the gather buffers, on top of the
+    gradient half (``ShardedGradients``).
+
+    Buffers (model dtype, on ``device``): ``params_shard`` [S]; ``plain`` [P] (the replicated tail);
+    ``layer_bufs`` 2 x [layer numel]; ``head_buf`` [V*C].
+    """
+
+    def __init__(self, layout: ParamLayout, comm, shard_size: int, dtype: torch.dtype, device: torch.device,
+                 sink: Callable[[int, torch.Tensor], None]):
+        super().__init__(layout, comm, shard_size, dtype, device, sink)
+        self.params_shard = self._zeros(shard_size)
+        self.plain = self._zeros(layout.numel - self.plain_lo)
+        self.layer_bufs = [self._zeros(self.layer_numel), self._zeros(self.layer_numel)]
+        self.head_buf = self._zeros(self.head_numel)
+        self.layer_gathered = [False, False]  # False: the buffer is the layer's for gradients, weights skipped
+        self.layer_gathers: list[list] = [[], []]
+        self.head_holder = None
+
+    def _gather(self, lo: int, hi: int, buf: torch.Tensor) -> list:
+        """Start filling buf[0:hi-lo] with the weights [lo, hi): each owner broadcasts its piece."""
+        handles = []
+        for r, plo, phi in self._pieces(lo, hi):
+            piece = buf[plo - lo:phi - lo]
+            if r == self.comm.rank:
+                piece.copy_(self.params_shard[plo - self.shard_lo:phi - self.shard_lo])
+            handles.append(self.comm.broadcast(piece, src=r))
+        return handles
+
+    def weight_view(self, name: str) -> torch.Tensor:
+        slot = self.layout.slots[name]
+        if slot.offset >= self.plain_lo:
+            key = (name, False)
+            if key not in self._views:
+                self._views[key] = self.plain[slot.offset - self.plain_lo:slot.end - self.plain_lo].view(slot.shape)
+            return self._views[key]
+        unit = self.unit_of[name]
+        if isinstance(unit, int):
+            i = unit % 2
+            if self.layer_holder[i] != unit or not self.layer_gathered[i]:
+                raise RuntimeError(f"ZeRO-3: {name} used while layer {unit} is not gathered")
+            flat = self.layer_bufs[i]
+        else:
+            if self.head_holder != unit:
+                raise RuntimeError(f"ZeRO-3: {name} used while it is not gathered")
+            flat = self.head_buf
+        lo = self.units[unit][0]
+        return flat[slot.offset - lo:slot.end - lo].view(slot.shape)
+
+    def _ensure_layer(self, layer: int) -> None:
+        """Make buffer layer % 2 the layer's (its gradients go there); gather its weights unless
+        ``layer_needed`` says nobody will read them (the same answer on every rank: the model's state)."""
+        i = layer % 2
+        needed = self.layer_needed(layer)
+        if self.layer_holder[i] != layer or (needed and not self.layer_gathered[i]):
+            self.layer_gathers[i] = self._gather(*self.units[layer], self.layer_bufs[i]) if needed else []
+            self.layer_holder[i] = layer
+            self.layer_gathered[i] = needed
+
+    def _wait_layer(self, layer: int) -> None:
+        self._wait(self.layer_gathers[layer % 2])
+
+    def _ensure_head(self, unit: str) -> None:
+        if self.head_holder != unit:
+            self._wait(self._gather(*self.units[unit], self.head_buf))
+            self.head_holder = unit
+
+    # ------------------------------------------------------------------ the engine's calls
     def after_update(self) -> None:
         """The shards changed (optimizer step, checkpoint load): gathered copies are stale, and the replicated
         norms/biases are re-broadcast from their owners (a collective: all ranks call it)."""
@@ -254,4 +333,4 @@ class ShardedWeights(Policy):
     def tensors(self) -> dict[str, list[torch.Tensor]]:
         """{"weights": [...], "grads": [...]}: the device buffers by role (memory table)."""
         return {"weights": [self.params_shard, self.plain, *self.layer_bufs, self.head_buf],
-                "grads": [self.plain_grads, *self.layer_grads, self.head_grad]}
+                "grads": super().tensors()["grads"]}

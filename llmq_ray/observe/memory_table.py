@@ -138,7 +138,7 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
         ("adam_m", c.claim([getattr(opt, "m", None), getattr(opt, "m_scale", None), *_kept(opt, "m")])),
         ("adam_v", c.claim([getattr(opt, "v", None), *_kept(opt, "v")])),
         ("grads", c.claim(engine.grad_tensors() if hasattr(engine, "grad_tensors") else
-                          [engine.grads, getattr(engine, "grad_shard", None), getattr(engine, "_grad_shard_tmp", None)])),
+                          [engine.grads, getattr(engine, "grad_shard", None)])),
         ("activations", c.claim(iter_tensors(model.acts))),
         ("fp8", c.claim([*iter_tensors(model.lin), *model.head.fp8_tensors()])),
         ("scratch", c.claim(iter_tensors(model))),
