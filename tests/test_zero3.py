@@ -156,6 +156,27 @@ def test_memory_table_shows_sharded_weights_and_gradients():
     assert m3["weights"] < 0.6 * m1["weights"]
 
 
+def _spawn_gloo_ranks(args_of, target, world: int, timeout_s: float = 180) -> None:
+    """Run ``target(*args_of(rank, port))`` in ``world`` spawned processes forming one gloo group; all must
+    exit 0. A hang (mismatched collectives) fails the test instead of leaving processes behind."""
+    import multiprocessing
+
+    from llmq_ray.actors.collectives import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=target, args=args_of(r, port)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * world
+
+
 def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: ZeRO-3 e4m3, per-layer and persistent FP8 copies, 3 steps of 1 micro-step each;
     rank r takes micro-batch r of the single worker's 2. Rank 0 saves losses and the gathered weights."""
@@ -186,22 +207,7 @@ def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
     mode skips the same gathers on both ranks (else the collectives would not match up and hang), and a sum
     of two bf16 gradients rounds once whichever rank adds it. Clipping is off (the norm's summation order
     differs between 1 and 2 ranks)."""
-    import multiprocessing
-
-    from llmq_ray.actors.collectives import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_gloo_rank, args=(r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():  # a hang (mismatched collectives): fail instead of leaving the process behind
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    _spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _gloo_rank, 2)
     dist = torch.load(tmp_path / "rank0.pt")
     for persistent in (False, True):
         one = _engine("tiny", 3, **E4M3, grad_clip=0.0, persistent_quants=persistent)
@@ -241,22 +247,7 @@ def test_zero2_equals_zero1_bit_for_bit_on_gloo_ranks(tmp_path, world):
     against ZeRO-1 (one reduce-scatter of the full buffer at the update), fp32 on 2 and 4 gloo processes: the
     same per-step losses and the same final weights, bit for bit. One micro-step per update: with more, the two
     sum over ranks and micro-steps in a different order, which rounds differently."""
-    import multiprocessing
-
-    from llmq_ray.actors.collectives import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_zero12_rank, args=(r, world, port, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    for p in procs:
-        if p.is_alive():  # a hang (mismatched collectives): fail instead of leaving the process behind
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0] * world
+    _spawn_gloo_ranks(lambda r, port: (r, world, port, str(tmp_path)), _zero12_rank, world)
     out = torch.load(tmp_path / "rank0.pt")
     (l1, _, p1), (l2, shards, p2) = out[1], out[2]
     assert l1 == l2 and len(set(l1)) == 3  # equal, and every update changed the model
