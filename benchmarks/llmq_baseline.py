@@ -61,14 +61,17 @@ def step_times_ms(text: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(text)}
 
 
-def record_from_output(text: str, tokens_per_step: int, warmup_steps: int) -> dict | None:
-    """The JSON record (bench_train.py's keys) from llm.q's output, or None when fewer than 2 steps were timed."""
+def record_from_output(text: str, tokens_per_step: int, warmup_steps: int, gpus: int = 1) -> dict | None:
+    """The JSON record (bench_train.py's keys) from llm.q's output, or None when fewer than 2 steps were timed.
+    ``tokens_per_step`` is one GPU's: its --batch-size is taken as per GPU, as llm.c's is (to be confirmed by the
+    first 2-GPU run: a scaling near 50% or 200% would say otherwise); the step moves ``gpus`` times as many."""
     ms = step_times_ms(text)
     timed = [ms[s] for s in sorted(ms) if s >= warmup_steps]
     if len(timed) < 2:
         return None
     step_ms = statistics.median(timed)
-    return {"tokens_per_s": tokens_per_step / step_ms * 1e3, "tokens_per_s_per_gpu": tokens_per_step / step_ms * 1e3,
+    per_gpu = tokens_per_step / step_ms * 1e3
+    return {"tokens_per_s": per_gpu * gpus, "tokens_per_s_per_gpu": per_gpu, "world_size": gpus,
             "step_ms": step_ms, "timed_steps": len(timed), "peak_memory_gib": None}
 
 
@@ -91,6 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup-steps", type=int, default=1, help="steps left out of the median (llm.q counts from 0)")
     p.add_argument("--matmul-dtype", default="bf16", choices=["bf16", "e4m3"])
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (llm.q's threads backend, one process)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     p.add_argument("--json", required=True, help="where the record goes")
     a = p.parse_args(argv)
@@ -100,12 +104,12 @@ def main(argv=None) -> int:
         return 2
     tokens_per_step = a.batch_size * a.seq_len * a.grad_accumulation
     with tempfile.TemporaryDirectory() as tmp:
-        write_tokens(os.path.join(tmp, "train.bin"), tokens_per_step * (a.steps + 2) + 1)
+        write_tokens(os.path.join(tmp, "train.bin"), tokens_per_step * a.gpus * (a.steps + 2) + 1)
         write_tokens(os.path.join(tmp, "eval.bin"), 64 * 1024 + 1, seed=1)
         cmd = [binary, f"--model={a.model}", "--from-scratch", f"--batch-size={a.batch_size}",
                f"--grad-accumulation={a.grad_accumulation}", f"--seq-len={a.seq_len}", f"--steps={a.steps}",
                f"--matmul-dtype={a.matmul_dtype}", "--model-dtype=bf16", "--opt-m-dtype=bf16", "--opt-v-dtype=bf16",
-               "--gpus=1", f"--train-file={tmp}/train.bin", f"--eval-file={tmp}/eval.bin",
+               f"--gpus={a.gpus}", f"--train-file={tmp}/train.bin", f"--eval-file={tmp}/eval.bin",
                "--ckpt-interval=100000", "--eval-every-n-steps=100000", f"--out-dir={tmp}/out",
                f"--checkpoint-dir={tmp}/ckpt", f"--log-file={tmp}/log.json"]
         if a.cuda_graphs:
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
                               env=dict(os.environ, LD_LIBRARY_PATH=loader_path(os.path.dirname(binary))))
     text = proc.stdout + proc.stderr
     print(text[-20000:], flush=True)
-    record = record_from_output(text, tokens_per_step, a.warmup_steps)
+    record = record_from_output(text, tokens_per_step, a.warmup_steps, a.gpus)
     if record is None:
         errors = [line.strip() for line in text.splitlines() if re.search(r"rror|xception|terminate", line)][:3]
         print(f"llm.q timed no steps (exit status {proc.returncode}): {' | '.join(errors) or 'no error line'}",

@@ -68,7 +68,7 @@ class Row:
 
 
 def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_baseline, device="cuda",
-              llmq_bin=None, fp8_head=False):
+              llmq_bin=None, fp8_head=False, gpus=(1,), zero_levels=(1,)):
     """The rows of the grid, in the order they run (each model's rows together, then llm.q's, its baseline
     last)."""
     rows = []
@@ -78,43 +78,64 @@ def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_ba
             b, g, steps, warm = shapes["triton" if backend != "torch" else "torch"]
             dtypes = matmul_dtypes if backend != "torch" else ["bf16"]
             for dtype in dtypes:
-                side_row = overlap_wgrad_sms and dtype == "bf16" and backend == "triton"
-                variants = [0] + ([overlap_wgrad_sms] if side_row else [])
-                for sms in variants:
-                    argv = [os.path.join(HERE, "bench_train.py"), "--device", device, "--backend", backend,
-                            "--model", model, "--batch-size", str(b), "--grad-accumulation", str(g),
-                            "--seq-len", str(seq_len), "--steps", str(steps), "--warmup-steps", str(warm),
-                            "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16"]
-                    argv += ["--gpus", "1"] if device == "cuda" else ["--workers", "1"]
-                    if dtype == "e4m3":
-                        argv += ["--matmul-dtype", "e4m3"]
-                        if fp8_head:
-                            argv += ["--lmhead-dtype", "e4m3"]
-                    # the CPU runs the model in fp32 (bench_train.py's default there): say so
-                    setup = f"llmq-ray {backend}, {dtype if device == 'cuda' or dtype == 'e4m3' else 'fp32'}"
-                    if dtype == "e4m3" and fp8_head:
-                        setup += " (LM head too)"
-                    if backend == "triton" and device == "cuda":
-                        argv.append("--use-cuda-graphs")
-                        setup += ", CUDA graphs"
-                    if sms:
-                        argv += ["--overlap-wgrad-sms", str(sms)]
-                        setup += f", wgrads on a side stream ({sms} SMs)"
-                    rows.append(Row(model, setup + ", through Ray", "ours", dtype, b, g, argv))
+                for n_gpus in gpus:
+                    for zero in zero_levels:
+                        if n_gpus == 1 and zero != 1 and 1 in zero_levels:
+                            continue  # one GPU shards nothing: its ZeRO-1 row is the baseline of the others
+                        rows += _our_rows(model, backend, dtype, b, g, steps, warm, seq_len, device, fp8_head,
+                                          n_gpus, zero, overlap_wgrad_sms)
         if llmq_bin:
             b, g, steps, warm = shapes["triton"]
             for dtype in matmul_dtypes:
-                argv = [os.path.join(HERE, "llmq_baseline.py"), "--llmq-bin", llmq_bin, "--model", model,
-                        "--batch-size", str(b), "--grad-accumulation", str(g), "--seq-len", str(seq_len),
-                        "--steps", str(steps), "--warmup-steps", str(warm), "--matmul-dtype", dtype]
-                rows.append(Row(model, f"llm.q, {dtype}, CUDA graphs (its prebuilt binary)", "llmq", dtype, b, g,
-                                argv))
+                for n_gpus in gpus:
+                    argv = [os.path.join(HERE, "llmq_baseline.py"), "--llmq-bin", llmq_bin, "--model", model,
+                            "--batch-size", str(b), "--grad-accumulation", str(g), "--seq-len", str(seq_len),
+                            "--steps", str(steps), "--warmup-steps", str(warm), "--matmul-dtype", dtype,
+                            "--gpus", str(n_gpus)]
+                    on = "" if n_gpus == 1 else f", {n_gpus} GPUs"
+                    rows.append(Row(model, f"llm.q, {dtype}, CUDA graphs (its prebuilt binary){on}", "llmq", dtype,
+                                    b, g, argv))
         if hf_baseline:
             b, steps = shapes["hf"]
             argv = [os.path.join(HERE, "hf_baseline.py"), "--model", model, "--batch-size", str(b),
                     "--seq-len", str(seq_len), "--steps", str(steps)]
             rows.append(Row(model, "HF transformers + torch.compile + bf16 autocast + fused AdamW", "hf", "bf16",
                             b, 1, argv))
+    return rows
+
+
+def _our_rows(model, backend, dtype, b, g, steps, warm, seq_len, device, fp8_head, n_gpus, zero,
+              overlap_wgrad_sms) -> list[Row]:
+    """bench_train.py rows of one model, backend, dtype, GPU count and ZeRO level: the plain row and, for
+    triton bf16 at ZeRO-1 with ``overlap_wgrad_sms``, the one with the wgrads on a side stream. CUDA graphs for
+    triton on CUDA at ZeRO-1 (ZeRO-2/3 reduce per layer during the backward and cannot be captured)."""
+    rows = []
+    side_row = overlap_wgrad_sms and dtype == "bf16" and backend == "triton" and zero == 1
+    for sms in [0] + ([overlap_wgrad_sms] if side_row else []):
+        argv = [os.path.join(HERE, "bench_train.py"), "--device", device, "--backend", backend,
+                "--model", model, "--batch-size", str(b), "--grad-accumulation", str(g),
+                "--seq-len", str(seq_len), "--steps", str(steps), "--warmup-steps", str(warm),
+                "--opt-m-dtype", "bf16", "--opt-v-dtype", "bf16"]
+        argv += ["--gpus", str(n_gpus)] if device == "cuda" else ["--workers", str(n_gpus)]
+        # the CPU runs the model in fp32 (bench_train.py's default there): say so
+        setup = f"llmq-ray {backend}, {dtype if device == 'cuda' or dtype == 'e4m3' else 'fp32'}"
+        if dtype == "e4m3":
+            argv += ["--matmul-dtype", "e4m3"]
+            if fp8_head:
+                argv += ["--lmhead-dtype", "e4m3"]
+                setup += " (LM head too)"
+        if zero != 1:
+            argv += ["--zero-level", str(zero)]
+            setup += f", ZeRO-{zero}"
+        if n_gpus != 1:
+            setup += f", {n_gpus} {'GPUs' if device == 'cuda' else 'workers'}"
+        if backend == "triton" and device == "cuda" and zero == 1:
+            argv.append("--use-cuda-graphs")
+            setup += ", CUDA graphs"
+        if sms:
+            argv += ["--overlap-wgrad-sms", str(sms)]
+            setup += f", wgrads on a side stream ({sms} SMs)"
+        rows.append(Row(model, setup + ", through Ray", "ours", dtype, b, g, argv))
     return rows
 
 
@@ -165,7 +186,8 @@ def row_metrics(row: Row, seq_len: int) -> dict:
 def format_table(rows: list[Row], seq_len: int) -> str:
     """The markdown table and, below it, each row's command."""
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
-    lines = [f"T={seq_len}, one device, from scratch on random tokens, tokens/s per GPU (median of the timed steps)",
+    lines = [f"T={seq_len}, from scratch on random tokens, tokens/s per GPU (median of the timed steps; one GPU unless "
+             "the setup says more)",
              "",
              "| model | setup | B x micro-steps | tokens/s | step ms | SOL (dtype peak) | MFU (bf16 peak) "
              "| peak memory |",
@@ -214,6 +236,8 @@ def main(argv=None) -> int:
     p.add_argument("--overlap-wgrad-sms", type=int, default=0,
                    help=">0: also a triton bf16 row with the block wgrads on a side stream of this many SMs")
     p.add_argument("--no-hf-baseline", dest="hf_baseline", action="store_false", help="leave out the HF baseline")
+    p.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts (CPU: worker counts) of our and llm.q's rows")
+    p.add_argument("--zero-levels", nargs="+", type=int, default=[1], choices=[1, 2, 3], help="ZeRO levels of our rows")
     p.add_argument("--fp8-head", action="store_true", help="the e4m3 rows run the LM head in FP8 too (--lmhead-dtype e4m3)")
     p.add_argument("--llmq-bin", default=None, help="folder of llm.q's prebuilt train binary: adds its rows")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script")
@@ -232,7 +256,8 @@ def main(argv=None) -> int:
             p.error(f"--models: {', '.join(unknown)} is not a preset; choose from {', '.join(sorted(PRESETS))}")
         seq_len = a.seq_len
         rows = plan_rows(a.models, a.backends, a.matmul_dtypes, seq_len, a.overlap_wgrad_sms,
-                         a.hf_baseline and a.device == "cuda", a.device, a.llmq_bin, fp8_head=a.fp8_head)
+                         a.hf_baseline and a.device == "cuda", a.device, a.llmq_bin, fp8_head=a.fp8_head,
+                         gpus=a.gpus, zero_levels=a.zero_levels)
         path = [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]  # the rows import this checkout
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
         for i, row in enumerate(rows, 1):

@@ -64,6 +64,21 @@ def fake_row(model, matmul, tps, gpu=H100, **kw):
     return row
 
 
+def test_plan_rows_for_two_gpus_and_every_zero_level():
+    """Issue 27's matrix: one GPU at ZeRO-1 and 2 GPUs x ZeRO-1/2/3 for our rows (CUDA graphs only at ZeRO-1, which
+    alone can be captured), and llm.q once per GPU count."""
+    rows = speed_table.plan_rows(["Qwen2.5-0.5B"], ["triton"], ["bf16"], 1024, 0, False,
+                                 llmq_bin="/x/llmq-bin", gpus=[1, 2], zero_levels=[1, 2, 3])
+    ours = [r for r in rows if r.kind == "ours"]
+    assert len(ours) == 4 and len([r for r in rows if r.kind == "llmq"]) == 2
+    for r in ours:
+        argv = " ".join(r.argv)
+        zero = int(argv.split("--zero-level ")[1].split()[0]) if "--zero-level" in argv else 1
+        assert ("--use-cuda-graphs" in argv) == (zero == 1), argv
+        assert ("2 GPUs" in r.setup) == ("--gpus 2" in argv)
+    assert [r.argv[r.argv.index("--gpus") + 1] for r in rows if r.kind == "llmq"] == ["1", "2"]
+
+
 def test_table_computes_sol_against_the_dtype_peak_and_mfu_against_bf16():
     fpt = PRESETS["Qwen2.5-0.5B"].flops_per_token(1024)
     tps = 0.5 * 989e12 / fpt  # 50% of the bf16 peak
