@@ -17,9 +17,11 @@ on every node) besides the world group, and ``node_scope`` builds that from the 
 Reduction order on gloo (CPU): ``reduce_sum`` is a gather to the root, which adds the ranks' values in rank
 order, and ``reduce_scatter_sum`` is one such reduce per shard. Gloo's own reduce and reduce-scatter add in
 orders of their own, which differ between the two from 3 ranks on; with one order for both, ZeRO-1 (one
-reduce-scatter of the whole gradient) and ZeRO-2 (per-layer reduces onto the owners) give the same bits
-(tests/test_zero3.py). NCCL keeps its own (faster) algorithms: bit-identity across ZeRO levels is a CPU
-property.
+reduce-scatter of the whole gradient) and ZeRO-2 (per-layer reduces onto the owners) give the same bits with
+one micro-step per update (with more, the two add over ranks and micro-steps in different orders;
+tests/test_zero3.py). The cost, CPU only: a root briefly holds W copies of the piece it reduces (ZeRO-1's
+reduce-scatter: W copies of its shard). NCCL keeps its own (faster) algorithms: bit-identity across ZeRO levels
+is a CPU property.
 
 Collective names: torch 2.13 renames ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` to
 ``reduce_scatter_single`` / ``all_gather_single`` (the old names warn); torch 2.11 has only the old ones.

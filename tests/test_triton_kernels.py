@@ -317,7 +317,7 @@ def test_fused_classifier(tri, ref, dtype):
 
 @pytest.mark.parametrize("fp8", [torch.float8_e5m2, torch.float8_e4m3fn])
 def test_fused_classifier_fp8_matches_torch_float8_casts(tri, ref, fp8):
-    """The FP8 LM head's classifier (tile kernel, rows not a multiple of its 16-row tile) against the torch
+    """The FP8 LM head's classifier (row kernel + byte transpose, an odd row count) against the torch
     reference, which casts the fp32 gradient with torch's float8 conversion at the same static scale: losses
     within 1e-5, the FP8 codes equal (exactly here, where both take exp on the CPU; kc.codes_agree allows one
     step where a GPU's exp differs in the last fp32 bit), q^T exactly the transpose of q, logits untouched."""

@@ -160,7 +160,8 @@ def make_backend(name: str, opts: TrainOptions, device) -> Backend:
 class TrainEngine:
     """Model, gradients and the local optimizer shard of one rank.
 
-    Buffers: ``params`` and ``grads`` are flat, padded to shard_size * world_size (model dtype); rank r owns
+    Buffers: ``params`` and (ZeRO-1) ``grads`` are flat, padded to shard_size * world_size (model dtype; ``grads``
+    is None under ZeRO-2/3, ``params`` under ZeRO-3, see llmq_ray/engine/zero3.py); rank r owns
     [r*S, (r+1)*S) of the optimizer state (clipped to the layout's length). With one worker under ZeRO-1 the
     update returns while it still runs on a side stream (``overlap``, llmq_ray/engine/update_overlap.py): read the
     weights through ``full_params()`` (or call ``join_update()`` first), not ``params`` directly.

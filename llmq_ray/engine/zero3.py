@@ -2,8 +2,8 @@
 also only its shard of the weights (ZeRO-3, ``ShardedWeights``), a layer's weights gathered just before use.
 
 The flat parameter buffer (``ParamLayout``) is cut into W equal shards [r*S, (r+1)*S) exactly as for the
-optimizer state under ZeRO-1/2, so the optimizer, its checkpoints and resharding are unchanged: rank r's
-``params_shard`` [S] *is* its slice of the flat buffer, and nobody holds the whole buffer any more.
+optimizer state under ZeRO-1, so the optimizer, its checkpoints and resharding are unchanged. Under ZeRO-3 rank
+r's ``params_shard`` [S] *is* its slice of the flat buffer, and nobody holds the whole weight buffer any more.
 
 What the model sees (the store behind ``LlamaModel.w`` / ``.g``; see ``ResidentWeights`` in
 llmq_ray/model/transformer.py for the protocol). Under ZeRO-2 the weights are the full flat buffer, resident
@@ -228,6 +228,8 @@ class ResidentGradShards(ShardedGradients):
     """ZeRO-2: every rank holds all the weights (``params``, the flat buffer [>= layout.numel], all-gathered
     after each update as under ZeRO-1), but only its shard of the gradients: the backward writes each layer's
     gradients into a two-layer scratch that is reduced onto the owners while the next layer's backward runs."""
+
+    weights_resident = True  # as ResidentWeights: every weight is in ``params``
 
     def __init__(self, layout: ParamLayout, comm, shard_size: int, params: torch.Tensor,
                  sink: Callable[[int, torch.Tensor], None]):

@@ -70,7 +70,7 @@ class BlockLinears(Policy):
     copies W_q [OC, K] and W^T_q [K, OC] (e4m3) and a descale (fp32 0-d, on the device) per block weight,
     held as ``quants`` says (module docstring): all layers on the device ("persistent"), all layers in host
     memory plus two device slots ("host"), or two device slots only ("layer").
-    ``sharded``: the weights are not all resident (ZeRO-3), so persistent copies are made one layer at a time
+    ``sharded``: the weights are not all resident (ZeRO-3's gathers), so persistent copies are made one layer at a time
     in ``begin_layer`` rather than all at once. ``stream``: the schedule's side stream for the host copies.
 
     A unit policy (llmq_ray/model/units.py): ``begin(layer)`` is ``begin_layer``.

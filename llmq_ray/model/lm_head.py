@@ -14,7 +14,7 @@ The three GEMMs and their FP8 operands (per-tensor scaling, as the block linears
     wgrad    dW[V, C]    += q(d^T) q(x^T)^T    d^T [V, n] e5m2, x^T [C, n] e4m3
 
 d = softmax - onehot is never written in the model dtype: the classifier (backends/base.py
-``fused_classifier_fp8``) writes q(d) and q(d^T) itself. Its scale is static because |d| <= 1 always (no
+``fused_classifier_fp8``) writes q(d) and q(d^T) itself (on Triton, q^T by a byte transpose right after). Its scale is static because |d| <= 1 always (no
 absmax pass, nothing saturates); e5m2 and not e4m3 because d holds the probabilities of the whole
 vocabulary, most of them far below 1e-5, which e4m3 at that scale (smallest step 2^-9 / 448 = 4.4e-6) would
 flush to zero while e5m2 keeps them down to ~2.7e-10.
@@ -23,7 +23,8 @@ The weight copies are made at every micro-step (one absmax read and one dual-lay
 at 0.5B) rather than kept across the step: the head's weights may be the tied embedding, gathered per pass
 under ZeRO-3 or captured in a CUDA graph, and re-quantizing unchanged weights gives the same bytes anyway.
 Memory with fp8: 2 FP8 bytes of gradient per logit beside the model-dtype logits, 2 V C bytes of weight
-copies, 2 n C bytes for x. ``logits_for`` (generation, tests) keeps the model-dtype head.
+copies, 2 (N / chunks) C bytes for x. ``logits_for`` (generation, tests) keeps the model-dtype head. The CuPy
+backend takes the torch reference's classifier for this (fp32 temporaries in blocks of rows: slower, more memory).
 """
 
 from __future__ import annotations

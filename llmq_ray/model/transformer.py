@@ -223,7 +223,7 @@ class Activations:
 
 
 class ResidentWeights(Policy):
-    """Where the model reads weights and writes gradients: by default one full flat buffer of each (ZeRO-1/2).
+    """Where the model reads weights and writes gradients: by default one full flat buffer of each (ZeRO-1).
 
     The model touches weights and gradients only through the name mappings ``w[name]`` / ``g[name]`` (read
     through the typed views of llmq_ray/model/params.py: ``model.w.blocks[l].qkv_w``), and
@@ -233,8 +233,8 @@ class ResidentWeights(Policy):
     nothing unless an optimizer update is still running on a side stream (``llmq_ray/engine/update_overlap.py``):
     then ``ready`` holds, per unit, the event after which its weights are updated, and ``begin`` makes the
     compute stream wait for it; ``zero_grads`` is deferred to each unit's first ``begin`` (the update is still
-    reading the gradients). A sharded store (ZeRO-3, ``llmq_ray/engine/zero3.py``) gathers a unit's weights in
-    ``begin`` and reduces its gradients after the backward's ``end``.
+    reading the gradients). The stores of llmq_ray/engine/zero3.py reduce a unit's gradients onto their owners
+    after the backward's ``end`` (ZeRO-2 and 3) and gather its weights in ``begin`` (ZeRO-3).
 
     ``params`` / ``grads``: flat [>= layout.numel] model dtype (may be longer, e.g. padded for ZeRO).
     """
@@ -242,6 +242,8 @@ class ResidentWeights(Policy):
     # True when every layer's block-weight gradients start from zero at each micro-step (a fresh per-layer
     # buffer), so the block GEMMs may always overwrite them instead of accumulating.
     layer_grads_fresh = False
+
+    weights_resident = True  # every weight is in ``params`` (BlockLinears may quantize all layers at once)
 
     def __init__(self, layout: ParamLayout, params: torch.Tensor, grads: torch.Tensor):
         self.params, self.grads = params, grads
@@ -367,7 +369,7 @@ class LlamaModel:
         self.lin = BlockLinears(backend, weights.w, {k: slot.shape for k, slot in self.layout.slots.items()},
                                 cfg.num_layers, n, matmul_dtype, gradient_dtype,
                                 store_xt=store_xt,
-                                quants=quants, sharded=not isinstance(weights, ResidentWeights),
+                                quants=quants, sharded=not getattr(weights, "weights_resident", False),
                                 stream=self.schedule.stream("fp8-copies") if quants == "host" else None)
         if hasattr(weights, "layer_needed"):  # ZeRO-3: skip gathering layers whose FP8 copies are current
             weights.layer_needed = self.lin.needs_weights
@@ -501,7 +503,8 @@ class LlamaModel:
             raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with "
                               "--matmul-dtype e4m3")
         if not isinstance(self.store, ResidentWeights):
-            raise ConfigError("the wgrad overlap needs all weights resident (not ZeRO-3)")
+            raise ConfigError("the wgrad overlap needs the full gradient buffer of ZeRO-1 (ZeRO-2/3 reduce each "
+                              "layer's gradients as soon as its backward ends)")
         if self.lin.overlap is not None and self.lin.overlap.pending:
             raise RuntimeError("use_wgrad_overlap between micro-steps only (wgrads are still pending)")
         self.lin.overlap = overlap

@@ -9,7 +9,7 @@ storages:
     weights       the flat parameter buffer (model dtype)
     master        the optimizer's separate master copy of this rank's shard (0 when the weights are it)
     adam_m/adam_v the AdamW moments of this rank's shard
-    grads         the flat gradient buffer, plus ZeRO-2's shard accumulator and its temporary
+    grads         ZeRO-1: the flat gradient buffer; ZeRO-2/3: the shard accumulator and the per-layer scratch
     activations   the saved forward activations (``model.acts``: per-layer and recomputed scratch buffers)
     fp8           FP8 copies of the block weights and FP8 operand scratch (``model.lin``; 0 without FP8), and
                   the FP8 LM head's (``model.head``, --lmhead-dtype e4m3)
