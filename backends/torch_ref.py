@@ -135,27 +135,34 @@ class TorchBackend(Backend):
 
     # ------------------------------------------------------------------ loss
     def fused_classifier(self, logits, losses, targets, dloss=1.0, write_dlogits=True):
-        # Rows in blocks of ~1M elements: the fp32 temporaries stay small (on CPU they are reused from the
-        # heap instead of being page-faulted afresh; on CUDA they stay far below the [n, V] size).
-        rows = max(1, (1 << 20) // logits.shape[1]) if logits.device.type == "cpu" else max(1, (1 << 27) // logits.shape[1])
-        for lo in range(0, logits.shape[0], rows):
-            hi = min(lo + rows, logits.shape[0])
-            self._classifier_rows(logits[lo:hi], losses[lo:hi], targets[lo:hi], dloss, write_dlogits)
+        for sl in self._row_blocks(logits):
+            d = self._classifier_rows(logits[sl], losses[sl], targets[sl], dloss, write_dlogits)
+            if d is not None:
+                logits[sl].copy_(d)
 
     @staticmethod
-    def _classifier_rows(logits, losses, targets, dloss, write_dlogits, fp32_out=False):
-        """One block of rows; ``fp32_out``: logits is an fp32 copy and receives the fp32 dlogits unrounded."""
-        x = logits if fp32_out else logits.float()
+    def _row_blocks(logits):
+        """Row slices of ~1M elements: the fp32 temporaries stay small (on CPU they are reused from the heap
+        instead of being page-faulted afresh; on CUDA, blocks of ~128M, far below the [n, V] size)."""
+        n, v = logits.shape
+        rows = max(1, (1 << 20) // v) if logits.device.type == "cpu" else max(1, (1 << 27) // v)
+        return [slice(lo, min(lo + rows, n)) for lo in range(0, n, rows)]
+
+    @staticmethod
+    def _classifier_rows(logits, losses, targets, dloss, write_dlogits):
+        """One block of rows: writes losses; returns dloss * (softmax - onehot) in fp32 (a new tensor) when
+        ``write_dlogits``, else None. logits are only read."""
+        x = logits.float()
         valid = targets != -100
         tgt = torch.where(valid, targets, torch.zeros_like(targets)).long()
         row_lse = torch.logsumexp(x, dim=-1)
         picked = x.gather(1, tgt[:, None])[:, 0]
         losses.copy_(torch.where(valid, row_lse - picked, torch.zeros_like(row_lse)))
-        if write_dlogits:
-            probs = torch.exp(x - row_lse[:, None])
-            probs[torch.arange(x.shape[0], device=x.device), tgt] -= 1.0
-            probs.mul_((valid.float() * dloss)[:, None])
-            logits.copy_(probs)
+        if not write_dlogits:
+            return None
+        probs = torch.exp(x - row_lse[:, None])
+        probs[torch.arange(x.shape[0], device=x.device), tgt] -= 1.0
+        return probs.mul_((valid.float() * dloss)[:, None])
 
     def fused_classifier_fp8(self, logits, losses, targets, q, q_t, descale, dloss=1.0):
         if q.dtype != q_t.dtype or q.shape != logits.shape or q_t.shape != logits.shape[::-1]:
@@ -164,14 +171,11 @@ class TorchBackend(Backend):
                              f"and its transpose")
         s = dlogits_fp8_scale(q.dtype, dloss)
         fp8_max = float(torch.finfo(q.dtype).max)
-        rows = max(1, (1 << 20) // logits.shape[1]) if logits.device.type == "cpu" else max(1, (1 << 27) // logits.shape[1])
-        for lo in range(0, logits.shape[0], rows):
-            hi = min(lo + rows, logits.shape[0])
-            d = logits[lo:hi].to(torch.float32, copy=True)  # a copy: the rows' dlogits are computed in it, logits stay as they are
-            self._classifier_rows(d, losses[lo:hi], targets[lo:hi], dloss, True, fp32_out=True)
+        for sl in self._row_blocks(logits):
+            d = self._classifier_rows(logits[sl], losses[sl], targets[sl], dloss, True)
             fp8 = (d * s).clamp(-fp8_max, fp8_max).to(q.dtype)
-            q[lo:hi].copy_(fp8)
-            q_t[:, lo:hi].copy_(fp8.t())
+            q[sl].copy_(fp8)
+            q_t[:, sl].copy_(fp8.t())
         descale.fill_(1.0 / s)
 
     # ------------------------------------------------------------------ optimizer

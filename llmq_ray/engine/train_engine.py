@@ -208,21 +208,17 @@ class TrainEngine:
             if init_weights:
                 init_params(layout, self.store.params_shard, opts.seed, start=rank * self.shard_size)
                 self.store.after_update()
-        elif opts.effective_zero_level == 2:  # whole weights, gradients reduced per layer (zero3.py)
+        else:  # the full flat weights, padded so that every rank's shard has equal size
             padded = self.shard_size * world
             params = torch.zeros(padded, dtype=dtype, device=backend.device)
-            self.store = ResidentGradShards(layout, self.comm, self.shard_size, params, sink=self._add_grad_piece)
-            self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
-            self.params, self.grads = params, None
-            if init_weights:
-                init_params(layout, self.params, opts.seed)
-        else:  # the full flat buffers, padded so that every rank's shard has equal size
-            self.store = None
-            padded = self.shard_size * world
-            params = torch.zeros(padded, dtype=dtype, device=backend.device)
-            grads = torch.zeros(padded, dtype=dtype, device=backend.device)
-            self.model = LlamaModel(cfg, backend, params=params, grads=grads, **model_kw)
-            self.params, self.grads = self.model.params, self.model.grads
+            if opts.effective_zero_level == 2:  # gradients reduced per layer into grad_shard (zero3.py)
+                self.store, self.grads = ResidentGradShards(layout, self.comm, self.shard_size, params,
+                                                            sink=self._add_grad_piece), None
+                self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
+            else:  # ZeRO-1: the full flat gradient buffer too
+                self.store, self.grads = None, torch.zeros(padded, dtype=dtype, device=backend.device)
+                self.model = LlamaModel(cfg, backend, params=params, grads=self.grads, **model_kw)
+            self.params = params
             if init_weights:
                 init_params(layout, self.params, opts.seed)
         self.layout = self.model.layout

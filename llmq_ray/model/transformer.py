@@ -577,11 +577,8 @@ class LlamaModel:
         """Chunked LM head + fused cross-entropy; with ``backward``, also dL/d final_ln into d_ln and the
         LM-head weight gradient. Adds the chunk losses to ``loss_sum``."""
         self.schedule.before(HEAD, backward)
-        w_head, g_head = self._lm_head(backward)
-        if backward:
-            self.head.run(self.final_ln, w_head, self.losses, targets, dx=self.d_ln, dw=g_head)
-        else:
-            self.head.run(self.final_ln, w_head, self.losses, targets)
+        w_head, g_head = self._lm_head(backward)  # g_head is None without backward
+        self.head.run(self.final_ln, w_head, self.losses, targets, dx=self.d_ln if backward else None, dw=g_head)
         self.schedule.after(HEAD, backward)
         self.loss_sum += self.losses.sum()
         self.target_count += (targets != -100).sum()
