@@ -205,15 +205,16 @@ class GPUWorker:
         a["seconds"] = time.monotonic() - a.pop("since")
         return a
 
-    def micro_step(self, step: int | None = None, index: int = 0) -> float:
+    def micro_step(self, step: int | None = None, index: int = 0, last: bool = False) -> float:
         """One forward+backward on this rank's next batch; returns seconds spent waiting for data.
-        ``step`` / ``index``: which step and micro-batch this is (train_step's), for ``activity``."""
+        ``step`` / ``index``: which step and micro-batch this is (train_step's), for ``activity``; ``last``:
+        the update comes next (TrainEngine.micro_step)."""
         self._mark(step, 2 * index, f"reading micro-batch {index}")
         t0 = time.perf_counter()
         inputs, targets = self._train.next_batch()
         data_s = time.perf_counter() - t0
         self._mark(step, 2 * index + 1, f"in the forward/backward of micro-batch {index}")
-        self.engine.micro_step(inputs, targets)
+        self.engine.micro_step(inputs, targets, last=last)
         return data_s
 
     def update(self, step: int, lr: float, limits: dict | None = None) -> dict:
@@ -241,7 +242,7 @@ class GPUWorker:
         if o.fp8_monitor_every and (step + 1) % o.fp8_monitor_every == 0:
             self.engine.monitor_begin()
         for k in range(o.grad_accumulation):
-            data_s += self.micro_step(step, k)
+            data_s += self.micro_step(step, k, last=k + 1 == o.grad_accumulation)
         self._mark(step, 2 * o.grad_accumulation, "in the update")
         out = self.update(step, lr, limits)  # reads the stats to the host: the step's one sync
         monitor = self.engine.monitor_take()  # after that sync: no extra wait

@@ -165,8 +165,8 @@ def main():
     sync()
     t0 = time.perf_counter()
     for step in range(args.steps + 2):
-        for _ in range(args.grad_accumulation):
-            engine.micro_step(inputs, targets)
+        for k in range(args.grad_accumulation):
+            engine.micro_step(inputs, targets, last=k + 1 == args.grad_accumulation)
         if args.split_timing:
             sync()
             t_micro = time.perf_counter() - t0

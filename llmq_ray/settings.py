@@ -199,8 +199,12 @@ class SpeedSettings:
     use_cuda_graphs: bool = setting(False, "replay each micro-step's forward + backward from a CUDA graph (GPU only)")
     overlap_update: bool = setting(
         True,
-        "one GPU, ZeRO-1: run the optimizer update before the next forward instead of beside it (same "
-        "results; for comparisons)")
+        "ZeRO-1: run the optimizer update (and, on several GPUs, the weight gather) before the next forward "
+        "instead of beside it, layer by layer (same results; for comparisons)")
+    overlap_grad_reduce: bool = setting(
+        True,
+        "several GPUs, ZeRO-1: reduce-scatter all gradients at the update instead of reducing each layer's "
+        "onto its owners during the step's last backward (same results; for comparisons)")
     overlap_wgrad_sms: int = setting(
         0,
         "model-dtype GEMMs: run each block's weight-gradient GEMMs on a side stream sized for SMS SMs, "

@@ -253,3 +253,50 @@ def test_zero2_equals_zero1_bit_for_bit_on_gloo_ranks(tmp_path, world):
     assert l1 == l2 and len(set(l1)) == 3  # equal, and every update changed the model
     assert all(bool(s.abs().sum() > 0) for s in shards)
     assert torch.equal(p1, p2)
+
+
+def _zero1_overlap_rank(rank: int, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks: 3 steps of ZeRO-1 (bf16 weights, fp32 master, 2 micro-steps, small optimizer chunks
+    that straddle units and shards), with the gradient reduce in the last backward and the per-unit weight
+    broadcasts after the update, then with both off; rank 0 saves losses, weights and optimizer state."""
+    torch.set_num_threads(1)
+    from llmq_ray.actors.collectives import destroy_group, init_group
+
+    comm = init_group(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), timeout_s=60)
+    try:
+        out = {}
+        for overlap in (True, False):
+            opts = TrainOptions(model="tiny-llama", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=1,
+                                model_dtype="bf16", master_dtype="fp32", opt_chunk_size=3000,
+                                overlap_update=overlap, overlap_grad_reduce=overlap)
+            e = TrainEngine(PRESETS["tiny-llama"], opts, get_backend("torch"), comm)
+            assert (e.grad_reduce is not None) == overlap and (e.overlap is not None) == overlap
+            losses = []
+            for step in range(3):
+                for micro in range(2):
+                    e.micro_step(*_batch(step, 2 * rank + micro, opts), last=micro == 1)
+                assert e._grads_reduced == overlap
+                if overlap and step == 0:
+                    with pytest.raises(RuntimeError, match="call update"):
+                        e.micro_step(*_batch(step, 0, opts))
+                losses.append(e.update(2e-3, step + 1).loss)
+            e.join_update()
+            out[overlap] = (losses, e.full_params().clone(),
+                            {k: v.clone() for k, v in e.optimizer.state_tensors().items()})
+        if rank == 0:
+            torch.save(out, f"{out_dir}/rank0.pt")
+    finally:
+        destroy_group()
+
+
+def test_zero1_overlapped_reduce_and_gather_equal_the_plain_order_on_gloo_ranks(tmp_path):
+    """ZeRO-1 on 2 gloo processes: reducing each unit's gradients onto its owners during the last backward
+    (llmq_ray/engine/grad_reduce.py) and broadcasting each unit's updated weights from its owners
+    (llmq_ray/engine/update_overlap.py) give exactly what one reduce-scatter and one all-gather give: the same
+    losses, weights and optimizer state, bit for bit (rank-ordered sums on gloo)."""
+    _spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _zero1_overlap_rank, 2)
+    out = torch.load(tmp_path / "rank0.pt")
+    (l_on, p_on, s_on), (l_off, p_off, s_off) = out[True], out[False]
+    assert l_on == l_off and len(set(l_on)) == 3
+    assert torch.equal(p_on, p_off)
+    assert s_on.keys() == s_off.keys() and all(torch.equal(s_on[k], s_off[k]) for k in s_on)

@@ -13,7 +13,9 @@ state and are therefore kept out of (or keyed into) the graph:
 * the FP8 weight copies are re-quantized once per optimizer step: that runs eagerly before the replay
   (``BlockLinears.ensure_quantized``), so the graph only reads them -- unless the update is overlapped (below);
 * the first micro-step of a step *overwrites* the block weight gradients and later ones accumulate
-  (``LlamaModel._block_grads_zero``): two graphs, one per mode, sharing one memory pool.
+  (``LlamaModel._block_grads_zero``); with ZeRO-1 on several ranks the step's last micro-step also reduces each
+  layer's gradients onto their owners during its backward (llmq_ray/engine/grad_reduce.py: NCCL collectives
+  captured into the graph, all joined before its end): one graph per mode, sharing one memory pool.
 
 With the update overlapped with the next forward (one worker, ZeRO-1; llmq_ray/engine/update_overlap.py) the first
 micro-step of a step must wait, per unit, for the update of that unit's weights, zero that unit's gradients
@@ -37,25 +39,29 @@ import torch
 
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.transformer import LlamaModel
+from llmq_ray.engine.grad_reduce import LastBackwardReduce
 from llmq_ray.engine.update_overlap import UpdateOverlap
 
 
 class MicroStepGraphs:
-    """Replays ``model.forward_backward`` from CUDA graphs (one per gradient mode).
+    """Replays ``model.forward_backward`` from CUDA graphs (one per mode: first micro-step of a step or not, and
+    whether the step's last backward reduces the gradients).
 
-    ``overlap``: the engine's UpdateOverlap when the update runs beside the next forward (None otherwise)."""
+    ``overlap``: the engine's UpdateOverlap when the update runs beside the next forward (None otherwise).
+    ``grad_reduce``: the engine's LastBackwardReduce (ZeRO-1 on several ranks; None otherwise)."""
 
-    def __init__(self, model: LlamaModel, overlap: UpdateOverlap | None = None):
+    def __init__(self, model: LlamaModel, overlap: UpdateOverlap | None = None,
+                 grad_reduce: LastBackwardReduce | None = None):
         if model.device.type != "cuda":
             raise ConfigError(f"--use-cuda-graphs needs a CUDA device; this worker runs on {model.device}.")
         if not model.backend.graph_capturable:
             raise ConfigError(f"--use-cuda-graphs does not work with --backend={model.backend.name}: its kernels "
                               f"sync with the host inside a step; use --backend=triton.")
-        self.model, self.overlap = model, overlap
+        self.model, self.overlap, self.grad_reduce = model, overlap, grad_reduce
         shape = (model.batch_size, model.seq_len)
         self.inputs = torch.zeros(shape, dtype=torch.int64, device=model.device)
         self.targets = torch.zeros(shape, dtype=torch.int64, device=model.device)
-        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
         self._pool = None
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -64,7 +70,7 @@ class MicroStepGraphs:
         model.check_batch_shape(inputs, targets)  # shape errors are raised here, before any copy
         self.inputs.copy_(inputs, non_blocking=True)
         self.targets.copy_(targets, non_blocking=True)
-        mode = model._block_grads_zero
+        mode = (model._block_grads_zero, self.grad_reduce is not None and self.grad_reduce.active)
         waits_inside = self._waits_inside(mode)
         if not waits_inside:
             model.lin.ensure_quantized()
@@ -81,15 +87,15 @@ class MicroStepGraphs:
                 model.lin.mark_quantized()
         model._block_grads_zero = False
 
-    def _waits_inside(self, mode: bool) -> bool:
+    def _waits_inside(self, mode: tuple[bool, bool]) -> bool:
         """Whether this mode's graph holds the per-unit waits for an overlapped update (the first micro-step)."""
-        return mode and self.overlap is not None and bool(self.overlap.events)
+        return mode[0] and self.overlap is not None and bool(self.overlap.events)
 
-    def _capture(self, mode: bool) -> None:
+    def _capture(self, mode: tuple[bool, bool]) -> None:
         model, store = self.model, self.model.store
         torch.cuda.synchronize(model.device)
         graph = torch.cuda.CUDAGraph()
-        model._block_grads_zero = mode
+        model._block_grads_zero = mode[0]
         if self._waits_inside(mode):  # as if an update were running: every unit waits and zeroes at its begin
             store.ready.update(self.overlap.events)
             store.unzeroed = set(store.unit_grads)

@@ -52,6 +52,7 @@ from llmq_ray.model.params import ParamLayout, init_params
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.engine.update_overlap import UpdateOverlap
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
+from llmq_ray.engine.grad_reduce import LastBackwardReduce
 from llmq_ray.engine.zero3 import ResidentGradShards, ShardedWeights
 
 
@@ -226,8 +227,15 @@ class TrainEngine:
         self.micro_steps_done = 0
         self._monitor: torch.Tensor | None = None  # [L] fp32: this step's FP8 monitor, while one is collected
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
-        if opts.overlap_update and world == 1 and opts.effective_zero_level == 1:
-            self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule)
+        if opts.overlap_update and opts.effective_zero_level == 1:
+            self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule, self.comm,
+                                         self.shard_size)
+        # ZeRO-1 on several ranks: the last micro-step's backward reduces each layer onto its owners (grad_reduce.py)
+        self.grad_reduce = None
+        if world > 1 and opts.effective_zero_level == 1 and opts.overlap_grad_reduce and not opts.overlap_wgrad_sms:
+            self.grad_reduce = self.schedule.add(LastBackwardReduce(self.layout, self.comm, self.grads,
+                                                                    self.shard_size))
+        self._grads_reduced = False  # the last micro-step left each rank's shard of ``grads`` summed
         # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
         # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
         self.grad_shard = self._grad_staging = None
@@ -245,7 +253,7 @@ class TrainEngine:
         self._forward_backward = self.model.forward_backward
         if opts.use_cuda_graphs:
             from llmq_ray.engine.cuda_graphs import MicroStepGraphs
-            self._forward_backward = MicroStepGraphs(self.model, self.overlap).forward_backward
+            self._forward_backward = MicroStepGraphs(self.model, self.overlap, self.grad_reduce).forward_backward
         self._keep_opt_resident()  # last: "auto" sizes it from what set-up left free
 
     def _make_optimizer(self) -> ShardedAdamW:
@@ -349,11 +357,23 @@ class TrainEngine:
             self.overlap.join()
 
     # ------------------------------------------------------------------ the step
-    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Forward + backward of one micro-batch [B, T]; the first of a step zeroes the gradients."""
+    def micro_step(self, inputs: torch.Tensor, targets: torch.Tensor, *, last: bool = False) -> None:
+        """Forward + backward of one micro-batch [B, T]; the first of a step zeroes the gradients. ``last``: no
+        other micro-step comes before the update, so ZeRO-1 on several ranks may reduce each layer's gradients
+        during this backward (llmq_ray/engine/grad_reduce.py) instead of all of them at the update."""
+        if self._grads_reduced:
+            raise RuntimeError("micro_step() after the micro-step marked last=True: call update() first")
         if self.micro_steps_done == 0:
             self.model.zero_grads()
-        self._forward_backward(inputs, targets)
+        reduce = last and self.grad_reduce is not None
+        if reduce:
+            self.grad_reduce.active = True
+        try:
+            self._forward_backward(inputs, targets)
+        finally:
+            if reduce:
+                self.grad_reduce.active = False
+        self._grads_reduced = reduce
         if self.store is not None:  # ZeRO-2/3: the layers' gradients were reduced into grad_shard during the backward
             self.store.finish_micro_step()
         if self._monitor is not None:  # the forward wrote each layer's max|SwiGLU out| (the FP8 scale's absmax)
@@ -395,9 +415,11 @@ class TrainEngine:
         comm.all_reduce_sum(totals)
         if self.grad_shard is not None:  # ZeRO-2/3: reduced during every backward already
             shard = self.grad_shard
-        else:  # ZeRO-1: reduce once, at the end of the step
+        else:  # ZeRO-1: reduce once, at the end of the step (unless the last backward did, layer by layer)
             shard = self.grads[self.comm.rank * self.shard_size:(self.comm.rank + 1) * self.shard_size]
-            comm.reduce_scatter_sum(shard, self.grads)
+            if not self._grads_reduced:
+                comm.reduce_scatter_sum(shard, self.grads)
+            self._grads_reduced = False
         local = shard[:self.shard_end - self.shard_start]
         norm_sq = self.optimizer.grad_norm_squared(local)
         comm.all_reduce_over_shards(norm_sq)  # every shard once, also when nodes hold copies of them
@@ -417,7 +439,7 @@ class TrainEngine:
         if reason is not None:
             return StepStats(loss=stats[0], grad_norm=stats[1], tokens=int(stats[2]), skipped=True,
                              skip_reason=reason)
-        if self.overlap is not None:  # one worker: nothing to gather; the next forward waits per layer
+        if self.overlap is not None:  # the next forward waits per unit (for its update and, on several ranks, its gather)
             self.overlap.step(local, lr=lr, step=step, grad_scale=coef / count)
         else:
             self.optimizer.step(local, lr=lr, step=step, grad_scale=coef / count)

@@ -40,9 +40,9 @@ def lr_for_step(engine: TrainEngine, step: int) -> float:
 def train_step(engine: TrainEngine, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], step: int) -> StepRecord:
     """Optimizer step number ``step`` (0-based): grad_accumulation micro-steps, then the update."""
     start = time.perf_counter()
-    for _ in range(engine.opts.grad_accumulation):
+    for k in range(engine.opts.grad_accumulation):
         inputs, targets = next(batches)
-        engine.micro_step(inputs, targets)
+        engine.micro_step(inputs, targets, last=k + 1 == engine.opts.grad_accumulation)
     lr = lr_for_step(engine, step)
     stats: StepStats = engine.update(lr, step + 1)
     return StepRecord(step, lr, stats.loss, stats.grad_norm, stats.tokens, time.perf_counter() - start, stats.skipped)

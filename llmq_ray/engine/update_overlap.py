@@ -1,4 +1,4 @@
-"""Overlap the optimizer update with the next step's forward pass (one worker, ZeRO-1).
+"""Overlap the optimizer update (and, on several workers, the weight gather) with the next step's forward (ZeRO-1).
 
 Why: with the Adam state in host memory (7B on one GPU) an update streams ~60 GB over PCIe (~0.65 s on an
 H100), time in which the GPU's compute units idle. The update of a chunk of the flat parameter buffer needs
@@ -20,8 +20,17 @@ same seeds, only queued in another order. On the CPU there are no streams: the u
 order and the deferred zeroing still run, so CPU tests cover them).
 With CUDA graphs (llmq_ray/engine/cuda_graphs.py) the first micro-step of a step is replayed from a graph captured
 with these waits and deferred zeroings in it (and, with FP8, each layer's weight quantization after its wait).
-Limits: one worker (no all-gather after the update) and ZeRO-1 (ZeRO-2's accumulator is written by the next
-micro-step's reduction; ZeRO-3 gathers its own weights).
+Several workers (ZeRO-1): each rank updates only its shard, and a unit's weights are current on every rank only
+once their owners have broadcast them. So instead of one all-gather after the whole update, each unit's pieces
+are broadcast from their owners (``comm.broadcast``, one async collective per piece, in place in ``params``) as
+soon as this rank's chunks of that unit are updated: issued on the update stream (the collective starts after
+those chunks), waited for on the ``weight-gather`` stream, whose per-unit event is what the next forward waits
+for. Every rank issues the units' broadcasts in the same (forward) order, whatever its own chunks are, so the
+collectives match up; a rank issues a unit once its own chunks of it and of every earlier unit are queued. The
+next forward thus waits, unit by unit, for the update and the gather of that unit only.
+
+Limits: ZeRO-1 (ZeRO-2's accumulator is written by the next micro-step's reduction; ZeRO-3 gathers its own
+weights).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from llmq_ray.model.transformer import ResidentWeights
 from llmq_ray.engine.optim import ShardedAdamW
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.model.params import ParamLayout
+from llmq_ray.engine.zero3 import shard_pieces
 
 
 def unit_ranges(layout: ParamLayout) -> dict:
@@ -75,12 +85,20 @@ class UpdateOverlap:
     ``store``: the model's ResidentWeights over ``grads`` (flat, model dtype). ``schedule``: gives the ``update``
     stream and the per-unit events (none on the CPU)."""
 
-    def __init__(self, layout: ParamLayout, optimizer: ShardedAdamW, store: ResidentWeights, schedule: Schedule):
+    def __init__(self, layout: ParamLayout, optimizer: ShardedAdamW, store: ResidentWeights, schedule: Schedule,
+                 comm=None, shard_size: int = 0):
         self.optimizer, self.store = optimizer, store
         units = unit_ranges(layout)
+        self.units = units
         self.order, self.ready_after = chunk_order(optimizer.chunks, units)
         store.unit_grads = {u: [store.grads[lo:hi] for lo, hi in ranges] for u, ranges in units.items()}
         self.stream = schedule.stream("update")
+        # several ranks: each unit's pieces are broadcast from their owners after their update (module docstring)
+        self.comm = comm if comm is not None and comm.world_size > 1 else None
+        self.shard_size = shard_size
+        self.gather_stream = schedule.stream("weight-gather") if self.comm is not None else None
+        self.touched_by = {u: {j for j, (lo, hi, _) in enumerate(optimizer.chunks)
+                               if any(a < hi and lo < b for a, b in ranges)} for u, ranges in units.items()}
         self._keep: list = []  # tensors made on the compute stream and read by the update: alive until join
         # One event per unit, re-recorded by every update. ``external``: a CUDA graph captured while waiting on
         # it gets an event-wait node on this very event (llmq_ray/engine/cuda_graphs.py), so each replay waits for
@@ -98,6 +116,9 @@ class UpdateOverlap:
         self.join()  # a previous update (if any) is ordered before this one, and its tensors may be freed
         self._keep = [grads_shard, grad_scale]
         ready = self.store.ready
+        if self.comm is not None:
+            self._step_and_gather(grads_shard, lr=lr, step=step, grad_scale=grad_scale)
+            return
 
         def after_chunk(j: int) -> None:
             for u in self.ready_after.get(j, ()):
@@ -109,9 +130,56 @@ class UpdateOverlap:
         self.optimizer.step(grads_shard, lr=lr, step=step, grad_scale=grad_scale, order=self.order,
                             after_chunk=after_chunk, stream=self.stream)
 
+    def _step_and_gather(self, grads_shard: torch.Tensor, **hyper) -> None:
+        """Several ranks: the update of this rank's chunks, each unit broadcast from its owners as soon as this
+        rank's chunks of it (and of every earlier unit) are queued; the unit's event follows its broadcasts."""
+        units = list(self.units)
+        waiting = {u: set(js) for u, js in self.touched_by.items()}
+        issued = 0
+
+        def issue_ready() -> None:
+            nonlocal issued
+            while issued < len(units) and not waiting[units[issued]]:
+                self._broadcast_unit(units[issued])
+                issued += 1
+
+        def after_chunk(j: int) -> None:
+            for u in units:
+                waiting[u].discard(j)
+            issue_ready()
+
+        if self.stream is None:
+            issue_ready()
+            self.optimizer.step(grads_shard, order=self.order, after_chunk=after_chunk, **hyper)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):  # collectives issued here start after the queued chunks
+                issue_ready()
+                self.optimizer.step(grads_shard, order=self.order, after_chunk=after_chunk, stream=self.stream,
+                                    **hyper)
+        assert issued == len(units), "every unit's chunks were updated"
+
+    def _broadcast_unit(self, unit) -> None:
+        """Start broadcasting ``unit``'s pieces from their owners into ``params``; its event (CUDA) is recorded
+        on the gather stream once they have arrived. On the CPU the broadcasts complete here."""
+        handles = [self.comm.broadcast(self.store.params[lo:hi], src=r)
+                   for a, b in self.units[unit] for r, lo, hi in shard_pieces(a, b, self.shard_size)]
+        event = self.events.get(unit)
+        if self.gather_stream is None:
+            for h in handles:
+                h.wait()
+        else:
+            with torch.cuda.stream(self.gather_stream):
+                for h in handles:
+                    h.wait()
+                event.record(self.gather_stream)
+        self.store.ready[unit] = event
+
     def join(self) -> None:
         """The compute stream waits for the whole update (before anything else touches the weights, the
         gradients or the optimizer state); units not begun yet no longer need to wait."""
         self.optimizer.join()
+        if self.gather_stream is not None:
+            torch.cuda.current_stream(self.gather_stream.device).wait_stream(self.gather_stream)
         self.store.ready.clear()
         self._keep = []

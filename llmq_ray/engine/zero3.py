@@ -46,6 +46,15 @@ from llmq_ray.model.params import ParamLayout
 from llmq_ray.model.units import Policy
 
 
+def shard_pieces(lo: int, hi: int, shard_size: int) -> list[tuple[int, int, int]]:
+    """[(owner rank, piece lo, piece hi)] covering the flat range [lo, hi) cut at the shard boundaries
+    r * shard_size (empty for an empty range)."""
+    if hi <= lo:
+        return []
+    return [(r, max(lo, r * shard_size), min(hi, (r + 1) * shard_size))
+            for r in range(lo // shard_size, (hi - 1) // shard_size + 1)]
+
+
 class _NamedViews:
     """``store.w`` / ``store.g``: name -> view, resolved at each access into whichever buffer holds it."""
 
@@ -117,9 +126,7 @@ class ShardedGradients(Policy):
 
     # ------------------------------------------------------------------ collectives on ranges
     def _pieces(self, lo: int, hi: int):
-        """[(owner rank, piece lo, piece hi)] covering the flat range [lo, hi)."""
-        size = self.shard_size
-        return [(r, max(lo, r * size), min(hi, (r + 1) * size)) for r in range(lo // size, (hi - 1) // size + 1)]
+        return shard_pieces(lo, hi, self.shard_size)
 
     def _reduce(self, lo: int, hi: int, buf: torch.Tensor) -> list:
         """Start summing the gradient pieces buf[0:hi-lo] of [lo, hi) onto their owners."""
