@@ -21,3 +21,13 @@ PYTHONPATH=/tmp/site:$PWD timeout $(( 560 - ($(date +%s) - T0) )) python3 benchm
   --markdown-out $OUT/table-$MODEL.md 2>&1 | tail -3 | tee -a "$L"
 stop_smi 10
 cat $OUT/table-$MODEL.md | tee -a "$L"
+# A/B in the same lease: 2 GPUs with both overlaps off (the communication of session 13: one reduce-scatter at the
+# update, one all-gather after it), bf16 at the table's shape, CUDA graphs.
+if [ $(( $(date +%s) - T0 )) -lt 480 ]; then
+  B=$(python3 -c "import sys; sys.path.insert(0,'benchmarks'); from speed_table import ROW_SHAPES as R; print(*R['$MODEL']['triton'])")
+  set -- $B
+  run ab-off $(( 585 - ($(date +%s) - T0) )) benchmarks/bench_train.py --model $MODEL --backend triton --batch-size $1 \
+    --grad-accumulation $2 --steps $3 --warmup-steps $4 --opt-m-dtype bf16 --opt-v-dtype bf16 --gpus 2 \
+    --use-cuda-graphs --no-overlap-update --no-overlap-grad-reduce
+  grep -E "tokens/s|peak" "$L" | tail -3
+fi
