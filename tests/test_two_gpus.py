@@ -54,6 +54,7 @@ def _rank(rank: int, port: int, matmul_dtype, out_dir: str) -> None:
                     e.micro_step(batch[:, :-1].to(device), batch[:, 1:].to(device), last=micro == 1)
                 s = e.update(1e-3, step + 1)
                 stats.append((s.loss, s.grad_norm))
+                print(f"rank {rank} {matmul_dtype} {name} step {step}: {stats[-1]}", flush=True)
             out[name] = (stats, e.full_params().cpu().clone())
         if rank == 0:
             torch.save(out, f"{out_dir}/rank0.pt")
