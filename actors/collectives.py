@@ -144,8 +144,12 @@ def init_group(init_method: str, rank: int, world_size: int, device: torch.devic
     return TorchDistCommunicator(rank, world_size, backend, timeout_s)
 
 
-def destroy_group() -> None:
-    if dist.is_available() and dist.is_initialized():
+def destroy_group(*, captured: bool = False) -> None:
+    """Leave the process group. ``captured``: NCCL collectives were captured into CUDA graphs (ZeRO-1's reduce in
+    the last micro-step's graph, llmq_ray/engine/grad_reduce.py); then ``destroy_process_group`` waits forever in
+    ``ncclCommDestroy`` (seen on 2 x H100, torch 2.11, 2026-11-26; pytorch issue 115388), so the group is left
+    as it is for the process's exit to release."""
+    if dist.is_available() and dist.is_initialized() and not captured:
         dist.destroy_process_group()
 
 

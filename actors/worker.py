@@ -409,4 +409,5 @@ class GPUWorker:
         self._gc_pauses.close()
         if self._train is not None:
             self._train.close()
-        destroy_group()
+        e = getattr(self, "engine", None)
+        destroy_group(captured=e is not None and e.grad_reduce is not None and e.opts.use_cuda_graphs)

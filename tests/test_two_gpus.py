@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import os
+import sys
+import traceback
 
 import pytest
 import torch
@@ -32,34 +35,46 @@ RUNS = {"plain": dict(overlap_update=False, overlap_grad_reduce=False),
 
 
 def _rank(rank: int, port: int, matmul_dtype, out_dir: str) -> None:
-    from llmq_ray.actors.collectives import destroy_group, init_group
+    """One process: ``_train_rank``, then exit at once with its status. The group is not destroyed: after NCCL
+    collectives were captured into CUDA graphs that waits forever (see actors/collectives.py: destroy_group)."""
+    code = 1
+    try:
+        _train_rank(rank, port, matmul_dtype, out_dir)
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported, and the exit status fails the test
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _train_rank(rank: int, port: int, matmul_dtype, out_dir: str) -> None:
+    from llmq_ray.actors.collectives import init_group
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     comm = init_group(f"tcp://127.0.0.1:{port}", rank, 2, device, timeout_s=120)
     cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
-    try:
-        out = {}
-        for name, flags in RUNS.items():
-            opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=2,
-                                model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16",
-                                opt_v_dtype="bf16", deterministic_attention=True, **flags)
-            e = TrainEngine(cfg, opts, make_backend("triton", opts, device), comm)
-            assert (e.grad_reduce is None) == (name == "plain")
-            gen = torch.Generator().manual_seed(1)
-            stats = []
-            for step in range(3):
-                for micro in range(2):
-                    batch = torch.randint(0, cfg.vocab_size, (4, 257), generator=gen)[2 * rank:2 * rank + 2]
-                    e.micro_step(batch[:, :-1].to(device), batch[:, 1:].to(device), last=micro == 1)
-                s = e.update(1e-3, step + 1)
-                stats.append((s.loss, s.grad_norm))
-                print(f"rank {rank} {matmul_dtype} {name} step {step}: {stats[-1]}", flush=True)
-            out[name] = (stats, e.full_params().cpu().clone())
-        if rank == 0:
-            torch.save(out, f"{out_dir}/rank0.pt")
-    finally:
-        destroy_group()
+    out = {}
+    for name, flags in RUNS.items():
+        opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=2,
+                            model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16",
+                            opt_v_dtype="bf16", deterministic_attention=True, **flags)
+        e = TrainEngine(cfg, opts, make_backend("triton", opts, device), comm)
+        assert (e.grad_reduce is None) == (name == "plain")
+        gen = torch.Generator().manual_seed(1)
+        stats = []
+        for step in range(3):
+            for micro in range(2):
+                batch = torch.randint(0, cfg.vocab_size, (4, 257), generator=gen)[2 * rank:2 * rank + 2]
+                e.micro_step(batch[:, :-1].to(device), batch[:, 1:].to(device), last=micro == 1)
+            s = e.update(1e-3, step + 1)
+            stats.append((s.loss, s.grad_norm))
+            print(f"rank {rank} {matmul_dtype} {name} step {step}: {stats[-1]}", flush=True)
+        out[name] = (stats, e.full_params().cpu().clone())
+    if rank == 0:
+        torch.save(out, f"{out_dir}/rank0.pt")
 
 
 @pytest.mark.parametrize("matmul_dtype", [None, "e4m3"])
