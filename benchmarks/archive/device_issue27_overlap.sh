@@ -9,8 +9,8 @@ MODEL=${1:-Qwen2.5-0.5B}
 source benchmarks/device_lib.sh overlap27.log smi27o.csv
 nvidia-smi topo -m | head -4 | tee -a "$L"
 if [ "${2:-}" = TESTS ]; then
-  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD timeout 300 python3 -m pytest -q -p no:cacheprovider -rfE -s \
-    -o faulthandler_timeout=240 -m "gpu or not gpu" tests/test_two_gpus.py >> "$L" 2>&1
+  PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE -s \
+    -o faulthandler_timeout=190 -m "gpu or not gpu" tests/test_two_gpus.py >> "$L" 2>&1
   rc=$?; echo "gpu tests rc=$rc" | tee -a "$L"; grep -E "passed|failed|max \|dw\|" "$L" | tail -6
   [ $rc = 0 ] || exit 1
 fi
