@@ -57,9 +57,10 @@ def main(argv=None) -> int:
                    help="of the offloaded Adam state, keep this many GiB on the GPU ('auto': what set-up left free)")
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
     p.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
-                   help="the update (and, on several GPUs, the weight gather) before the next forward, not beside it")
-    p.add_argument("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false",
-                   help="several GPUs, ZeRO-1: one reduce-scatter at the update, not per layer in the last backward")
+                   help="one GPU: the update before the next forward, not beside it")
+    p.add_argument("--overlap-comm", action="store_true",
+                   help="several GPUs, ZeRO-1: per-layer gradient reduces in the last backward, weight gathers "
+                        "beside the next forward")
     p.add_argument("--overlap-wgrad-sms", type=int, default=0, metavar="SMS",
                    help="the block wgrads on a side stream sized for SMS SMs (0: off)")
     p.add_argument("--master-dtype", default="fp32", choices=["fp32", "bf16"], help="master weights dtype")
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
                   opt_resident_gib=a.opt_resident_gib,
                   use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
-                  overlap_grad_reduce=a.overlap_grad_reduce,
+                  overlap_comm=a.overlap_comm,
                   overlap_wgrad_sms=a.overlap_wgrad_sms,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})

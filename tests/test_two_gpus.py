@@ -29,9 +29,9 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs two CUDA GPUs")]
 
-RUNS = {"plain": dict(overlap_update=False, overlap_grad_reduce=False),
-        "overlapped": dict(),
-        "overlapped-graphs": dict(use_cuda_graphs=True)}
+RUNS = {"plain": dict(),
+        "overlapped": dict(overlap_comm=True),
+        "overlapped-graphs": dict(overlap_comm=True, use_cuda_graphs=True)}
 
 
 def _rank(rank: int, port: int, matmul_dtype, out_dir: str) -> None:

@@ -268,7 +268,7 @@ def _zero1_overlap_rank(rank: int, port: int, out_dir: str) -> None:
         for overlap in (True, False):
             opts = TrainOptions(model="tiny-llama", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=1,
                                 model_dtype="bf16", master_dtype="fp32", opt_chunk_size=3000,
-                                overlap_update=overlap, overlap_grad_reduce=overlap)
+                                overlap_comm=overlap)
             e = TrainEngine(PRESETS["tiny-llama"], opts, get_backend("torch"), comm)
             assert (e.grad_reduce is not None) == overlap and (e.overlap is not None) == overlap
             losses = []

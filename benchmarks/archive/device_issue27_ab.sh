@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Ran at 0c45ac7, when both overlaps were on by default and --no-overlap-grad-reduce existed; since then they are
+# one opt-in flag, --overlap-comm.)
 # Issue 27, session 14 (nvidia-h100-x2; carry .whl): which of the two ZeRO-1 overlaps costs time at 0.5B on 2 GPUs:
 # each switched off alone, and both on without CUDA graphs (bf16, B=32, 1 micro-step, 25 steps, through Ray).
 source benchmarks/device_lib.sh ab27.log smi27ab.csv

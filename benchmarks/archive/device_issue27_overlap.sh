@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Ran at 0c45ac7, when both overlaps were on by default and --no-overlap-grad-reduce existed; since then they are
+# one opt-in flag, --overlap-comm.)
 # Issue 27, session 14 (nvidia-h100-x2 / nvidia-h200-x2; carry .whl and .anchors, an ignored folder holding
 # llmq-bin/): ZeRO-1 with the gradient reduce in the last backward and the per-unit weight gather beside the next
 # forward. First the GPU tests (two-GPU bit-identity of the overlaps, eager and in CUDA graphs; one-GPU graphs

@@ -227,12 +227,12 @@ class TrainEngine:
         self.micro_steps_done = 0
         self._monitor: torch.Tensor | None = None  # [L] fp32: this step's FP8 monitor, while one is collected
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
-        if opts.overlap_update and opts.effective_zero_level == 1:
+        if opts.overlap_update and opts.effective_zero_level == 1 and (world == 1 or opts.overlap_comm):
             self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule, self.comm,
                                          self.shard_size)
         # ZeRO-1 on several ranks: the last micro-step's backward reduces each layer onto its owners (grad_reduce.py)
         self.grad_reduce = None
-        if world > 1 and opts.effective_zero_level == 1 and opts.overlap_grad_reduce and not opts.overlap_wgrad_sms:
+        if world > 1 and opts.effective_zero_level == 1 and opts.overlap_comm and not opts.overlap_wgrad_sms:
             self.grad_reduce = self.schedule.add(LastBackwardReduce(self.layout, self.comm, self.grads,
                                                                     self.shard_size))
         self._grads_reduced = False  # the last micro-step left each rank's shard of ``grads`` summed
