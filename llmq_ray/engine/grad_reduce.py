@@ -16,8 +16,13 @@ waits (NCCL) or the host blocks (gloo), so the micro-step ends with every owner'
 captured CUDA graph, which must join every collective it started (llmq_ray/engine/cuda_graphs.py captures this
 micro-step as its own graph). The engine's update then skips its reduce-scatter.
 
+Opt-in (``--overlap-comm``, with the per-unit weight gather of llmq_ray/engine/update_overlap.py): measured on
+2 x H100 at Qwen2.5-0.5B (2026-11-26), each of the two overlaps made a step ~2% slower instead of ~1% faster --
+the per-layer NCCL kernels run beside the compute kernels, take their SMs and spin while the other rank catches
+up -- so the default stays one reduce-scatter at the update.
+
 Same results as the reduce-scatter: the same elements summed over the same ranks (on gloo both are rank-ordered
-sums, llmq_ray/actors/collectives.py, so fp32 runs are bit-identical; tests/test_zero3.py). Not used with
+sums, actors/collectives.py, so fp32 runs are bit-identical; tests/test_zero3.py). Not used with
 --overlap-wgrad-sms, where a layer's weight gradients are still being written on a side stream when its ``end``
 runs: the update reduce-scatters as before.
 """

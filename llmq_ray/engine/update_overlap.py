@@ -20,7 +20,8 @@ same seeds, only queued in another order. On the CPU there are no streams: the u
 order and the deferred zeroing still run, so CPU tests cover them).
 With CUDA graphs (llmq_ray/engine/cuda_graphs.py) the first micro-step of a step is replayed from a graph captured
 with these waits and deferred zeroings in it (and, with FP8, each layer's weight quantization after its wait).
-Several workers (ZeRO-1): each rank updates only its shard, and a unit's weights are current on every rank only
+Several workers (ZeRO-1, opt-in with ``--overlap-comm``; see llmq_ray/engine/grad_reduce.py for why it is not the
+default): each rank updates only its shard, and a unit's weights are current on every rank only
 once their owners have broadcast them. So instead of one all-gather after the whole update, each unit's pieces
 are broadcast from their owners (``comm.broadcast``, one async collective per piece, in place in ``params``) as
 soon as this rank's chunks of that unit are updated: issued on the update stream (the collective starts after
