@@ -246,13 +246,18 @@ class Backend:
         raise NotImplementedError
 
     def swiglu_backward_fp8(self, q: torch.Tensor, q_t: torch.Tensor, descale: torch.Tensor, dout: torch.Tensor,
-                            inp: torch.Tensor, absmax: torch.Tensor, dinp: torch.Tensor) -> None:
+                            inp: torch.Tensor, absmax: torch.Tensor, dinp: torch.Tensor,
+                            scale_absmax: torch.Tensor | None = None) -> None:
         """The up+gate GEMM's FP8 gradient from the SwiGLU backward: q[N, 2I] and q_t[2I, N] (one FP8 dtype)
         = quantize_with_transpose(dinp) at absmax = max|dinp|, where dinp is what swiglu_backward writes (the
-        model dtype). A backend may skip writing dinp (the triton one measures the absmax in a first pass and
-        quantizes in a second); this default writes ``dinp`` [N, 2I] (scratch) and quantizes it: same bytes."""
+        model dtype); ``absmax`` (fp32 0-d) receives max|dinp|. With ``scale_absmax`` (fp32 0-d; delayed
+        scaling, e.g. the same layer's absmax from the previous backward) the quantization uses that value
+        instead, and whatever lies beyond it saturates at the FP8 maximum. A backend may skip writing dinp (the
+        triton one measures the absmax in a first pass and quantizes in a second, or with a delayed scale
+        quantizes and measures in one); this default writes ``dinp`` [N, 2I] (scratch) and quantizes it: same
+        bytes."""
         self.swiglu_backward(dinp, dout, inp, absmax=absmax)
-        self.quantize_with_transpose(q, q_t, descale, dinp, absmax)
+        self.quantize_with_transpose(q, q_t, descale, dinp, absmax if scale_absmax is None else scale_absmax)
 
     # ------------------------------------------------------------------ attention
     def attention_forward(self, out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor,

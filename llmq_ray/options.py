@@ -103,6 +103,8 @@ class _TrainOptionsBase:
             names = DTYPE_NAMES + (("e4m3",) if flag == "opt_m_dtype" else ())
             need(value in names, f"--{flag.replace('_', '-')}={value!r} must be one of {sorted(names)}.")
         need(self.fp8_monitor_every >= 0, f"--fp8-monitor-every={self.fp8_monitor_every} must be >= 0 (0: off).")
+        need(not self.fp8_delayed_swiglu_scale or self.matmul_dtype == "e4m3",
+             "--fp8-delayed-swiglu-scale needs --matmul-dtype e4m3: it sets the scale of an FP8 gradient.")
         need(self.fp8_monitor_every == 0 or self.matmul_dtype == "e4m3",
              "--fp8-monitor-every needs --matmul-dtype e4m3: it reports the scales of the FP8 down projection.")
         need(not (self.opt_m_dtype == "e4m3" and self.offload_opt_m),

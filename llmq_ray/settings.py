@@ -134,6 +134,12 @@ class NumericsSettings:
     fp8_monitor_every: int = setting(
         0, "e4m3: every N steps, log each layer's largest |SwiGLU output| (the FP8 down projection's input; "
         "JSON log record fp8_monitor, W&B fp8/*); 0: off")
+    fp8_delayed_swiglu_scale: bool = setting(
+        False,
+        "e4m3, experimental: the SwiGLU backward quantizes the up+gate gradient in one pass at the scale of the "
+        "same layer's previous backward (values beyond it saturate) instead of measuring its own first (two "
+        "passes); a resumed run measures afresh in its first backward, so it is not bit-exact with the "
+        "uninterrupted one there")
 
 
 @dataclass

@@ -45,7 +45,8 @@ def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
 
 def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulation: int = 2, overlap: bool = True,
            offload: bool = False, untied: bool = False, deterministic: bool = False, skip_step: int | None = None,
-           eval_after: int | None = None, wgrad_sms: int = 0, wgrad_mode: str = "stream", wgrad_delay: int = 0):
+           eval_after: int | None = None, wgrad_sms: int = 0, wgrad_mode: str = "stream", wgrad_delay: int = 0,
+           delayed: bool = False):
     """Losses, grad norms and final weights of a few steps of a 4-layer model with Qwen2.5-0.5B widths.
     ``overlap``: the update beside the next forward (the default); ``offload``: Adam m/v in host memory;
     ``untied``: a separate LM head (its own unit of the overlap); ``deterministic``: --deterministic-attention
@@ -57,7 +58,8 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
     opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=accumulation,
                         model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16", opt_v_dtype="bf16",
                         use_cuda_graphs=graphs, steps=steps, overlap_update=overlap,
-                        offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic)
+                        offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic,
+                        fp8_delayed_swiglu_scale=delayed)
     engine = TrainEngine(cfg, opts, make_backend(backend, opts, "cuda"))
     if wgrad_sms:
         enable_wgrad_overlap(engine.model, wgrad_sms, wgrad_mode, wgrad_delay)
@@ -80,8 +82,9 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,matmul_dtype", [("triton", None), ("triton", "e4m3")])
-def test_graph_replay_equals_eager(backend, matmul_dtype):
+@pytest.mark.parametrize("backend,matmul_dtype,delayed", [("triton", None, False), ("triton", "e4m3", False),
+                                                          ("triton", "e4m3", True)])
+def test_graph_replay_equals_eager(backend, matmul_dtype, delayed):
     """Same kernels, same data, same order: the replayed run must match eager exactly wherever eager itself is
     deterministic (checked by running eager twice: on the H100 both bf16 and e4m3 are, 2026-11-23); otherwise
     within eager's own noise: per weight two bf16 steps at its magnitude or twice eager's largest run-to-run
@@ -89,9 +92,9 @@ def test_graph_replay_equals_eager(backend, matmul_dtype):
     while the overlapped update was still writing them; ``_train`` now reads them through full_params.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    eager_losses, eager_w = _train(backend, False, matmul_dtype)
-    again_losses, again_w = _train(backend, False, matmul_dtype)
-    graph_losses, graph_w = _train(backend, True, matmul_dtype)
+    eager_losses, eager_w = _train(backend, False, matmul_dtype, delayed=delayed)
+    again_losses, again_w = _train(backend, False, matmul_dtype, delayed=delayed)
+    graph_losses, graph_w = _train(backend, True, matmul_dtype, delayed=delayed)
     eager_spread = (eager_w.float() - again_w.float()).abs().max().item()
     graph_diff = (eager_w.float() - graph_w.float()).abs()
     # Eager's own nondeterminism flips last bits wherever it likes: allow each weight two bf16 steps at its own

@@ -640,6 +640,36 @@ def test_swiglu_backward_fp8_equals_backward_then_quantize(tri, ref, dtype, fp8)
     assert_close(q.float() * d2, dinp_ref.float(), tol, "dequantized FP8 d(up+gate) vs torch_ref")
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("ratio", [0.5, 3.0])
+def test_swiglu_backward_fp8_delayed_scale_matches_torch_float8_casts(tri, ref, fp8, ratio):
+    """Delayed scaling: one pass quantizes at the scale of a given earlier absmax (here ``ratio`` x the true one:
+    0.5 saturates the largest values, 3.0 leaves headroom) and still reports the true max|dinp|. The bytes must
+    be torch's float8 cast of saturate(dinp * s) at s = fp8_max / that absmax, in both layouts, for the fused
+    Triton kernel (bf16, interpreter) and for the backend default (torch_ref's composition)."""
+    n, i, dtype = 130, 136, torch.bfloat16
+    inp = randn(n, 2 * i, seed=62, dtype=dtype, scale=2.0)
+    dout = randn(n, i, seed=63, dtype=dtype)
+    dinp = torch.empty(n, 2 * i, dtype=dtype, device=DEVICE)
+    ref.swiglu_backward(dinp, dout, inp)
+    true_amax = dinp.float().abs().max()
+    delayed = (true_amax * ratio).reshape(())
+    fmax = torch.finfo(fp8).max
+    s = fmax / delayed  # torch's own evaluation of the scale (reciprocal, then multiply)
+    want = (dinp.float() * s).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
+    assert ratio > 1 or int((dinp.float().abs() > delayed).sum()) > 0  # the 0.5 case really saturates
+    for name, be in (("tri", tri), ("ref", ref)):
+        q = torch.empty(n, 2 * i, dtype=fp8, device=DEVICE)
+        qt = torch.empty(2 * i, n, dtype=fp8, device=DEVICE)
+        amax, descale = torch.full((), 123.0, device=DEVICE), torch.zeros((), device=DEVICE)
+        scratch = torch.full((n, 2 * i), float("nan"), dtype=dtype, device=DEVICE)
+        be.swiglu_backward_fp8(q, qt, descale, dout, inp, amax, scratch, scale_absmax=delayed)
+        assert torch.equal(q.view(torch.uint8), want), name
+        assert torch.equal(qt.view(torch.uint8), want.t()), name
+        assert amax.item() == true_amax.item(), name
+        assert descale.item() == (1.0 / s).item(), name
+
+
 # ---------------------------------------------------------------------------------------------------- e4m3 m
 def _e4m3_state(n, seed=50):
     from llmq_ray.backends import fp8_moment

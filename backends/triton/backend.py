@@ -89,11 +89,12 @@ class TritonBackend(Backend):
         _contiguous(dinp, dout, inp)
         _swiglu.swiglu_backward(dinp, dout, inp, absmax)
 
-    def swiglu_backward_fp8(self, q, q_t, descale, dout, inp, absmax, dinp):
+    def swiglu_backward_fp8(self, q, q_t, descale, dout, inp, absmax, dinp, scale_absmax=None):
         if inp.dtype == torch.float32:  # the dual-store FP8 tile kernels miscompile fp32 tiles (see fp8.py)
-            return Backend.swiglu_backward_fp8(self, q, q_t, descale, dout, inp, absmax, dinp)
+            return Backend.swiglu_backward_fp8(self, q, q_t, descale, dout, inp, absmax, dinp, scale_absmax)
         _contiguous(q, q_t, dout, inp)
-        _swiglu.swiglu_backward_fp8(q, q_t, descale, dout, inp, absmax, dinp.dtype)  # dinp itself is not written
+        _swiglu.swiglu_backward_fp8(q, q_t, descale, dout, inp, absmax, dinp.dtype,  # dinp itself is not written
+                                    scale_absmax=scale_absmax)
 
     def bias_backward(self, dbias, dout, absmax=None):
         _contiguous(dbias, dout)

@@ -71,18 +71,24 @@ def _swiglu_bwd_kernel(dinp_ptr, dout_ptr, inp_ptr, amax_ptr, N, I, BLOCK_R: tl.
 
 
 @triton.jit
-def _swiglu_bwd_fp8_kernel(q_ptr, qt_ptr, descale_ptr, dout_ptr, inp_ptr, absmax_ptr, N, I,
+def _swiglu_bwd_fp8_kernel(q_ptr, qt_ptr, descale_ptr, dout_ptr, inp_ptr, scale_amax_ptr, amax_out_ptr, N, I,
                            OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
-                           MAN: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The FP8 path's second pass: the [BLOCK_M, BLOCK_K] tiles of d up (columns c) and d gate (columns I + c)
-    quantized at the first pass's absmax, written row-major into q[N, 2I] and transposed into qt[2I, N] --
-    the same bytes as swiglu_backward followed by quantize_with_transpose, without the model-dtype dinp."""
+                           MAN: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                           MEASURE: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] tiles of d up (columns c) and d gate (columns I + c) quantized at the scale of
+    ``scale_amax``, written row-major into q[N, 2I] and transposed into qt[2I, N] -- the same bytes as
+    swiglu_backward followed by quantize_with_transpose at that absmax, without the model-dtype dinp.
+    Current scaling: the second pass, ``scale_amax`` = the first pass's absmax. Delayed scaling (MEASURE): the
+    only pass, ``scale_amax`` = an earlier absmax, and each tile's max|dinp| is folded into ``amax_out``."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    s = _scale_and_descale(absmax_ptr, descale_ptr, (pid_m == 0) & (pid_k == 0), FP8_MAX)
+    s = _scale_and_descale(scale_amax_ptr, descale_ptr, (pid_m == 0) & (pid_k == 0), FP8_MAX)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     dup, dgate, mask, up_offs = _swiglu_grads(inp_ptr, dout_ptr, rows, cols, N, I, OUT_DTYPE)
+    if MEASURE:  # of the model-dtype values (masked lanes hold 0), as the first pass measures them
+        both = tl.maximum(tl.abs(dup.to(tl.float32)), tl.abs(dgate.to(tl.float32)))
+        atomic_amax(amax_out_ptr, tl.max(tl.max(both, axis=1), axis=0))
     qup = _to_fp8(dup.to(tl.float32), s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
     qgate = _to_fp8(dgate.to(tl.float32), s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
     tl.store(q_ptr + up_offs, qup, mask=mask)
@@ -126,21 +132,30 @@ def _backward(dinp, dout, inp, absmax, store: bool, out_dtype: torch.dtype) -> N
                              num_warps=num_warps_for(block_r * block_i))
 
 
-def swiglu_backward_fp8(q, qt, descale, dout, inp, absmax, out_dtype: torch.dtype) -> None:
+def swiglu_backward_fp8(q, qt, descale, dout, inp, absmax, out_dtype: torch.dtype, scale_absmax=None) -> None:
     """The up+gate GEMM's FP8 gradient straight from the SwiGLU backward: q[N, 2I] = quantize(dinp) and
     qt[2I, N] = its transpose (FP8, one dtype), absmax (fp32 0-d) = max|dinp| and descale = 1/scale, where dinp
-    is what swiglu_backward would write in ``out_dtype`` (the model dtype). Two passes over dout and inp -- the
-    first only measures max|dinp| -- instead of writing dinp and reading it back: per dinp element 8 bytes of
-    traffic instead of 9 (bf16: 3 read, then 3 read + 2 written, against 3 read + 2 written + 2 read + 2 written)."""
+    is what swiglu_backward would write in ``out_dtype`` (the model dtype).
+
+    Current scaling (``scale_absmax`` None; the scale from max|dinp| itself): two passes over dout and inp --
+    the first only measures max|dinp| -- instead of writing dinp and reading it back: per dinp element 8 bytes of
+    traffic instead of 9 (bf16: 3 read, then 3 read + 2 written, against 3 read + 2 written + 2 read + 2 written).
+    Delayed scaling (``scale_absmax``, fp32 0-d: an earlier max|dinp|, e.g. the same layer's in the previous
+    backward): one pass, 5 bytes per element; values beyond that absmax saturate at the FP8 maximum, and
+    ``absmax`` still receives this dinp's own max for the next call."""
     if q.dtype != qt.dtype:
         raise ValueError(f"swiglu_backward_fp8: q is {q.dtype} but qt is {qt.dtype}")
-    _backward(inp, dout, inp, absmax, store=False, out_dtype=out_dtype)  # STORE=False never writes dinp_ptr
+    if scale_absmax is None:
+        _backward(inp, dout, inp, absmax, store=False, out_dtype=out_dtype)  # STORE=False never writes dinp_ptr
+    else:
+        _reduce.start_amax(absmax)
     n, i = dout.shape
     block_m, block_k = (128, 128) if INTERPRET else (64, 64)
     grid = (triton.cdiv(n, block_m), triton.cdiv(i, block_k))
-    _swiglu_bwd_fp8_kernel[grid](fp8_store_view(q), fp8_store_view(qt), descale, dout, inp, absmax, n, i,
+    _swiglu_bwd_fp8_kernel[grid](fp8_store_view(q), fp8_store_view(qt), descale, dout, inp,
+                                 absmax if scale_absmax is None else scale_absmax, absmax, n, i,
                                  OUT_DTYPE=_tl_dtype(out_dtype), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
-                                 **_fp8_args(q.dtype))
+                                 MEASURE=scale_absmax is not None, **_fp8_args(q.dtype))
 
 
 def _tl_dtype(dtype: torch.dtype):

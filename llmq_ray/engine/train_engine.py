@@ -200,7 +200,8 @@ class TrainEngine:
                         lmhead_chunks=opts.lmhead_chunks, matmul_dtype=opts.matmul_dtype,
                         gradient_dtype=opts.gradient_dtype, offload_residual=opts.offload_residual,
                         attn_bwd_chunks=opts.attn_bwd_chunks, quants=opts.quants_placement,
-                        lmhead_dtype="e4m3" if opts.lmhead_dtype == "e4m3" else None)
+                        lmhead_dtype="e4m3" if opts.lmhead_dtype == "e4m3" else None,
+                        delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale)
         if self.zero3:  # only this rank's shard of the weights (llmq_ray/engine/zero3.py)
             self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
                                         sink=self._add_grad_piece)

@@ -297,7 +297,8 @@ class LlamaModel:
                  lmhead_chunks: int = 1, params: torch.Tensor | None = None, grads: torch.Tensor | None = None,
                  matmul_dtype: str | None = None, gradient_dtype: str | None = None,
                  weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
-                 quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None):
+                 quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None,
+                 delayed_swiglu_scale: bool = False):
         self.cfg, self.backend = cfg, backend
         # the policies around each unit and the side streams they use (llmq_ray/model/units.py); the engine
         # passes its Schedule, a model built on its own runs them in order on the compute stream
@@ -377,6 +378,11 @@ class LlamaModel:
         for policy in (weights, self.lin, self.acts.residual):
             self.schedule.add(policy)
         self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
+        # --fp8-delayed-swiglu-scale: per layer, max|d(up+gate)| of its last backward [L] fp32, the scale of the
+        # next one; filled by the first backward (which measures its own scales), used from the second on
+        self.swiglu_dy_amax = (torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev)
+                               if delayed_swiglu_scale and self.lin.fp8 else None)
+        self._swiglu_dy_amax_filled = False
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
@@ -537,7 +543,12 @@ class LlamaModel:
                      acc, dy_amax_ready=True)
         if lin.fp8:  # the up+gate GEMM's FP8 gradient (both layouts) straight out of the SwiGLU backward
             q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
-            be.swiglu_backward_fp8(q, q_t, descale, self.d_swiglu, a.get("up_gate", layer), amax, self.d_up_gate)
+            hist = self.swiglu_dy_amax
+            delayed = hist[layer] if hist is not None and self._swiglu_dy_amax_filled else None
+            be.swiglu_backward_fp8(q, q_t, descale, self.d_swiglu, a.get("up_gate", layer), amax, self.d_up_gate,
+                                   scale_absmax=delayed)
+            if hist is not None:
+                hist[layer].copy_(amax)  # the scale of this layer's next backward
         else:
             self._wait_wgrad("up_gate_w")
             be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
@@ -603,6 +614,7 @@ class LlamaModel:
         if self.lin.overlap is not None:  # every gradient complete before anything reads them
             self.lin.overlap.wait_all()
         self._block_grads_zero = False  # a second micro-step must accumulate
+        self._swiglu_dy_amax_filled = self.swiglu_dy_amax is not None
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Evaluation: adds the summed loss and target count of a batch to loss_sum / target_count
