@@ -11,6 +11,8 @@ each layer's gradient added into the shard accumulator as soon as its backward i
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -177,14 +179,23 @@ def _spawn_gloo_ranks(args_of, target, world: int, timeout_s: float = 180) -> No
     assert [p.exitcode for p in procs] == [0] * world
 
 
-def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
-    """One of 2 gloo ranks: ZeRO-3 e4m3, per-layer and persistent FP8 copies, 3 steps of 1 micro-step each;
-    rank r takes micro-batch r of the single worker's 2. Rank 0 saves losses and the gathered weights."""
+@contextlib.contextmanager
+def _gloo_group(rank: int, world: int, port: int):
+    """This spawned process as gloo rank ``rank`` of ``world`` (one CPU thread); the group is left on exit."""
     torch.set_num_threads(1)
     from llmq_ray.actors.collectives import destroy_group, init_group
 
-    comm = init_group(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), timeout_s=60)
+    comm = init_group(f"tcp://127.0.0.1:{port}", rank, world, torch.device("cpu"), timeout_s=60)
     try:
+        yield comm
+    finally:
+        destroy_group()
+
+
+def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks: ZeRO-3 e4m3, per-layer and persistent FP8 copies, 3 steps of 1 micro-step each;
+    rank r takes micro-batch r of the single worker's 2. Rank 0 saves losses and the gathered weights."""
+    with _gloo_group(rank, 2, port) as comm:
         out = {}
         for persistent in (False, True):
             opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=3,
@@ -197,8 +208,6 @@ def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
             out[persistent] = (losses, e.full_params())
         if rank == 0:
             torch.save(out, f"{out_dir}/rank0.pt")
-    finally:
-        destroy_group()
 
 
 def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
@@ -219,11 +228,7 @@ def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
 def _zero12_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """One of ``world`` gloo ranks: 3 fp32 steps of ZeRO-1, then of ZeRO-2, each rank on its own micro-batches;
     rank 0 saves both runs' losses, gradient shards and final weights."""
-    torch.set_num_threads(1)
-    from llmq_ray.actors.collectives import destroy_group, init_group
-
-    comm = init_group(f"tcp://127.0.0.1:{port}", rank, world, torch.device("cpu"), timeout_s=60)
-    try:
+    with _gloo_group(rank, world, port) as comm:
         out = {}
         for zero in (1, 2):
             opts = TrainOptions(model="tiny-llama", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=zero)
@@ -237,8 +242,6 @@ def _zero12_rank(rank: int, world: int, port: int, out_dir: str) -> None:
             out[zero] = (losses, shards, e.full_params().clone())
         if rank == 0:
             torch.save(out, f"{out_dir}/rank0.pt")
-    finally:
-        destroy_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -259,11 +262,7 @@ def _zero1_overlap_rank(rank: int, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: 3 steps of ZeRO-1 (bf16 weights, fp32 master, 2 micro-steps, small optimizer chunks
     that straddle units and shards), with the gradient reduce in the last backward and the per-unit weight
     broadcasts after the update, then with both off; rank 0 saves losses, weights and optimizer state."""
-    torch.set_num_threads(1)
-    from llmq_ray.actors.collectives import destroy_group, init_group
-
-    comm = init_group(f"tcp://127.0.0.1:{port}", rank, 2, torch.device("cpu"), timeout_s=60)
-    try:
+    with _gloo_group(rank, 2, port) as comm:
         out = {}
         for overlap in (True, False):
             opts = TrainOptions(model="tiny-llama", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=1,
@@ -285,8 +284,6 @@ def _zero1_overlap_rank(rank: int, port: int, out_dir: str) -> None:
                             {k: v.clone() for k, v in e.optimizer.state_tensors().items()})
         if rank == 0:
             torch.save(out, f"{out_dir}/rank0.pt")
-    finally:
-        destroy_group()
 
 
 def test_zero1_overlapped_reduce_and_gather_equal_the_plain_order_on_gloo_ranks(tmp_path):
