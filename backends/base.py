@@ -236,6 +236,16 @@ class Backend:
         """
         raise NotImplementedError
 
+    def swiglu_forward_fp8(self, q: torch.Tensor, q_t: torch.Tensor, descale: torch.Tensor, inp: torch.Tensor,
+                           absmax: torch.Tensor, out: torch.Tensor, scale_absmax: torch.Tensor) -> None:
+        """Delayed scaling: the down projection's FP8 input from the SwiGLU forward. q[N, I] and q_t[I, N] (one
+        FP8 dtype) = quantize_with_transpose(out) at the scale of ``scale_absmax`` (fp32 0-d, an earlier
+        max|out|: whatever lies beyond it saturates), where out is what swiglu_forward writes (the model dtype);
+        ``absmax`` (fp32 0-d) receives this out's max|out|. A backend may skip writing ``out`` (the triton one
+        does it all in one pass); this default writes it ([N, I], scratch) and quantizes it: same bytes."""
+        self.swiglu_forward(out, inp, absmax=absmax)
+        self.quantize_with_transpose(q, q_t, descale, out, scale_absmax)
+
     def swiglu_backward(self, dinp: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor,
                         absmax: torch.Tensor | None = None) -> None:
         """dinp[N, 2I] = [d up | d gate] for dout[N, I] and the forward input inp[N, 2I].

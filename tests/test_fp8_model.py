@@ -141,9 +141,10 @@ def test_fp8_keeps_no_bf16_copy_of_the_gemm_inputs_it_stores_transposed(monkeypa
     assert kept.activation_bytes()["total"] - shared.activation_bytes()["total"] == saved
 
 
-def test_delayed_swiglu_scale_measures_first_then_reuses_the_last_backwards_absmax():
-    """--fp8-delayed-swiglu-scale: the first backward measures every layer's max|d(up+gate)| (the same bits as
-    current scaling) and keeps it; the next backward quantizes at those kept scales and keeps its own maxima.
+def test_delayed_swiglu_scale_measures_first_then_reuses_the_last_passes_absmax():
+    """--fp8-delayed-swiglu-scale: the first forward and backward measure every layer's max|SwiGLU out| and
+    max|d(up+gate)| (the same bits as current scaling) and keep them; the next ones quantize the down projection's
+    input and the up+gate gradient at those kept scales and keep their own maxima.
     Checked on a second micro-step of the same batch with the weights unchanged, where the delayed scale is the
     current one's exact value: same bits again. On a different batch the two differ, but only as two FP8 roundings
     of the same gradient do (e4m3 steps are 2^-3 relative, ~2^-5 on average: every parameter's gradient cosine
@@ -159,21 +160,22 @@ def test_delayed_swiglu_scale_measures_first_then_reuses_the_last_backwards_absm
     gen = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, CFG.vocab_size, (B, T + 1), generator=gen) for _ in range(2)]
     cur, dly = model(False), model(True)
-    assert cur.swiglu_dy_amax is None and dly.swiglu_dy_amax is not None
+    assert cur.swiglu_dy_amax is None and dly.swiglu_dy_amax is not None and dly.swiglu_out_amax is not None
     for m in (cur, dly):
         m.forward_backward(batches[0][:, :-1], batches[0][:, 1:])
     assert torch.equal(cur.grads, dly.grads) and cur.loss_sum.item() == dly.loss_sum.item()
-    kept = dly.swiglu_dy_amax.clone()
-    assert bool((kept > 0).all())
-    for m in (cur, dly):  # the same batch again: the kept scale is exactly the current one
+    kept, kept_out = dly.swiglu_dy_amax.clone(), dly.swiglu_out_amax.clone()
+    assert bool((kept > 0).all()) and torch.equal(kept_out, cur.amax[:, 3])
+    for m in (cur, dly):  # the same batch again: the kept scales are exactly the current ones
         m.forward_backward(batches[0][:, :-1], batches[0][:, 1:])
-    assert torch.equal(cur.grads, dly.grads)
-    assert torch.equal(dly.swiglu_dy_amax, kept)
+    assert torch.equal(cur.grads, dly.grads) and cur.loss_sum.item() == dly.loss_sum.item()
+    assert torch.equal(dly.swiglu_dy_amax, kept) and torch.equal(dly.swiglu_out_amax, kept_out)
     for m in (cur, dly):
         m.zero_grads()
         m.forward_backward(batches[1][:, :-1], batches[1][:, 1:])
-    assert not torch.equal(cur.grads, dly.grads), "the delayed scale was not used"
-    assert not torch.equal(dly.swiglu_dy_amax, kept)
+    assert not torch.equal(cur.grads, dly.grads), "the delayed scales were not used"
+    assert not torch.equal(dly.swiglu_dy_amax, kept) and not torch.equal(dly.swiglu_out_amax, kept_out)
+    assert abs(dly.loss_sum.item() - cur.loss_sum.item()) < 1e-3 * cur.loss_sum.item()
     for slot in cur.layout:
         cos = _cos(dly.grads[slot.offset:slot.end], cur.grads[slot.offset:slot.end])
         assert cos >= 0.995, f"{slot.name}: delayed vs current scale gradient cosine {cos:.5f}"

@@ -640,6 +640,34 @@ def test_swiglu_backward_fp8_equals_backward_then_quantize(tri, ref, dtype, fp8)
     assert_close(q.float() * d2, dinp_ref.float(), tol, "dequantized FP8 d(up+gate) vs torch_ref")
 
 
+@pytest.mark.parametrize("ratio", [0.5, 3.0])
+def test_swiglu_forward_fp8_delayed_scale_matches_torch_float8_casts(tri, ref, ratio):
+    """The delayed-scale SwiGLU forward (the down projection's e4m3 input in one pass): the bytes of each
+    backend's own swiglu_forward output cast by torch to float8 after saturate(out * s), s = fp8_max / (``ratio``
+    x the true max|out|; 0.5 saturates), in both layouts; the true max|out| reported; 130 x 136 crosses the
+    interpreter's 128 x 128 tiles."""
+    n, i, dtype, fp8 = 130, 136, torch.bfloat16, torch.float8_e4m3fn
+    inp = randn(n, 2 * i, seed=64, dtype=dtype, scale=2.0)
+    fmax = torch.finfo(fp8).max
+    for name, be in (("tri", tri), ("ref", ref)):
+        out = torch.empty(n, i, dtype=dtype, device=DEVICE)
+        be.swiglu_forward(out, inp)
+        true_amax = out.float().abs().max()
+        delayed = (true_amax * ratio).reshape(())
+        s = fmax / delayed
+        want = (out.float() * s).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
+        assert ratio > 1 or int((out.float().abs() > delayed).sum()) > 0
+        q = torch.empty(n, i, dtype=fp8, device=DEVICE)
+        qt = torch.empty(i, n, dtype=fp8, device=DEVICE)
+        amax, descale = torch.full((), 123.0, device=DEVICE), torch.zeros((), device=DEVICE)
+        scratch = torch.full((n, i), float("nan"), dtype=dtype, device=DEVICE)
+        be.swiglu_forward_fp8(q, qt, descale, inp, amax, scratch, delayed)
+        assert torch.equal(q.view(torch.uint8), want), name
+        assert torch.equal(qt.view(torch.uint8), want.t()), name
+        assert amax.item() == true_amax.item(), name
+        assert descale.item() == (1.0 / s).item(), name
+
+
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("ratio", [0.5, 3.0])
 def test_swiglu_backward_fp8_delayed_scale_matches_torch_float8_casts(tri, ref, fp8, ratio):

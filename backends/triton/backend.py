@@ -85,6 +85,12 @@ class TritonBackend(Backend):
         _contiguous(out, inp)
         _swiglu.swiglu_forward(out, inp, absmax)
 
+    def swiglu_forward_fp8(self, q, q_t, descale, inp, absmax, out, scale_absmax):
+        if inp.dtype == torch.float32:  # the dual-store FP8 tile kernels miscompile fp32 tiles (see fp8.py)
+            return Backend.swiglu_forward_fp8(self, q, q_t, descale, inp, absmax, out, scale_absmax)
+        _contiguous(q, q_t, inp)
+        _swiglu.swiglu_forward_fp8(q, q_t, descale, inp, absmax, scale_absmax, out.dtype)  # out is not written
+
     def swiglu_backward(self, dinp, dout, inp, absmax=None):
         _contiguous(dinp, dout, inp)
         _swiglu.swiglu_backward(dinp, dout, inp, absmax)

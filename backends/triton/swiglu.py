@@ -36,6 +36,30 @@ def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_ptr, N, I, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
+def _swiglu_fwd_fp8_kernel(q_ptr, qt_ptr, descale_ptr, inp_ptr, scale_amax_ptr, amax_out_ptr, N, I,
+                           OUT_DTYPE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
+                           MAN: tl.constexpr, BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Delayed-scale SwiGLU forward for the down projection's FP8 input: each [BLOCK_M, BLOCK_K] tile of
+    out = up * silu(gate), rounded to OUT_DTYPE (the model dtype) exactly as ``_swiglu_fwd_kernel`` rounds it,
+    quantized at the scale of ``scale_amax`` (an earlier max|out|), written row-major into q[N, I] and
+    transposed into qt[I, N]; its max|out| folded into ``amax_out``. The model-dtype out is not written."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    s = _scale_and_descale(scale_amax_ptr, descale_ptr, (pid_m == 0) & (pid_k == 0), FP8_MAX)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < N)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    up = tl.load(inp_ptr + r64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(inp_ptr + r64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = cast_to(up * (gate / (1.0 + tl.exp(-gate))), OUT_DTYPE).to(tl.float32)
+    atomic_amax(amax_out_ptr, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    qy = _to_fp8(y, s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
+    tl.store(q_ptr + r64 * I + cols[None, :], qy, mask=mask)
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * N + rows[:, None], qy, mask=mask)
+
+
+@triton.jit
 def _swiglu_grads(inp_ptr, dout_ptr, rows, cols, N, I, OUT_DTYPE: tl.constexpr):
     """(d up, d gate, mask, offsets of the up tile in inp/dinp) for the tile rows x cols (cols < I): loaded and
     computed in fp32, returned in OUT_DTYPE (the model dtype); masked lanes are 0. One function so that the
@@ -113,6 +137,23 @@ def swiglu_forward(out, inp, absmax=None) -> None:
         _reduce.start_amax(absmax)
     _swiglu_fwd_kernel[grid](out, inp, absmax if absmax is not None else out, n, i, BLOCK_R=block_r,
                              BLOCK_I=block_i, ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_i))
+
+
+def swiglu_forward_fp8(q, qt, descale, inp, absmax, scale_absmax, out_dtype: torch.dtype) -> None:
+    """Delayed scaling: the down projection's FP8 input straight from the SwiGLU forward, in one pass.
+    q[N, I] = quantize(out) and qt[I, N] = its transpose (FP8, one dtype) at the scale of ``scale_absmax`` (fp32
+    0-d, an earlier max|out|; values beyond it saturate), descale = 1/scale, absmax (fp32 0-d) = this out's
+    max|out|, where out is what swiglu_forward would write in ``out_dtype``. Per element of out: 4 bytes read,
+    2 written, against 4 read + 2 written + 2 read + 2 written for swiglu_forward then quantize_with_transpose."""
+    if q.dtype != qt.dtype:
+        raise ValueError(f"swiglu_forward_fp8: q is {q.dtype} but qt is {qt.dtype}")
+    _reduce.start_amax(absmax)
+    n, i = q.shape
+    block_m, block_k = (128, 128) if INTERPRET else (64, 64)
+    grid = (triton.cdiv(n, block_m), triton.cdiv(i, block_k))
+    _swiglu_fwd_fp8_kernel[grid](fp8_store_view(q), fp8_store_view(qt), descale, inp, scale_absmax, absmax, n, i,
+                                 OUT_DTYPE=_tl_dtype(out_dtype), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+                                 **_fp8_args(q.dtype))
 
 
 def swiglu_backward(dinp, dout, inp, absmax=None) -> None:

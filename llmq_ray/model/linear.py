@@ -308,9 +308,18 @@ class BlockLinears(Policy):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ the three GEMMs
+    def x_quant_buffers(self, key: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FP8 with ``store_xt``: where a kernel that produces the GEMM input x[N, K] of ``key`` writes q(x)
+        [N, K], q(x^T) [K, N] (kept for the wgrad) and the descale itself (``forward(..., x_quantized=True)``
+        then reads them)."""
+        if not (self.fp8 and self.store_xt):
+            raise RuntimeError("x_quant_buffers: only FP8 linears that keep q(x^T) take a pre-quantized input")
+        return self.x_q[:n * k].view(n, k), self.xt_store[key], self.x_descale[key]
+
     def forward(self, out: torch.Tensor, x: torch.Tensor, key: str, x_amax: torch.Tensor | None,
-                bias: torch.Tensor | None = None) -> None:
-        """out[N, OC] = x[N, K] W^T (+ bias). FP8 needs x_amax = max|x| (fp32 0-d device tensor)."""
+                bias: torch.Tensor | None = None, x_quantized: bool = False) -> None:
+        """out[N, OC] = x[N, K] W^T (+ bias). FP8 needs x_amax = max|x| (fp32 0-d device tensor), or
+        ``x_quantized``: the producer of x wrote ``x_quant_buffers`` itself (x is then only read for its shape)."""
         if not self.fp8:
             self.be.matmul(out, x, self.w[key], transpose_b=True, bias=bias)
             return
@@ -319,7 +328,9 @@ class BlockLinears(Policy):
         else:
             w_q, _, w_descale = self._copies(key)
         xq = self.x_q[:x.numel()].view(x.shape)
-        if self.store_xt:  # both layouts in one pass; q(x^T) waits for this layer's wgrad
+        if x_quantized:
+            xq, _, descale = self.x_quant_buffers(key, *x.shape)
+        elif self.store_xt:  # both layouts in one pass; q(x^T) waits for this layer's wgrad
             descale = self.x_descale[key]
             self.be.quantize_with_transpose(xq, self.xt_store[key], descale, x, x_amax)
         else:

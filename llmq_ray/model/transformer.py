@@ -378,11 +378,15 @@ class LlamaModel:
         for policy in (weights, self.lin, self.acts.residual):
             self.schedule.add(policy)
         self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
-        # --fp8-delayed-swiglu-scale: per layer, max|d(up+gate)| of its last backward [L] fp32, the scale of the
-        # next one; filled by the first backward (which measures its own scales), used from the second on
-        self.swiglu_dy_amax = (torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev)
-                               if delayed_swiglu_scale and self.lin.fp8 else None)
-        self._swiglu_dy_amax_filled = False
+        # --fp8-delayed-swiglu-scale: per layer [L] fp32, max|d(up+gate)| of its last backward and max|SwiGLU out|
+        # of its last forward, the scales of the next ones; filled by the first pass (which measures its own
+        # scales), used from the second on. The forward's needs q(x^T) kept for the wgrad (``store_xt``: no
+        # recomputation), as its kernel writes only the FP8 copies of the SwiGLU output.
+        delayed = delayed_swiglu_scale and self.lin.fp8
+        self.swiglu_dy_amax = torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev) if delayed else None
+        self.swiglu_out_amax = (torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev)
+                                if delayed and self.lin.store_xt else None)
+        self._swiglu_dy_amax_filled = self._swiglu_out_amax_filled = False
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
@@ -446,8 +450,16 @@ class LlamaModel:
                                           w.ln2_w, cfg.rms_norm_eps, absmax=self._amax(layer, 2))
         up_gate, swiglu = a.get("up_gate", layer), a.get("swiglu", layer)
         lin.forward(up_gate, ln2, w.key("up_gate_w"), self._amax(layer, 2))
-        be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
-        lin.forward(self.scratch_nc, swiglu, w.key("down_w"), self._amax(layer, 3))
+        hist = self.swiglu_out_amax
+        if hist is not None and self._swiglu_out_amax_filled:  # one pass at the last forward's scale
+            xq, xt, descale = lin.x_quant_buffers(w.key("down_w"), n, cfg.intermediate_size)
+            be.swiglu_forward_fp8(xq, xt, descale, up_gate, self.amax[layer, 3], swiglu, hist[layer])
+            lin.forward(self.scratch_nc, swiglu, w.key("down_w"), None, x_quantized=True)
+        else:
+            be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
+            lin.forward(self.scratch_nc, swiglu, w.key("down_w"), self._amax(layer, 3))
+        if hist is not None:
+            hist[layer].copy_(self.amax[layer, 3])  # the scale of this layer's next forward
         last = layer + 1 == cfg.num_layers
         next_ln = self.final_ln if last else a.get("ln1", layer + 1)
         next_rstd = self.final_rstd if last else a.rstd1[layer + 1]
@@ -468,6 +480,7 @@ class LlamaModel:
             hooks.before(layer)
             self._block_forward(layer)
             hooks.after(layer)
+        self._swiglu_out_amax_filled = self.swiglu_out_amax is not None
 
     # ------------------------------------------------------------------ backward
     def _recompute(self, layer: int) -> None:
