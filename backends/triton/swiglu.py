@@ -19,17 +19,25 @@ from llmq_ray.backends.triton.fp8 import _fp8_args, _scale_and_descale, _to_fp8
 
 
 @triton.jit
+def _swiglu_out(inp_ptr, rows, cols, N, I):
+    """(up * silu(gate) in fp32, mask, the rows as int64 [R, 1]) for the tile rows x cols (cols < I); masked
+    lanes are 0. One function so that both forward kernels compute the same bits."""
+    mask = (rows < N)[:, None] & (cols < I)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    up = tl.load(inp_ptr + r64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(inp_ptr + r64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return up * (gate / (1.0 + tl.exp(-gate))), mask, r64
+
+
+@triton.jit
 def _swiglu_fwd_kernel(out_ptr, inp_ptr, amax_ptr, N, I, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
                        ABSMAX: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_I + tl.arange(0, BLOCK_I)
-    mask = (rows < N)[:, None] & (cols < I)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    up = tl.load(inp_ptr + r64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(inp_ptr + r64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = cast_to(up * (gate / (1.0 + tl.exp(-gate))), out_ptr.dtype.element_ty)
+    y32, mask, r64 = _swiglu_out(inp_ptr, rows, cols, N, I)
+    y = cast_to(y32, out_ptr.dtype.element_ty)
     tl.store(out_ptr + r64 * I + cols[None, :], y, mask=mask)
     if ABSMAX:
         atomic_amax(amax_ptr, tl.max(tl.max(tl.abs(y.to(tl.float32)), axis=1), axis=0))
@@ -48,11 +56,8 @@ def _swiglu_fwd_fp8_kernel(q_ptr, qt_ptr, descale_ptr, inp_ptr, scale_amax_ptr, 
     s = _scale_and_descale(scale_amax_ptr, descale_ptr, (pid_m == 0) & (pid_k == 0), FP8_MAX)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < N)[:, None] & (cols < I)[None, :]
-    r64 = rows.to(tl.int64)[:, None]
-    up = tl.load(inp_ptr + r64 * (2 * I) + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(inp_ptr + r64 * (2 * I) + I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = cast_to(up * (gate / (1.0 + tl.exp(-gate))), OUT_DTYPE).to(tl.float32)
+    y32, mask, r64 = _swiglu_out(inp_ptr, rows, cols, N, I)
+    y = cast_to(y32, OUT_DTYPE).to(tl.float32)
     atomic_amax(amax_out_ptr, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
     qy = _to_fp8(y, s, FP8_MAX, FP8_DTYPE, MAN, BIAS)
     tl.store(q_ptr + r64 * I + cols[None, :], qy, mask=mask)
