@@ -12,6 +12,10 @@ A step is ``micro_step`` x grad_accumulation, then ``update``:
 * grad_scale = clip_coefficient / total_target_tokens is folded into the AdamW kernel (no extra pass);
 * each rank updates its shard of the weights, then the weights are all-gathered.
 
+With ``--overlap-comm`` (several ranks, ZeRO-1; opt-in, as it measured slower, see llmq_ray/engine/grad_reduce.py)
+the reduce-scatter becomes per-layer reduces during the step's last backward (``micro_step(..., last=True)``) and
+the all-gather per-unit broadcasts beside the next forward (llmq_ray/engine/update_overlap.py); same bits.
+
 ZeRO-2 (``--zero-level=2`` or ``--shard-gradients``): no full gradient buffer. The backward writes each
 layer's gradients into a two-layer scratch, reduced (summed) onto the owners of their pieces while the next
 layer's backward runs, and each owner adds its pieces into a shard-sized accumulator ``grad_shard`` (model
