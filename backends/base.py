@@ -200,6 +200,46 @@ class Backend:
         """
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ QK-norm (Qwen3)
+    def qk_norm_forward(self, qkv: torch.Tensor, saved: torch.Tensor, rstd: torch.Tensor, q_weight: torch.Tensor,
+                        k_weight: torch.Tensor, n_q_heads: int, n_kv_heads: int, eps: float) -> None:
+        """In place on the query and key heads of qkv[B, T, Hq + 2*Hkv, D] (the QKV GEMM's output, before RoPE):
+        each head vector x [D] becomes (x * rstd) * w with rstd = 1/sqrt(mean(x^2) + eps), w = q_weight [D] on
+        query heads and k_weight [D] on key heads; value heads are untouched. Keeps x in ``saved`` [N, Hq+Hkv, D]
+        (model dtype) and rstd in ``rstd`` [N, Hq+Hkv] (fp32) for the backward. Internals in fp32, one rounding.
+
+        This default is torch operations (every backend inherits it; a fused kernel is for later): per head
+        vector it reads x once and writes it twice, a few percent of a layer's QKV traffic."""
+        x = qkv.view(saved.shape[0], -1, qkv.shape[-1])[:, :n_q_heads + n_kv_heads]
+        saved.copy_(x)
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1) + eps)
+        rstd.copy_(r)
+        x.copy_(xf * r[..., None] * self._qk_weights(q_weight, k_weight, n_q_heads, n_kv_heads))
+
+    def qk_norm_backward(self, dqkv: torch.Tensor, dq_weight: torch.Tensor, dk_weight: torch.Tensor,
+                         saved: torch.Tensor, rstd: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                         n_q_heads: int, n_kv_heads: int) -> None:
+        """Backward of qk_norm_forward, in place on the query and key heads of dqkv[B, T, Hq + 2*Hkv, D]: the
+        gradient with respect to the normalised heads becomes the one with respect to their inputs (``saved``,
+        ``rstd`` from the forward); dq_weight / dk_weight [D] += the weights' gradients, summed over tokens and
+        heads (accumulate, like the other norms' weight gradients). Internals in fp32."""
+        h = n_q_heads + n_kv_heads
+        dy = dqkv.view(saved.shape[0], -1, dqkv.shape[-1])[:, :h]
+        g = dy.float()
+        xhat = saved.float() * rstd[..., None]
+        dw = (g * xhat).sum(0)  # [H, D]
+        dq_weight += dw[:n_q_heads].sum(0).to(dq_weight.dtype)
+        dk_weight += dw[n_q_heads:].sum(0).to(dk_weight.dtype)
+        gw = g * self._qk_weights(q_weight, k_weight, n_q_heads, n_kv_heads)
+        dy.copy_(rstd[..., None] * (gw - xhat * (gw * xhat).mean(-1, keepdim=True)))
+
+    @staticmethod
+    def _qk_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, n_q_heads: int, n_kv_heads: int) -> torch.Tensor:
+        """[Hq + Hkv, D] fp32: q_weight on the query heads' rows, k_weight on the key heads'."""
+        d = q_weight.shape[0]
+        return torch.cat([q_weight.float().expand(n_q_heads, d), k_weight.float().expand(n_kv_heads, d)])
+
     # ------------------------------------------------------------------ RoPE
     def rope_forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      n_q_heads: int, n_kv_heads: int) -> None:

@@ -1,7 +1,7 @@
 """KV-cache generation (llmq_ray.model.generate) against transformers and against our own no-cache forward.
 
-Tiny random Qwen2 (tied head, QKV bias) and Llama (untied head, llama3 rope scaling) models with GQA, in fp32,
-weights ~ N(0, 0.15) (embeddings and head 0.05) and norm weights away from 1 so that greedy continuations vary.
+Tiny random Qwen2 (tied head, QKV bias), Qwen3 (QK-norm, head_dim 24 != 64 / 4) and Llama (untied head, llama3
+rope scaling) models with GQA, in fp32, weights ~ N(0, 0.15) (embeddings and head 0.05) and norm weights away from 1 so that greedy continuations vary.
 They are saved with ``save_pretrained`` and read back with ``load_for_generation``, the path a user's export
 takes.
 """
@@ -29,6 +29,10 @@ CASES = {
         hidden_size=64, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=397, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
         "Qwen2ForCausalLM"),
+    "qwen3-gqa-untied-qk-norm": (transformers.Qwen3Config, dict(
+        hidden_size=64, intermediate_size=144, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, vocab_size=389, tie_word_embeddings=False, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+        "Qwen3ForCausalLM"),
     "llama-gqa-untied-rope-scaling": (transformers.LlamaConfig, dict(
         hidden_size=72, intermediate_size=160, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
         vocab_size=411, tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5,

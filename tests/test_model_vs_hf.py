@@ -1,6 +1,6 @@
 """The explicit forward/backward (torch reference backend) against transformers' autograd models.
 
-Ground truth: transformers' Qwen2ForCausalLM / LlamaForCausalLM in fp32 with the same random weights, loss =
+Ground truth: transformers' Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM in fp32 with the same random weights, loss =
 mean cross-entropy over unmasked targets (ignore_index -100). Our model's gradients are sums over target
 tokens (see llmq_ray/model/transformer.py), so they are divided by the target count before comparing.
 """
@@ -29,6 +29,13 @@ HF_CASES = {
         num_key_value_heads=3, vocab_size=1000, tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 16}), "LlamaForCausalLM"),
+    # Qwen3: QK-norm, no QKV bias, head_dim independent of hidden / heads (32 x 6 = 192 != 96)
+    "qwen3-gqa-tied-wide-heads": (transformers.Qwen3Config, dict(
+        hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=32, vocab_size=1000, tie_word_embeddings=True, rope_theta=1e6), "Qwen3ForCausalLM"),
+    "qwen3-gqa-untied-narrow-heads": (transformers.Qwen3Config, dict(
+        hidden_size=128, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=777, tie_word_embeddings=False, rope_theta=10000.0), "Qwen3ForCausalLM"),
     "llama-gqa-untied": (transformers.LlamaConfig, dict(
         hidden_size=80, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=777, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5), "LlamaForCausalLM"),
@@ -107,7 +114,7 @@ def test_loss_and_every_gradient_match_transformers_fp32(case, tmp_path):
         assert cos >= 0.99999 and rel <= 1e-4, f"{name}: cosine {cos:.7f}, relative error {rel:.2e}"
 
 
-@pytest.mark.parametrize("case", ["qwen2-gqa-untied-odd", "llama-gqa-tied-rope-scaling"])
+@pytest.mark.parametrize("case", ["qwen2-gqa-untied-odd", "llama-gqa-tied-rope-scaling", "qwen3-gqa-tied-wide-heads"])
 def test_bf16_gradients_follow_fp32(case, tmp_path):
     hf = _random_hf_model(case)
     fp32 = _our_model(hf, tmp_path / "a")
@@ -161,7 +168,8 @@ def test_lmhead_chunks_agree(tmp_path):
         assert err <= 1e-6, f"{name}: lmhead-chunks 4 vs 1 relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("case", ["qwen2-gqa-untied-odd", "llama-gqa-tied-rope-scaling"])
+@pytest.mark.parametrize("case", ["qwen2-gqa-untied-odd", "llama-gqa-tied-rope-scaling",
+                                  "qwen3-gqa-untied-narrow-heads"])
 def test_export_loads_in_transformers_with_equal_logits(case, tmp_path):
     hf = _random_hf_model(case)
     ours = _our_model(hf, tmp_path)

@@ -1,7 +1,8 @@
 """Model configuration: the shape of a Llama-family decoder, read from an HF config.json or a named preset.
 
-Supported: ``Qwen2ForCausalLM`` (QKV bias, usually tied head) and ``LlamaForCausalLM`` (no bias; Llama 3.x
-``rope_scaling`` of type "llama3" is honoured). Everything the model math needs is here and nothing else;
+Supported: ``Qwen2ForCausalLM`` (QKV bias, usually tied head), ``Qwen3ForCausalLM`` (no QKV bias; an RMSNorm
+on every query and key head before RoPE, the "QK-norm"; head_dim set by the config, not hidden / heads) and
+``LlamaForCausalLM`` (no bias; Llama 3.x ``rope_scaling`` of type "llama3" is honoured). Everything the model math needs is here and nothing else;
 run options (batch, dtypes, recompute) live in ``llmq_ray.options``.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 from llmq_ray.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +27,7 @@ class ModelConfig:
     "llama3" scaling (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
     """
 
-    architecture: str  # "qwen2" | "llama"
+    architecture: str  # "qwen2" | "qwen3" | "llama"
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -56,6 +57,11 @@ class ModelConfig:
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     @property
+    def qk_norm(self) -> bool:
+        """Qwen3: RMSNorm over head_dim on each query and key head (own weights [D] for q and for k) before RoPE."""
+        return self.architecture == "qwen3"
+
+    @property
     def attn_channels(self) -> int:
         """Width of the attention output (input of the out-projection): Hq * D."""
         return self.num_heads * self.head_dim
@@ -66,6 +72,8 @@ class ModelConfig:
         per_layer = self.qkv_channels * c + c * self.attn_channels + 2 * i * c + c * i + 2 * c
         if self.qkv_bias:
             per_layer += self.qkv_channels
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         head = 0 if self.tie_word_embeddings else v * c
         return v * c + head + self.num_layers * per_layer + c
 
@@ -141,8 +149,9 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id,
             "use_cache": True,
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "qwen3"):
             d["attention_bias"] = False
+        if self.architecture == "llama":
             d["mlp_bias"] = False
             if self.rope_scaling is not None:
                 d["rope_scaling"] = dict(self.rope_scaling)
@@ -172,12 +181,14 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     eos = d.get("eos_token_id")
     if isinstance(eos, list):
         eos = eos[0] if eos else None
-    if kind == "llama":
+    if kind in ("llama", "qwen3"):
         qkv_bias = False
-        if d.get("attention_bias", False):  # in HF Llama it also adds an o_proj bias, which we do not have
+        if d.get("attention_bias", False):  # in HF Llama / Qwen3 it also adds an o_proj bias, which we do not have
             raise ConfigError(f"{source}: attention_bias=true is not supported.")
         if d.get("mlp_bias", False):
             raise ConfigError(f"{source}: mlp_bias=true is not supported.")
+        if kind == "qwen3" and d.get("use_sliding_window", False):
+            raise ConfigError(f"{source}: use_sliding_window=true is not supported (full attention only).")
     else:
         qkv_bias = True
     rope_theta = d.get("rope_theta")
@@ -241,12 +252,24 @@ def _llama(name, c, i, layers, heads, kv, head_dim, tied, scaling):
                        rope_scaling=_LLAMA3_SCALING if scaling else None, name=name)
 
 
+def _qwen3(name, c, i, layers, heads, kv, tied):
+    """Qwen3 dense, from its published config.json (head_dim 128 throughout, rope_theta 1e6, vocab 151,936)."""
+    return ModelConfig("qwen3", c, i, layers, heads, kv, 151936, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                       tie_word_embeddings=tied, qkv_bias=False, bos_token_id=151643, eos_token_id=151645,
+                       max_position_embeddings=40960, name=name)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "Qwen2.5-0.5B": _qwen("Qwen2.5-0.5B", 896, 4864, 24, 14, 2),
     "Qwen2.5-1.5B": _qwen("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2),
     "Qwen2.5-3B": _qwen("Qwen2.5-3B", 2048, 11008, 36, 16, 2),
     "Qwen2.5-7B": _qwen("Qwen2.5-7B", 3584, 18944, 28, 28, 4, vocab=152064, tied=False),
     "Qwen2.5-14B": _qwen("Qwen2.5-14B", 5120, 13824, 48, 40, 8, vocab=152064, tied=False, eps=1e-5),
+    "Qwen3-0.6B": _qwen3("Qwen3-0.6B", 1024, 3072, 28, 16, 8, True),
+    "Qwen3-1.7B": _qwen3("Qwen3-1.7B", 2048, 6144, 28, 16, 8, True),
+    "Qwen3-4B": _qwen3("Qwen3-4B", 2560, 9728, 36, 32, 8, True),
+    "Qwen3-8B": _qwen3("Qwen3-8B", 4096, 12288, 36, 32, 8, False),
+    "Qwen3-14B": _qwen3("Qwen3-14B", 5120, 17408, 40, 40, 8, False),
     "Llama-3.2-1B": _llama("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, True, True),
     "Llama-3.2-3B": _llama("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, True, True),
     "Llama-3-8B": _llama("Llama-3-8B", 4096, 14336, 32, 32, 8, 128, False, False),
@@ -258,6 +281,10 @@ PRESETS: dict[str, ModelConfig] = {
                               tie_word_embeddings=False, qkv_bias=False, bos_token_id=0, eos_token_id=0,
                               max_position_embeddings=2048, name="tiny-llama"),
     "tiny-qwen": _qwen("tiny-qwen", 128, 384, 2, 4, 2),
+    # head_dim 32 != 64 / 4: the Qwen3 shape where the attention width differs from the hidden size
+    "tiny-qwen3": ModelConfig("qwen3", 64, 160, 2, 4, 2, 512, head_dim=32, rope_theta=10000.0,
+                              tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+                              max_position_embeddings=2048, name="tiny-qwen3"),
 }
 
 

@@ -107,8 +107,11 @@ class Generator:
             p = f"layers.{layer}."
             h = _rmsnorm(x, w[p + "ln1_w"], cfg.rms_norm_eps)
             qkv = F.linear(h, w[p + "qkv_w"], w.get(p + "qkv_b")).view(b, s, hq + 2 * hkv, d)
-            q = _rope(qkv[:, :, :hq], cos, sin)
-            k = _rope(qkv[:, :, hq:hq + hkv], cos, sin)
+            q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv]
+            if cfg.qk_norm:  # Qwen3: per-head RMSNorm of queries and keys before RoPE
+                q, k = _rmsnorm(q, w[p + "q_norm_w"], cfg.rms_norm_eps), _rmsnorm(k, w[p + "k_norm_w"], cfg.rms_norm_eps)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
             self.k_cache[layer, :, :, start:end] = k.transpose(1, 2)
             self.v_cache[layer, :, :, start:end] = qkv[:, :, hq + hkv:].transpose(1, 2)
             keys = self.k_cache[layer, :, :, :end].float()[:, :, None]  # [B, Hkv, 1, end, D]

@@ -117,6 +117,9 @@ def hf_tensor_map(layout: ParamLayout) -> dict[str, HFTensor]:
             add(f"{hf}self_attn.{proj}.weight", our + "qkv_w", start, end)
             if cfg.qkv_bias:
                 add(f"{hf}self_attn.{proj}.bias", our + "qkv_b", start, end)
+        if cfg.qk_norm:
+            add(f"{hf}self_attn.q_norm.weight", our + "q_norm_w")
+            add(f"{hf}self_attn.k_norm.weight", our + "k_norm_w")
         add(f"{hf}self_attn.o_proj.weight", our + "out_w")
         add(f"{hf}mlp.up_proj.weight", our + "up_gate_w", 0, i)
         add(f"{hf}mlp.gate_proj.weight", our + "up_gate_w", i, 2 * i)
@@ -338,7 +341,7 @@ def export_hf(out_dir: str, cfg: ModelConfig, layout: ParamLayout, flat: torch.T
     if dataclasses.replace(layout.cfg, name=cfg.name) != cfg:
         raise ValueError(f"export_hf: the layout was built for config {layout.cfg.name!r}, which differs from "
                          f"the config {cfg.name!r} being exported")
-    if cfg.architecture == "llama" and cfg.qkv_bias:
+    if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias:
         raise ConfigError(f"model config {cfg.name!r}: a llama model with QKV bias has no HF equivalent "
                           f"(HF's attention_bias also adds an o_proj bias); it cannot be exported.")
     _check_flat(layout, flat)

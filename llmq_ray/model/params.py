@@ -11,6 +11,7 @@ Order: every tensor that gets weight decay (embeddings and matrices) comes first
 Fused layouts (HF names in brackets):
 * ``layers.{l}.qkv_w`` [(Hq+2Hkv)*D, C] = rows of [q_proj; k_proj; v_proj], ``qkv_b`` likewise (Qwen2).
 * ``layers.{l}.up_gate_w`` [2I, C] = rows of [up_proj; gate_proj]; swiglu reads [up | gate].
+* ``layers.{l}.q_norm_w`` / ``k_norm_w`` [D] (Qwen3's per-head QK-norm: ``self_attn.q_norm`` / ``k_norm``).
 
 The names are the layout's (and the checkpoints' and HF mapping's); the model reads its weights and writes its
 gradients through ``ModelParams`` / ``BlockParams`` (``w.blocks[l].qkv_w``), typed views over any name -> tensor
@@ -63,6 +64,8 @@ class ParamLayout:
             plain += [(p + "ln1_w", (c,)), (p + "ln2_w", (c,))]
             if cfg.qkv_bias:
                 plain.append((p + "qkv_b", (cfg.qkv_channels,)))
+            if cfg.qk_norm:
+                plain += [(p + "q_norm_w", (cfg.head_dim,)), (p + "k_norm_w", (cfg.head_dim,))]
         plain.append(("final_norm", (c,)))
         self.slots: dict[str, ParamSlot] = {}
         offset = 0
@@ -107,7 +110,8 @@ class BlockParams:
     a store whose buffers change (ZeRO-3 gathers a layer into one of two slots). Model dtype:
 
     ``ln1_w``, ``ln2_w`` [C]; ``qkv_w`` [(Hq+2Hkv)*D, C]; ``qkv_b`` [(Hq+2Hkv)*D] or None (no QKV bias);
-    ``out_w`` [C, Hq*D]; ``up_gate_w`` [2I, C] (rows [up; gate]); ``down_w`` [C, I].
+    ``out_w`` [C, Hq*D]; ``up_gate_w`` [2I, C] (rows [up; gate]); ``down_w`` [C, I]; ``q_norm_w``, ``k_norm_w``
+    [D] or None (Qwen3's QK-norm only).
     ``key(name)`` is the layout's name of one of them (``layers.{l}.qkv_w``): what the FP8 copies are kept by."""
 
     __slots__ = ("layer", "_m", "_prefix")
@@ -129,6 +133,14 @@ class BlockParams:
     @property
     def qkv_b(self) -> torch.Tensor | None:
         return self._m.get(self._prefix + "qkv_b")
+
+    @property
+    def q_norm_w(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "q_norm_w")
+
+    @property
+    def k_norm_w(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "k_norm_w")
 
     @property
     def out_w(self) -> torch.Tensor:
@@ -196,7 +208,7 @@ def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int, start: int =
             continue
         view = flat[lo - start:hi - start]
         leaf = slot.name.rsplit(".", 1)[-1]
-        if leaf in ("ln1_w", "ln2_w", "final_norm"):
+        if leaf in ("ln1_w", "ln2_w", "final_norm", "q_norm_w", "k_norm_w"):
             view.fill_(1.0)
         elif leaf == "qkv_b":
             view.zero_()

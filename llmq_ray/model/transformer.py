@@ -47,7 +47,7 @@ from llmq_ray.model.units import EMBED, HEAD, Policy, UnitHooks
 
 # Which flag turns each activation kind from per-layer storage into a shared, recomputed scratch buffer.
 _RECOMPUTED_BY = {"ln1": "norm", "qkv": "qkv", "att": "att", "lse": "att", "residual_mid": "block",
-                  "ln2": "norm", "up_gate": "ffn", "swiglu": "swiglu"}
+                  "ln2": "norm", "up_gate": "ffn", "swiglu": "swiglu", "qk_in": "qkv", "qk_rstd": "qkv"}
 
 
 class ResidualStream(Policy):
@@ -186,12 +186,15 @@ class Activations:
             "residual_mid": (n, c), "ln2": (n, c), "up_gate": (n, 2 * cfg.intermediate_size),
             "swiglu": (n, cfg.intermediate_size),
         }
+        if cfg.qk_norm:  # Qwen3: the QK-norm's inputs and rstd, per query and key head (recomputed with qkv)
+            shapes["qk_in"] = (n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            shapes["qk_rstd"] = (n, cfg.num_heads + cfg.num_kv_heads)
         self.recompute = recompute
         self.per_layer_bytes = 0
         self.shared_bytes = 0
         self._store: dict[str, list[torch.Tensor]] = {}
         for kind, shape in shapes.items():
-            kind_dtype = torch.float32 if kind == "lse" else dtype
+            kind_dtype = torch.float32 if kind in ("lse", "qk_rstd") else dtype
             recomputed = getattr(recompute, _RECOMPUTED_BY[kind]) or kind in unread_by_backward
             count = 1 if recomputed else L
             bufs = [torch.empty(shape, dtype=kind_dtype, device=device) for _ in range(count)]
@@ -440,6 +443,7 @@ class LlamaModel:
         ln1, qkv, att, lse = a.get("ln1", layer), a.get("qkv", layer), a.get("att", layer), a.get("lse", layer)
         lin = self.lin
         lin.forward(qkv.view(n, -1), ln1, w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
+        self._qk_norm_forward(layer, qkv)
         be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         be.attention_forward(att, lse, qkv, cfg.num_heads, cfg.num_kv_heads)
         if lin.fp8:
@@ -482,6 +486,14 @@ class LlamaModel:
             hooks.after(layer)
         self._swiglu_out_amax_filled = self.swiglu_out_amax is not None
 
+    def _qk_norm_forward(self, layer: int, qkv: torch.Tensor) -> None:
+        """Qwen3: the per-head RMSNorm of the query and key heads of ``qkv``, in place, before RoPE."""
+        cfg = self.cfg
+        if cfg.qk_norm:
+            w = self.w.blocks[layer]
+            self.backend.qk_norm_forward(qkv, self.acts.get("qk_in", layer), self.acts.get("qk_rstd", layer),
+                                         w.q_norm_w, w.k_norm_w, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+
     # ------------------------------------------------------------------ backward
     def _recompute(self, layer: int) -> None:
         """Refill the shared buffers of ``layer`` that the forward did not keep (same kernels, same inputs)."""
@@ -495,6 +507,7 @@ class LlamaModel:
         if rc.qkv:
             lin.forward(qkv.view(n, -1), a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0),
                         bias=w.qkv_b)
+            self._qk_norm_forward(layer, qkv)
             be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         if rc.att:
             be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads)
@@ -576,6 +589,9 @@ class LlamaModel:
                      acc, dy_amax_ready=True)
         self._wait_wgrad("qkv_w")
         self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))  # d_qkv before RoPE
+        if cfg.qk_norm:  # Qwen3: through the QK-norm to the QKV GEMM's output
+            be.qk_norm_backward(self.d_qkv, g.q_norm_w, g.k_norm_w, a.get("qk_in", layer), a.get("qk_rstd", layer),
+                                w.q_norm_w, w.k_norm_w, cfg.num_heads, cfg.num_kv_heads)
         d_qkv = self.d_qkv.view(n, -1)
         if cfg.qkv_bias:  # FP8: the same read of d_qkv gives the QKV GEMM's dy scale
             be.bias_backward(g.qkv_b, d_qkv, absmax=self._dy_amax())
