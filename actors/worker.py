@@ -409,5 +409,4 @@ class GPUWorker:
         self._gc_pauses.close()
         if self._train is not None:
             self._train.close()
-        e = getattr(self, "engine", None)
-        destroy_group(captured=e is not None and e.grad_reduce is not None and e.opts.use_cuda_graphs)
+        destroy_group(captured=self.engine is not None and self.engine.captures_collectives)

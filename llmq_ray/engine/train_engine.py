@@ -272,6 +272,12 @@ class TrainEngine:
                             weight_decay=o.weight_decay, seed=o.seed, chunk=o.opt_chunk_size, offload=offload,
                             zero_copy=o.use_zero_copy, grads_on_host=o.offload_gradients, schedule=self.schedule)
 
+    @property
+    def captures_collectives(self) -> bool:
+        """Whether CUDA graphs hold NCCL collectives (the last micro-step's per-layer reduces): the process group
+        must then not be destroyed (actors/collectives.py, ``destroy_group``)."""
+        return self.grad_reduce is not None and self.opts.use_cuda_graphs
+
     # ------------------------------------------------------------------ weights, whatever the ZeRO level
     def full_params(self) -> torch.Tensor:
         """All weights [layout.numel] (model dtype): a view of the flat device buffer under ZeRO-1/2; under

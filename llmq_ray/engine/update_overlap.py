@@ -60,15 +60,16 @@ def unit_ranges(layout: ParamLayout) -> dict:
     return units
 
 
+def units_of_chunks(chunks: list[tuple[int, int, bool]], units: dict) -> list[list]:
+    """For each chunk (lo, hi, _), the units (in ``units``' order) whose ranges it overlaps."""
+    return [[u for u, ranges in units.items() if any(a < hi and lo < b for a, b in ranges)] for lo, hi, _ in chunks]
+
+
 def chunk_order(chunks: list[tuple[int, int, bool]], units: dict) -> tuple[list[int], dict[int, list]]:
     """(order, ready_after): the chunk indices sorted by the first unit each overlaps (stable), and
     {chunk index: [units whose last overlapping chunk, in that order, it is]}."""
     rank = {u: r for r, u in enumerate(units)}
-
-    def touched(lo: int, hi: int) -> list:
-        return [u for u, ranges in units.items() if any(a < hi and lo < b for a, b in ranges)]
-
-    touches = [touched(lo, hi) for lo, hi, _ in chunks]
+    touches = units_of_chunks(chunks, units)
     order = sorted(range(len(chunks)), key=lambda j: (min((rank[u] for u in touches[j]), default=len(rank)), j))
     last: dict = {}
     for j in order:
@@ -98,8 +99,7 @@ class UpdateOverlap:
         self.comm = comm if comm is not None and comm.world_size > 1 else None
         self.shard_size = shard_size
         self.gather_stream = schedule.stream("weight-gather") if self.comm is not None else None
-        self.touched_by = {u: {j for j, (lo, hi, _) in enumerate(optimizer.chunks)
-                               if any(a < hi and lo < b for a, b in ranges)} for u, ranges in units.items()}
+        self.chunk_units = units_of_chunks(optimizer.chunks, units)  # chunk j -> the units it overlaps
         self._keep: list = []  # tensors made on the compute stream and read by the update: alive until join
         # One event per unit, re-recorded by every update. ``external``: a CUDA graph captured while waiting on
         # it gets an event-wait node on this very event (llmq_ray/engine/cuda_graphs.py), so each replay waits for
@@ -135,7 +135,10 @@ class UpdateOverlap:
         """Several ranks: the update of this rank's chunks, each unit broadcast from its owners as soon as this
         rank's chunks of it (and of every earlier unit) are queued; the unit's event follows its broadcasts."""
         units = list(self.units)
-        waiting = {u: set(js) for u, js in self.touched_by.items()}
+        waiting: dict = {u: set() for u in units}  # unit -> this rank's chunks of it not queued yet
+        for j, touched in enumerate(self.chunk_units):
+            for u in touched:
+                waiting[u].add(j)
         issued = 0
 
         def issue_ready() -> None:
@@ -145,7 +148,7 @@ class UpdateOverlap:
                 issued += 1
 
         def after_chunk(j: int) -> None:
-            for u in units:
+            for u in self.chunk_units[j]:
                 waiting[u].discard(j)
             issue_ready()
 

@@ -383,10 +383,13 @@ class LlamaModel:
         self.amax = torch.zeros(cfg.num_layers, 4, dtype=torch.float32, device=dev)
         # --fp8-delayed-swiglu-scale: per layer [L] fp32, max|d(up+gate)| of its last backward and max|SwiGLU out|
         # of its last forward, the scales of the next ones; filled by the first pass (which measures its own
-        # scales), used from the second on. The forward's needs q(x^T) kept for the wgrad (``store_xt``: no
-        # recomputation), as its kernel writes only the FP8 copies of the SwiGLU output.
+        # scales), used from the second on. Each pass's kernels write what they measure into per-layer slots
+        # (``_swiglu_dy_measured``, ``amax[:, 3]``) that one copy per pass turns into the next pass's scales.
+        # The forward's needs q(x^T) kept for the wgrad (``store_xt``: no recomputation), as its kernel writes
+        # only the FP8 copies of the SwiGLU output.
         delayed = delayed_swiglu_scale and self.lin.fp8
         self.swiglu_dy_amax = torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev) if delayed else None
+        self._swiglu_dy_measured = torch.zeros_like(self.swiglu_dy_amax) if delayed else None
         self.swiglu_out_amax = (torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev)
                                 if delayed and self.lin.store_xt else None)
         self._swiglu_dy_amax_filled = self._swiglu_out_amax_filled = False
@@ -462,8 +465,6 @@ class LlamaModel:
         else:
             be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
             lin.forward(self.scratch_nc, swiglu, w.key("down_w"), self._amax(layer, 3))
-        if hist is not None:
-            hist[layer].copy_(self.amax[layer, 3])  # the scale of this layer's next forward
         last = layer + 1 == cfg.num_layers
         next_ln = self.final_ln if last else a.get("ln1", layer + 1)
         next_rstd = self.final_rstd if last else a.rstd1[layer + 1]
@@ -484,7 +485,9 @@ class LlamaModel:
             hooks.before(layer)
             self._block_forward(layer)
             hooks.after(layer)
-        self._swiglu_out_amax_filled = self.swiglu_out_amax is not None
+        if self.swiglu_out_amax is not None:  # this forward's maxima: the scales of the next one
+            self.swiglu_out_amax.copy_(self.amax[:, 3])
+            self._swiglu_out_amax_filled = True
 
     def _qk_norm_forward(self, layer: int, qkv: torch.Tensor) -> None:
         """Qwen3: the per-head RMSNorm of the query and key heads of ``qkv``, in place, before RoPE."""
@@ -570,11 +573,12 @@ class LlamaModel:
         if lin.fp8:  # the up+gate GEMM's FP8 gradient (both layouts) straight out of the SwiGLU backward
             q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
             hist = self.swiglu_dy_amax
-            delayed = hist[layer] if hist is not None and self._swiglu_dy_amax_filled else None
+            delayed = None
+            if hist is not None:  # measured into this layer's slot; the kept scale once there is one
+                amax = self._swiglu_dy_measured[layer]
+                delayed = hist[layer] if self._swiglu_dy_amax_filled else None
             be.swiglu_backward_fp8(q, q_t, descale, self.d_swiglu, a.get("up_gate", layer), amax, self.d_up_gate,
                                    scale_absmax=delayed)
-            if hist is not None:
-                hist[layer].copy_(amax)  # the scale of this layer's next backward
         else:
             self._wait_wgrad("up_gate_w")
             be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
@@ -643,7 +647,9 @@ class LlamaModel:
         if self.lin.overlap is not None:  # every gradient complete before anything reads them
             self.lin.overlap.wait_all()
         self._block_grads_zero = False  # a second micro-step must accumulate
-        self._swiglu_dy_amax_filled = self.swiglu_dy_amax is not None
+        if self.swiglu_dy_amax is not None:  # this backward's maxima: the scales of the next one
+            self.swiglu_dy_amax.copy_(self._swiglu_dy_measured)
+            self._swiglu_dy_amax_filled = True
 
     def forward_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """Evaluation: adds the summed loss and target count of a batch to loss_sum / target_count
