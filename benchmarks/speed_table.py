@@ -68,12 +68,15 @@ class Row:
 
 
 def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_baseline, device="cuda",
-              llmq_bin=None, fp8_head=False, gpus=(1,), zero_levels=(1,)):
+              llmq_bin=None, fp8_head=False, gpus=(1,), zero_levels=(1,), triton_shape=None):
     """The rows of the grid, in the order they run (each model's rows together, then llm.q's, its baseline
-    last)."""
+    last). ``triton_shape`` (batch, micro-steps, steps, warm-up steps) replaces ``ROW_SHAPES``' triton shape of
+    every model, for the triton/cupy rows and llm.q's beside them (e.g. a larger global batch per step)."""
     rows = []
     for model in models:
-        shapes = ROW_SHAPES.get(model, DEFAULT_SHAPES)
+        shapes = dict(ROW_SHAPES.get(model, DEFAULT_SHAPES))
+        if triton_shape:
+            shapes["triton"] = tuple(triton_shape)
         for backend in backends:
             b, g, steps, warm = shapes["triton" if backend != "torch" else "torch"]
             dtypes = matmul_dtypes if backend != "torch" else ["bf16"]
@@ -239,6 +242,9 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts (CPU: worker counts) of our and llm.q's rows")
     p.add_argument("--zero-levels", nargs="+", type=int, default=[1], choices=[1, 2, 3], help="ZeRO levels of our rows")
     p.add_argument("--fp8-head", action="store_true", help="the e4m3 rows run the LM head in FP8 too (--lmhead-dtype e4m3)")
+    p.add_argument("--triton-shape", nargs=4, type=int, default=None, metavar=("BATCH", "MICRO", "STEPS", "WARMUP"),
+                   help="batch, micro-steps per step, timed steps and warm-up steps of the triton/cupy and llm.q "
+                        "rows, instead of each model's default shape")
     p.add_argument("--llmq-bin", default=None, help="folder of llm.q's prebuilt train binary: adds its rows")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script")
     p.add_argument("--row-timeout-s", type=float, default=150.0, help="time limit of one row")
@@ -257,7 +263,7 @@ def main(argv=None) -> int:
         seq_len = a.seq_len
         rows = plan_rows(a.models, a.backends, a.matmul_dtypes, seq_len, a.overlap_wgrad_sms,
                          a.hf_baseline and a.device == "cuda", a.device, a.llmq_bin, fp8_head=a.fp8_head,
-                         gpus=a.gpus, zero_levels=a.zero_levels)
+                         gpus=a.gpus, zero_levels=a.zero_levels, triton_shape=a.triton_shape)
         path = [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]  # the rows import this checkout
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
         for i, row in enumerate(rows, 1):

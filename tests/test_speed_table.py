@@ -149,6 +149,13 @@ def test_llmq_rows_run_at_the_triton_rows_shapes():
         for flag in ("--batch-size", "--grad-accumulation", "--seq-len", "--steps", "--warmup-steps"):
             assert arg(llmq, flag) == arg(ours, flag), flag
 
+    shaped = speed_table.plan_rows(["Qwen2.5-0.5B"], ["triton"], ["bf16"], 1024, 0, False, llmq_bin="/x/bin",
+                                   triton_shape=(32, 8, 6, 2))
+    for row in shaped:  # --triton-shape moves ours and llm.q's together
+        assert (row.batch, row.micro_steps) == (32, 8)
+        assert [arg(row, f) for f in ("--batch-size", "--grad-accumulation", "--steps", "--warmup-steps")] == \
+            ["32", "8", "6", "2"]
+
 
 def test_llmq_output_becomes_a_record(tmp_path):
     spec = importlib.util.spec_from_file_location("llmq_baseline", ROOT / "benchmarks" / "llmq_baseline.py")
