@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# The two-GPU matrix (nvidia-h100-x2 / nvidia-h200-x2), in three parts of under ten minutes each (a device call's
+# The two-GPU matrix (nvidia-h100-x2 / nvidia-h200-x2), in four parts of under ten minutes each (a device call's
 # limit), all in one lease; from the repository root, carry .whl (+ .anchors for `scale`, runs/shake for `curves`):
-#   bash benchmarks/two_gpu_matrix.sh scale    # 1 -> 2 GPUs, 0.5B (B=32 x 8) and 1.5B (B=16 x 16), bf16 and e4m3
-#                                              # (+ FP8 head), ZeRO-1, CUDA graphs, llm.q's binary beside each
+#   bash benchmarks/two_gpu_matrix.sh scale05  # 1 -> 2 GPUs at 0.5B (B=32 x 8), bf16 and e4m3 (+ FP8 head),
+#                                              # ZeRO-1, CUDA graphs, llm.q's binary beside each (~4 minutes)
+#   bash benchmarks/two_gpu_matrix.sh scale15  # the same at 1.5B (B=16 x 16) (~8 minutes)
 #   bash benchmarks/two_gpu_matrix.sh curves   # 50 steps of 0.5B on real text: 1 GPU (B=8 x 2 and, as the noise
 #                                              # reference, B=16 x 1) vs 2 GPUs (B=8 x 1 each); ZeRO-2/3 rows
 #   bash benchmarks/two_gpu_matrix.sh big      # Qwen2.5-7B (ZeRO-1, e4m3 Adam m) and 14B (ZeRO-3), e4m3 and bf16
 # Logs, tables and curves go to $OUT. Every row is from scratch, T=1024, through Ray; tokens/s per GPU.
-PART=${1:?"usage: two_gpu_matrix.sh scale|curves|big"}
+PART=${1:?"usage: two_gpu_matrix.sh scale05|scale15|curves|big"}
 source benchmarks/device_lib.sh matrix-$PART.log smi-$PART.csv
 left() { echo $(( $1 - ($(date +%s) - T0) )); }   # seconds left of a budget of $1 from the start
 table() { PYTHONPATH=/tmp/site:$PWD timeout $(left 580) python3 benchmarks/speed_table.py --backends triton \
   --no-hf-baseline --gpus 1 2 --matmul-dtypes bf16 e4m3 --fp8-head --row-timeout-s 110 --log $OUT/speed_table.log "$@" \
   2>&1 | tail -2 | tee -a "$L"; }
 case $PART in
-scale)
-  table --models Qwen2.5-0.5B --triton-shape 32 8 8 2 --llmq-bin .anchors/llmq-bin --markdown-out $OUT/table-0.5B.md
-  table --models Qwen2.5-1.5B --triton-shape 16 16 6 2 --markdown-out $OUT/table-1.5B.md
-  cat $OUT/table-*.md >> "$L" ;;
+scale05)
+  table --models Qwen2.5-0.5B --triton-shape 32 8 8 2 --llmq-bin .anchors/llmq-bin --markdown-out $OUT/table.md
+  cat $OUT/table.md >> "$L" ;;
+scale15)
+  table --models Qwen2.5-1.5B --triton-shape 16 16 6 2 --llmq-bin .anchors/llmq-bin --markdown-out $OUT/table.md
+  cat $OUT/table.md >> "$L" ;;
 curves)
   C="examples/train.py --model Qwen2.5-0.5B --from-scratch --train-file runs/shake/train-*.bin --eval-file runs/shake/eval.bin
    --seq-len 1024 --steps 50 --backend triton --learning-rate 6e-4 --lr-schedule cosine --warmup 10
@@ -41,7 +44,7 @@ big)
    --recompute-ffn --batch-size 2 --grad-accumulation 32 --memory-table"
   run 14b_e4m3 150 $S14 --matmul-dtype e4m3
   [ $(left 430) -gt 0 ] && run 14b_bf16 $(left 585) $S14 ;;
-*) echo "two_gpu_matrix.sh: unknown part '$PART'; choose scale, curves or big" >&2; exit 2 ;;
+*) echo "two_gpu_matrix.sh: unknown part '$PART'; choose scale05, scale15, curves or big" >&2; exit 2 ;;
 esac
 stop_smi 10
 grep -E "^== |tokens/s|largest|within" "$L" | cut -c1-240
