@@ -9,6 +9,11 @@ contracts, shapes and dtypes are documented on ``Backend`` in backends/base.py).
   with atomics, so its bits can differ between runs.
 * ``deterministic`` (--deterministic-attention): the same forward, and the backward through our own Triton kernel
   (backends/triton/attention_bwd.py, no atomics: the same bits on every run; under the Triton interpreter on CPU).
+
+Document masking (``--document-masking``): every op takes an optional ``segments`` int [B, T], the document
+index of each token inside its window; a query then attends only to earlier keys of its own document (causal
+and block-diagonal). Only the exact math takes it so far: the fused cuDNN path and the deterministic backward
+refuse it in one sentence (the variable-length GPU path is still to come).
 """
 
 from __future__ import annotations
@@ -16,6 +21,24 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+def _allowed_mask_to_fill(t: int, segments: torch.Tensor | None, device) -> torch.Tensor:
+    """The True-where-masked score mask: causal [T, T], or with ``segments`` [B, T] causal-and-same-document
+    as [B, 1, T, T] (broadcast over the heads). The diagonal is never masked, so no softmax row is empty."""
+    causal = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+    if segments is None:
+        return causal
+    other_doc = segments[:, None, :, None] != segments[:, None, None, :]
+    return causal | other_doc
+
+
+def _refuse_segments(what: str, segments) -> None:
+    if segments is not None:
+        from llmq_ray.errors import ConfigError
+
+        raise ConfigError(f"--document-masking runs on the exact attention path only (CPU, or fp32), not with "
+                          f"{what} yet.")
 
 
 def _split_heads(qkv: torch.Tensor, n_q: int, n_kv: int):
@@ -43,8 +66,9 @@ class SdpaAttention:
     def _fused(self, qkv: torch.Tensor) -> bool:
         return self._aten is not None and qkv.dtype in (torch.bfloat16, torch.float16)
 
-    def forward(self, out, lse, qkv, n_q_heads, n_kv_heads):
+    def forward(self, out, lse, qkv, n_q_heads, n_kv_heads, segments=None):
         if self._fused(qkv):
+            _refuse_segments("the fused cuDNN attention (CUDA, bf16)", segments)
             return self._aten.forward(out, lse, qkv, n_q_heads, n_kv_heads)
         q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
         group = n_q_heads // n_kv_heads
@@ -52,15 +76,15 @@ class SdpaAttention:
         v = v.repeat_interleave(group, dim=1)
         t = q.shape[2]
         scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-        causal = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-        scores.masked_fill_(causal, float("-inf"))
+        scores.masked_fill_(_allowed_mask_to_fill(t, segments, qkv.device), float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - row_lse[..., None])
         lse.copy_(row_lse)
         out.copy_((probs @ v).transpose(1, 2))
 
-    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
+    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments=None):
         if self._fused(qkv):
+            _refuse_segments("the fused cuDNN attention (CUDA, bf16)", segments)
             return self._aten.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
         q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
         b, _, t, d = q.shape
@@ -69,8 +93,7 @@ class SdpaAttention:
         v = v.repeat_interleave(group, dim=1)
         scale = 1.0 / math.sqrt(d)
         scores = (q @ k.transpose(-1, -2)) * scale
-        causal = torch.ones(t, t, dtype=torch.bool, device=qkv.device).triu(1)
-        scores.masked_fill_(causal, float("-inf"))
+        scores.masked_fill_(_allowed_mask_to_fill(t, segments, qkv.device), float("-inf"))
         probs = torch.exp(scores - lse.float()[..., None])
         do = dout.float().transpose(1, 2)  # [B, Hq, T, D]
         o = out.float().transpose(1, 2)
@@ -86,13 +109,14 @@ class SdpaAttention:
         dqkv[:, :, n_q_heads:n_q_heads + n_kv_heads] = dk.transpose(1, 2).to(dqkv.dtype)
         dqkv[:, :, n_q_heads + n_kv_heads:] = dv.transpose(1, 2).to(dqkv.dtype)
 
-    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads):
+    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, segments=None):
         """The gradient of the pre-RoPE qkv: cuDNN's dq/dk/dv go straight into ``backend.rope_backward_from``
         (no copy into dqkv first); otherwise ``backward`` then ``backend.rope_backward`` in place."""
         if self._fused(qkv):
+            _refuse_segments("the fused cuDNN attention (CUDA, bf16)", segments)
             dq, dk, dv = self._aten.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads)
             return backend.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
-        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments)
         backend.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
 
 
@@ -115,12 +139,13 @@ class DeterministicAttention(SdpaAttention):
 
         self._kernel = attention_bwd
 
-    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads):
+    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments=None):
+        _refuse_segments("--deterministic-attention", segments)
         self._kernel.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
 
-    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads):
+    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, segments=None):
         # our backward writes dqkv whole: the plain order, no cuDNN parts
-        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments)
         backend.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
 
 

@@ -129,6 +129,12 @@ class _TrainOptionsBase:
         need(self.lmhead_dtype != "e4m3" or self.model_dtype == "bf16",
              "--lmhead-dtype=e4m3 needs --model-dtype=bf16.")
         need(self.zero_level in (1, 2, 3), f"--zero-level={self.zero_level} must be 1, 2 or 3.")
+        need(self.document_separator is None or (isinstance(self.document_separator, int)
+                                                 and self.document_separator >= 0),
+             f"--document-separator={self.document_separator!r} must be a token id (an integer >= 0).")
+        need(not (self.document_masking and self.deterministic_attention),
+             "--document-masking cannot be combined with --deterministic-attention yet: its backward kernel "
+             "has no document mask.")
         need(self.batch_size % self.attn_bwd_chunks == 0,
              f"--attn-bwd-chunks={self.attn_bwd_chunks} must divide --batch-size={self.batch_size}.")
         need(not self.offload_master or self.master_dtype != self.model_dtype,

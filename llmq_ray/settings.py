@@ -89,6 +89,15 @@ class DataSettings:
     batch_size: int = setting("auto", "micro-batch rows per worker", train_default=4)
     seq_len: int = setting("auto", "tokens per row", train_default=256)
     grad_accumulation: int = setting(1, "micro-steps per optimizer step")
+    document_masking: bool = setting(
+        False,
+        "attention stops at document boundaries inside a packed window: a token attends only to earlier "
+        "tokens of its own document (the exact attention path only so far: CPU or fp32; the GPU's fused "
+        "path refuses it)")
+    document_separator: int | None = setting(
+        None,
+        "the token that ends each document, for --document-masking; default: the train data's EOS "
+        "(its meta.json), else the model's eos_token_id", metavar='ID')
 
 
 @dataclass

@@ -162,6 +162,17 @@ def make_backend(name: str, opts: TrainOptions, device) -> Backend:
     return get_backend(name, device, **backend_components(opts))
 
 
+def _document_separator(opts, cfg) -> int | None:
+    """The token that ends a document under --document-masking (None: masking off); the trainer fills
+    --document-separator from the data's meta.json, an engine built directly falls back to the model's EOS."""
+    if not opts.document_masking:
+        return None
+    sep = opts.document_separator if opts.document_separator is not None else cfg.eos_token_id
+    if sep is None:
+        raise ConfigError("--document-masking needs --document-separator: the model's config names no EOS token.")
+    return int(sep)
+
+
 class TrainEngine:
     """Model, gradients and the local optimizer shard of one rank.
 
@@ -205,7 +216,11 @@ class TrainEngine:
                         gradient_dtype=opts.gradient_dtype, offload_residual=opts.offload_residual,
                         attn_bwd_chunks=opts.attn_bwd_chunks, quants=opts.quants_placement,
                         lmhead_dtype="e4m3" if opts.lmhead_dtype == "e4m3" else None,
-                        delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale)
+                        delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale,
+                        document_separator=_document_separator(opts, cfg))
+        if opts.document_masking and backend.device.type == "cuda" and dtype != torch.float32:
+            raise ConfigError("--document-masking runs on the exact attention path only so far (CPU, or "
+                              "--model-dtype fp32 on the GPU); the fused GPU attention has no document mask yet.")
         if self.zero3:  # only this rank's shard of the weights (llmq_ray/engine/zero3.py)
             self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
                                         sink=self._add_grad_piece)

@@ -290,6 +290,12 @@ class LlamaModel:
     Memory options: ``offload_residual`` keeps the saved residual stream on the host (``ResidualStream``);
     ``attn_bwd_chunks`` runs the attention backward over the batch in that many pieces (the kernel's
     scratch, e.g. the reference's [B, H, T, T] probabilities, shrinks by that factor; results are the same).
+    ``document_separator`` (a token id, e.g. EOS; None: off) turns on document masking: a window packs several
+    documents, each ending with that token, and a token attends only to earlier tokens of its own document
+    (``segments`` [B, T] int32, the document index of each token, computed on the device from the inputs of
+    each forward: no host sync). RoPE needs no position reset for this: its scores depend only on the distance
+    between two positions, so a document gets the attention it would get alone up to rounding. The target at a
+    separator position (the next document's first token) stays a target, as without masking.
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
     llmq_ray/model/linear.py. The results are the same bits in every case.
@@ -301,8 +307,11 @@ class LlamaModel:
                  matmul_dtype: str | None = None, gradient_dtype: str | None = None,
                  weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
                  quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None,
-                 delayed_swiglu_scale: bool = False):
+                 delayed_swiglu_scale: bool = False, document_separator: int | None = None):
         self.cfg, self.backend = cfg, backend
+        self.document_separator = document_separator
+        self.segments = (torch.zeros(batch_size, seq_len, dtype=torch.int32, device=backend.device)
+                         if document_separator is not None else None)
         # the policies around each unit and the side streams they use (llmq_ray/model/units.py); the engine
         # passes its Schedule, a model built on its own runs them in order on the compute stream
         self.schedule = schedule if schedule is not None else UnitHooks(backend.device)
@@ -448,7 +457,7 @@ class LlamaModel:
         lin.forward(qkv.view(n, -1), ln1, w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
         self._qk_norm_forward(layer, qkv)
         be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
-        be.attention_forward(att, lse, qkv, cfg.num_heads, cfg.num_kv_heads)
+        be.attention_forward(att, lse, qkv, cfg.num_heads, cfg.num_kv_heads, self.segments)
         if lin.fp8:
             be.absmax(self.amax[layer, 1], att)
         lin.forward(self.scratch_nc, att.view(n, -1), w.key("out_w"), self._amax(layer, 1))
@@ -476,6 +485,10 @@ class LlamaModel:
     def _forward_trunk(self, tokens: torch.Tensor) -> None:
         """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
         be, a, hooks = self.backend, self.acts, self.schedule
+        if self.segments is not None:  # document index = separators strictly before each token
+            is_sep = (tokens.view(self.batch_size, self.seq_len) == self.document_separator).to(torch.int32)
+            torch.cumsum(is_sep, dim=1, out=self.segments)
+            self.segments.sub_(is_sep)
         hooks.before(EMBED)
         be.embedding_forward(a.residual[0], tokens, self.w.embed)
         hooks.after(EMBED)
@@ -513,7 +526,8 @@ class LlamaModel:
             self._qk_norm_forward(layer, qkv)
             be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         if rc.att:
-            be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads)
+            be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads,
+                                 self.segments)
             if lin.fp8:
                 be.absmax(self.amax[layer, 1], a.get("att", layer))
         if rc.block:
@@ -614,7 +628,8 @@ class LlamaModel:
         for lo in range(0, self.batch_size, step):
             sl = slice(lo, lo + step)
             self.backend.attention_rope_backward(self.d_qkv[sl], self.d_att[sl], att[sl], lse[sl], qkv[sl],
-                                                 self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
+                                                 self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads,
+                                                 None if self.segments is None else self.segments[sl])
 
     # ------------------------------------------------------------------ public steps
     def _lm_head_loss(self, targets: torch.Tensor, backward: bool) -> None:

@@ -57,6 +57,28 @@ def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[st
     return files, total
 
 
+def data_eos_id(pattern: str) -> Optional[int]:
+    """The ``eos_id`` in the meta.json beside the first local file ``pattern`` matches (what
+    ``python -m llmq_ray.data_pipeline.tokenize`` appended after every document); None if there is none."""
+    import json
+
+    from llmq_ray.data_pipeline.sources import resolve_files
+
+    try:
+        files = resolve_files(pattern)
+    except DataError:
+        return None
+    meta = os.path.join(os.path.dirname(files[0]), "meta.json") if files else None
+    if not meta or not os.path.isfile(meta):
+        return None
+    try:
+        with open(meta) as f:
+            eos = json.load(f).get("eos_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return eos if isinstance(eos, int) else None
+
+
 def _check_bin_file(path: str, vocab_size: int, budget: list) -> int:
     """Header, size and (within ``budget[0]`` tokens, decreased here) the token ids of one shard."""
     from llmq_ray.data_pipeline.shards import HEADER_BYTES, Shard, check_token_ids, read_header

@@ -425,6 +425,7 @@ class LLMQTrainer:
         from llmq_ray.train.preflight import check_token_files
 
         r = self.runtime
+        self._resolve_document_separator()
         if r["synthetic_data"]:
             return
         _, total = check_token_files(r["train_file"], "--train-file", self.cfg.vocab_size)
@@ -434,6 +435,22 @@ class LLMQTrainer:
                             f"--seq-len + 1 = {need}.")
         if r["eval_file"]:
             check_token_files(r["eval_file"], "--eval-file", self.cfg.vocab_size)
+
+    def _resolve_document_separator(self) -> None:
+        """--document-masking without --document-separator: the EOS the tokenizer appended to every document
+        (meta.json beside the first train shard), else the model's eos_token_id."""
+        if not self.opts.document_masking or self.opts.document_separator is not None:
+            return
+        from llmq_ray.train.preflight import data_eos_id
+
+        r = self.runtime
+        sep = None if r["synthetic_data"] else data_eos_id(r["train_file"])
+        sep = sep if sep is not None else self.cfg.eos_token_id
+        if sep is None:
+            raise ConfigError("--document-masking needs --document-separator: neither the train data's meta.json "
+                              "nor the model's config names an end-of-document token.")
+        self.opts = dataclasses.replace(self.opts, document_separator=int(sep))
+        self.lines.append(f"document masking: documents end at token {sep}")
 
     def _resolve_resume(self) -> Optional[str]:
         """The checkpoint folder ``resume`` names (None: start fresh). Checked here, before any Ray work:
