@@ -195,3 +195,22 @@ def test_print_kernel_timings(tri, ref):
     print(f"\n  {'kernel':34s} {'triton ms':>10s} {'torch ms':>10s}")
     for name, fn in cases.items():
         print(f"  {name:34s} {kc.time_cuda(lambda: fn(tri)):10.3f} {kc.time_cuda(lambda: fn(ref)):10.3f}")
+
+
+# ---------------------------------------------------------------------------------------------- QK-norm (Qwen3)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_qwen3_shapes(tri, ref, dtype):
+    """The fused QK-norm at Qwen3-0.6B-like shapes (B*T = 4096, Hq = 16, Hkv = 8, D = 128) against the torch
+    reference (tolerances in qk_norm_checks.py), then a timing line (bf16)."""
+    import qk_norm_checks as qc
+
+    qc.check_qk_norm(tri, ref, dtype, 2, 2048, 16, 8, 128, DEV)
+    if dtype == torch.bfloat16:
+        qc.time_qk_norm(tri, ref, 2, 2048, 16, 8, 128, DEV)
+
+
+def test_whole_model_gradients_triton_vs_torch_bf16_qwen3():
+    """test_whole_model_gradients_triton_vs_torch_bf16's check on the tiny-qwen3 preset (QK-norm on)."""
+    import qk_norm_checks as qc
+
+    qc.check_whole_model_gradients_bf16_qwen3("triton")

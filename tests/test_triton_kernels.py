@@ -772,3 +772,56 @@ def test_adamw_e4m3_m_rounding_is_unbiased(request, backend, where):
     assert got.unique().numel() == 2
     spacing = (got.max() - got.min()).item()
     assert abs(got.mean().item() - x) < 4 * 0.5 * spacing / n ** 0.5, (got.mean().item(), x)
+
+
+# ---------------------------------------------------------------------------------------------- QK-norm (Qwen3)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,t,hq,hkv,d", [(2, 8, 4, 2, 32), (2, 64, 4, 2, 24)])  # 2nd: odd D, 2 partial rows
+def test_qk_norm_forward_backward(tri, ref, dtype, b, t, hq, hkv, d):
+    """Forward (output, rstd, saved input) and backward (dx, both weight gradients) against the torch reference;
+    tolerances in qk_norm_checks.py (fp32 1e-5 relative, bf16 2 ulp); value heads untouched; reproducible bits."""
+    from qk_norm_checks import check_qk_norm
+
+    check_qk_norm(tri, ref, dtype, b, t, hq, hkv, d, DEVICE)
+
+
+def test_qk_norm_rejects_mismatched_shapes(tri):
+    qkv, wq, wk = randn(1, 2, 8, 16, seed=70), randn(16, seed=71), randn(16, seed=72)
+    saved, rstd = torch.empty(2, 6, 16, device=DEVICE), torch.empty(2, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="Hq \\+ 2\\*Hkv"):
+        tri.qk_norm_forward(qkv, saved, rstd, wq, wk, 4, 1, 1e-6)
+    with pytest.raises(ValueError, match="rstd"):
+        tri.qk_norm_forward(qkv, saved, rstd.bfloat16(), wq, wk, 4, 2, 1e-6)
+    with pytest.raises(ValueError, match="weights"):
+        tri.qk_norm_forward(qkv, saved, rstd, wq[:8], wk, 4, 2, 1e-6)
+
+
+def test_qk_norm_tiny_qwen3_model_gradients_triton_vs_torch():
+    """The whole forward/backward of the tiny-qwen3 preset (QK-norm on) through both backends, fp32, with the
+    QK-norm weights perturbed away from ones (so q_weight and k_weight differ)."""
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model.params import init_params
+
+    cfg, b, t = PRESETS["tiny-qwen3"], 2, 16
+    results = {}
+    for name in ("triton", "torch"):
+        model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.float32)
+        flat = torch.zeros(model.layout.numel)
+        init_params(model.layout, flat, seed=3)
+        gen = _gen(6)
+        for key, view in model.layout.views(flat).items():
+            if key.endswith(("q_norm_w", "k_norm_w")):
+                view.add_(0.3 * torch.randn(view.shape, generator=gen))
+        model.params[:model.layout.numel].copy_(flat)
+        tokens = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=_gen(4))
+        targets = tokens[:, 1:].clone()
+        model.zero_grads()
+        model.forward_backward(tokens[:, :-1].to(DEVICE), targets.to(DEVICE))
+        grads = {k: v.clone().cpu() for k, v in model.layout.views(model.grads).items()}
+        results[name] = ((model.loss_sum / model.target_count).item(), grads)
+    (loss, g), (loss_ref, g_ref) = results["triton"], results["torch"]
+    assert abs(loss - loss_ref) / loss_ref < 1e-6
+    assert any(k.endswith("k_norm_w") for k in g)
+    for k in g_ref:
+        assert_close(g[k], g_ref[k], 1e-4, k)

@@ -20,6 +20,7 @@ from llmq_ray.backends.triton import fp8 as _fp8
 from llmq_ray.backends.triton import reduce as _reduce
 from llmq_ray.backends.triton import rmsnorm as _rmsnorm
 from llmq_ray.backends.triton import bias as _bias
+from llmq_ray.backends.triton import qk_norm as _qk_norm
 from llmq_ray.backends.triton import rope as _rope
 from llmq_ray.backends.triton import swiglu as _swiglu
 from llmq_ray.backends.triton._common import INTERPRET
@@ -69,6 +70,17 @@ class TritonBackend(Backend):
     def rmsnorm_backward(self, dinp, dweight, dout, inp, weight, rstd, dresidual=None, absmax=None):
         _contiguous(dinp, dweight, dout, inp, weight, rstd, dresidual)
         _rmsnorm.rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual, absmax)
+
+    # ------------------------------------------------------------------ QK-norm (Qwen3)
+    def qk_norm_forward(self, qkv, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads, eps):
+        """The fused kernel of backends/triton/qk_norm.py (one pass over the q/k heads) for the base class's
+        torch default; same contract (Backend.qk_norm_forward)."""
+        _qk_norm.qk_norm_forward(qkv, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads, eps)
+
+    def qk_norm_backward(self, dqkv, dq_weight, dk_weight, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads):
+        """qk_norm.py's backward: dx in place, weight gradients through a deterministic two-kernel reduction."""
+        _qk_norm.qk_norm_backward(dqkv, dq_weight, dk_weight, saved, rstd, q_weight, k_weight, n_q_heads,
+                                  n_kv_heads)
 
     # ------------------------------------------------------------------ RoPE
     def rope_forward(self, qkv, cos, sin, n_q_heads, n_kv_heads):
