@@ -1,6 +1,7 @@
 """Small helpers shared by several test modules (imported as ``from _helpers import ...``: pytest puts tests/
 on sys.path, since tests/ is not a package)."""
 
+import contextlib
 import io
 
 import torch
@@ -62,3 +63,37 @@ def e4m3_stochastic_neighbours(q, scale, want_fp32, rel: float = 1e-6):
         i = int((~ok).nonzero()[0])
         bad.append(f"element {i}: stored {got[i].item()} is not a grid neighbour of {y[i].item()} (step {step[i].item()})")
     return bad
+
+
+def spawn_gloo_ranks(args_of, target, world: int, timeout_s: float = 180) -> None:
+    """Run ``target(*args_of(rank, port))`` in ``world`` spawned processes forming one gloo group; all must
+    exit 0. A hang (mismatched collectives) fails the test instead of leaving processes behind."""
+    import multiprocessing
+
+    from llmq_ray.actors.collectives import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=target, args=args_of(r, port)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * world
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """This spawned process as gloo rank ``rank`` of ``world`` (one CPU thread); the group is left on exit."""
+    torch.set_num_threads(1)
+    from llmq_ray.actors.collectives import destroy_group, init_group
+
+    comm = init_group(f"tcp://127.0.0.1:{port}", rank, world, torch.device("cpu"), timeout_s=60)
+    try:
+        yield comm
+    finally:
+        destroy_group()

@@ -11,10 +11,11 @@ each layer's gradient added into the shard accumulator as soon as its backward i
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
+
+from _helpers import gloo_group, spawn_gloo_ranks
 
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
@@ -158,44 +159,10 @@ def test_memory_table_shows_sharded_weights_and_gradients():
     assert m3["weights"] < 0.6 * m1["weights"]
 
 
-def _spawn_gloo_ranks(args_of, target, world: int, timeout_s: float = 180) -> None:
-    """Run ``target(*args_of(rank, port))`` in ``world`` spawned processes forming one gloo group; all must
-    exit 0. A hang (mismatched collectives) fails the test instead of leaving processes behind."""
-    import multiprocessing
-
-    from llmq_ray.actors.collectives import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=target, args=args_of(r, port)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=timeout_s)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert [p.exitcode for p in procs] == [0] * world
-
-
-@contextlib.contextmanager
-def _gloo_group(rank: int, world: int, port: int):
-    """This spawned process as gloo rank ``rank`` of ``world`` (one CPU thread); the group is left on exit."""
-    torch.set_num_threads(1)
-    from llmq_ray.actors.collectives import destroy_group, init_group
-
-    comm = init_group(f"tcp://127.0.0.1:{port}", rank, world, torch.device("cpu"), timeout_s=60)
-    try:
-        yield comm
-    finally:
-        destroy_group()
-
-
 def _gloo_rank(rank: int, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: ZeRO-3 e4m3, per-layer and persistent FP8 copies, 3 steps of 1 micro-step each;
     rank r takes micro-batch r of the single worker's 2. Rank 0 saves losses and the gathered weights."""
-    with _gloo_group(rank, 2, port) as comm:
+    with gloo_group(rank, 2, port) as comm:
         out = {}
         for persistent in (False, True):
             opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=3,
@@ -216,7 +183,7 @@ def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
     mode skips the same gathers on both ranks (else the collectives would not match up and hang), and a sum
     of two bf16 gradients rounds once whichever rank adds it. Clipping is off (the norm's summation order
     differs between 1 and 2 ranks)."""
-    _spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _gloo_rank, 2)
+    spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _gloo_rank, 2)
     dist = torch.load(tmp_path / "rank0.pt")
     for persistent in (False, True):
         one = _engine("tiny", 3, **E4M3, grad_clip=0.0, persistent_quants=persistent)
@@ -228,7 +195,7 @@ def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
 def _zero12_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """One of ``world`` gloo ranks: 3 fp32 steps of ZeRO-1, then of ZeRO-2, each rank on its own micro-batches;
     rank 0 saves both runs' losses, gradient shards and final weights."""
-    with _gloo_group(rank, world, port) as comm:
+    with gloo_group(rank, world, port) as comm:
         out = {}
         for zero in (1, 2):
             opts = TrainOptions(model="tiny-llama", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=zero)
@@ -250,7 +217,7 @@ def test_zero2_equals_zero1_bit_for_bit_on_gloo_ranks(tmp_path, world):
     against ZeRO-1 (one reduce-scatter of the full buffer at the update), fp32 on 2 and 4 gloo processes: the
     same per-step losses and the same final weights, bit for bit. One micro-step per update: with more, the two
     sum over ranks and micro-steps in a different order, which rounds differently."""
-    _spawn_gloo_ranks(lambda r, port: (r, world, port, str(tmp_path)), _zero12_rank, world)
+    spawn_gloo_ranks(lambda r, port: (r, world, port, str(tmp_path)), _zero12_rank, world)
     out = torch.load(tmp_path / "rank0.pt")
     (l1, _, p1), (l2, shards, p2) = out[1], out[2]
     assert l1 == l2 and len(set(l1)) == 3  # equal, and every update changed the model
@@ -262,7 +229,7 @@ def _zero1_overlap_rank(rank: int, port: int, out_dir: str) -> None:
     """One of 2 gloo ranks: 3 steps of ZeRO-1 (bf16 weights, fp32 master, 2 micro-steps, small optimizer chunks
     that straddle units and shards), with the gradient reduce in the last backward and the per-unit weight
     broadcasts after the update, then with both off; rank 0 saves losses, weights and optimizer state."""
-    with _gloo_group(rank, 2, port) as comm:
+    with gloo_group(rank, 2, port) as comm:
         out = {}
         for overlap in (True, False):
             opts = TrainOptions(model="tiny-llama", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=1,
@@ -291,7 +258,7 @@ def test_zero1_overlapped_reduce_and_gather_equal_the_plain_order_on_gloo_ranks(
     (llmq_ray/engine/grad_reduce.py) and broadcasting each unit's updated weights from its owners
     (llmq_ray/engine/update_overlap.py) give exactly what one reduce-scatter and one all-gather give: the same
     losses, weights and optimizer state, bit for bit (rank-ordered sums on gloo)."""
-    _spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _zero1_overlap_rank, 2)
+    spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _zero1_overlap_rank, 2)
     out = torch.load(tmp_path / "rank0.pt")
     (l_on, p_on, s_on), (l_off, p_off, s_off) = out[True], out[False]
     assert l_on == l_off and len(set(l_on)) == 3

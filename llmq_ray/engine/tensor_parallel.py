@@ -1,0 +1,179 @@
+"""Tensor parallelism's plan and its vocabulary-parallel cross-entropy (groundwork for ``--tensor-parallel T``;
+not yet wired into the model or the workers).
+
+The split (Megatron-style, written for this project's fused layouts; see llmq_ray/model/params.py):
+
+* attention: query heads split evenly, rank r holding heads [r*Hq/T, (r+1)*Hq/T). Key/value heads split
+  evenly when there are at least T of them; with fewer (GQA, e.g. Qwen2.5-0.5B's 2 KV heads on T=4) each KV
+  head is *replicated* on the T/Hkv consecutive ranks whose query heads read it, so every rank still holds
+  whole groups and its attention is local. The replicas' gradients must be summed over those ranks.
+* ``qkv_w`` [(Hq+2Hkv)*D, C] is column-parallel (rows of the stored matrix): each rank holds its q rows, then
+  its k rows, then its v rows, in that order (the local layout is the fused layout of a model with the local
+  head counts); ``qkv_b`` likewise.
+* ``out_w`` [C, Hq*D] is row-parallel (columns of the stored matrix): the columns of the rank's query heads;
+  the partial outputs are summed over the ranks (a reduce-scatter over the sequence with sequence parallelism).
+* ``up_gate_w`` [2I, C] column-parallel: the rank's slice of the up rows, then the same slice of the gate rows
+  (so the local SwiGLU reads [up | gate] as the full one does); ``down_w`` [C, I] row-parallel on that slice.
+* the embedding and the LM head are vocabulary-parallel: rank r holds rows [r*Vs, (r+1)*Vs) with
+  Vs = ceil(V / T) (the last shard is shorter when T does not divide V); ``vocab_parallel_cross_entropy`` turns
+  the logits of each rank's vocabulary shard into the exact losses without gathering the full logits.
+* norms (and Qwen3's QK-norm weights, per head and shared by all heads) are replicated.
+
+Why our own: the split depends on this project's fused flat layout (q|k|v rows, up|gate rows), and the
+cross-entropy runs on the engine's ``Communicator`` (all-gather and sum only), not on autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmq_ray.errors import ConfigError
+from llmq_ray.model.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelPlan:
+    """Which rows/columns of each block weight rank ``r`` of a tensor-parallel group of ``size`` holds."""
+
+    cfg: ModelConfig
+    size: int
+
+    def __post_init__(self):
+        cfg, t = self.cfg, self.size
+
+        def need(cond: bool, msg: str):
+            if not cond:
+                raise ConfigError(msg)
+
+        need(isinstance(t, int) and t >= 1, f"--tensor-parallel={t!r} must be an integer >= 1.")
+        need(cfg.num_heads % t == 0,
+             f"--tensor-parallel={t} must divide the model's {cfg.num_heads} attention heads.")
+        need(cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0,
+             f"--tensor-parallel={t} and the model's {cfg.num_kv_heads} key/value heads: one must divide the other "
+             f"(more ranks than KV heads replicate each KV head on --tensor-parallel / {cfg.num_kv_heads} ranks).")
+        need(cfg.intermediate_size % t == 0,
+             f"--tensor-parallel={t} must divide the model's intermediate size {cfg.intermediate_size}.")
+
+    # ---------------------------------------------------------------- heads
+    @property
+    def q_heads_per_rank(self) -> int:
+        return self.cfg.num_heads // self.size
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return max(self.cfg.num_kv_heads // self.size, 1)
+
+    @property
+    def kv_replicas(self) -> int:
+        """On how many ranks each KV head lives (1 unless there are fewer KV heads than ranks)."""
+        return max(self.size // self.cfg.num_kv_heads, 1)
+
+    def q_heads(self, rank: int) -> range:
+        n = self.q_heads_per_rank
+        return range(rank * n, (rank + 1) * n)
+
+    def kv_heads(self, rank: int) -> range:
+        if self.kv_replicas > 1:
+            head = rank // self.kv_replicas
+            return range(head, head + 1)
+        n = self.kv_heads_per_rank
+        return range(rank * n, (rank + 1) * n)
+
+    def local_config(self) -> ModelConfig:
+        """The shape one rank computes: its head counts and intermediate slice (head_dim and the rest as the
+        model's; hidden size and vocabulary unchanged, the embedding's split is the vocabulary range's)."""
+        return dataclasses.replace(self.cfg, num_heads=self.q_heads_per_rank, num_kv_heads=self.kv_heads_per_rank,
+                                   intermediate_size=self.cfg.intermediate_size // self.size,
+                                   head_dim=self.cfg.head_dim)
+
+    # ---------------------------------------------------------------- row / column ranges of the fused weights
+    def qkv_rows(self, rank: int) -> list[tuple[int, int]]:
+        """Row ranges of ``qkv_w`` / ``qkv_b`` ([(Hq+2Hkv)*D, ...]) rank ``rank`` holds, in its local order."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        q, kv = self.q_heads(rank), self.kv_heads(rank)
+        k0, v0 = cfg.num_heads * d, (cfg.num_heads + cfg.num_kv_heads) * d
+        return [(q.start * d, q.stop * d), (k0 + kv.start * d, k0 + kv.stop * d),
+                (v0 + kv.start * d, v0 + kv.stop * d)]
+
+    def out_cols(self, rank: int) -> tuple[int, int]:
+        """Column range of ``out_w`` [C, Hq*D] (the attention output of the rank's query heads)."""
+        q, d = self.q_heads(rank), self.cfg.head_dim
+        return q.start * d, q.stop * d
+
+    def ffn_slice(self, rank: int) -> tuple[int, int]:
+        """The rank's range of the intermediate dimension [0, I)."""
+        n = self.cfg.intermediate_size // self.size
+        return rank * n, (rank + 1) * n
+
+    def up_gate_rows(self, rank: int) -> list[tuple[int, int]]:
+        """Row ranges of ``up_gate_w`` [2I, C] = [up; gate]: the rank's up rows, then its gate rows."""
+        lo, hi = self.ffn_slice(rank)
+        i = self.cfg.intermediate_size
+        return [(lo, hi), (i + lo, i + hi)]
+
+    def vocab_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of the vocabulary rows rank ``rank`` holds of the embedding and the LM head."""
+        shard = -(-self.cfg.vocab_size // self.size)
+        return min(rank * shard, self.cfg.vocab_size), min((rank + 1) * shard, self.cfg.vocab_size)
+
+    def shard(self, name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s part of the full tensor of layout slot ``name`` (e.g. ``layers.3.qkv_w``), a copy in
+        the rank's local layout; replicated tensors (norm weights) come back whole."""
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("qkv_w", "qkv_b"):
+            return torch.cat([full[a:b] for a, b in self.qkv_rows(rank)])
+        if kind == "up_gate_w":
+            return torch.cat([full[a:b] for a, b in self.up_gate_rows(rank)])
+        if kind == "out_w":
+            a, b = self.out_cols(rank)
+            return full[:, a:b].clone()
+        if kind == "down_w":
+            a, b = self.ffn_slice(rank)
+            return full[:, a:b].clone()
+        if kind in ("embed", "lm_head"):
+            a, b = self.vocab_range(rank)
+            return full[a:b].clone()
+        return full.clone()
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm,
+                                 dlogits: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy over logits split by vocabulary across the ranks of ``comm`` (the tensor-parallel group).
+
+    logits[N, Vr] (any float dtype; computed in fp32) are this rank's columns [vocab_start, vocab_start + Vr)
+    of the full [N, V] logits; targets[N] int, global ids, -100 = masked. Returns losses[N] fp32, the same on
+    every rank (0 at masked rows). With ``dlogits`` [N, Vr] fp32, also writes d(sum of losses)/d logits for
+    this rank's columns: softmax - one-hot, zero at masked rows.
+
+    Three collectives of [N] vectors, never the full logits: the row maxima (gathered, then the max, so every
+    rank shifts by the same value), the sums of exp, and the target logits (each from the rank that holds the
+    target's column, 0 elsewhere). ``comm`` needs ``world_size``, ``all_gather(full, shard)`` and
+    ``all_reduce_sum(tensor)`` (the engine's Communicator).
+    """
+    x = logits.float()
+    n, local_v = x.shape
+    world = comm.world_size
+    local_max = x.max(dim=1).values if local_v else torch.full((n,), float("-inf"), device=x.device)
+    maxima = torch.empty(world * n, dtype=torch.float32, device=x.device)
+    comm.all_gather(maxima, local_max.contiguous())
+    row_max = maxima.view(world, n).max(dim=0).values
+    exp = torch.exp(x - row_max[:, None])
+    sum_exp = exp.sum(dim=1)
+    local_t = targets.to(x.device).long() - vocab_start
+    mine = (local_t >= 0) & (local_t < local_v)
+    target_logit = torch.zeros(n, dtype=torch.float32, device=x.device)
+    rows = mine.nonzero(as_tuple=True)[0]
+    target_logit[rows] = x[rows, local_t[rows]]
+    stats = torch.stack([sum_exp, target_logit])  # one collective for both sums
+    comm.all_reduce_sum(stats)
+    sum_exp, target_logit = stats[0], stats[1]
+    masked = targets.to(x.device) == -100
+    losses = torch.log(sum_exp) + row_max - target_logit
+    losses = losses.masked_fill(masked, 0.0)
+    if dlogits is not None:
+        dlogits.copy_(exp / sum_exp[:, None])
+        dlogits[rows, local_t[rows]] -= 1.0
+        dlogits[masked] = 0.0
+    return losses

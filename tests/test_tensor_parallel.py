@@ -1,0 +1,124 @@
+"""Tensor parallelism's groundwork (llmq_ray/engine/tensor_parallel.py): the plan's split of the fused block
+weights reproduces the full block when each rank computes its part and the row-parallel partials are summed
+(GQA with more and with fewer KV heads than ranks), and the vocabulary-parallel cross-entropy equals the full one,
+losses and logit gradients, over a real gloo group."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _helpers import gloo_group, spawn_gloo_ranks
+
+from llmq_ray.engine.tensor_parallel import TensorParallelPlan, vocab_parallel_cross_entropy
+from llmq_ray.engine.train_engine import Communicator
+from llmq_ray.errors import ConfigError
+from llmq_ray.model.config import ModelConfig
+
+# 8 query heads, 2 KV heads: T=2 splits the KV heads, T=4 and T=8 replicate them
+CFG = ModelConfig("llama", 48, 96, 1, 8, 2, 11, head_dim=6, name="tp-test")
+
+
+def _attention(q, k, v):
+    """Causal GQA on [T, H, D] q and [T, Hkv, D] k/v, fp64."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    return out.transpose(0, 1)
+
+
+def _block(cfg, x, w):
+    """Attention (no RoPE: the split does not touch it) + SwiGLU MLP of one block; the row-parallel outputs."""
+    d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    qkv = x @ w["qkv_w"].T + w["qkv_b"]
+    q = qkv[:, :h * d].view(-1, h, d)
+    k = qkv[:, h * d:(h + kv) * d].view(-1, kv, d)
+    v = qkv[:, (h + kv) * d:].view(-1, kv, d)
+    att_out = _attention(q, k, v).reshape(x.shape[0], -1) @ w["out_w"].T
+    up_gate = x @ w["up_gate_w"].T
+    i = cfg.intermediate_size
+    mlp_out = (up_gate[:, :i] * F.silu(up_gate[:, i:])) @ w["down_w"].T
+    return att_out, mlp_out
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 8])
+def test_the_split_block_sums_to_the_full_block(size):
+    plan = TensorParallelPlan(CFG, size)
+    gen = torch.Generator().manual_seed(size)
+    c, d = CFG.hidden_size, CFG.head_dim
+    full = {"qkv_w": torch.randn(CFG.qkv_channels, c, generator=gen, dtype=torch.float64),
+            "qkv_b": torch.randn(CFG.qkv_channels, generator=gen, dtype=torch.float64),
+            "out_w": torch.randn(c, CFG.num_heads * d, generator=gen, dtype=torch.float64),
+            "up_gate_w": torch.randn(2 * CFG.intermediate_size, c, generator=gen, dtype=torch.float64),
+            "down_w": torch.randn(c, CFG.intermediate_size, generator=gen, dtype=torch.float64)}
+    x = torch.randn(10, c, generator=gen, dtype=torch.float64)
+    want_att, want_mlp = _block(CFG, x, full)
+    local = plan.local_config()
+    assert local.num_heads * size == CFG.num_heads and local.intermediate_size * size == CFG.intermediate_size
+    assert local.num_kv_heads == (CFG.num_kv_heads // size if size <= 2 else 1)
+    parts = [_block(local, x, {n: plan.shard(f"layers.0.{n}", t, r) for n, t in full.items()}) for r in range(size)]
+    torch.testing.assert_close(sum(p[0] for p in parts), want_att, rtol=1e-12, atol=1e-10)
+    torch.testing.assert_close(sum(p[1] for p in parts), want_mlp, rtol=1e-12, atol=1e-10)
+    # every query head once; every KV head on kv_replicas ranks; the vocabulary covered once
+    assert sorted(h for r in range(size) for h in plan.q_heads(r)) == list(range(CFG.num_heads))
+    kv = [h for r in range(size) for h in plan.kv_heads(r)]
+    assert sorted(kv) == sorted(list(range(CFG.num_kv_heads)) * plan.kv_replicas)
+    ranges = [plan.vocab_range(r) for r in range(size)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == CFG.vocab_size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("size, words", [(3, "must divide the model's 8 attention heads"),
+                                         (16, "must divide the model's 8 attention heads"),
+                                         (0, "must be an integer >= 1")])
+def test_splits_that_do_not_fit_are_refused(size, words):
+    with pytest.raises(ConfigError, match=words):
+        TensorParallelPlan(CFG, size)
+
+
+def _reference(logits, targets):
+    losses = F.cross_entropy(logits, targets, ignore_index=-100, reduction="none")
+    grad = torch.softmax(logits, dim=1)
+    grad[torch.arange(len(targets))[targets >= 0], targets[targets >= 0]] -= 1.0
+    grad[targets == -100] = 0.0
+    return losses, grad
+
+
+def _case():
+    gen = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(7, CFG.vocab_size, generator=gen)
+    targets = torch.randint(0, CFG.vocab_size, (7,), generator=gen)
+    targets[2] = -100
+    targets[3] = CFG.vocab_size - 1   # in the last, shorter shard
+    return logits, targets
+
+
+def test_one_rank_is_the_plain_cross_entropy():
+    logits, targets = _case()
+    d = torch.empty_like(logits)
+    losses = vocab_parallel_cross_entropy(logits, targets, 0, Communicator(), dlogits=d)
+    want, want_grad = _reference(logits, targets)
+    torch.testing.assert_close(losses, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(d, want_grad, rtol=1e-6, atol=5e-7)  # a few fp32 ulp of values <= 1
+
+
+def _vocab_rank(rank: int, port: int, out: str) -> None:
+    with gloo_group(rank, 2, port) as comm:
+        logits, targets = _case()
+        lo, hi = TensorParallelPlan(CFG, 2).vocab_range(rank)   # 6 + 5 columns
+        d = torch.empty(logits.shape[0], hi - lo)
+        losses = vocab_parallel_cross_entropy(logits[:, lo:hi].contiguous(), targets, lo, comm, dlogits=d)
+        torch.save({"losses": losses, "grad": d, "range": (lo, hi)}, f"{out}/rank{rank}.pt")
+
+
+def test_vocab_parallel_cross_entropy_equals_the_full_one_on_two_gloo_ranks(tmp_path):
+    spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _vocab_rank, 2)
+    logits, targets = _case()
+    want, want_grad = _reference(logits, targets)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert got[0]["range"] == (0, 6) and got[1]["range"] == (6, 11)
+    for g in got:  # every rank has every row's loss
+        torch.testing.assert_close(g["losses"], want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.cat([g["grad"] for g in got], dim=1), want_grad, rtol=1e-6, atol=5e-7)  # a few fp32 ulp of values <= 1
+    assert math.isclose(float(got[0]["losses"][2]), 0.0)  # the masked row
