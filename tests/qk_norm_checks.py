@@ -13,7 +13,6 @@ back untouched, ``saved`` bit-identical, and a second run must give the same bit
 
 from __future__ import annotations
 
-from unittest import mock
 
 import torch
 
@@ -102,16 +101,3 @@ def time_qk_norm(fast, ref, b, t, hq, hkv, d, device):
     for what, fn in (("forward", lambda be: be.qk_norm_forward(qkv, saved, rstd, w, w, hq, hkv, 1e-6)),
                      ("backward", lambda be: be.qk_norm_backward(dy, dwq, dwk, saved, rstd, w, w, hq, hkv))):
         print(f"  {what:44s} {time_cuda(lambda: fn(fast)):9.4f} {time_cuda(lambda: fn(ref)):9.4f}")
-
-
-def check_whole_model_gradients_bf16_qwen3(backend_name):
-    """kernel_checks.check_whole_model_gradients_bf16 (loss within 1%, every parameter's gradient cosine >= 0.99
-    against the torch backend's, bf16) on the tiny-qwen3 preset, B=4, T=128: the same check as the Qwen2 models'
-    ("tiny", "mid"), with tiny-qwen3 added to the configurations it looks up."""
-    import kernel_checks as kc
-    from llmq_ray.model.config import PRESETS
-
-    base = kc.model_configs
-    with mock.patch.object(kc, "model_configs",
-                           lambda: base() + [("tiny-qwen3", PRESETS["tiny-qwen3"], 4, 128)]):
-        kc.check_whole_model_gradients_bf16(backend_name, "tiny-qwen3")

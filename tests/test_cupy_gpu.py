@@ -101,7 +101,7 @@ def test_stochastic_round_unbiased(cp):
     kc.check_stochastic_round_unbiased(cp)
 
 
-@pytest.mark.parametrize("which", ["tiny", "mid"])
+@pytest.mark.parametrize("which", ["tiny", "mid", "tiny-qwen3"])
 def test_whole_model_gradients_cupy_vs_torch_bf16(which):
     kc.check_whole_model_gradients_bf16("cupy", which)
 
@@ -297,11 +297,3 @@ def test_adamw_e4m3_m_rounding_is_unbiased(cp):
     assert got.unique().numel() == 2
     spacing = (got.max() - got.min()).item()
     assert abs(got.mean().item() - x) < 4 * 0.5 * spacing / n ** 0.5, (got.mean().item(), x)
-
-
-def test_whole_model_gradients_cupy_vs_torch_bf16_qwen3():
-    """The whole-model bf16 check on tiny-qwen3 (QK-norm on; the CuPy backend runs the base class's torch-op
-    QK-norm until it has a kernel of its own)."""
-    import qk_norm_checks as qc
-
-    qc.check_whole_model_gradients_bf16_qwen3("cupy")

@@ -134,7 +134,7 @@ def test_stochastic_round_unbiased(tri):
     kc.check_stochastic_round_unbiased(tri)
 
 
-@pytest.mark.parametrize("which", ["tiny", "mid"])
+@pytest.mark.parametrize("which", ["tiny", "mid", "tiny-qwen3"])
 def test_whole_model_gradients_triton_vs_torch_bf16(which):
     kc.check_whole_model_gradients_bf16("triton", which)
 
@@ -207,10 +207,3 @@ def test_qk_norm_qwen3_shapes(tri, ref, dtype):
     qc.check_qk_norm(tri, ref, dtype, 2, 2048, 16, 8, 128, DEV)
     if dtype == torch.bfloat16:
         qc.time_qk_norm(tri, ref, 2, 2048, 16, 8, 128, DEV)
-
-
-def test_whole_model_gradients_triton_vs_torch_bf16_qwen3():
-    """test_whole_model_gradients_triton_vs_torch_bf16's check on the tiny-qwen3 preset (QK-norm on)."""
-    import qk_norm_checks as qc
-
-    qc.check_whole_model_gradients_bf16_qwen3("triton")
