@@ -212,7 +212,8 @@ class ShardWriter:
             raise DataError(f"{path}: vocab size must be positive, got {vocab_size}.")
         self.path, self.vocab_size, self.has_masks = path, int(vocab_size), bool(has_masks)
         self.n_tokens = 0
-        self._mask_parts: list[np.ndarray] = []
+        self._mask_bytes: list[bytes] = []  # the bitmap, packed 8 tokens a byte as they come (n/8 bytes held)
+        self._mask_tail = np.zeros(0, dtype=bool)  # the last n % 8 mask bits, not yet a whole byte
         self._f, self._tmp = _atomic_target(path)
         self._f.write(b"\0" * HEADER_BYTES)
 
@@ -236,7 +237,10 @@ class ShardWriter:
             mask = np.asarray(mask, dtype=bool)
             if mask.shape != tokens.shape:
                 raise DataError(f"{self.path}: mask shape {mask.shape} differs from tokens shape {tokens.shape}.")
-            self._mask_parts.append(mask)
+            bits = np.concatenate([self._mask_tail, mask])
+            whole = len(bits) & ~7
+            self._mask_bytes.append(np.packbits(bits[:whole], bitorder="little").tobytes())
+            self._mask_tail = bits[whole:]
         self.n_tokens += tokens.size
 
     def close(self) -> str:
@@ -244,8 +248,8 @@ class ShardWriter:
         if self._f is None:
             return self.path
         if self.has_masks:
-            bits = np.concatenate(self._mask_parts) if self._mask_parts else np.zeros(0, bool)
-            self._f.write(np.packbits(bits, bitorder="little").tobytes())
+            self._f.write(b"".join(self._mask_bytes))
+            self._f.write(np.packbits(self._mask_tail, bitorder="little").tobytes())  # zero-padded last byte
         header = np.zeros(HEADER_INTS, dtype="<i4")
         header[2:7] = [LLMQ_VERSION, 4, self.n_tokens, self.vocab_size, int(self.has_masks)]
         raw = bytearray(header.tobytes())
