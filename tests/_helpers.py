@@ -3,6 +3,7 @@ on sys.path, since tests/ is not a package)."""
 
 import contextlib
 import io
+import json
 
 import torch
 
@@ -97,3 +98,42 @@ def gloo_group(rank: int, world: int, port: int):
         yield comm
     finally:
         destroy_group()
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+DEFAULT_SYSTEM = "You are a helpful assistant."
+# our own ChatML template: Qwen's layout (default system prompt, ChatML turns, generation prompt); roles other
+# than system/user/assistant are refused by the template itself
+TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] in ['system', 'user', 'assistant'] %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- else %}{{- raise_exception('role ' + message['role'] + ' is not supported') }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def write_chatml_tokenizer(folder) -> str:
+    """A tiny byte-level BPE tokenizer (< 512 ids, so the ``tiny`` preset reads it) with its own ChatML chat
+    template in the layout of Qwen's (default system prompt, generation prompt), written into ``folder`` as an
+    HF tokenizer folder (tokenizer.json, tokenizer_config.json); returns the folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. user assistant system "
+                             "You are a helpful assistant.\n"] * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    added = {str(tok.token_to_id(s)): {"content": s, "special": True, "lstrip": False, "rstrip": False,
+                                       "normalized": False, "single_word": False} for s in SPECIALS}
+    with open(folder / "tokenizer_config.json", "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+                   "pad_token": "<|endoftext|>", "added_tokens_decoder": added, "chat_template": TEMPLATE}, f)
+    assert tok.get_vocab_size() <= 512
+    return str(folder)

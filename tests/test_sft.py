@@ -17,26 +17,13 @@ import pytest
 import torch
 
 from llmq_ray.data_pipeline.order import rank_order
+from _helpers import DEFAULT_SYSTEM, TEMPLATE, write_chatml_tokenizer
+
 from llmq_ray.data_pipeline.shards import open_shard
 from llmq_ray.data_pipeline.stream import EvalStream, TokenStream, build_spec
 from llmq_ray.data_pipeline.tokenize import main as tokenize_main
 from llmq_ray.data_pipeline.tokenize import tokenize_chat
 from llmq_ray.errors import DataError
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-DEFAULT_SYSTEM = "You are a helpful assistant."
-# our own ChatML template: Qwen's layout (default system prompt, ChatML turns, generation prompt); roles other
-# than system/user/assistant are refused by the template itself
-TEMPLATE = (
-    "{%- if not messages or messages[0]['role'] != 'system' %}"
-    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] in ['system', 'user', 'assistant'] %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- else %}{{- raise_exception('role ' + message['role'] + ' is not supported') }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 CONVERSATIONS = [
     [{"role": "system", "content": "You are a fox."}, {"role": "user", "content": "Hi fox"},
@@ -53,24 +40,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog. user assistant system "
-                             "You are a helpful assistant.\n"] * 20, trainer)
-    folder = tmp_path_factory.mktemp("tok")
-    tok.save(str(folder / "tokenizer.json"))
-    added = {str(tok.token_to_id(s)): {"content": s, "special": True, "lstrip": False, "rstrip": False,
-                                       "normalized": False, "single_word": False} for s in SPECIALS}
-    with open(folder / "tokenizer_config.json", "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-                   "pad_token": "<|endoftext|>", "added_tokens_decoder": added, "chat_template": TEMPLATE}, f)
-    assert tok.get_vocab_size() <= 512
-    return str(folder)
+    return write_chatml_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +220,7 @@ def test_a_step_whose_targets_are_all_masked_divides_by_no_zero():
     x = torch.arange(16).view(2, 8) % 50
     e.micro_step(x, torch.full((2, 8), -100), last=True)
     stats = e.update(1e-3, 1)
-    assert stats.loss == 0.0 and stats.grad_norm == 0.0 and not stats.skipped  # (stats.tokens: the clamped count)
+    assert stats.loss == 0.0 and stats.grad_norm == 0.0 and not stats.skipped and stats.tokens == 0
     assert torch.isfinite(e.params).all()
 
 

@@ -453,7 +453,7 @@ class TrainEngine:
         norm = norm_sq.sqrt() / count
         coef = clip_coefficient(norm, self.opts.grad_clip)
         finite = torch.isfinite(coef)
-        stats = torch.stack([totals[0].float() / count, norm, count, finite.float()]).tolist()
+        stats = torch.stack([totals[0].float() / count, norm, totals[1].float(), finite.float()]).tolist()
         self.micro_steps_done = 0
         reason = None
         if not stats[3]:
