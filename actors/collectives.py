@@ -271,6 +271,36 @@ def workers_per_node(node_of_rank: list[str], names: dict | None = None) -> int:
                       f"use a worker count that fills every node evenly, or --zero-scope world.")
 
 
+def tensor_parallel_rank_lists(world_size: int, tp: int, per_node: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The 2-D layout world = data-parallel x tensor-parallel (``--tensor-parallel`` T): the tensor-parallel
+    groups are T consecutive ranks (rank = dp index x T + tp rank), so with the ranks of a node contiguous
+    (``per_node`` of them, actors/placement.py) a group never leaves its node and its per-layer activation
+    collectives stay on NVLink; the data-parallel groups are the ranks with the same tp rank, one per group,
+    which split the ZeRO shards. Returns (tp rank lists, dp rank lists); one ConfigError sentence when T does
+    not divide the worker count or the workers of a node."""
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"--tensor-parallel={tp} must divide the number of workers ({world_size}).")
+    if per_node % tp:
+        raise ConfigError(f"--tensor-parallel={tp} must divide the {per_node} workers of each node: a "
+                          f"tensor-parallel group exchanges activations every layer and must stay on one node.")
+    tp_lists = [list(range(g * tp, (g + 1) * tp)) for g in range(world_size // tp)]
+    dp_lists = [list(range(r, world_size, tp)) for r in range(tp)]
+    return tp_lists, dp_lists
+
+
+def tensor_parallel_groups(world: TorchDistCommunicator, tp: int, per_node: int):
+    """This rank's (tensor-parallel, data-parallel) communicators over subgroups of ``world`` (every rank calls
+    this with the same arguments; the layout is ``tensor_parallel_rank_lists``'s)."""
+    tp_lists, dp_lists = tensor_parallel_rank_lists(world.world_size, tp, per_node)
+    tp_groups = _new_groups(tp_lists, world.timeout_s)  # all ranks create every group, in this order
+    dp_groups = _new_groups(dp_lists, world.timeout_s)
+    g, r = divmod(world.rank, tp)
+    tp_comm = TorchDistCommunicator(r, tp, world.backend, world.timeout_s, group=tp_groups[g], members=tp_lists[g])
+    dp_comm = TorchDistCommunicator(g, world.world_size // tp, world.backend, world.timeout_s, group=dp_groups[r],
+                                    members=dp_lists[r])
+    return tp_comm, dp_comm
+
+
 def _new_groups(rank_lists: list[list[int]], timeout_s: float) -> list:
     """One torch.distributed subgroup per list of global ranks; every rank must call this with the same lists."""
     timeout = datetime.timedelta(seconds=timeout_s)

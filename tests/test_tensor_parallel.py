@@ -122,3 +122,35 @@ def test_vocab_parallel_cross_entropy_equals_the_full_one_on_two_gloo_ranks(tmp_
         torch.testing.assert_close(g["losses"], want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat([g["grad"] for g in got], dim=1), want_grad, rtol=1e-6, atol=5e-7)  # a few fp32 ulp of values <= 1
     assert math.isclose(float(got[0]["losses"][2]), 0.0)  # the masked row
+
+
+def test_the_2d_layout_keeps_tensor_parallel_groups_on_a_node():
+    from llmq_ray.actors.collectives import tensor_parallel_rank_lists
+
+    tp, dp = tensor_parallel_rank_lists(8, 2, per_node=4)   # 2 nodes of 4 workers
+    assert tp == [[0, 1], [2, 3], [4, 5], [6, 7]] and dp == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert all(len({r // 4 for r in group}) == 1 for group in tp)   # each TP group on one node
+    with pytest.raises(ConfigError, match="must divide the number of workers"):
+        tensor_parallel_rank_lists(6, 4, per_node=6)
+    with pytest.raises(ConfigError, match="must stay on one node"):
+        tensor_parallel_rank_lists(8, 4, per_node=2)
+
+
+def _groups_rank(rank: int, port: int, out: str) -> None:
+    from llmq_ray.actors.collectives import tensor_parallel_groups
+
+    with gloo_group(rank, 4, port) as world:
+        tp, dp = tensor_parallel_groups(world, 2, per_node=4)
+        a, b = torch.tensor([float(rank)]), torch.tensor([float(rank)])
+        tp.all_reduce_sum(a)
+        dp.all_reduce_sum(b)
+        torch.save({"tp": (tp.rank, tp.world_size, a.item()), "dp": (dp.rank, dp.world_size, b.item())},
+                   f"{out}/rank{rank}.pt")
+
+
+def test_tensor_and_data_parallel_groups_sum_over_the_right_ranks(tmp_path):
+    spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _groups_rank, 4)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    # TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3}
+    assert [g["tp"] for g in got] == [(0, 2, 1.0), (1, 2, 1.0), (0, 2, 5.0), (1, 2, 5.0)]
+    assert [g["dp"] for g in got] == [(0, 2, 2.0), (0, 2, 4.0), (1, 2, 2.0), (1, 2, 4.0)]
