@@ -37,6 +37,24 @@ How a backend is put together (``get_backend(name, device, gemm=..., attention=.
   (backends/torch_ref.py), bound at construction. A class that neither implements nor lists an op is refused
   when it is defined (``__init_subclass__``), so nothing is inherited silently; ``describe()`` is the start-up
   line that names the fallbacks (``cupy: 19 native ops, 1 from torch: bias_backward; GEMM torch, attention sdpa``).
+* ``TORCH_DEFAULT_OPS`` are the exception, on purpose and by name: ops a newer architecture brought (Qwen3's
+  QK-norm; GPT-2's LayerNorm with bias, GELU-tanh and learned position embedding) whose default here *is* written
+  in torch operations, so every backend inherits a correct op (CPU and CUDA, any dtype) until it gets a fused
+  kernel of its own, which then simply overrides the method. They are outside ``KERNEL_OPS`` (neither counted
+  on the start-up line nor listed in ``FALLBACKS``); the model calls them only for the architecture that
+  needs them, so the Llama/Qwen2 path never runs one.
+
+========================================  ==========================================================
+op (default in torch ops, on this class)  used by
+========================================  ==========================================================
+qk_norm_forward / qk_norm_backward        Qwen3 (per-head RMSNorm of q and k before RoPE)
+layernorm_forward / layernorm_backward    GPT-2 (ln_1, ln_2, ln_f: LayerNorm with weight and bias)
+fused_residual_layernorm_forward          GPT-2 (a block's residual add and the next LayerNorm)
+gelu_tanh_forward / gelu_tanh_backward    GPT-2 (the MLP's activation, HF's "gelu_new")
+position_embedding_forward / _backward    GPT-2 (wpe: positions 0..T-1 of every window)
+========================================  ==========================================================
+
+A backend's own kernel for one of them is a method of the same name and contract on its class.
 """
 
 from __future__ import annotations
@@ -89,6 +107,14 @@ KERNEL_OPS = ("embedding_forward", "embedding_backward", "rmsnorm_forward", "fus
               "quantize_with_transpose", "fused_classifier", "fused_classifier_fp8", "adamw_update", "global_norm_squared",
               "stochastic_round")
 OPS = KERNEL_OPS + GEMM_OPS + ATTENTION_OPS  # every op of the protocol
+# ops whose default below is written in torch operations, inherited by every backend until it has a fused kernel
+# (module docstring): not kernel ops, so not counted on the start-up line and never in FALLBACKS
+TORCH_DEFAULT_OPS = ("qk_norm_forward", "qk_norm_backward", "layernorm_forward", "fused_residual_layernorm_forward",
+                     "layernorm_backward", "gelu_tanh_forward", "gelu_tanh_backward", "position_embedding_forward",
+                     "position_embedding_backward")
+
+_GELU_K = 0.7978845608028654  # sqrt(2 / pi), the tanh approximation's constant (HF's "gelu_new")
+_GELU_C = 0.044715
 
 
 class Backend:
@@ -223,7 +249,8 @@ class Backend:
         """Backward of qk_norm_forward, in place on the query and key heads of dqkv[B, T, Hq + 2*Hkv, D]: the
         gradient with respect to the normalised heads becomes the one with respect to their inputs (``saved``,
         ``rstd`` from the forward); dq_weight / dk_weight [D] += the weights' gradients, summed over tokens and
-        heads (accumulate, like the other norms' weight gradients). Internals in fp32."""
+        heads (accumulate, like the other norms' weight gradients). Internals in fp32. Default in torch operations
+        (TORCH_DEFAULT_OPS), like the forward's."""
         h = n_q_heads + n_kv_heads
         dy = dqkv.view(saved.shape[0], -1, dqkv.shape[-1])[:, :h]
         g = dy.float()
@@ -239,6 +266,89 @@ class Backend:
         """[Hq + Hkv, D] fp32: q_weight on the query heads' rows, k_weight on the key heads'."""
         d = q_weight.shape[0]
         return torch.cat([q_weight.float().expand(n_q_heads, d), k_weight.float().expand(n_kv_heads, d)])
+
+    # ------------------------------------------------------------------ LayerNorm, GELU-tanh, positions (GPT-2)
+    def layernorm_forward(self, out: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, inp: torch.Tensor,
+                          weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                          absmax: torch.Tensor | None = None) -> None:
+        """out[N, C] = (inp - mean) * rstd * weight + bias, with mean[N] and rstd[N] (fp32, kept for the backward)
+        = the row mean and 1 / sqrt(var + eps) (biased variance), taken in fp32; weight, bias [C] model dtype.
+        ``absmax`` (optional, fp32 0-d) overwritten with max|out| of the stored values (the FP8 scale of the GEMM
+        that reads out). Default in torch operations (TORCH_DEFAULT_OPS): every backend inherits it."""
+        x = inp.float()
+        mu = x.mean(-1)
+        xc = x - mu[:, None]
+        r = torch.rsqrt(xc.square().mean(-1) + eps)
+        mean.copy_(mu)
+        rstd.copy_(r)
+        out.copy_(xc * r[:, None] * weight.float() + bias.float())
+        if absmax is not None:
+            absmax.copy_(out.abs().amax().float())
+
+    def fused_residual_layernorm_forward(self, residual: torch.Tensor, out: torch.Tensor, mean: torch.Tensor,
+                                         rstd: torch.Tensor, inp1: torch.Tensor, inp2: torch.Tensor,
+                                         weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                                         absmax: torch.Tensor | None = None) -> None:
+        """residual[N, C] = inp1 + inp2 (rounded to the model dtype), then layernorm_forward(out, mean, rstd,
+        residual, ...): a block's residual add and the next LayerNorm, one op so that a backend can fuse them.
+        Default in torch operations (TORCH_DEFAULT_OPS): the add, then layernorm_forward."""
+        torch.add(inp1, inp2, out=residual)
+        self.layernorm_forward(out, mean, rstd, residual, weight, bias, eps, absmax)
+
+    def layernorm_backward(self, dinp: torch.Tensor, dweight: torch.Tensor, dbias: torch.Tensor,
+                           dout: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                           rstd: torch.Tensor, dresidual: torch.Tensor | None = None,
+                           absmax: torch.Tensor | None = None) -> None:
+        """Backward of layernorm_forward: dinp[N, C] = d(out)/d(inp)^T dout (+ dresidual when given; dinp may
+        alias dresidual); dweight[C] += sum_n dout * xhat and dbias[C] += sum_n dout (accumulate), xhat = (inp -
+        mean) * rstd from the forward's mean[N], rstd[N] (fp32). Internals in fp32. ``absmax`` (optional, fp32 0-d)
+        overwritten with max|dinp| of the stored values: the FP8 dy of the projection below. Default in torch
+        operations (TORCH_DEFAULT_OPS)."""
+        xhat = (inp.float() - mean[:, None]) * rstd[:, None]
+        g = dout.float()
+        dweight.add_((g * xhat).sum(0))
+        dbias.add_(g.sum(0))
+        gw = g * weight.float()
+        dx = rstd[:, None] * (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True))
+        if dresidual is not None:
+            dx = dx + dresidual.float()
+        dinp.copy_(dx)
+        if absmax is not None:
+            absmax.copy_(dinp.abs().amax().float())
+
+    def gelu_tanh_forward(self, out: torch.Tensor, inp: torch.Tensor, absmax: torch.Tensor | None = None) -> None:
+        """out[N, I] = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) for x = inp[N, I] (GPT-2's "gelu_new"),
+        in fp32, written in the model dtype; ``absmax`` (optional, fp32 0-d) overwritten with max|out|. Default in
+        torch operations (TORCH_DEFAULT_OPS)."""
+        x = inp.float()
+        out.copy_(0.5 * x * (1.0 + torch.tanh(_GELU_K * (x + _GELU_C * x * x * x))))
+        if absmax is not None:
+            absmax.copy_(out.abs().amax().float())
+
+    def gelu_tanh_backward(self, dinp: torch.Tensor, dout: torch.Tensor, inp: torch.Tensor,
+                           absmax: torch.Tensor | None = None) -> None:
+        """dinp[N, I] = dout[N, I] * gelu_tanh'(inp) for the forward input inp[N, I] (overwritten; fp32 inside,
+        model dtype out); ``absmax`` (optional, fp32 0-d) overwritten with max|dinp|: the FP8 scale of the MLP's
+        first GEMM's backward. Default in torch operations (TORCH_DEFAULT_OPS)."""
+        x = inp.float()
+        t = torch.tanh(_GELU_K * (x + _GELU_C * x * x * x))
+        grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_K * (1.0 + 3.0 * _GELU_C * x * x)
+        dinp.copy_(dout.float() * grad)
+        if absmax is not None:
+            absmax.copy_(dinp.abs().amax().float())
+
+    def position_embedding_forward(self, out: torch.Tensor, table: torch.Tensor, seq_len: int) -> None:
+        """In place: out[N, C] (the token embedding, N = B * seq_len rows, row n at position n % seq_len) +=
+        table[n % seq_len] with table[P, C] (model dtype, P >= seq_len): positions 0..T-1 in every window.
+        Summed in fp32, one rounding. Default in torch operations (TORCH_DEFAULT_OPS)."""
+        x = out.view(-1, seq_len, out.shape[-1])
+        x.copy_(x.float() + table[:seq_len].float())
+
+    def position_embedding_backward(self, dtable: torch.Tensor, dout: torch.Tensor, seq_len: int) -> None:
+        """dtable[P, C] rows 0..seq_len-1 += dout[N, C] summed over the B windows (accumulate, fp32 sum, a fixed
+        order: deterministic). Default in torch operations (TORCH_DEFAULT_OPS)."""
+        d = dtable[:seq_len]
+        d.copy_(d.float() + dout.view(-1, seq_len, dout.shape[-1]).float().sum(0))
 
     # ------------------------------------------------------------------ RoPE
     def rope_forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmq_ray.backends import get_backend
-from llmq_ray.backends.base import ATTENTION_OPS, COMPOSED_OPS, GEMM_OPS, KERNEL_OPS, OPS, Backend
+from llmq_ray.backends.base import ATTENTION_OPS, COMPOSED_OPS, GEMM_OPS, KERNEL_OPS, OPS, TORCH_DEFAULT_OPS, Backend
 from llmq_ray.backends.cupy.backend import CupyBackend
 from llmq_ray.backends.torch_ref import TorchBackend
 from llmq_ray.backends.triton.backend import TritonBackend
@@ -33,6 +33,17 @@ def test_every_op_is_documented_on_the_protocol():
         doc = getattr(Backend, op).__doc__
         assert doc and re.search(r"\[|dtype|fp32|model dtype", doc), f"Backend.{op} documents no shapes/dtypes"
     assert set(KERNEL_OPS).isdisjoint(GEMM_OPS + ATTENTION_OPS) and set(COMPOSED_OPS) <= set(KERNEL_OPS)
+
+
+def test_torch_default_ops_are_documented_defaults_outside_the_kernel_table():
+    """Ops with a default in torch operations on Backend (Qwen3's QK-norm, GPT-2's LayerNorm, GELU-tanh and
+    positions): every backend inherits a working op, none of them is a kernel op, a component's or a fallback."""
+    assert set(TORCH_DEFAULT_OPS).isdisjoint(OPS)
+    for op in TORCH_DEFAULT_OPS:
+        doc = getattr(Backend, op).__doc__
+        assert doc and "[" in doc and "torch" in doc, f"Backend.{op} must document its shapes and its torch default"
+        for cls in (TorchBackend, TritonBackend, CupyBackend):
+            assert op not in cls.FALLBACKS and callable(getattr(cls, op))
 
 
 @pytest.mark.parametrize("cls", [TorchBackend, TritonBackend, CupyBackend])

@@ -6,9 +6,9 @@ only that chunk's gradients; the next forward needs a layer's weights only when 
 the update runs on a side stream, chunk by chunk in the order the forward needs them, and the compute stream
 waits, at each unit's ``begin`` (``ResidentWeights``), only for the chunks that hold that unit's weights.
 
-Units and what they wait for (``unit_ranges``): ``"embed"`` -- the embedding and every norm weight and bias
-(the "plain" parameters: a few hundred thousand elements, read one unit early by the fused residual+norm
-kernels); layer ``l`` -- its four block matrices; ``"head"`` -- the untied LM head. Chunks are updated in
+Units and what they wait for (``unit_ranges``): ``"embed"`` -- the embedding (GPT-2: and its position table) and
+every norm weight and bias (the "plain" parameters: a few hundred thousand elements, read one unit early by the
+fused residual+norm kernels); layer ``l`` -- its four block matrices; ``"head"`` -- the untied LM head. Chunks are updated in
 that order (``chunk_order``); a chunk that straddles two units goes with the earlier one.
 
 The gradients the update reads are the ones the next micro-step would zero and overwrite: ``zero_grads`` is
@@ -52,6 +52,8 @@ def unit_ranges(layout: ParamLayout) -> dict:
     cfg = layout.cfg
     slots = layout.slots
     units: dict = {"embed": [(slots["embed"].offset, slots["embed"].end), (layout.decay_end, layout.numel)]}
+    if "pos_embed" in slots:  # GPT-2's position table is read with the embedding
+        units["embed"].append((slots["pos_embed"].offset, slots["pos_embed"].end))
     for layer in range(cfg.num_layers):
         p = f"layers.{layer}."
         units[layer] = [(slots[p + "qkv_w"].offset, slots[p + "down_w"].end)]

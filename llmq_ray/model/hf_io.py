@@ -1,4 +1,5 @@
-"""Weights in and out in Hugging Face format (safetensors), for ``Qwen2ForCausalLM`` and ``LlamaForCausalLM``.
+"""Weights in and out in Hugging Face format (safetensors), for ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+``LlamaForCausalLM`` and ``GPT2LMHeadModel``.
 
 Our parameters live in one flat buffer (``llmq_ray.model.params.ParamLayout``); HF checkpoints hold one tensor per
 ``nn.Linear`` / norm. The two differ only in naming and in two fusions, so the whole translation is a table
@@ -21,6 +22,29 @@ model.layers.{l}.input_layernorm.weight        layers.{l}.ln1_w                 
 model.layers.{l}.post_attention_layernorm...   layers.{l}.ln2_w                            [C]
 model.norm.weight                              final_norm                                  [C]
 =============================================  ==========================================  ===================
+
+GPT-2 (``GPT2LMHeadModel``) has its own table. Its projections are ``Conv1D`` modules that store the weight
+*transposed*, [in, out], so each of the four matrices is the transpose of one whole slot of ours (``transposed``
+in ``HFTensor``; c_attn's columns [q | k | v] are our rows [q; k; v]):
+
+=============================================  ==========================================  ===================
+HF name                                        our slot                                    HF shape
+=============================================  ==========================================  ===================
+transformer.wte.weight                         embed                                       [V, C]
+transformer.wpe.weight                         pos_embed                                   [P, C]
+transformer.h.{l}.ln_1.weight / .bias          layers.{l}.ln1_w / ln1_b                    [C]
+transformer.h.{l}.attn.c_attn.weight           layers.{l}.qkv_w, transposed                [C, 3C]
+transformer.h.{l}.attn.c_attn.bias             layers.{l}.qkv_b                            [3C]
+transformer.h.{l}.attn.c_proj.weight / .bias   layers.{l}.out_w (transposed) / out_b       [C, C] / [C]
+transformer.h.{l}.ln_2.weight / .bias          layers.{l}.ln2_w / ln2_b                    [C]
+transformer.h.{l}.mlp.c_fc.weight / .bias      layers.{l}.up_w (transposed) / up_b         [C, I] / [I]
+transformer.h.{l}.mlp.c_proj.weight / .bias    layers.{l}.down_w (transposed) / down_b     [I, C] / [C]
+transformer.ln_f.weight / .bias                final_norm / final_norm_b                   [C]
+=============================================  ==========================================  ===================
+
+Checkpoints saved from the bare ``GPT2Model`` (OpenAI's published ``model.safetensors``) name the same tensors
+without the ``transformer.`` prefix; loading takes either. Their causal-mask buffers (``attn.bias``,
+``attn.masked_bias``) are not parameters and are skipped.
 
 Because fused tensors are split along rows (dim 0) and our views are row-major, every HF tensor maps to one
 *contiguous* range of the flat buffer: loading is a sequence of ``copy_`` calls into views, exporting a
@@ -66,8 +90,9 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
-# Tensors some checkpoints carry that are not parameters (older transformers saved the rotary buffer).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors some checkpoints carry that are not parameters (older transformers saved the rotary buffer; GPT-2
+# checkpoints its causal-mask buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 # Export dtypes and the names config.json uses for them.
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -80,7 +105,8 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3
 class HFTensor:
     """Where one HF tensor lives in our layout: rows [row_start, row_end) of slot ``slot``.
 
-    ``shape`` is the HF tensor's shape: (row_end - row_start,) + slot.shape[1:].
+    ``shape`` is the HF tensor's shape: (row_end - row_start,) + slot.shape[1:], or, ``transposed`` (GPT-2's
+    Conv1D weights, always a whole 2-D slot), the slot's shape reversed: the HF tensor is the slot's transpose.
     """
 
     hf_name: str
@@ -88,6 +114,7 @@ class HFTensor:
     row_start: int
     row_end: int
     shape: tuple[int, ...]
+    transposed: bool = False
 
 
 def hf_tensor_map(layout: ParamLayout) -> dict[str, HFTensor]:
@@ -104,6 +131,9 @@ def hf_tensor_map(layout: ParamLayout) -> dict[str, HFTensor]:
         start = 0 if start is None else start
         end = full[0] if end is None else end
         out[hf_name] = HFTensor(hf_name, slot, start, end, (end - start,) + tuple(full[1:]))
+
+    if cfg.is_gpt2:
+        return _gpt2_tensor_map(layout, add, out)
 
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
@@ -130,8 +160,47 @@ def hf_tensor_map(layout: ParamLayout) -> dict[str, HFTensor]:
     return out
 
 
+def _gpt2_tensor_map(layout: ParamLayout, add, out: dict[str, HFTensor]) -> dict[str, HFTensor]:
+    """GPT-2's rows of ``hf_tensor_map`` (module docstring): the four Conv1D weights transposed."""
+    cfg, slots = layout.cfg, layout.slots
+
+    def conv1d(hf_name: str, slot: str):
+        shape = slots[slot].shape
+        out[hf_name] = HFTensor(hf_name, slot, 0, shape[0], (shape[1], shape[0]), transposed=True)
+
+    add("transformer.wte.weight", "embed")
+    if not cfg.tie_word_embeddings:
+        add("lm_head.weight", "lm_head")
+    add("transformer.wpe.weight", "pos_embed")
+    for layer in range(cfg.num_layers):
+        hf, our = f"transformer.h.{layer}.", f"layers.{layer}."
+        add(f"{hf}ln_1.weight", our + "ln1_w")
+        add(f"{hf}ln_1.bias", our + "ln1_b")
+        conv1d(f"{hf}attn.c_attn.weight", our + "qkv_w")
+        add(f"{hf}attn.c_attn.bias", our + "qkv_b")
+        conv1d(f"{hf}attn.c_proj.weight", our + "out_w")
+        add(f"{hf}attn.c_proj.bias", our + "out_b")
+        add(f"{hf}ln_2.weight", our + "ln2_w")
+        add(f"{hf}ln_2.bias", our + "ln2_b")
+        conv1d(f"{hf}mlp.c_fc.weight", our + "up_w")
+        add(f"{hf}mlp.c_fc.bias", our + "up_b")
+        conv1d(f"{hf}mlp.c_proj.weight", our + "down_w")
+        add(f"{hf}mlp.c_proj.bias", our + "down_b")
+    add("transformer.ln_f.weight", "final_norm")
+    add("transformer.ln_f.bias", "final_norm_b")
+    return out
+
+
+def _embed_name(cfg: ModelConfig) -> str:
+    """The HF name of the token embedding (what a tied LM head is)."""
+    return "transformer.wte.weight" if cfg.is_gpt2 else "model.embed_tokens.weight"
+
+
 def _view_of(views: dict[str, torch.Tensor], t: HFTensor) -> torch.Tensor:
-    """The (contiguous) view of the flat buffer that holds HF tensor ``t``."""
+    """The view of the flat buffer that holds HF tensor ``t`` (contiguous; for a ``transposed`` tensor the
+    transpose of the whole slot, so a ``copy_`` into it or a copy out of it moves the HF layout)."""
+    if t.transposed:
+        return views[t.slot].t()
     return views[t.slot][t.row_start:t.row_end]
 
 
@@ -214,7 +283,8 @@ def load_hf_weights(folder_or_file: str, layout: ParamLayout, flat: torch.Tensor
     whole checkpoint is never in memory at once.
 
     Tied models: a checkpoint's ``lm_head.weight`` is ignored (with a warning if it differs from the
-    embedding). Tensors we have no slot for produce one warning (rotary ``inv_freq`` buffers silently).
+    embedding). Tensors we have no slot for produce one warning (rotary ``inv_freq`` buffers and GPT-2's mask
+    buffers silently). GPT-2: names without the ``transformer.`` prefix (a bare ``GPT2Model``'s) are read too.
     Raises CheckpointError naming the file and tensor for a missing tensor, a wrong shape, a non-float
     tensor, a missing shard, or a folder without safetensors.
     """
@@ -222,6 +292,12 @@ def load_hf_weights(folder_or_file: str, layout: ParamLayout, flat: torch.Tensor
     source, where = _find_checkpoint(folder_or_file)
     expected = hf_tensor_map(layout)
     tied = layout.cfg.tie_word_embeddings
+    stored = {name: name for name in where}  # our HF name -> the name in the file
+    if layout.cfg.is_gpt2:
+        stored = {("transformer." + n if "transformer." + n in expected and "transformer." + n not in where else n): n
+                  for n in where}
+        where = {ours: where[n] for ours, n in stored.items()}
+    embed_name = _embed_name(layout.cfg)
     for name, t in expected.items():
         if name not in where:
             hint = (" (the config says tie_word_embeddings=false; an untied model needs its own LM head)"
@@ -243,24 +319,24 @@ def load_hf_weights(folder_or_file: str, layout: ParamLayout, flat: torch.Tensor
     for file, names in by_file.items():
         with _open(file) as f:
             for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                want = expected["model.embed_tokens.weight" if name == "lm_head.weight" and tied else name].shape
+                shape = tuple(f.get_slice(stored[name]).get_shape())
+                want = expected[embed_name if name == "lm_head.weight" and tied else name].shape
                 if shape != want:
-                    raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape)}, expected "
+                    raise CheckpointError(f"{file}: tensor {stored[name]!r} has shape {list(shape)}, expected "
                                           f"{list(want)} for this config.")
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored[name])
                 if not tensor.is_floating_point():
-                    raise CheckpointError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a "
+                    raise CheckpointError(f"{file}: tensor {stored[name]!r} has dtype {tensor.dtype}, expected a "
                                           f"floating-point dtype (bf16, fp16 or fp32; quantized checkpoints "
                                           f"are not supported).")
                 if name == "lm_head.weight" and tied:
-                    _check_tied_head(file, tensor, views["embed"])
+                    _check_tied_head(file, tensor, views["embed"], embed_name)
                 else:
                     _view_of(views, expected[name]).copy_(tensor)
                 del tensor
 
 
-def _check_tied_head(file: str, head: torch.Tensor, embed: torch.Tensor) -> None:
+def _check_tied_head(file: str, head: torch.Tensor, embed: torch.Tensor, embed_name: str) -> None:
     """A tied model uses the embedding as LM head; warn if the checkpoint's own head is different.
 
     Compared in the buffer's dtype, chunk by chunk, so a large vocabulary costs no extra full copy. The
@@ -270,7 +346,7 @@ def _check_tied_head(file: str, head: torch.Tensor, embed: torch.Tensor) -> None
     for r in range(0, head.shape[0], rows):
         if not torch.equal(head[r:r + rows].to(embed.device, embed.dtype), embed[r:r + rows]):
             warnings.warn(f"{file}: the config ties the LM head to the embedding, but this checkpoint's "
-                          f"'lm_head.weight' differs from 'model.embed_tokens.weight'; using the embedding "
+                          f"'lm_head.weight' differs from {embed_name!r}; using the embedding "
                           f"(check tie_word_embeddings in config.json).", stacklevel=3)
             return
 
@@ -290,6 +366,7 @@ def hf_state_dict(layout: ParamLayout, flat: torch.Tensor, dtype: torch.dtype | 
         # copy=True: the result must not share storage with flat (safetensors refuses shared tensors and a
         # caller must not be able to write into the training buffer through it).
         out[name] = _view_of(views, table[name]).detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+        # (a transposed GPT-2 weight is a strided view: .contiguous() writes it in HF's [in, out] layout)
     return out
 
 

@@ -1,4 +1,5 @@
-"""The four block linears (QKV, attention-out, up+gate, down) in the model dtype or in FP8.
+"""The four block linears (QKV, attention-out, up+gate, down; GPT-2's c_fc ``up_w`` for up+gate) in the model
+dtype or in FP8.
 
 A linear layer y[N, OC] = x[N, K] W[OC, K]^T (+ b) has three GEMMs per training step:
 
@@ -58,6 +59,12 @@ from llmq_ray.model.units import Policy
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 BLOCK_WEIGHTS = ("qkv_w", "out_w", "up_gate_w", "down_w")
+GPT2_BLOCK_WEIGHTS = ("qkv_w", "out_w", "up_w", "down_w")  # GPT-2's MLP has one first matrix, not gated
+
+
+def block_weights(cfg) -> tuple[str, ...]:
+    """The names of a block's four matrices for ``cfg`` (a ModelConfig), in the layout's order."""
+    return GPT2_BLOCK_WEIGHTS if cfg.is_gpt2 else BLOCK_WEIGHTS
 
 
 class BlockLinears(Policy):
@@ -70,6 +77,7 @@ class BlockLinears(Policy):
     copies W_q [OC, K] and W^T_q [K, OC] (e4m3) and a descale (fp32 0-d, on the device) per block weight,
     held as ``quants`` says (module docstring): all layers on the device ("persistent"), all layers in host
     memory plus two device slots ("host"), or two device slots only ("layer").
+    ``names``: the block's four matrices (``block_weights(cfg)``; GPT-2's ``up_w`` for ``up_gate_w``).
     ``sharded``: the weights are not all resident (ZeRO-3's gathers), so persistent copies are made one layer at a time
     in ``begin_layer`` rather than all at once. ``stream``: the schedule's side stream for the host copies.
 
@@ -80,10 +88,12 @@ class BlockLinears(Policy):
 
     def __init__(self, backend: Backend, weights, shapes: dict[str, tuple[int, int]], num_layers: int, rows: int,
                  matmul_dtype: str | None, gradient_dtype: str | None, store_xt: bool = True,
-                 quants: str = "persistent", sharded: bool = False, stream=None):
+                 quants: str = "persistent", sharded: bool = False, stream=None,
+                 names: tuple[str, ...] = BLOCK_WEIGHTS):
         if quants not in self.QUANTS:
             raise ValueError(f"quants={quants!r} must be one of {self.QUANTS}")
         self.be, self.w, self.num_layers = backend, weights, num_layers
+        self.names = names
         self.fp8 = matmul_dtype == "e4m3"
         self.store_xt = self.fp8 and store_xt
         self.quants, self.sharded = quants, sharded
@@ -93,7 +103,7 @@ class BlockLinears(Policy):
         dev = backend.device
         self.fwd_dtype = FP8_DTYPES["e4m3"]
         self.grad_dtype = FP8_DTYPES[gradient_dtype or "e4m3"]
-        widest = max(max(shapes[f"layers.0.{name}"]) for name in BLOCK_WEIGHTS)
+        widest = max(max(shapes[f"layers.0.{name}"]) for name in self.names)
         self.x_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
         self.xt_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
         self.dy_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
@@ -102,7 +112,7 @@ class BlockLinears(Policy):
         # rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED, seen on H100).
         self.scales = [torch.ones((), dtype=torch.float32, device=dev) for _ in range(3)]
         self.dy_amax = torch.zeros((), dtype=torch.float32, device=dev)
-        self.key_of = {(layer, name): f"layers.{layer}.{name}" for layer in range(num_layers) for name in BLOCK_WEIGHTS}
+        self.key_of = {(layer, name): f"layers.{layer}.{name}" for layer in range(num_layers) for name in self.names}
         self.layer_of = {key: ln for ln, key in self.key_of.items()}
         self.w_descale = {key: torch.ones((), dtype=torch.float32, device=dev) for key in self.layer_of}
         # max|W| per block weight (fp32 0-d): taken once per step (weights change only at the update)
@@ -126,7 +136,7 @@ class BlockLinears(Policy):
         if quants != "persistent":
             for _ in range(2):
                 slot = {}
-                for name in BLOCK_WEIGHTS:
+                for name in self.names:
                     oc, k = shapes[f"layers.0.{name}"]
                     slot[name] = (torch.empty(oc, k, dtype=self.fwd_dtype, device=dev),
                                   torch.empty(k, oc, dtype=self.fwd_dtype, device=dev))
@@ -209,7 +219,7 @@ class BlockLinears(Policy):
     def _quantize_layer(self, layer: int, slot: int | None) -> None:
         """W_q, W^T_q and the descale of ``layer``'s four matrices from their current weights, into the
         persistent copies (slot None) or device slot ``slot``."""
-        for name in BLOCK_WEIGHTS:
+        for name in self.names:
             key = self.key_of[layer, name]
             w = self.w[key]
             dst = (self.w_q[key], self.wt_q[key]) if slot is None else self.slots[slot][name]
@@ -250,8 +260,8 @@ class BlockLinears(Policy):
     def _copy_out(self, layer: int) -> None:
         """quants="host": slot layer % 2 was just quantized; copy it to the layer's host copies (side stream)."""
         slot = layer % 2
-        pairs = [(self.w_q[self.key_of[layer, n]], self.slots[slot][n][0]) for n in BLOCK_WEIGHTS]
-        pairs += [(self.wt_q[self.key_of[layer, n]], self.slots[slot][n][1]) for n in BLOCK_WEIGHTS]
+        pairs = [(self.w_q[self.key_of[layer, n]], self.slots[slot][n][0]) for n in self.names]
+        pairs += [(self.wt_q[self.key_of[layer, n]], self.slots[slot][n][1]) for n in self.names]
         self.copied_out[slot] = self._copy_pairs(pairs)
         self.valid[layer] = True
 
@@ -273,8 +283,8 @@ class BlockLinears(Policy):
         """quants="host": start copying ``layer``'s host copies into slot layer % 2 (side stream, after every
         GEMM queued so far, which may still read the slot's previous layer)."""
         slot = layer % 2
-        pairs = [(self.slots[slot][n][0], self.w_q[self.key_of[layer, n]]) for n in BLOCK_WEIGHTS]
-        pairs += [(self.slots[slot][n][1], self.wt_q[self.key_of[layer, n]]) for n in BLOCK_WEIGHTS]
+        pairs = [(self.slots[slot][n][0], self.w_q[self.key_of[layer, n]]) for n in self.names]
+        pairs += [(self.slots[slot][n][1], self.wt_q[self.key_of[layer, n]]) for n in self.names]
         self.copied_in[slot] = self._copy_pairs(pairs)
         self.slot_holder[slot] = layer
 

@@ -12,6 +12,10 @@ Fused layouts (HF names in brackets):
 * ``layers.{l}.qkv_w`` [(Hq+2Hkv)*D, C] = rows of [q_proj; k_proj; v_proj], ``qkv_b`` likewise (Qwen2).
 * ``layers.{l}.up_gate_w`` [2I, C] = rows of [up_proj; gate_proj]; swiglu reads [up | gate].
 * ``layers.{l}.q_norm_w`` / ``k_norm_w`` [D] (Qwen3's per-head QK-norm: ``self_attn.q_norm`` / ``k_norm``).
+* GPT-2: ``pos_embed`` [P, C] (``wpe``, decayed like the token embedding, right after it and the untied head);
+  per layer ``qkv_w`` [3C, C] (c_attn, stored transposed by HF), ``up_w`` [I, C] (c_fc: one matrix, no gate) instead
+  of ``up_gate_w``, and the biases ``qkv_b``, ``out_b``, ``up_b``, ``down_b`` and LayerNorm biases ``ln1_b``,
+  ``ln2_b``, ``final_norm_b`` among the plain tensors.
 
 The names are the layout's (and the checkpoints' and HF mapping's); the model reads its weights and writes its
 gradients through ``ModelParams`` / ``BlockParams`` (``w.blocks[l].qkv_w``), typed views over any name -> tensor
@@ -56,17 +60,26 @@ class ParamLayout:
         decayed: list[tuple[str, tuple[int, ...]]] = [("embed", (v, c))]
         if not cfg.tie_word_embeddings:
             decayed.append(("lm_head", (v, c)))
+        gpt2 = cfg.is_gpt2
+        if gpt2:
+            decayed.append(("pos_embed", (cfg.max_position_embeddings, c)))
         plain: list[tuple[str, tuple[int, ...]]] = []
         for layer in range(cfg.num_layers):
             p = f"layers.{layer}."
-            decayed += [(p + "qkv_w", (cfg.qkv_channels, c)), (p + "out_w", (c, cfg.attn_channels)),
-                        (p + "up_gate_w", (2 * i, c)), (p + "down_w", (c, i))]
+            up = (p + "up_w", (i, c)) if gpt2 else (p + "up_gate_w", (2 * i, c))
+            decayed += [(p + "qkv_w", (cfg.qkv_channels, c)), (p + "out_w", (c, cfg.attn_channels)), up,
+                        (p + "down_w", (c, i))]
             plain += [(p + "ln1_w", (c,)), (p + "ln2_w", (c,))]
             if cfg.qkv_bias:
                 plain.append((p + "qkv_b", (cfg.qkv_channels,)))
             if cfg.qk_norm:
                 plain += [(p + "q_norm_w", (cfg.head_dim,)), (p + "k_norm_w", (cfg.head_dim,))]
+            if gpt2:
+                plain += [(p + "ln1_b", (c,)), (p + "ln2_b", (c,)), (p + "out_b", (c,)), (p + "up_b", (i,)),
+                          (p + "down_b", (c,))]
         plain.append(("final_norm", (c,)))
+        if gpt2:
+            plain.append(("final_norm_b", (c,)))
         self.slots: dict[str, ParamSlot] = {}
         offset = 0
         for names, decay in ((decayed, True), (plain, False)):
@@ -111,7 +124,8 @@ class BlockParams:
 
     ``ln1_w``, ``ln2_w`` [C]; ``qkv_w`` [(Hq+2Hkv)*D, C]; ``qkv_b`` [(Hq+2Hkv)*D] or None (no QKV bias);
     ``out_w`` [C, Hq*D]; ``up_gate_w`` [2I, C] (rows [up; gate]); ``down_w`` [C, I]; ``q_norm_w``, ``k_norm_w``
-    [D] or None (Qwen3's QK-norm only).
+    [D] or None (Qwen3's QK-norm only). GPT-2 only (None otherwise): ``up_w`` [I, C] (its MLP's first matrix, in
+    place of ``up_gate_w``), ``ln1_b``, ``ln2_b`` [C], ``out_b`` [C], ``up_b`` [I], ``down_b`` [C].
     ``key(name)`` is the layout's name of one of them (``layers.{l}.qkv_w``): what the FP8 copies are kept by."""
 
     __slots__ = ("layer", "_m", "_prefix")
@@ -158,10 +172,36 @@ class BlockParams:
     def down_w(self) -> torch.Tensor:
         return self._m[self._prefix + "down_w"]
 
+    # GPT-2
+    @property
+    def up_w(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "up_w")
+
+    @property
+    def ln1_b(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "ln1_b")
+
+    @property
+    def ln2_b(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "ln2_b")
+
+    @property
+    def out_b(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "out_b")
+
+    @property
+    def up_b(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "up_b")
+
+    @property
+    def down_b(self) -> torch.Tensor | None:
+        return self._m.get(self._prefix + "down_b")
+
 
 class ModelParams:
     """Typed views of a whole model's tensors over ``mapping`` (see BlockParams): ``embed`` [V, C],
-    ``blocks[l]``, ``final_norm`` [C] and ``lm_head`` [V, C] (the embedding itself when tied)."""
+    ``blocks[l]``, ``final_norm`` [C] and ``lm_head`` [V, C] (the embedding itself when tied); GPT-2 also
+    ``pos_embed`` [P, C] and ``final_norm_b`` [C] (None otherwise)."""
 
     def __init__(self, mapping, cfg: ModelConfig):
         self.mapping = mapping
@@ -175,6 +215,14 @@ class ModelParams:
     @property
     def final_norm(self) -> torch.Tensor:
         return self.mapping["final_norm"]
+
+    @property
+    def pos_embed(self) -> torch.Tensor | None:
+        return self.mapping.get("pos_embed")
+
+    @property
+    def final_norm_b(self) -> torch.Tensor | None:
+        return self.mapping.get("final_norm_b")
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -195,7 +243,8 @@ def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int, start: int =
 
     Scheme (GPT-2 / llm.c style): embeddings and matrices ~ N(0, 0.02); the two projections that write into
     the residual stream (``out_w``, ``down_w``) ~ N(0, 0.02 / sqrt(2 * num_layers)) so that the residual's
-    variance does not grow with depth; norm weights = 1; biases = 0. Every tensor draws from its own CPU
+    variance does not grow with depth; norm weights = 1; biases (GPT-2's LayerNorm biases too) = 0; GPT-2's
+    position table ~ N(0, 0.02) like the token embedding. Every tensor draws from its own CPU
     generator seeded by (seed, name) in fp32, so the values do not depend on the device, the model dtype
     (beyond the final rounding) or how the buffer is later sharded.
     """
@@ -210,7 +259,7 @@ def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int, start: int =
         leaf = slot.name.rsplit(".", 1)[-1]
         if leaf in ("ln1_w", "ln2_w", "final_norm", "q_norm_w", "k_norm_w"):
             view.fill_(1.0)
-        elif leaf == "qkv_b":
+        elif leaf in ("qkv_b", "out_b", "up_b", "down_b", "ln1_b", "ln2_b", "final_norm_b"):
             view.zero_()
         else:
             gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, slot.name))

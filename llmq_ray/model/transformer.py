@@ -1,4 +1,4 @@
-"""The Llama/Qwen2 decoder with an explicit forward and backward over preallocated buffers.
+"""The Llama/Qwen2/Qwen3 decoder and GPT-2, with an explicit forward and backward over preallocated buffers.
 
 No autograd: every activation the backward needs is written into a buffer allocated once, and the backward
 is written out kernel by kernel (as llm.c / llm.q do). That is what makes fine-grained recomputation, FP8 in
@@ -14,6 +14,24 @@ One block, for N = B*T rows (the residual stream ``x_l`` is the block's input):
     u      = h2 Wug^T                     up_gate  [N, 2I]  ([up | gate])
     s      = up * silu(gate)              swiglu   [N, I]
     x_l+1  = x_mid + s Wd^T
+
+GPT-2 (``cfg.is_gpt2``; llm.c's model) is the same loop with its own block: x_0 = wte[tokens] + wpe[0..T-1]
+(positions 0..T-1 in every window, ``position_embedding_forward``), LayerNorm with bias where Llama has RMSNorm
+(the mean is kept beside rstd), every projection with a bias, a non-gated MLP and no RoPE (MHA):
+
+    h      = layernorm(x_l)               ln1      [N, C]
+    qkv    = h Wqkv^T + bqkv              qkv      [B, T, 3H, D]
+    a, lse = causal_attention(qkv)        att, lse
+    x_mid  = x_l + a Wo^T + bo            residual_mid
+    h2     = layernorm(x_mid)             ln2
+    f      = h2 Wup^T + bup               fc       [N, I]
+    g      = gelu_tanh(f)                 gelu     [N, I]
+    x_l+1  = x_mid + g Wd^T + bd
+
+(``_gpt2_block_forward`` / ``_gpt2_block_backward`` / ``_gpt2_recompute``; the Llama path's methods do not look at
+the architecture, the trunk picks the block once per unit.) The four GEMMs are the same ``BlockLinears`` (FP8
+included), the recompute flags map kind for kind (``--recompute-swiglu`` recomputes the GELU output, ``-ffn`` the
+c_fc output); the norms, GELU and positions are the backend's ``TORCH_DEFAULT_OPS`` (backends/base.py).
 
 then ``final_norm`` and the LM head, run in ``lmhead_chunks`` row chunks: each chunk's logits [N/chunks, V]
 go through the fused classifier, which turns them into dlogits in place, and the chunk's LM-head backward
@@ -38,7 +56,7 @@ import torch
 from llmq_ray.backends.base import Backend
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
-from llmq_ray.model.linear import BlockLinears
+from llmq_ray.model.linear import BlockLinears, block_weights
 from llmq_ray.model.lm_head import LMHead
 from llmq_ray.options import RecomputeOptions  # noqa: F401 - defined with the other options, used here
 from llmq_ray.model.params import ModelParams, ParamLayout
@@ -47,7 +65,8 @@ from llmq_ray.model.units import EMBED, HEAD, Policy, UnitHooks
 
 # Which flag turns each activation kind from per-layer storage into a shared, recomputed scratch buffer.
 _RECOMPUTED_BY = {"ln1": "norm", "qkv": "qkv", "att": "att", "lse": "att", "residual_mid": "block",
-                  "ln2": "norm", "up_gate": "ffn", "swiglu": "swiglu", "qk_in": "qkv", "qk_rstd": "qkv"}
+                  "ln2": "norm", "up_gate": "ffn", "swiglu": "swiglu", "qk_in": "qkv", "qk_rstd": "qkv",
+                  "fc": "ffn", "gelu": "swiglu"}  # GPT-2: c_fc's output and the GELU's
 
 
 class ResidualStream(Policy):
@@ -174,6 +193,8 @@ class Activations:
     ``unread_by_backward``: kinds the backward never reads (FP8 with stored q(x^T): ln1, ln2 and swiglu are
     read only by their forward GEMM, which keeps its own FP8 transposed copy for the wgrad); one shared
     buffer each, like a recomputed kind, but nothing refills them.
+    GPT-2: ``fc`` [N, I] (c_fc's output) and ``gelu`` [N, I] in place of ``up_gate`` and ``swiglu``, and the fp32
+    row means ``mean1`` / ``mean2`` of its LayerNorms beside the rstd.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
@@ -186,6 +207,9 @@ class Activations:
             "residual_mid": (n, c), "ln2": (n, c), "up_gate": (n, 2 * cfg.intermediate_size),
             "swiglu": (n, cfg.intermediate_size),
         }
+        if cfg.is_gpt2:  # one MLP input matrix, GELU
+            del shapes["up_gate"], shapes["swiglu"]
+            shapes["fc"] = shapes["gelu"] = (n, cfg.intermediate_size)
         if cfg.qk_norm:  # Qwen3: the QK-norm's inputs and rstd, per query and key head (recomputed with qkv)
             shapes["qk_in"] = (n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             shapes["qk_rstd"] = (n, cfg.num_heads + cfg.num_kv_heads)
@@ -208,6 +232,10 @@ class Activations:
         self.rstd1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
         self.rstd2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
         self.per_layer_bytes += 2 * n * 4  # two rstd
+        if cfg.is_gpt2:  # LayerNorm: the row means too
+            self.mean1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
+            self.mean2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
+            self.per_layer_bytes += 2 * n * 4
         res_bytes = n * c * dtype.itemsize
         if offload_residual:  # two device slots + the final residual; x_0..x_{L-1} on the host
             self.shared_bytes += 3 * res_bytes
@@ -345,10 +373,16 @@ class LlamaModel:
         # typed views (llmq_ray/model/params.py): self.w.blocks[l].qkv_w, self.g.embed, ...
         self.w, self.g = ModelParams(weights.w, cfg), ModelParams(weights.g, cfg)
 
-        positions = torch.arange(seq_len, dtype=torch.float32)
-        angles = positions[:, None] * cfg.rope_inv_freq()[None, :]
-        self.rope_cos = angles.cos().to(self.device)
-        self.rope_sin = angles.sin().to(self.device)
+        self.gpt2 = cfg.is_gpt2
+        if self.gpt2:
+            if delayed_swiglu_scale:
+                raise ConfigError("--fp8-delayed-swiglu-scale is for the SwiGLU MLP; GPT-2's GELU MLP does not take it.")
+            self.rope_cos = self.rope_sin = None  # learned absolute positions instead
+        else:
+            positions = torch.arange(seq_len, dtype=torch.float32)
+            angles = positions[:, None] * cfg.rope_inv_freq()[None, :]
+            self.rope_cos = angles.cos().to(self.device)
+            self.rope_sin = angles.sin().to(self.device)
 
         dev, c = self.device, cfg.hidden_size
         rc = self.recompute
@@ -356,13 +390,15 @@ class LlamaModel:
         # input for the wgrad (linear.py, store_xt), so the bf16 ln1 / ln2 / swiglu outputs are dead once their
         # forward GEMM has read them
         store_xt = not (rc.norm or rc.qkv or rc.att or rc.block or rc.ffn or rc.swiglu)
-        unread = frozenset({"ln1", "ln2", "swiglu"}) if matmul_dtype == "e4m3" and store_xt else frozenset()
+        mlp_out = "gelu" if self.gpt2 else "swiglu"  # the down projection's input
+        unread = frozenset({"ln1", "ln2", mlp_out}) if matmul_dtype == "e4m3" and store_xt else frozenset()
         self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute, offload_residual,
                                 unread_by_backward=unread,
                                 residual_stream=self.schedule.stream("residual") if offload_residual else None)
         empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
         self.final_ln = empty(n, c)
         self.final_rstd = empty(n, dt=torch.float32)
+        self.final_mean = empty(n, dt=torch.float32) if self.gpt2 else None
         self.scratch_nc = empty(n, c)  # attention-out / MLP-out projection before the residual add
         if lmhead_dtype not in (None, "e4m3"):
             raise ValueError(f"lmhead_dtype={lmhead_dtype!r} must be None (the model dtype) or 'e4m3'")
@@ -374,7 +410,7 @@ class LlamaModel:
         self.d_residual = empty(n, c)
         self.d_ln = empty(n, c)
         self.d_swiglu = empty(n, cfg.intermediate_size)
-        self.d_up_gate = empty(n, 2 * cfg.intermediate_size)
+        self.d_up_gate = empty(n, (1 if self.gpt2 else 2) * cfg.intermediate_size)  # GPT-2: d of c_fc's output
         self.d_att = empty(batch_size, seq_len, cfg.num_heads, cfg.head_dim)
         self.d_qkv = empty(batch_size, seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         # FP8 (matmul_dtype="e4m3"): absmax of the four GEMM inputs of each layer [L, 4] = (ln1, att, ln2,
@@ -383,7 +419,8 @@ class LlamaModel:
                                 cfg.num_layers, n, matmul_dtype, gradient_dtype,
                                 store_xt=store_xt,
                                 quants=quants, sharded=not getattr(weights, "weights_resident", False),
-                                stream=self.schedule.stream("fp8-copies") if quants == "host" else None)
+                                stream=self.schedule.stream("fp8-copies") if quants == "host" else None,
+                                names=block_weights(cfg))
         if hasattr(weights, "layer_needed"):  # ZeRO-3: skip gathering layers whose FP8 copies are current
             weights.layer_needed = self.lin.needs_weights
         # what each unit needs before it runs, in this order: its weights, their FP8 copies, the saved residual
@@ -491,12 +528,20 @@ class LlamaModel:
             self.segments.sub_(is_sep)
         hooks.before(EMBED)
         be.embedding_forward(a.residual[0], tokens, self.w.embed)
+        if self.gpt2:
+            be.position_embedding_forward(a.residual[0], self.w.pos_embed, self.seq_len)
         hooks.after(EMBED)
-        be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], self.w.blocks[0].ln1_w,
-                           self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
+        w0 = self.w.blocks[0]
+        if self.gpt2:
+            be.layernorm_forward(a.get("ln1", 0), a.mean1[0], a.rstd1[0], a.residual[0], w0.ln1_w, w0.ln1_b,
+                                 self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
+        else:
+            be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], w0.ln1_w, self.cfg.rms_norm_eps,
+                               absmax=self._amax(0, 0))
+        block_forward = self._gpt2_block_forward if self.gpt2 else self._block_forward
         for layer in range(self.cfg.num_layers):
             hooks.before(layer)
-            self._block_forward(layer)
+            block_forward(layer)
             hooks.after(layer)
         if self.swiglu_out_amax is not None:  # this forward's maxima: the scales of the next one
             self.swiglu_out_amax.copy_(self.amax[:, 3])
@@ -551,6 +596,8 @@ class LlamaModel:
         if self.lin.fp8:
             raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with "
                               "--matmul-dtype e4m3")
+        if self.gpt2:
+            raise ConfigError("--overlap-wgrad-sms is built for the Llama-family block; GPT-2 does not take it yet.")
         if not isinstance(self.store, ResidentWeights):
             raise ConfigError("the wgrad overlap needs the full gradient buffer of ZeRO-1 (ZeRO-2/3 reduce each "
                               "layer's gradients as soon as its backward ends)")
@@ -631,6 +678,100 @@ class LlamaModel:
                                                  self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads,
                                                  None if self.segments is None else self.segments[sl])
 
+    # ------------------------------------------------------------------ GPT-2's block
+    def _gpt2_block_forward(self, layer: int) -> None:
+        """GPT-2's block (module docstring); ln1 of ``layer`` is already written (by the embedding's LayerNorm or
+        the previous block's fused residual add), and this block writes the next one's (or the final norm)."""
+        be, a, w, cfg, lin = self.backend, self.acts, self.w.blocks[layer], self.cfg, self.lin
+        n, eps = self.batch_size * self.seq_len, cfg.rms_norm_eps
+        qkv, att = a.get("qkv", layer), a.get("att", layer)
+        lin.forward(qkv.view(n, -1), a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
+        be.attention_forward(att, a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads, self.segments)
+        if lin.fp8:
+            be.absmax(self.amax[layer, 1], att)
+        lin.forward(self.scratch_nc, att.view(n, -1), w.key("out_w"), self._amax(layer, 1), bias=w.out_b)
+        mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
+        be.fused_residual_layernorm_forward(mid, ln2, a.mean2[layer], a.rstd2[layer], a.residual[layer],
+                                            self.scratch_nc, w.ln2_w, w.ln2_b, eps, absmax=self._amax(layer, 2))
+        fc, gelu = a.get("fc", layer), a.get("gelu", layer)
+        lin.forward(fc, ln2, w.key("up_w"), self._amax(layer, 2), bias=w.up_b)
+        be.gelu_tanh_forward(gelu, fc, absmax=self._amax(layer, 3))
+        lin.forward(self.scratch_nc, gelu, w.key("down_w"), self._amax(layer, 3), bias=w.down_b)
+        if layer + 1 == cfg.num_layers:
+            be.fused_residual_layernorm_forward(a.residual[layer + 1], self.final_ln, self.final_mean,
+                                                self.final_rstd, mid, self.scratch_nc, self.w.final_norm,
+                                                self.w.final_norm_b, eps, absmax=self.head.x_amax)
+        else:
+            nw = self.w.blocks[layer + 1]
+            be.fused_residual_layernorm_forward(a.residual[layer + 1], a.get("ln1", layer + 1), a.mean1[layer + 1],
+                                                a.rstd1[layer + 1], mid, self.scratch_nc, nw.ln1_w, nw.ln1_b, eps,
+                                                absmax=self._amax(layer + 1, 0))
+
+    def _gpt2_recompute(self, layer: int) -> None:
+        """``_recompute`` for GPT-2's block: the same flags, the same kernels on the same inputs as its forward."""
+        rc, be, a, w, cfg, lin = self.recompute, self.backend, self.acts, self.w.blocks[layer], self.cfg, self.lin
+        n, eps = self.batch_size * self.seq_len, cfg.rms_norm_eps
+        if rc.norm:
+            be.layernorm_forward(a.get("ln1", layer), a.mean1[layer], a.rstd1[layer], a.residual[layer], w.ln1_w,
+                                 w.ln1_b, eps, absmax=self._amax(layer, 0))
+        qkv = a.get("qkv", layer)
+        if rc.qkv:
+            lin.forward(qkv.view(n, -1), a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
+        if rc.att:
+            be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads,
+                                 self.segments)
+            if lin.fp8:
+                be.absmax(self.amax[layer, 1], a.get("att", layer))
+        if rc.block:
+            lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), w.key("out_w"), self._amax(layer, 1),
+                        bias=w.out_b)
+            be.fused_residual_layernorm_forward(a.get("residual_mid", layer), a.get("ln2", layer), a.mean2[layer],
+                                                a.rstd2[layer], a.residual[layer], self.scratch_nc, w.ln2_w, w.ln2_b,
+                                                eps, absmax=self._amax(layer, 2))
+        elif rc.norm:
+            be.layernorm_forward(a.get("ln2", layer), a.mean2[layer], a.rstd2[layer], a.get("residual_mid", layer),
+                                 w.ln2_w, w.ln2_b, eps, absmax=self._amax(layer, 2))
+        if rc.ffn:
+            lin.forward(a.get("fc", layer), a.get("ln2", layer), w.key("up_w"), self._amax(layer, 2), bias=w.up_b)
+        if rc.swiglu:
+            be.gelu_tanh_forward(a.get("gelu", layer), a.get("fc", layer), absmax=self._amax(layer, 3))
+
+    def _gpt2_block_backward(self, layer: int) -> None:
+        """Backward of ``_gpt2_block_forward``. On entry d_residual = dL/dx_{l+1} (and, under FP8, max|d_residual|
+        in ``lin.dy_amax`` from the LayerNorm backward above); on exit dL/dx_l. Weight and bias grads += ."""
+        be, a, cfg, lin = self.backend, self.acts, self.cfg, self.lin
+        w, g = self.w.blocks[layer], self.g.blocks[layer]
+        n = self.batch_size * self.seq_len
+        self._gpt2_recompute(layer)
+        dres, acc = self.d_residual, not (self._block_grads_zero or self.store.layer_grads_fresh)
+        # MLP: x_{l+1} = x_mid + gelu(ln2 Wup^T + bup) Wd^T + bd
+        be.bias_backward(g.down_b, dres)
+        lin.backward(self.d_swiglu, g.down_w, dres, a.get("gelu", layer), w.key("down_w"), self._amax(layer, 3),
+                     acc, dy_amax_ready=True)
+        d_fc = self.d_up_gate
+        be.gelu_tanh_backward(d_fc, self.d_swiglu, a.get("fc", layer), absmax=self._dy_amax())
+        be.bias_backward(g.up_b, d_fc)
+        lin.backward(self.d_ln, g.up_w, d_fc, a.get("ln2", layer), w.key("up_w"), self._amax(layer, 2), acc,
+                     dy_amax_ready=True)
+        be.layernorm_backward(dres, g.ln2_w, g.ln2_b, self.d_ln, a.get("residual_mid", layer), w.ln2_w,
+                              a.mean2[layer], a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())
+        # attention: x_mid = x_l + attention(ln1 Wqkv^T + bqkv) Wo^T + bo
+        be.bias_backward(g.out_b, dres)
+        att, lse, qkv = a.get("att", layer), a.get("lse", layer), a.get("qkv", layer)
+        lin.backward(self.d_att.view(n, -1), g.out_w, dres, att.view(n, -1), w.key("out_w"), self._amax(layer, 1),
+                     acc, dy_amax_ready=True)
+        step = self.batch_size // self.attn_bwd_chunks
+        for lo in range(0, self.batch_size, step):
+            sl = slice(lo, lo + step)
+            be.attention_backward(self.d_qkv[sl], self.d_att[sl], att[sl], lse[sl], qkv[sl], cfg.num_heads,
+                                  cfg.num_kv_heads, None if self.segments is None else self.segments[sl])
+        d_qkv = self.d_qkv.view(n, -1)
+        be.bias_backward(g.qkv_b, d_qkv, absmax=self._dy_amax())  # FP8: the QKV GEMM's dy scale, same read
+        lin.backward(self.d_ln, g.qkv_w, d_qkv, a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), acc,
+                     dy_amax_ready=True)
+        be.layernorm_backward(dres, g.ln1_w, g.ln1_b, self.d_ln, a.residual[layer], w.ln1_w, a.mean1[layer],
+                              a.rstd1[layer], dresidual=dres, absmax=self._dy_amax() if layer > 0 else None)
+
     # ------------------------------------------------------------------ public steps
     def _lm_head_loss(self, targets: torch.Tensor, backward: bool) -> None:
         """Chunked LM head + fused cross-entropy; with ``backward``, also dL/d final_ln into d_ln and the
@@ -650,14 +791,22 @@ class LlamaModel:
         self._forward_trunk(tokens)
         self._lm_head_loss(targets, backward=True)
         a, hooks = self.acts, self.schedule
-        self.backend.rmsnorm_backward(self.d_residual, self.g.final_norm, self.d_ln, a.residual[-1],
-                                      self.w.final_norm, self.final_rstd, absmax=self._dy_amax())
+        if self.gpt2:
+            self.backend.layernorm_backward(self.d_residual, self.g.final_norm, self.g.final_norm_b, self.d_ln,
+                                            a.residual[-1], self.w.final_norm, self.final_mean, self.final_rstd,
+                                            absmax=self._dy_amax())
+        else:
+            self.backend.rmsnorm_backward(self.d_residual, self.g.final_norm, self.d_ln, a.residual[-1],
+                                          self.w.final_norm, self.final_rstd, absmax=self._dy_amax())
+        block_backward = self._gpt2_block_backward if self.gpt2 else self._block_backward
         for layer in reversed(range(self.cfg.num_layers)):
             hooks.before(layer, backward=True)
-            self._block_backward(layer)
+            block_backward(layer)
             hooks.after(layer, backward=True)
         hooks.before(EMBED, backward=True)
         self.backend.embedding_backward(self.g.embed, tokens, self.d_residual)
+        if self.gpt2:
+            self.backend.position_embedding_backward(self.g.pos_embed, self.d_residual, self.seq_len)
         hooks.after(EMBED, backward=True)
         if self.lin.overlap is not None:  # every gradient complete before anything reads them
             self.lin.overlap.wait_all()
