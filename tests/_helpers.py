@@ -137,3 +137,30 @@ def write_chatml_tokenizer(folder) -> str:
                    "pad_token": "<|endoftext|>", "added_tokens_decoder": added, "chat_template": TEMPLATE}, f)
     assert tok.get_vocab_size() <= 512
     return str(folder)
+
+
+def our_model_from_hf(hf_model, tmp_path, batch: int, seq: int, dtype=torch.float32, **kwargs):
+    """Our model (torch reference backend) with the weights of transformers model ``hf_model``, through a
+    save_pretrained folder in ``tmp_path`` and our HF loader."""
+    from llmq_ray.backends import get_backend
+    from llmq_ray.model.config import config_from_hf_dict
+    from llmq_ray.model.hf_io import load_hf_weights
+    from llmq_ray.model.transformer import LlamaModel
+
+    folder = tmp_path / "hf"
+    hf_model.save_pretrained(folder)
+    cfg = config_from_hf_dict(hf_model.config.to_dict())
+    model = LlamaModel(cfg, get_backend("torch"), batch_size=batch, seq_len=seq, dtype=dtype, **kwargs)
+    load_hf_weights(str(folder), model.layout, model.params)
+    return model
+
+
+def random_batch(vocab: int, batch: int, seq: int, seed: int = 1):
+    """Random (inputs, targets) [batch, seq] with a few masked targets, which must count neither in the loss
+    nor in its denominator."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
+    targets[0, 3] = -100
+    targets[1, 10:13] = -100
+    return inputs, targets

@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import transformers
+from _helpers import our_model_from_hf, random_batch
 
 from llmq_ray.backends import get_backend
 from llmq_ray.engine.train_engine import TrainEngine
@@ -47,21 +48,11 @@ def _random_hf_model(seed: int = 0, **kw):
 
 
 def _our_model(hf_model, tmp_path, dtype=torch.float32, **kwargs) -> LlamaModel:
-    folder = tmp_path / "hf"
-    hf_model.save_pretrained(folder)
-    cfg = config_from_hf_dict(hf_model.config.to_dict())
-    model = LlamaModel(cfg, get_backend("torch"), batch_size=B, seq_len=T, dtype=dtype, **kwargs)
-    load_hf_weights(str(folder), model.layout, model.params)
-    return model
+    return our_model_from_hf(hf_model, tmp_path, B, T, dtype, **kwargs)
 
 
 def _batch(vocab: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (B, T + 1), generator=gen)
-    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-    targets[0, 3] = -100
-    targets[1, 10:13] = -100
-    return inputs, targets
+    return random_batch(vocab, B, T, seed)
 
 
 def _cos_rel(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from _helpers import our_model_from_hf, random_batch
 
-from llmq_ray.backends import get_backend
-from llmq_ray.model.config import config_from_hf_dict
-from llmq_ray.model.hf_io import export_hf, hf_state_dict, load_hf_weights
+from llmq_ray.model.hf_io import export_hf, hf_state_dict
 from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
 
 # Shapes: GQA and MHA, tied and untied heads, odd sizes, llama3 and linear rope scaling.
@@ -59,21 +58,11 @@ def _random_hf_model(case: str, seed: int = 0):
 
 
 def _our_model(hf_model, tmp_path, dtype=torch.float32, **kwargs) -> LlamaModel:
-    folder = tmp_path / "hf"
-    hf_model.save_pretrained(folder)
-    cfg = config_from_hf_dict(hf_model.config.to_dict())
-    model = LlamaModel(cfg, get_backend("torch"), batch_size=B, seq_len=T, dtype=dtype, **kwargs)
-    load_hf_weights(str(folder), model.layout, model.params)
-    return model
+    return our_model_from_hf(hf_model, tmp_path, B, T, dtype, **kwargs)
 
 
 def _batch(vocab: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (B, T + 1), generator=gen)
-    inputs, targets = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-    targets[0, 3] = -100  # masked targets must not count, in the loss nor in its denominator
-    targets[1, 10:13] = -100
-    return inputs, targets
+    return random_batch(vocab, B, T, seed)
 
 
 def _our_grads(model: LlamaModel, inputs, targets):
