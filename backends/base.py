@@ -234,8 +234,9 @@ class Backend:
         query heads and k_weight [D] on key heads; value heads are untouched. Keeps x in ``saved`` [N, Hq+Hkv, D]
         (model dtype) and rstd in ``rstd`` [N, Hq+Hkv] (fp32) for the backward. Internals in fp32, one rounding.
 
-        This default is torch operations (every backend inherits it; a fused kernel is for later): per head
-        vector it reads x once and writes it twice, a few percent of a layer's QKV traffic."""
+        This default is torch operations (TORCH_DEFAULT_OPS: the backends without a kernel of their own inherit
+        it; triton has one, backends/triton/qk_norm.py): per head vector it reads x once and writes it twice, a
+        few percent of a layer's QKV traffic."""
         x = qkv.view(saved.shape[0], -1, qkv.shape[-1])[:, :n_q_heads + n_kv_heads]
         saved.copy_(x)
         xf = x.float()
