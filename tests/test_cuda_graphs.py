@@ -46,16 +46,16 @@ def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
 def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulation: int = 2, overlap: bool = True,
            offload: bool = False, untied: bool = False, deterministic: bool = False, skip_step: int | None = None,
            eval_after: int | None = None, wgrad_sms: int = 0, wgrad_mode: str = "stream", wgrad_delay: int = 0,
-           delayed: bool = False):
-    """Losses, grad norms and final weights of a few steps of a 4-layer model with Qwen2.5-0.5B widths.
+           delayed: bool = False, base: str = "Qwen2.5-0.5B"):
+    """Losses, grad norms and final weights of a few steps of a 4-layer model with ``base``'s widths (Qwen2.5-0.5B;
+    "gpt2": the GPT-2 block, learned positions and LayerNorm).
     ``overlap``: the update beside the next forward (the default); ``offload``: Adam m/v in host memory;
     ``untied``: a separate LM head (its own unit of the overlap); ``deterministic``: --deterministic-attention
     (cuDNN's backward is not bit-reproducible); ``skip_step``: that update is skipped (spike guard, max_loss=0);
     ``eval_after``: an evaluation between that step and the next; ``wgrad_sms``: the block wgrads on a side stream
     sized for that many SMs (llmq_ray/engine/wgrad_overlap.py; ``wgrad_mode`` / ``wgrad_delay``: its test modes)."""
-    cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers",
-                              tie_word_embeddings=not untied)
-    opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=accumulation,
+    cfg = dataclasses.replace(PRESETS[base], num_layers=4, name=f"{base}-4layers", tie_word_embeddings=not untied)
+    opts = TrainOptions(model=base, batch_size=2, seq_len=256, grad_accumulation=accumulation,
                         model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16", opt_v_dtype="bf16",
                         use_cuda_graphs=graphs, steps=steps, overlap_update=overlap,
                         offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic,
@@ -82,9 +82,10 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,matmul_dtype,delayed", [("triton", None, False), ("triton", "e4m3", False),
-                                                          ("triton", "e4m3", True)])
-def test_graph_replay_equals_eager(backend, matmul_dtype, delayed):
+@pytest.mark.parametrize("backend,matmul_dtype,delayed,base", [
+    ("triton", None, False, "Qwen2.5-0.5B"), ("triton", "e4m3", False, "Qwen2.5-0.5B"),
+    ("triton", "e4m3", True, "Qwen2.5-0.5B"), ("triton", None, False, "gpt2"), ("triton", "e4m3", False, "gpt2")])
+def test_graph_replay_equals_eager(backend, matmul_dtype, delayed, base):
     """Same kernels, same data, same order: the replayed run must match eager exactly wherever eager itself is
     deterministic (checked by running eager twice: on the H100 both bf16 and e4m3 are, 2026-11-23); otherwise
     within eager's own noise: per weight two bf16 steps at its magnitude or twice eager's largest run-to-run
@@ -92,16 +93,16 @@ def test_graph_replay_equals_eager(backend, matmul_dtype, delayed):
     while the overlapped update was still writing them; ``_train`` now reads them through full_params.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    eager_losses, eager_w = _train(backend, False, matmul_dtype, delayed=delayed)
-    again_losses, again_w = _train(backend, False, matmul_dtype, delayed=delayed)
-    graph_losses, graph_w = _train(backend, True, matmul_dtype, delayed=delayed)
+    eager_losses, eager_w = _train(backend, False, matmul_dtype, delayed=delayed, base=base)
+    again_losses, again_w = _train(backend, False, matmul_dtype, delayed=delayed, base=base)
+    graph_losses, graph_w = _train(backend, True, matmul_dtype, delayed=delayed, base=base)
     eager_spread = (eager_w.float() - again_w.float()).abs().max().item()
     graph_diff = (eager_w.float() - graph_w.float()).abs()
     # Eager's own nondeterminism flips last bits wherever it likes: allow each weight two bf16 steps at its own
     # magnitude, or twice eager's largest run-to-run difference, whichever is larger.
     allowed = torch.maximum(2 * _bf16_ulp(torch.maximum(eager_w.abs(), graph_w.abs())),
                             torch.full_like(graph_diff, 2 * eager_spread))
-    print(f"{backend} {matmul_dtype}: eager-vs-eager max |dw| {eager_spread}, graph-vs-eager {graph_diff.max().item()}; "
+    print(f"{base} {backend} {matmul_dtype}: eager-vs-eager max |dw| {eager_spread}, graph-vs-eager {graph_diff.max().item()}; "
           f"losses eager {eager_losses} graph {graph_losses}")
     if eager_spread == 0.0:
         assert graph_losses == eager_losses
