@@ -1,5 +1,6 @@
 """Each model family trains through the CLI on CPU from a folder with a non-preset config.json (a user's own
-small model): Qwen3 (QK-norm, head_dim != hidden / heads) and Llama 3.1 (llama3 rope scaling, untied head). The
+small model): Qwen3 (QK-norm, head_dim != hidden / heads), Llama 3.1 (llama3 rope scaling, untied head) and
+GPT-2 (learned positions, LayerNorm, GELU MLP). The
 loss must fall over 30 steps of the session's learnable synthetic shard."""
 
 import json
@@ -22,6 +23,9 @@ CONFIGS = {
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
                 "tie_word_embeddings": False, "max_position_embeddings": 128, "eos_token_id": 0,
                 "bos_token_id": 0},
+    "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 48, "n_layer": 2, "n_head": 4,
+             "n_inner": None, "n_positions": 64, "vocab_size": 512, "activation_function": "gelu_new",
+             "layer_norm_epsilon": 1e-5, "eos_token_id": 0, "bos_token_id": 0},
 }
 
 
