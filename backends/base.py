@@ -275,7 +275,7 @@ class Backend:
         """out[N, C] = (inp - mean) * rstd * weight + bias, with mean[N] and rstd[N] (fp32, kept for the backward)
         = the row mean and 1 / sqrt(var + eps) (biased variance), taken in fp32; weight, bias [C] model dtype.
         ``absmax`` (optional, fp32 0-d) overwritten with max|out| of the stored values (the FP8 scale of the GEMM
-        that reads out). Default in torch operations (TORCH_DEFAULT_OPS): every backend inherits it."""
+        that reads out). Default in torch operations (TORCH_DEFAULT_OPS); triton: backends/triton/layernorm.py."""
         x = inp.float()
         mu = x.mean(-1)
         xc = x - mu[:, None]

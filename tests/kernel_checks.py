@@ -397,7 +397,8 @@ def model_configs():
 
     mid = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
     return [("tiny", PRESETS["tiny"], 4, 128), ("mid", mid, 4, 512),
-            ("tiny-qwen3", PRESETS["tiny-qwen3"], 4, 128)]  # QK-norm on, head_dim != hidden / heads
+            ("tiny-qwen3", PRESETS["tiny-qwen3"], 4, 128),  # QK-norm on, head_dim != hidden / heads
+            ("tiny-gpt2", PRESETS["tiny-gpt2"], 4, 128)]  # LayerNorm with bias, GELU-tanh, learned positions
 
 
 def check_whole_model_gradients_bf16(backend_name, which):

@@ -825,3 +825,143 @@ def test_qk_norm_tiny_qwen3_model_gradients_triton_vs_torch():
     assert any(k.endswith("k_norm_w") for k in g)
     for k in g_ref:
         assert_close(g[k], g_ref[k], 1e-4, k)
+
+
+# --------------------------------------------------------------------------------------- LayerNorm, GELU-tanh (GPT-2)
+# The reference is the base class's torch default (Backend.<op> called on the torch backend). fp32 outputs within
+# 1e-5 of it relative to the tensor's max magnitude; bf16 outputs within 2 ulp elementwise (both compute in fp32
+# and round once; another summation order or rsqrt vs 1/sqrt may move a value across one rounding boundary). The
+# bf16 weight/bias gradients are accumulated into nonzero ones with one rounding each in both, so their ulp is taken
+# at twice the larger of the old value and the result (qk_norm_checks.assert_ulps, as the QK-norm test does).
+def _gpt2_close(got, want, dtype, what, old=None):
+    from qk_norm_checks import assert_ulps
+
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype)
+    if dtype == torch.float32 or want.dtype == torch.float32:
+        assert_close(got, want, 1e-5, what)
+    elif old is not None:
+        assert_ulps(got, want, 2, what, magnitude=2 * torch.maximum(want.float().abs(), old.float().abs()))
+    else:
+        assert_ulps(got, want, 2, what)
+
+
+def _layernorm_pass(fwd, bwd, a, b, w, bias, dout, dres0, dw0, db0, fused, with_dresidual):
+    """One forward (fused residual add or plain) and one backward through the given op callables: a dict of every
+    output (absmax outputs start at a wrong value, so a missing write shows)."""
+    n, c = a.shape
+    o = {"out": torch.empty_like(a), "mean": torch.empty(n, device=DEVICE), "rstd": torch.empty(n, device=DEVICE),
+         "absmax": torch.full((), -3.0, device=DEVICE)}
+    if fused:
+        o["residual"] = torch.empty_like(a)
+        fwd["fused"](o["residual"], o["out"], o["mean"], o["rstd"], a, b, w, bias, 1e-5, absmax=o["absmax"])
+    else:
+        fwd["plain"](o["out"], o["mean"], o["rstd"], a, w, bias, 1e-5, absmax=o["absmax"])
+    x = o["residual"] if fused else a
+    dres = dres0.clone() if with_dresidual else None
+    o["dinp"] = dres if with_dresidual else torch.empty_like(a)  # dinp aliasing dresidual is allowed
+    o["dweight"], o["dbias"], o["dabsmax"] = dw0.clone(), db0.clone(), torch.full((), -3.0, device=DEVICE)
+    bwd(o["dinp"], o["dweight"], o["dbias"], dout, x, w, o["mean"], o["rstd"], dresidual=dres, absmax=o["dabsmax"])
+    return o
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,c,fused,with_dresidual", [(37, 48, True, True),  # padded columns, one program
+                                                      (150, 200, False, False)])  # 3 programs, 3 partial rows
+def test_layernorm_forward_backward_against_the_torch_default(tri, ref, dtype, n, c, fused, with_dresidual):
+    """Triton's LayerNorm kernels (forward with and without the fused residual add, backward with and without the
+    fused residual gradient) against the base class's torch default: out, mean, rstd, residual (bit-equal), dx,
+    dweight, dbias and both absmax outputs (exactly max|stored|); recompute and a second backward give the same
+    bits."""
+    from llmq_ray.backends.base import Backend
+
+    for op in ("layernorm_forward", "fused_residual_layernorm_forward", "layernorm_backward"):
+        assert getattr(type(tri), op) is not getattr(Backend, op), f"triton must override {op}"
+    a, b = randn(n, c, seed=80, dtype=dtype, scale=2.0), randn(n, c, seed=81, dtype=dtype)
+    a = a + 0.5  # a nonzero row mean
+    w, bias = (1.0 + 0.3 * randn(c, seed=82)).to(dtype), (0.3 * randn(c, seed=83)).to(dtype)
+    dout, dres0 = randn(n, c, seed=84, dtype=dtype), randn(n, c, seed=85, dtype=dtype)
+    dw0, db0 = (0.5 * randn(c, seed=86)).to(dtype), (0.5 * randn(c, seed=87)).to(dtype)
+    args = (a, b, w, bias, dout, dres0, dw0, db0, fused, with_dresidual)
+    got = _layernorm_pass({"plain": tri.layernorm_forward, "fused": tri.fused_residual_layernorm_forward},
+                          tri.layernorm_backward, *args)
+    want = _layernorm_pass({"plain": lambda *x, **k: Backend.layernorm_forward(ref, *x, **k),
+                            "fused": lambda *x, **k: Backend.fused_residual_layernorm_forward(ref, *x, **k)},
+                           lambda *x, **k: Backend.layernorm_backward(ref, *x, **k), *args)
+    if fused:
+        assert torch.equal(got["residual"], want["residual"]), "residual must be inp1 + inp2 rounded once"
+    for name in ("out", "mean", "rstd", "dinp"):
+        _gpt2_close(got[name], want[name], dtype, name)
+    _gpt2_close(got["dweight"], want["dweight"], dtype, "dweight", old=dw0)
+    _gpt2_close(got["dbias"], want["dbias"], dtype, "dbias", old=db0)
+    assert got["absmax"].item() == got["out"].float().abs().max().item(), "absmax is not max|out| as stored"
+    assert got["dabsmax"].item() == got["dinp"].float().abs().max().item() > 0, "max|dinp| as stored"
+    assert_close(got["absmax"], want["absmax"], TOL[dtype], "absmax")
+    if fused:  # recompute: the plain forward of the stored residual reproduces out, mean, rstd and absmax
+        out2, m2, r2, a2 = (torch.empty_like(got[k]) for k in ("out", "mean", "rstd", "absmax"))
+        tri.layernorm_forward(out2, m2, r2, got["residual"], w, bias, 1e-5, absmax=a2)
+        assert all(torch.equal(x, got[k]) for x, k in ((out2, "out"), (m2, "mean"), (r2, "rstd"), (a2, "absmax")))
+    again = _layernorm_pass({"plain": tri.layernorm_forward, "fused": tri.fused_residual_layernorm_forward},
+                            tri.layernorm_backward, *args)
+    assert all(torch.equal(again[k], got[k]) for k in got), "a second run gave other bits (deterministic reductions)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_forward_backward_against_the_torch_default(tri, ref, dtype):
+    """Triton's GELU-tanh kernels against the base class's torch default on [7, 300] (a partial block) with inputs
+    up to |x| ~ 12 (tanh saturated) and tiny ones (its Taylor branch): out, dinp and both absmax outputs."""
+    from llmq_ray.backends.base import Backend
+
+    for op in ("gelu_tanh_forward", "gelu_tanh_backward"):
+        assert getattr(type(tri), op) is not getattr(Backend, op), f"triton must override {op}"
+    n, i = 7, 300
+    x = randn(n, i, seed=90, dtype=dtype, scale=3.0)
+    x[0, :40] = randn(40, seed=91, dtype=dtype, scale=0.02)  # |k (x + c x^3)| < 0.125: the polynomial branch
+    dout = randn(n, i, seed=92, dtype=dtype)
+    res = {}
+    for name, fwd, bwd in (("tri", tri.gelu_tanh_forward, tri.gelu_tanh_backward),
+                           ("ref", lambda *a, **k: Backend.gelu_tanh_forward(ref, *a, **k),
+                            lambda *a, **k: Backend.gelu_tanh_backward(ref, *a, **k))):
+        out, amax = torch.empty_like(x), torch.full((), -3.0, device=DEVICE)
+        fwd(out, x, absmax=amax)
+        dinp, damax = torch.empty_like(x), torch.full((), -3.0, device=DEVICE)
+        bwd(dinp, dout, x, absmax=damax)
+        res[name] = (out, amax, dinp, damax)
+    (out, amax, dinp, damax), (out_r, amax_r, dinp_r, damax_r) = res["tri"], res["ref"]
+    _gpt2_close(out, out_r, dtype, "gelu out")
+    _gpt2_close(dinp, dinp_r, dtype, "gelu dinp")
+    assert amax.item() == out.float().abs().max().item() > 0 and damax.item() == dinp.float().abs().max().item() > 0
+    assert_close(amax, amax_r, TOL[dtype], "gelu absmax")
+    assert_close(damax, damax_r, TOL[dtype], "gelu dinp absmax")
+
+
+def test_gpt2_tiny_model_gradients_triton_vs_torch():
+    """The whole forward/backward of the tiny-gpt2 preset (LayerNorm with bias, fused residual + LayerNorm, GELU-tanh
+    through the triton kernels) against the torch backend (the torch defaults), fp32, with the LayerNorm weights and
+    biases perturbed away from 1 / 0 so that their gradients matter."""
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model.params import init_params
+
+    cfg, b, t = PRESETS["tiny-gpt2"], 2, 16
+    results = {}
+    for name in ("triton", "torch"):
+        model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.float32)
+        flat = torch.zeros(model.layout.numel)
+        init_params(model.layout, flat, seed=3)
+        gen = _gen(6)
+        for key, view in model.layout.views(flat).items():
+            if key.endswith(("ln1_w", "ln1_b", "ln2_w", "ln2_b", "final_norm", "final_norm_b")):
+                view.add_(0.3 * torch.randn(view.shape, generator=gen))
+        model.params[:model.layout.numel].copy_(flat)
+        tokens = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=_gen(4))
+        targets = tokens[:, 1:].clone()
+        targets[0, :3] = -100
+        model.zero_grads()
+        model.forward_backward(tokens[:, :-1].to(DEVICE), targets.to(DEVICE))
+        grads = {k: v.clone().cpu() for k, v in model.layout.views(model.grads).items()}
+        results[name] = ((model.loss_sum / model.target_count).item(), grads)
+    (loss, g), (loss_ref, g_ref) = results["triton"], results["torch"]
+    assert abs(loss - loss_ref) / loss_ref < 1e-6
+    assert any(k.endswith("ln2_b") for k in g) and "pos_embed" in g
+    for k in g_ref:
+        assert_close(g[k], g_ref[k], 1e-4, k)

@@ -17,6 +17,8 @@ from llmq_ray.backends.triton import adamw as _adamw
 from llmq_ray.backends.triton import classifier as _classifier
 from llmq_ray.backends.triton import embedding as _embedding
 from llmq_ray.backends.triton import fp8 as _fp8
+from llmq_ray.backends.triton import gelu as _gelu
+from llmq_ray.backends.triton import layernorm as _layernorm
 from llmq_ray.backends.triton import reduce as _reduce
 from llmq_ray.backends.triton import rmsnorm as _rmsnorm
 from llmq_ray.backends.triton import bias as _bias
@@ -81,6 +83,36 @@ class TritonBackend(Backend):
         """qk_norm.py's backward: dx in place, weight gradients through a deterministic two-kernel reduction."""
         _qk_norm.qk_norm_backward(dqkv, dq_weight, dk_weight, saved, rstd, q_weight, k_weight, n_q_heads,
                                   n_kv_heads)
+
+    # ------------------------------------------------------------------ LayerNorm, GELU-tanh (GPT-2)
+    def layernorm_forward(self, out, mean, rstd, inp, weight, bias, eps, absmax=None):
+        """The fused kernel of backends/triton/layernorm.py for the base class's torch default; same contract
+        (Backend.layernorm_forward)."""
+        _contiguous(out, mean, rstd, inp, weight, bias)
+        _layernorm.layernorm_forward(out, mean, rstd, inp, weight, bias, eps, absmax)
+
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias, eps,
+                                         absmax=None):
+        """layernorm.py's forward with the residual add fused in: one read of each input, one write of each
+        output (Backend.fused_residual_layernorm_forward)."""
+        _contiguous(residual, out, mean, rstd, inp1, inp2, weight, bias)
+        _layernorm.layernorm_forward(out, mean, rstd, inp1, weight, bias, eps, absmax, inp2=inp2, residual=residual)
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, dresidual=None, absmax=None):
+        """layernorm.py's backward: dx (+ dresidual) in one pass, weight and bias gradients through a
+        deterministic two-kernel reduction (Backend.layernorm_backward)."""
+        _contiguous(dinp, dweight, dbias, dout, inp, weight, mean, rstd, dresidual)
+        _layernorm.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, dresidual, absmax)
+
+    def gelu_tanh_forward(self, out, inp, absmax=None):
+        """backends/triton/gelu.py's element-wise kernel for the base class's torch default (same contract)."""
+        _contiguous(out, inp)
+        _gelu.gelu_tanh_forward(out, inp, absmax)
+
+    def gelu_tanh_backward(self, dinp, dout, inp, absmax=None):
+        """gelu.py's backward (the tanh recomputed from inp), with the fused max|dinp| (Backend.gelu_tanh_backward)."""
+        _contiguous(dinp, dout, inp)
+        _gelu.gelu_tanh_backward(dinp, dout, inp, absmax)
 
     # ------------------------------------------------------------------ RoPE
     def rope_forward(self, qkv, cos, sin, n_q_heads, n_kv_heads):
