@@ -27,8 +27,11 @@ without a marker, the whole delta (less trailing whitespace) is the target.
 Output of ``encode``: int32 ids [n] (the conversation, then the separator) and bool mask [n], True where token j
 is an assistant token = trained on *as a target* (the label predicted at position j-1), which is exactly the
 meaning of the loss-mask bitmap of an llm.q shard (data_pipeline/shards.py). The separator between conversations
-(``--eos-id``, else ``<|endoftext|>`` when the vocabulary has it, else the tokenizer's ``eos_token``) is never a
-target. Windows cross conversation boundaries as in pre-training (no attention reset).
+(``--eos-id``, else ``<|endoftext|>`` / ``<|end_of_text|>`` when the vocabulary has it, else the tokenizer's
+``eos_token``) is never a target, and it must never occur inside a rendered conversation (one DataError
+otherwise): it is what ``--document-masking`` cuts windows at, and a template that ends its turns with it (e.g. a
+Llama-3 Instruct folder whose eos_token is ``<|eot_id|>``) would cut every conversation into turns. Windows cross
+conversation boundaries as in pre-training unless ``--document-masking`` is given.
 
 Bad input is one DataError sentence naming the file and line: not JSON, no ``messages`` list, a message without a
 string ``role``/``content``, a role outside the four above, the template raising (e.g. its own
@@ -102,8 +105,8 @@ class ChatTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         if spec.eos_id is not None:
             self.eos_id = int(spec.eos_id)
-        elif "<|endoftext|>" in vocab:
-            self.eos_id = vocab["<|endoftext|>"]
+        elif "<|endoftext|>" in vocab or "<|end_of_text|>" in vocab:  # Qwen / Llama 3: between documents
+            self.eos_id = vocab.get("<|endoftext|>", vocab.get("<|end_of_text|>"))
         elif self.tok.eos_token_id is not None:
             self.eos_id = int(self.tok.eos_token_id)
         else:
@@ -160,6 +163,10 @@ class ChatTokenizer:
             return None
         full_text = self.render(messages, False, where)
         full = self.encode_text(full_text)
+        if self.eos_id in full:
+            raise DataError(f"{where}: the conversation separator, token {self.eos_id} "
+                            f"({self.tok.decode([self.eos_id])!r}), occurs inside the rendered conversation (the "
+                            f"template ends turns with it); pass --eos-id with a token the template never emits.")
         mask = np.zeros(len(full) + 1, dtype=bool)
         prev_end = 0
         for i in turns:
@@ -167,7 +174,11 @@ class ChatTokenizer:
             end = self._prefix_tokens(messages, i + 1, False, full_text, full, where, i + 1)
             while end > start + 1 and self._is_blank(full[end - 1]):
                 end -= 1  # the template's separator after the end-of-turn token
-            if start < prev_end or end <= start:
+            if start < prev_end:
+                raise DataError(f"{where}: the chat template renders assistant message {i + 1}'s generation prompt "
+                                f"over the end of the previous assistant message, so their tokens cannot be told "
+                                f"apart.")
+            if end <= start:
                 raise DataError(f"{where}: the chat template renders assistant message {i + 1} as no tokens after "
                                 f"its generation prompt, so there is nothing to train on in it.")
             mask[start:end] = True

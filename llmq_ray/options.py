@@ -130,8 +130,11 @@ class _TrainOptionsBase:
              "--lmhead-dtype=e4m3 needs --model-dtype=bf16.")
         need(self.zero_level in (1, 2, 3), f"--zero-level={self.zero_level} must be 1, 2 or 3.")
         need(self.document_separator is None or (isinstance(self.document_separator, int)
+                                                 and not isinstance(self.document_separator, bool)
                                                  and self.document_separator >= 0),
              f"--document-separator={self.document_separator!r} must be a token id (an integer >= 0).")
+        need(self.document_separator is None or self.document_masking,
+             f"--document-separator={self.document_separator} needs --document-masking (alone it does nothing).")
         need(not (self.document_masking and self.deterministic_attention),
              "--document-masking cannot be combined with --deterministic-attention yet: its backward kernel "
              "has no document mask.")

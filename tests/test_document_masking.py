@@ -6,16 +6,18 @@ The exact check: a window of 3 documents gives the losses and every gradient of 
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from llmq_ray.backends import get_backend
+from llmq_ray.data_pipeline.shards import write_shard
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.config import PRESETS
 from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
 from llmq_ray.options import TrainOptions
-from llmq_ray.train.preflight import data_eos_id
+from llmq_ray.train.preflight import data_eos_id, separator_seen
 
 EOS = 7
 CFG = PRESETS["tiny-qwen3"]  # QK-norm and head_dim != hidden / heads: the widest attention path we have
@@ -83,6 +85,12 @@ def test_document_masking_refuses_what_it_cannot_do():
         TrainOptions(document_masking=True, deterministic_attention=True).validate()
     with pytest.raises(ConfigError, match="--document-separator=-1"):
         TrainOptions(document_masking=True, document_separator=-1).validate()
+    with pytest.raises(ConfigError, match="--document-separator=True must be a token id"):
+        TrainOptions(document_masking=True, document_separator=True).validate()
+    with pytest.raises(ConfigError, match=r"--document-separator=5 needs --document-masking"):
+        TrainOptions(document_separator=5).validate()
+    with pytest.raises(ConfigError, match="does not take GPT-2 yet"):
+        LlamaModel(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=1, seq_len=8, document_separator=0)
     segments = torch.zeros(1, 4, dtype=torch.int32)
     be = get_backend("torch")
     be.attention._aten = object()  # as on CUDA: bf16 goes to the fused kernel, which has no document mask
@@ -93,8 +101,11 @@ def test_document_masking_refuses_what_it_cannot_do():
 
 
 def test_the_separator_comes_from_the_data_meta_json(tmp_path):
-    (tmp_path / "train-000.bin").write_bytes(b"")
-    assert data_eos_id(str(tmp_path / "train-*.bin")) is None
+    write_shard(str(tmp_path / "train-000.bin"), np.array([5, 6, 9, 5], dtype=np.int32), 512)
+    pattern = str(tmp_path / "train-*.bin")
+    assert data_eos_id(pattern) is None
     (tmp_path / "meta.json").write_text(json.dumps({"eos_id": 151643}))
-    assert data_eos_id(str(tmp_path / "train-*.bin")) == 151643
+    assert data_eos_id(pattern) == 151643
     assert data_eos_id(str(tmp_path / "nothing-*.bin")) is None
+    # the fallback to the model's EOS is refused when that token never ends a document in the data
+    assert separator_seen(pattern, 9) is True and separator_seen(pattern, 0) is False

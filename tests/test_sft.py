@@ -240,6 +240,16 @@ def test_bad_lines_are_one_error_naming_file_and_line(tok_dir, tmp_path, line, m
     assert os.listdir(tmp_path / "out") == []
 
 
+def test_a_separator_the_template_emits_inside_conversations_is_refused(tok_dir, hf_tok, tmp_path):
+    """The conversation separator is what --document-masking cuts windows at: a separator that ends every turn
+    (here <|im_end|>, as a Llama-3 Instruct folder's <|eot_id|> would) would cut conversations into turns."""
+    src = _write_jsonl(tmp_path / "chat.jsonl", CONVERSATIONS[:1])
+    im_end = hf_tok.convert_tokens_to_ids("<|im_end|>")
+    with pytest.raises(DataError, match=r"chat\.jsonl: line 1: the conversation separator, token \d+ "
+                                        r"\('<\|im_end\|>'\), occurs inside the rendered conversation"):
+        tokenize_chat([src], str(tmp_path / "out"), tok_dir, eval_tokens=0, eos_id=im_end)
+
+
 def test_templates_that_rewrite_earlier_turns_are_refused(tok_dir, tmp_path, capsys):
     """A template that renders an assistant turn differently once later turns follow (as Qwen3's thinking
     template drops earlier reasoning) leaves no exact span: one error naming the line and the message. The

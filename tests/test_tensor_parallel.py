@@ -69,6 +69,16 @@ def test_the_split_block_sums_to_the_full_block(size):
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+def test_names_without_a_split_are_refused_not_replicated():
+    plan = TensorParallelPlan(CFG, 2)
+    assert torch.equal(plan.shard("layers.0.ln1_w", torch.arange(4.0), 1), torch.arange(4.0))
+    with pytest.raises(KeyError, match="no split known for 'layers.0.up_w'"):
+        plan.shard("layers.0.up_w", torch.zeros(4, 4), 0)
+    from llmq_ray.model.config import PRESETS
+    with pytest.raises(ConfigError, match="does not take GPT-2 yet"):
+        TensorParallelPlan(PRESETS["tiny-gpt2"], 2)
+
+
 @pytest.mark.parametrize("size, words", [(3, "must divide the model's 8 attention heads"),
                                          (16, "must divide the model's 8 attention heads"),
                                          (0, "must be an integer >= 1")])
@@ -107,9 +117,12 @@ def _vocab_rank(rank: int, port: int, out: str) -> None:
     with gloo_group(rank, 2, port) as comm:
         logits, targets = _case()
         lo, hi = TensorParallelPlan(CFG, 2).vocab_range(rank)   # 6 + 5 columns
-        d = torch.empty(logits.shape[0], hi - lo)
-        losses = vocab_parallel_cross_entropy(logits[:, lo:hi].contiguous(), targets, lo, comm, dlogits=d)
-        torch.save({"losses": losses, "grad": d, "range": (lo, hi)}, f"{out}/rank{rank}.pt")
+        # equal-size shards of 6: rank 1's last column is padding, with a value that must not count
+        padded = torch.cat([logits, torch.full((logits.shape[0], 1), 30.0)], dim=1)[:, 6 * rank:6 * rank + 6]
+        d = torch.empty(logits.shape[0], 6)
+        losses = vocab_parallel_cross_entropy(padded.contiguous(), targets, lo, comm, dlogits=d, valid=hi - lo)
+        torch.save({"losses": losses, "grad": d[:, :hi - lo], "pad_grad": d[:, hi - lo:], "range": (lo, hi)},
+                   f"{out}/rank{rank}.pt")
 
 
 def test_vocab_parallel_cross_entropy_equals_the_full_one_on_two_gloo_ranks(tmp_path):
@@ -122,6 +135,7 @@ def test_vocab_parallel_cross_entropy_equals_the_full_one_on_two_gloo_ranks(tmp_
         torch.testing.assert_close(g["losses"], want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat([g["grad"] for g in got], dim=1), want_grad, rtol=1e-6, atol=5e-7)  # a few fp32 ulp of values <= 1
     assert math.isclose(float(got[0]["losses"][2]), 0.0)  # the masked row
+    assert got[1]["pad_grad"].abs().max() == 0.0
 
 
 def test_the_2d_layout_keeps_tensor_parallel_groups_on_a_node():

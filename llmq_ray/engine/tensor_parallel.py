@@ -48,6 +48,8 @@ class TensorParallelPlan:
                 raise ConfigError(msg)
 
         need(isinstance(t, int) and t >= 1, f"--tensor-parallel={t!r} must be an integer >= 1.")
+        need(not cfg.is_gpt2, "--tensor-parallel does not take GPT-2 yet (its biased row-parallel projections and "
+                              "learned positions have no split here).")
         need(cfg.num_heads % t == 0,
              f"--tensor-parallel={t} must divide the model's {cfg.num_heads} attention heads.")
         need(cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0,
@@ -118,9 +120,12 @@ class TensorParallelPlan:
         shard = -(-self.cfg.vocab_size // self.size)
         return min(rank * shard, self.cfg.vocab_size), min((rank + 1) * shard, self.cfg.vocab_size)
 
+    REPLICATED = frozenset({"ln1_w", "ln2_w", "final_norm", "q_norm_w", "k_norm_w"})
+
     def shard(self, name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s part of the full tensor of layout slot ``name`` (e.g. ``layers.3.qkv_w``), a copy in
-        the rank's local layout; replicated tensors (norm weights) come back whole."""
+        the rank's local layout; the replicated ones (``REPLICATED``: norm weights) come back whole; a name of
+        neither kind is a KeyError (never silently replicated)."""
         kind = name.rsplit(".", 1)[-1]
         if kind in ("qkv_w", "qkv_b"):
             return torch.cat([full[a:b] for a, b in self.qkv_rows(rank)])
@@ -135,25 +140,33 @@ class TensorParallelPlan:
         if kind in ("embed", "lm_head"):
             a, b = self.vocab_range(rank)
             return full[a:b].clone()
-        return full.clone()
+        if kind in self.REPLICATED:
+            return full.clone()
+        raise KeyError(f"TensorParallelPlan.shard: no split known for {name!r}")
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm,
-                                 dlogits: torch.Tensor | None = None) -> torch.Tensor:
+                                 dlogits: torch.Tensor | None = None, valid: int | None = None) -> torch.Tensor:
     """Cross-entropy over logits split by vocabulary across the ranks of ``comm`` (the tensor-parallel group).
 
     logits[N, Vr] (any float dtype; computed in fp32) are this rank's columns [vocab_start, vocab_start + Vr)
-    of the full [N, V] logits; targets[N] int, global ids, -100 = masked. Returns losses[N] fp32, the same on
-    every rank (0 at masked rows). With ``dlogits`` [N, Vr] fp32, also writes d(sum of losses)/d logits for
-    this rank's columns: softmax - one-hot, zero at masked rows.
+    of the full [N, V] logits; ``valid`` (default Vr): how many of them are real vocabulary, the rest being the
+    padding of an equal-size shard (left out of the softmax, zero gradient). targets[N] int, global ids, -100 =
+    masked. Returns losses[N] fp32, the same on every rank (0 at masked rows). With ``dlogits`` [N, Vr] fp32, also
+    writes d(sum of losses)/d logits for this rank's columns: softmax - one-hot, zero at masked rows.
 
-    Three collectives of [N] vectors, never the full logits: the row maxima (gathered, then the max, so every
-    rank shifts by the same value), the sums of exp, and the target logits (each from the rank that holds the
-    target's column, 0 elsewhere). ``comm`` needs ``world_size``, ``all_gather(full, shard)`` and
-    ``all_reduce_sum(tensor)`` (the engine's Communicator).
+    Two collectives of [N]-sized vectors, never the full logits: the row maxima (all-gathered, then the max, so
+    every rank shifts by the same value), then one sum of the stacked [2, N] exp-sums and target logits (each
+    target logit from the rank that holds its column, 0 elsewhere). No host sync (gathers and masks, no
+    data-dependent shapes). ``comm`` needs ``world_size``, ``all_gather(full, shard)`` and ``all_reduce_sum``
+    (the engine's Communicator). Targets must be -100 or in [0, V): the data pipeline checks token ids.
     """
     x = logits.float()
     n, local_v = x.shape
+    valid = local_v if valid is None else valid
+    if valid < local_v:
+        x = x.clone()
+        x[:, valid:] = float("-inf")
     world = comm.world_size
     local_max = x.max(dim=1).values if local_v else torch.full((n,), float("-inf"), device=x.device)
     maxima = torch.empty(world * n, dtype=torch.float32, device=x.device)
@@ -162,10 +175,10 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     exp = torch.exp(x - row_max[:, None])
     sum_exp = exp.sum(dim=1)
     local_t = targets.to(x.device).long() - vocab_start
-    mine = (local_t >= 0) & (local_t < local_v)
-    target_logit = torch.zeros(n, dtype=torch.float32, device=x.device)
-    rows = mine.nonzero(as_tuple=True)[0]
-    target_logit[rows] = x[rows, local_t[rows]]
+    mine = (local_t >= 0) & (local_t < valid)
+    idx = local_t.clamp(0, max(local_v - 1, 0))[:, None]
+    target_logit = (torch.where(mine, x.gather(1, idx).squeeze(1), 0.0) if local_v
+                    else torch.zeros(n, dtype=torch.float32, device=x.device))
     stats = torch.stack([sum_exp, target_logit])  # one collective for both sums
     comm.all_reduce_sum(stats)
     sum_exp, target_logit = stats[0], stats[1]
@@ -174,6 +187,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     losses = losses.masked_fill(masked, 0.0)
     if dlogits is not None:
         dlogits.copy_(exp / sum_exp[:, None])
-        dlogits[rows, local_t[rows]] -= 1.0
-        dlogits[masked] = 0.0
+        if local_v:
+            dlogits.scatter_add_(1, idx, -mine.float()[:, None])
+        dlogits.mul_((~masked).float()[:, None])
     return losses

@@ -337,6 +337,9 @@ class LlamaModel:
                  quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None,
                  delayed_swiglu_scale: bool = False, document_separator: int | None = None):
         self.cfg, self.backend = cfg, backend
+        if document_separator is not None and cfg.is_gpt2:
+            raise ConfigError("--document-masking does not take GPT-2 yet: its learned positions would need a "
+                              "reset at every document start (--reset-positions, not built).")
         self.document_separator = document_separator
         self.segments = (torch.zeros(batch_size, seq_len, dtype=torch.int32, device=backend.device)
                          if document_separator is not None else None)

@@ -79,6 +79,25 @@ def data_eos_id(pattern: str) -> Optional[int]:
     return eos if isinstance(eos, int) else None
 
 
+def separator_seen(pattern: str, token: int, scan_tokens: int = 10_000_000) -> Optional[bool]:
+    """Whether ``token`` occurs in the first ``scan_tokens`` tokens of the first local .bin shard ``pattern``
+    matches (None: not a local .bin shard, not checked). --document-masking uses it to refuse a separator that
+    would mask nothing."""
+    import numpy as np
+
+    from llmq_ray.data_pipeline.shards import Shard, read_header
+    from llmq_ray.data_pipeline.sources import resolve_files
+
+    try:
+        files = resolve_files(pattern)
+        if not files or not files[0].endswith(".bin") or not os.path.isfile(files[0]):
+            return None
+        tokens = Shard(read_header(files[0])).tokens
+    except DataError:
+        return None
+    return bool(np.any(np.asarray(tokens[:scan_tokens]) == token))
+
+
 def _check_bin_file(path: str, vocab_size: int, budget: list) -> int:
     """Header, size and (within ``budget[0]`` tokens, decreased here) the token ids of one shard."""
     from llmq_ray.data_pipeline.shards import HEADER_BYTES, Shard, check_token_ids, read_header

@@ -443,12 +443,19 @@ class LLMQTrainer:
             return
         from llmq_ray.train.preflight import data_eos_id
 
+        from llmq_ray.train.preflight import separator_seen
+
         r = self.runtime
         sep = None if r["synthetic_data"] else data_eos_id(r["train_file"])
-        sep = sep if sep is not None else self.cfg.eos_token_id
         if sep is None:
-            raise ConfigError("--document-masking needs --document-separator: neither the train data's meta.json "
-                              "nor the model's config names an end-of-document token.")
+            sep = self.cfg.eos_token_id
+            if sep is None:
+                raise ConfigError("--document-masking needs --document-separator: neither the train data's "
+                                  "meta.json nor the model's config names an end-of-document token.")
+            if not r["synthetic_data"] and separator_seen(r["train_file"], sep) is False:
+                raise ConfigError(f"--document-masking: the model's EOS token {sep} never occurs in the first "
+                                  f"tokens of --train-file {r['train_file']}, so nothing would be masked; pass "
+                                  f"--document-separator with the token that ends its documents.")
         self.opts = dataclasses.replace(self.opts, document_separator=int(sep))
         self.lines.append(f"document masking: documents end at token {sep}")
 
