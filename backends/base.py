@@ -338,18 +338,27 @@ class Backend:
         if absmax is not None:
             absmax.copy_(dinp.abs().amax().float())
 
-    def position_embedding_forward(self, out: torch.Tensor, table: torch.Tensor, seq_len: int) -> None:
+    def position_embedding_forward(self, out: torch.Tensor, table: torch.Tensor, seq_len: int,
+                                   positions: torch.Tensor | None = None) -> None:
         """In place: out[N, C] (the token embedding, N = B * seq_len rows, row n at position n % seq_len) +=
-        table[n % seq_len] with table[P, C] (model dtype, P >= seq_len): positions 0..T-1 in every window.
+        table[n % seq_len] with table[P, C] (model dtype, P >= seq_len): positions 0..T-1 in every window; or,
+        with ``positions`` int [B, T] (--reset-positions: each document from 0), table[positions].
         Summed in fp32, one rounding. Default in torch operations (TORCH_DEFAULT_OPS)."""
         x = out.view(-1, seq_len, out.shape[-1])
-        x.copy_(x.float() + table[:seq_len].float())
+        rows = table[:seq_len] if positions is None else table[positions]
+        x.copy_(x.float() + rows.float())
 
-    def position_embedding_backward(self, dtable: torch.Tensor, dout: torch.Tensor, seq_len: int) -> None:
+    def position_embedding_backward(self, dtable: torch.Tensor, dout: torch.Tensor, seq_len: int,
+                                    positions: torch.Tensor | None = None) -> None:
         """dtable[P, C] rows 0..seq_len-1 += dout[N, C] summed over the B windows (accumulate, fp32 sum, a fixed
-        order: deterministic). Default in torch operations (TORCH_DEFAULT_OPS)."""
-        d = dtable[:seq_len]
-        d.copy_(d.float() + dout.view(-1, seq_len, dout.shape[-1]).float().sum(0))
+        order: deterministic); with ``positions`` [B, T], each row into its own position's row (an fp32
+        index_add: deterministic on the CPU, atomics on CUDA). Default in torch operations (TORCH_DEFAULT_OPS)."""
+        if positions is None:
+            d = dtable[:seq_len]
+            d.copy_(d.float() + dout.view(-1, seq_len, dout.shape[-1]).float().sum(0))
+            return
+        acc = dtable.float().index_add_(0, positions.reshape(-1).long(), dout.float())
+        dtable.copy_(acc)
 
     # ------------------------------------------------------------------ RoPE
     def rope_forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

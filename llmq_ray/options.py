@@ -135,6 +135,8 @@ class _TrainOptionsBase:
              f"--document-separator={self.document_separator!r} must be a token id (an integer >= 0).")
         need(self.document_separator is None or self.document_masking,
              f"--document-separator={self.document_separator} needs --document-masking (alone it does nothing).")
+        need(not self.reset_positions or self.document_masking,
+             "--reset-positions needs --document-masking: positions restart at document starts.")
         need(not (self.document_masking and self.deterministic_attention),
              "--document-masking cannot be combined with --deterministic-attention yet: its backward kernel "
              "has no document mask.")

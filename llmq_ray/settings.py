@@ -98,6 +98,10 @@ class DataSettings:
         None,
         "the token that ends each document, for --document-masking; default: the train data's EOS "
         "(its meta.json), else the model's eos_token_id", metavar='ID')
+    reset_positions: bool = setting(
+        False,
+        "with --document-masking: positions restart at 0 at every document start (needed by GPT-2's learned "
+        "positions; RoPE models attend by distance, so for them it changes nothing and is implied)")
 
 
 @dataclass

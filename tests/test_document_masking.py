@@ -29,11 +29,12 @@ def _documents(lengths, seed=0):
             for n in lengths]
 
 
-def _loss_and_grads(rows_in, rows_tgt, separator, recompute=None):
+def _loss_and_grads(rows_in, rows_tgt, separator, recompute=None, cfg=CFG):
     """Sum of target losses and the gradient of it, for a batch of equal-length rows."""
     inputs, targets = torch.stack(rows_in), torch.stack(rows_tgt)
-    model = LlamaModel(CFG, get_backend("torch"), batch_size=inputs.shape[0], seq_len=inputs.shape[1],
-                       document_separator=separator, recompute=recompute)
+    model = LlamaModel(cfg, get_backend("torch"), batch_size=inputs.shape[0], seq_len=inputs.shape[1],
+                       document_separator=separator, recompute=recompute,
+                       reset_positions=cfg.is_gpt2 and separator is not None)
     torch.manual_seed(1)
     model.params.normal_(0.0, 0.08)
     model.zero_grads()
@@ -48,21 +49,24 @@ def _packed(docs):
     return inputs, targets
 
 
-@pytest.mark.parametrize("recompute", [None, RecomputeOptions(block=True)], ids=["stored", "recomputed"])
-def test_a_packed_window_equals_its_documents_run_alone(recompute):
+@pytest.mark.parametrize("recompute, cfg", [(None, CFG), (RecomputeOptions(block=True), CFG),
+                                           (None, PRESETS["tiny-gpt2"])],
+                         ids=["stored", "recomputed", "gpt2-reset-positions"])
+def test_a_packed_window_equals_its_documents_run_alone(recompute, cfg):
+    """(GPT-2: with --reset-positions, its learned positions restart at each document.)"""
     docs = [_documents((9, 14, 8)), _documents((5, 20, 6), seed=3)]   # two rows, 34 tokens each
     packed = [_packed(d) for d in docs]
-    loss, grads = _loss_and_grads([p[0] for p in packed], [p[1] for p in packed], EOS, recompute)
+    loss, grads = _loss_and_grads([p[0] for p in packed], [p[1] for p in packed], EOS, recompute, cfg)
     alone_loss, alone_grads = 0.0, torch.zeros_like(grads)
     for doc in docs[0] + docs[1]:
-        l, g = _loss_and_grads([doc[:-1]], [doc[1:]], EOS)
+        l, g = _loss_and_grads([doc[:-1]], [doc[1:]], EOS, cfg=cfg)
         alone_loss += l
         alone_grads += g
     assert abs(loss - alone_loss) <= 1e-5 * alone_loss, (loss, alone_loss)
     err = (grads - alone_grads).abs().max() / alone_grads.abs().max()
     assert err <= 1e-5, f"max relative gradient difference {err:.2e}"
     # and without the masking the same window is a different computation (the test can fail)
-    unmasked, unmasked_grads = _loss_and_grads([p[0] for p in packed], [p[1] for p in packed], None)
+    unmasked, unmasked_grads = _loss_and_grads([p[0] for p in packed], [p[1] for p in packed], None, cfg=cfg)
     assert abs(unmasked - alone_loss) > 1e-5 * alone_loss
     assert (unmasked_grads - alone_grads).abs().max() / alone_grads.abs().max() > 1e-3
 
@@ -89,8 +93,10 @@ def test_document_masking_refuses_what_it_cannot_do():
         TrainOptions(document_masking=True, document_separator=True).validate()
     with pytest.raises(ConfigError, match=r"--document-separator=5 needs --document-masking"):
         TrainOptions(document_separator=5).validate()
-    with pytest.raises(ConfigError, match="does not take GPT-2 yet"):
+    with pytest.raises(ConfigError, match="with GPT-2 needs --reset-positions"):
         LlamaModel(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=1, seq_len=8, document_separator=0)
+    with pytest.raises(ConfigError, match="--reset-positions needs --document-masking"):
+        TrainOptions(reset_positions=True).validate()
     segments = torch.zeros(1, 4, dtype=torch.int32)
     be = get_backend("torch")
     be.attention._aten = object()  # as on CUDA: bf16 goes to the fused kernel, which has no document mask

@@ -322,8 +322,9 @@ class LlamaModel:
     documents, each ending with that token, and a token attends only to earlier tokens of its own document
     (``segments`` [B, T] int32, the document index of each token, computed on the device from the inputs of
     each forward: no host sync). RoPE needs no position reset for this: its scores depend only on the distance
-    between two positions, so a document gets the attention it would get alone up to rounding. The target at a
-    separator position (the next document's first token) stays a target, as without masking.
+    between two positions, so a document gets the attention it would get alone up to rounding. GPT-2's learned
+    positions do need one: ``reset_positions`` (--reset-positions) makes each document's positions start at 0.
+    The target at a separator position (the next document's first token) stays a target, as without masking.
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
     llmq_ray/model/linear.py. The results are the same bits in every case.
@@ -335,14 +336,21 @@ class LlamaModel:
                  matmul_dtype: str | None = None, gradient_dtype: str | None = None,
                  weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
                  quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None,
-                 delayed_swiglu_scale: bool = False, document_separator: int | None = None):
+                 delayed_swiglu_scale: bool = False, document_separator: int | None = None,
+                 reset_positions: bool = False):
         self.cfg, self.backend = cfg, backend
-        if document_separator is not None and cfg.is_gpt2:
-            raise ConfigError("--document-masking does not take GPT-2 yet: its learned positions would need a "
-                              "reset at every document start (--reset-positions, not built).")
+        if reset_positions and document_separator is None:
+            raise ConfigError("--reset-positions needs --document-masking: positions restart at document starts.")
+        if document_separator is not None and cfg.is_gpt2 and not reset_positions:
+            raise ConfigError("--document-masking with GPT-2 needs --reset-positions: its learned positions must "
+                              "restart at every document start for a document to be computed as if alone.")
         self.document_separator = document_separator
         self.segments = (torch.zeros(batch_size, seq_len, dtype=torch.int32, device=backend.device)
                          if document_separator is not None else None)
+        # per-token positions [B, T] (GPT-2 with --reset-positions; RoPE attends by distance, so a reset changes
+        # nothing there and the RoPE models keep their tables)
+        self.positions = (torch.zeros(batch_size, seq_len, dtype=torch.int64, device=backend.device)
+                          if reset_positions and cfg.is_gpt2 else None)
         # the policies around each unit and the side streams they use (llmq_ray/model/units.py); the engine
         # passes its Schedule, a model built on its own runs them in order on the compute stream
         self.schedule = schedule if schedule is not None else UnitHooks(backend.device)
@@ -529,10 +537,16 @@ class LlamaModel:
             is_sep = (tokens.view(self.batch_size, self.seq_len) == self.document_separator).to(torch.int32)
             torch.cumsum(is_sep, dim=1, out=self.segments)
             self.segments.sub_(is_sep)
+            if self.positions is not None:  # t minus the start of its document (a running max of the starts)
+                t = torch.arange(self.seq_len, device=tokens.device).expand(self.batch_size, -1)
+                starts_here = torch.zeros_like(is_sep, dtype=torch.bool)
+                starts_here[:, 1:] = is_sep[:, :-1].bool()
+                start = torch.where(starts_here, t, torch.zeros_like(t)).cummax(dim=1).values
+                torch.sub(t, start, out=self.positions)
         hooks.before(EMBED)
         be.embedding_forward(a.residual[0], tokens, self.w.embed)
         if self.gpt2:
-            be.position_embedding_forward(a.residual[0], self.w.pos_embed, self.seq_len)
+            be.position_embedding_forward(a.residual[0], self.w.pos_embed, self.seq_len, self.positions)
         hooks.after(EMBED)
         w0 = self.w.blocks[0]
         if self.gpt2:
@@ -809,7 +823,8 @@ class LlamaModel:
         hooks.before(EMBED, backward=True)
         self.backend.embedding_backward(self.g.embed, tokens, self.d_residual)
         if self.gpt2:
-            self.backend.position_embedding_backward(self.g.pos_embed, self.d_residual, self.seq_len)
+            self.backend.position_embedding_backward(self.g.pos_embed, self.d_residual, self.seq_len,
+                                                     self.positions)
         hooks.after(EMBED, backward=True)
         if self.lin.overlap is not None:  # every gradient complete before anything reads them
             self.lin.overlap.wait_all()
