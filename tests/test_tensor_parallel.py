@@ -168,3 +168,53 @@ def test_tensor_and_data_parallel_groups_sum_over_the_right_ranks(tmp_path):
     # TP groups {0, 1}, {2, 3}; DP groups {0, 2}, {1, 3}
     assert [g["tp"] for g in got] == [(0, 2, 1.0), (1, 2, 1.0), (0, 2, 5.0), (1, 2, 5.0)]
     assert [g["dp"] for g in got] == [(0, 2, 2.0), (0, 2, 4.0), (1, 2, 2.0), (1, 2, 4.0)]
+
+
+# A Qwen2 config (QKV bias) and a Qwen3 config (QK-norm), both with one KV head: replicated on both ranks.
+TP_MODELS = {"qwen2": ModelConfig("qwen2", 64, 96, 2, 4, 1, 300, qkv_bias=True, tie_word_embeddings=True,
+                                  max_position_embeddings=64, name="tp-qwen2"),
+             "qwen3": ModelConfig("qwen3", 64, 96, 2, 4, 1, 300, head_dim=24, tie_word_embeddings=False,
+                                  max_position_embeddings=64, name="tp-qwen3")}
+
+
+def _model_rank(rank: int, port: int, out: str) -> None:
+    from llmq_ray.backends import get_backend
+    from llmq_ray.engine.tensor_parallel import TensorParallelRank, shard_params
+    from llmq_ray.model.params import ParamLayout
+    from llmq_ray.model.transformer import LlamaModel
+
+    with gloo_group(rank, 2, port) as comm:
+        results = {}
+        for name, cfg in TP_MODELS.items():
+            torch.manual_seed(0)
+            full = LlamaModel(cfg, get_backend("torch"), batch_size=2, seq_len=16)
+            full.params.normal_(0.0, 0.1)
+            tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+            full.zero_grads()
+            full.forward_backward(tokens[:, :-1], tokens[:, 1:])
+            plan = TensorParallelPlan(cfg, 2)
+            tp = TensorParallelRank(plan, rank, comm, kv_replica_comm=comm)  # 1 KV head: both ranks replicate it
+            local = LlamaModel(plan.local_config(), get_backend("torch"), batch_size=2, seq_len=16,
+                               params=shard_params(plan, full.layout, full.params, rank), tensor_parallel=tp)
+            local.zero_grads()
+            local.forward_backward(tokens[:, :-1], tokens[:, 1:])
+            local.reduce_tensor_parallel_grads()
+            want = shard_params(plan, full.layout, full.grads, rank)
+            rel = {n: float((local.grads[s.offset:s.end] - want[s.offset:s.end]).norm()
+                            / want[s.offset:s.end].norm().clamp(min=1e-30))
+                   for n, s in ParamLayout(plan.local_config()).slots.items()}
+            results[name] = {"loss": (local.loss_sum.item(), full.loss_sum.item()), "rel": rel}
+        torch.save(results, f"{out}/rank{rank}.pt")
+
+
+def test_a_two_rank_tensor_parallel_model_computes_the_full_models_loss_and_gradient_shards(tmp_path):
+    """fp32, 2 gloo ranks, one micro-step: the loss equals the single model's, and every rank's gradient is the
+    single model's gradient cut by the plan (incl. the summed QK-norm weights and replicated KV rows)."""
+    spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _model_rank, 2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, res in got.items():
+            ours, full = res["loss"]
+            assert abs(ours - full) <= 1e-5 * abs(full), (name, rank, ours, full)
+            worst = max(res["rel"].items(), key=lambda kv: kv[1])
+            assert worst[1] <= 1e-5, (name, rank, worst)

@@ -191,3 +191,41 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
             dlogits.scatter_add_(1, idx, -mine.float()[:, None])
         dlogits.mul_((~masked).float()[:, None])
     return losses
+
+
+class TensorParallelRank:
+    """What the model needs of its tensor-parallel group (``LlamaModel(..., tensor_parallel=...)``): sums over the
+    group, sums over the ranks holding the same replicated KV heads, and which rows of the local qkv_w / qkv_b
+    are K and V (empty unless the KV heads are replicated). ``comm`` / ``kv_replica_comm``: the engine's
+    Communicator over the group and over this rank's replica set (None when the KV heads are not replicated)."""
+
+    def __init__(self, plan: TensorParallelPlan, rank: int, comm, kv_replica_comm=None):
+        if plan.kv_replicas > 1 and kv_replica_comm is None:
+            raise ValueError("replicated KV heads need the communicator over their replicas")
+        self.plan, self.rank, self.comm, self.kv_replica_comm = plan, rank, comm, kv_replica_comm
+        local = plan.local_config()
+        q, kv = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
+        self.kv_rows = [slice(q, q + 2 * kv)] if plan.kv_replicas > 1 else []
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        self.comm.all_reduce_sum(tensor)
+
+    def kv_replica_sum(self, tensor: torch.Tensor) -> None:
+        if self.kv_replica_comm is not None:
+            self.kv_replica_comm.all_reduce_sum(tensor)
+
+
+def shard_params(plan: TensorParallelPlan, full_layout, full: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s flat parameter (or gradient) buffer in the layout of ``plan.local_config()``, cut from the
+    full model's flat buffer ``full`` in ``full_layout`` (llmq_ray/model/params.py). Checkpoints keep the full
+    layout; this is how a rank takes its part of one."""
+    from llmq_ray.model.params import ParamLayout
+
+    local_layout = ParamLayout(plan.local_config())
+    out = torch.empty(local_layout.numel, dtype=full.dtype, device=full.device)
+    for name, slot in local_layout.slots.items():
+        src = full_layout.slots[name]
+        view = full[src.offset:src.end].view(src.shape)
+        part = view.clone() if name in ("embed", "lm_head") else plan.shard(name, view, rank)
+        out[slot.offset:slot.end] = part.reshape(-1)
+    return out

@@ -325,6 +325,15 @@ class LlamaModel:
     between two positions, so a document gets the attention it would get alone up to rounding. GPT-2's learned
     positions do need one: ``reset_positions`` (--reset-positions) makes each document's positions start at 0.
     The target at a separator position (the next document's first token) stays a target, as without masking.
+    ``tensor_parallel`` (groundwork, not yet reachable from the command line): this rank's part of a
+    tensor-parallel group (llmq_ray/engine/tensor_parallel.py), an object with ``all_reduce_sum(t)`` over the
+    group, ``kv_replica_sum(t)`` over the ranks holding the same replicated KV heads (identity when none are) and
+    ``kv_rows`` (the row slices of the local qkv_w / qkv_b that are K and V). ``cfg`` is then the rank's local
+    config (its heads and intermediate slice) and the weights its shards. The residual stream stays whole on every
+    rank: the row-parallel outputs (attention out-projection, down projection) are summed over the group before
+    the residual add, and the input gradients of the column-parallel GEMMs (QKV, up+gate) before their norm's
+    backward; ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (QK-norm weights,
+    replicated KV rows) once per optimizer step.
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
     llmq_ray/model/linear.py. The results are the same bits in every case.
@@ -337,8 +346,11 @@ class LlamaModel:
                  weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
                  quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None,
                  delayed_swiglu_scale: bool = False, document_separator: int | None = None,
-                 reset_positions: bool = False):
+                 reset_positions: bool = False, tensor_parallel=None):
         self.cfg, self.backend = cfg, backend
+        if tensor_parallel is not None and cfg.is_gpt2:
+            raise ConfigError("--tensor-parallel does not take GPT-2 yet.")
+        self.tp = tensor_parallel
         if reset_positions and document_separator is None:
             raise ConfigError("--reset-positions needs --document-masking: positions restart at document starts.")
         if document_separator is not None and cfg.is_gpt2 and not reset_positions:
@@ -509,6 +521,8 @@ class LlamaModel:
         if lin.fp8:
             be.absmax(self.amax[layer, 1], att)
         lin.forward(self.scratch_nc, att.view(n, -1), w.key("out_w"), self._amax(layer, 1))
+        if self.tp is not None:  # row-parallel: every rank's partial out-projection, summed
+            self.tp.all_reduce_sum(self.scratch_nc)
         mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
         be.fused_residual_rmsnorm_forward(mid, ln2, a.rstd2[layer], a.residual[layer], self.scratch_nc,
                                           w.ln2_w, cfg.rms_norm_eps, absmax=self._amax(layer, 2))
@@ -522,6 +536,8 @@ class LlamaModel:
         else:
             be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
             lin.forward(self.scratch_nc, swiglu, w.key("down_w"), self._amax(layer, 3))
+        if self.tp is not None:  # row-parallel down projection, summed
+            self.tp.all_reduce_sum(self.scratch_nc)
         last = layer + 1 == cfg.num_layers
         next_ln = self.final_ln if last else a.get("ln1", layer + 1)
         next_rstd = self.final_rstd if last else a.rstd1[layer + 1]
@@ -594,6 +610,8 @@ class LlamaModel:
                 be.absmax(self.amax[layer, 1], a.get("att", layer))
         if rc.block:
             lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), w.key("out_w"), self._amax(layer, 1))
+            if self.tp is not None:
+                self.tp.all_reduce_sum(self.scratch_nc)
             be.fused_residual_rmsnorm_forward(a.get("residual_mid", layer), a.get("ln2", layer), a.rstd2[layer],
                                               a.residual[layer], self.scratch_nc, w.ln2_w, eps,
                                               absmax=self._amax(layer, 2))
@@ -662,6 +680,8 @@ class LlamaModel:
             be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
         lin.backward(self.d_ln, g.up_gate_w, self.d_up_gate, a.get("ln2", layer), w.key("up_gate_w"),
                      self._amax(layer, 2), acc, dy_quantized=lin.fp8)
+        if self.tp is not None:  # column-parallel up+gate: the input gradient's parts, summed
+            self.tp.all_reduce_sum(self.d_ln)
         self._wait_wgrad("down_w")
         be.rmsnorm_backward(dres, g.ln2_w, self.d_ln, a.get("residual_mid", layer), w.ln2_w,
                             a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
@@ -679,10 +699,29 @@ class LlamaModel:
             be.bias_backward(g.qkv_b, d_qkv, absmax=self._dy_amax())
         lin.backward(self.d_ln, g.qkv_w, d_qkv, a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), acc,
                      dy_amax_ready=cfg.qkv_bias)
+        if self.tp is not None:  # column-parallel QKV, summed
+            self.tp.all_reduce_sum(self.d_ln)
         self._wait_wgrad("out_w")
         be.rmsnorm_backward(dres, g.ln1_w, self.d_ln, a.residual[layer], w.ln1_w,
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
+
+    def reduce_tensor_parallel_grads(self) -> None:
+        """Tensor parallelism, once per optimizer step (after the last micro-step): sum the gradients each rank
+        holds only a part of -- the QK-norm weights (shared by all heads, each rank saw its own heads) over the
+        group, the K and V rows of replicated KV heads (each replica saw its own query heads) over the replicas.
+        Everything else is either this rank's own shard or already equal on every rank."""
+        if self.tp is None:
+            return
+        for layer in range(self.cfg.num_layers):
+            g = self.g.blocks[layer]
+            if self.cfg.qk_norm:
+                self.tp.all_reduce_sum(g.q_norm_w)
+                self.tp.all_reduce_sum(g.k_norm_w)
+            for rows in self.tp.kv_rows:
+                self.tp.kv_replica_sum(g.qkv_w[rows])
+                if g.qkv_b is not None:
+                    self.tp.kv_replica_sum(g.qkv_b[rows])
 
     def _attention_backward(self, att: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor) -> None:
         """d_qkv (the gradient of the pre-RoPE qkv) from d_att, in ``attn_bwd_chunks`` slices of the batch (rows
