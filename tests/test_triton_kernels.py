@@ -796,14 +796,14 @@ def test_qk_norm_rejects_mismatched_shapes(tri):
         tri.qk_norm_forward(qkv, saved, rstd, wq[:8], wk, 4, 2, 1e-6)
 
 
-def test_qk_norm_tiny_qwen3_model_gradients_triton_vs_torch():
-    """The whole forward/backward of the tiny-qwen3 preset (QK-norm on) through both backends, fp32, with the
-    QK-norm weights perturbed away from ones (so q_weight and k_weight differ)."""
+def _model_loss_and_grads_both_backends(preset: str, perturbed: tuple, mask_some: bool = False):
+    """{backend: (mean loss, {slot: grad})} of one fp32 forward/backward of ``preset`` through triton and torch,
+    the same init with the slots ending in ``perturbed`` moved away from their init (so their gradients matter)."""
     from llmq_ray.model.config import PRESETS
-    from llmq_ray.model.transformer import LlamaModel
     from llmq_ray.model.params import init_params
+    from llmq_ray.model.transformer import LlamaModel
 
-    cfg, b, t = PRESETS["tiny-qwen3"], 2, 16
+    cfg, b, t = PRESETS[preset], 2, 16
     results = {}
     for name in ("triton", "torch"):
         model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.float32)
@@ -811,15 +811,24 @@ def test_qk_norm_tiny_qwen3_model_gradients_triton_vs_torch():
         init_params(model.layout, flat, seed=3)
         gen = _gen(6)
         for key, view in model.layout.views(flat).items():
-            if key.endswith(("q_norm_w", "k_norm_w")):
+            if key.endswith(perturbed):
                 view.add_(0.3 * torch.randn(view.shape, generator=gen))
         model.params[:model.layout.numel].copy_(flat)
         tokens = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=_gen(4))
         targets = tokens[:, 1:].clone()
+        if mask_some:
+            targets[0, :3] = -100
         model.zero_grads()
         model.forward_backward(tokens[:, :-1].to(DEVICE), targets.to(DEVICE))
         grads = {k: v.clone().cpu() for k, v in model.layout.views(model.grads).items()}
         results[name] = ((model.loss_sum / model.target_count).item(), grads)
+    return results
+
+
+def test_qk_norm_tiny_qwen3_model_gradients_triton_vs_torch():
+    """The whole forward/backward of the tiny-qwen3 preset (QK-norm on) through both backends, fp32, with the
+    QK-norm weights perturbed away from ones (so q_weight and k_weight differ)."""
+    results = _model_loss_and_grads_both_backends("tiny-qwen3", ("q_norm_w", "k_norm_w"))
     (loss, g), (loss_ref, g_ref) = results["triton"], results["torch"]
     assert abs(loss - loss_ref) / loss_ref < 1e-6
     assert any(k.endswith("k_norm_w") for k in g)
@@ -938,28 +947,8 @@ def test_gpt2_tiny_model_gradients_triton_vs_torch():
     """The whole forward/backward of the tiny-gpt2 preset (LayerNorm with bias, fused residual + LayerNorm, GELU-tanh
     through the triton kernels) against the torch backend (the torch defaults), fp32, with the LayerNorm weights and
     biases perturbed away from 1 / 0 so that their gradients matter."""
-    from llmq_ray.model.config import PRESETS
-    from llmq_ray.model.transformer import LlamaModel
-    from llmq_ray.model.params import init_params
-
-    cfg, b, t = PRESETS["tiny-gpt2"], 2, 16
-    results = {}
-    for name in ("triton", "torch"):
-        model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.float32)
-        flat = torch.zeros(model.layout.numel)
-        init_params(model.layout, flat, seed=3)
-        gen = _gen(6)
-        for key, view in model.layout.views(flat).items():
-            if key.endswith(("ln1_w", "ln1_b", "ln2_w", "ln2_b", "final_norm", "final_norm_b")):
-                view.add_(0.3 * torch.randn(view.shape, generator=gen))
-        model.params[:model.layout.numel].copy_(flat)
-        tokens = torch.randint(0, cfg.vocab_size, (b, t + 1), generator=_gen(4))
-        targets = tokens[:, 1:].clone()
-        targets[0, :3] = -100
-        model.zero_grads()
-        model.forward_backward(tokens[:, :-1].to(DEVICE), targets.to(DEVICE))
-        grads = {k: v.clone().cpu() for k, v in model.layout.views(model.grads).items()}
-        results[name] = ((model.loss_sum / model.target_count).item(), grads)
+    results = _model_loss_and_grads_both_backends(
+        "tiny-gpt2", ("ln1_w", "ln1_b", "ln2_w", "ln2_b", "final_norm", "final_norm_b"), mask_some=True)
     (loss, g), (loss_ref, g_ref) = results["triton"], results["torch"]
     assert abs(loss - loss_ref) / loss_ref < 1e-6
     assert any(k.endswith("ln2_b") for k in g) and "pos_embed" in g
