@@ -20,7 +20,6 @@ import triton.language as tl
 from llmq_ray.backends.triton import reduce as _reduce
 from llmq_ray.backends.triton.reduce import atomic_amax
 from llmq_ray.backends.triton._common import INTERPRET, next_pow2
-from llmq_ray.backends.triton.rmsnorm import _column_sum_kernel
 
 ROW_CHUNKS = 64  # row programs per column block (GPU); enough partial rows to fill an H100 at C >= 1024
 
@@ -65,7 +64,4 @@ def bias_backward(dbias: torch.Tensor, dout: torch.Tensor, absmax: torch.Tensor 
     _bias_partial_kernel[(chunks, col_blocks)](part, absmax if absmax is not None else part, dout, m, c,
                                                rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c,
                                                ABSMAX=absmax is not None, num_warps=4)
-    col_block = min(next_pow2(c), 256 if INTERPRET else 32)
-    block_p = min(next_pow2(chunks), 64 if INTERPRET else 16)
-    _column_sum_kernel[(triton.cdiv(c, col_block),)](dbias, part, chunks, c, BLOCK_P=block_p, BLOCK_C=col_block,
-                                                     num_warps=4)
+    _reduce.column_sum_into(dbias, part)

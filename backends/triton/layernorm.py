@@ -27,9 +27,8 @@ import triton.language as tl
 
 from llmq_ray.backends.triton import reduce as _reduce
 from llmq_ray.backends.triton.reduce import atomic_amax
-from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
+from llmq_ray.backends.triton._common import cast_to, next_pow2, num_warps_for, tile_rows
 
-BWD_MAX_PROGRAMS = 512  # partial gradient rows; fixed, so the reduction order depends on N only
 
 
 @triton.jit
@@ -104,26 +103,6 @@ def _layernorm_bwd_kernel(dx_ptr, part_ptr, dy_ptr, x_ptr, w_ptr, mean_ptr, rstd
         atomic_amax(amax_ptr, tl.max(tl.max(amax, axis=1), axis=0))
 
 
-@triton.jit
-def _weight_bias_sum_kernel(dw_ptr, db_ptr, part_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """dw[C] += sum_p part[0, p, C] and db[C] += sum_p part[1, p, C]: fp32 sums in a fixed order, one rounding
-    each into the gradients' dtype."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    acc_w = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
-    acc_b = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
-    for start in range(0, P, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        m = (rows < P)[:, None] & cmask[None, :]
-        offs = rows[:, None] * C + cols[None, :]
-        acc_w += tl.load(part_ptr + offs, mask=m, other=0.0)
-        acc_b += tl.load(part_ptr + P * C + offs, mask=m, other=0.0)
-    total_w = tl.load(dw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + tl.sum(acc_w, axis=0)
-    total_b = tl.load(db_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + tl.sum(acc_b, axis=0)
-    tl.store(dw_ptr + cols, cast_to(total_w, dw_ptr.dtype.element_ty), mask=cmask)
-    tl.store(db_ptr + cols, cast_to(total_b, db_ptr.dtype.element_ty), mask=cmask)
-
-
 def _check(what: str, n: int, c: int, **vectors: torch.Tensor) -> None:
     for name, t in vectors.items():
         if t.numel() != (c if name in ("weight", "bias", "dweight", "dbias") else n):
@@ -154,11 +133,7 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, dres
     n, c = inp.shape
     _check("layernorm_backward", n, c, mean=mean, rstd=rstd, weight=weight, dweight=dweight, dbias=dbias)
     block_c = next_pow2(c)
-    block_r = tile_rows(block_c, interpret_elems=16384, gpu_elems=2048)
-    row_blocks = triton.cdiv(n, block_r)
-    programs = max(1, min(row_blocks, BWD_MAX_PROGRAMS if not INTERPRET else 8))
-    rows_per_prog = triton.cdiv(row_blocks, programs) * block_r
-    programs = triton.cdiv(n, rows_per_prog)
+    block_r, programs, rows_per_prog = _reduce.partial_rows_plan(n, block_c)
     part = torch.empty(2, programs, c, dtype=torch.float32, device=inp.device)
     if absmax is not None:
         _reduce.start_amax(absmax)
@@ -166,7 +141,5 @@ def layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, dres
         dinp, part, dout, inp, weight, mean, rstd, dresidual if dresidual is not None else dinp,
         absmax if absmax is not None else rstd, n, c, programs, rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c,
         DRESIDUAL=dresidual is not None, ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
-    col_block = min(block_c, 256 if INTERPRET else 32)  # narrow column blocks: enough programs (rmsnorm.py)
-    block_p = min(next_pow2(programs), 16 if not INTERPRET else 64)
-    _weight_bias_sum_kernel[(triton.cdiv(c, col_block),)](dweight, dbias, part, programs, c, BLOCK_P=block_p,
-                                                          BLOCK_C=col_block, num_warps=4)
+    _reduce.column_sum_into(dweight, part[0])
+    _reduce.column_sum_into(dbias, part[1])

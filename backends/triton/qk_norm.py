@@ -31,9 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
+from llmq_ray.backends.triton import reduce as _reduce
+from llmq_ray.backends.triton._common import cast_to, next_pow2, num_warps_for, tile_rows
 
-BWD_MAX_PROGRAMS = 512  # partial weight-gradient rows; fixed, so the reduction order depends on R only
 MAX_HEAD_DIM = 1024     # a head row is one register tile
 
 
@@ -97,27 +97,6 @@ def _qk_norm_bwd_kernel(dqkv_ptr, part_ptr, saved_ptr, rstd_ptr, wq_ptr, wk_ptr,
     tl.store(base + D + cols, tl.sum(dwk, axis=0), mask=cmask)
 
 
-@triton.jit
-def _qk_dw_sum_kernel(dq_w_ptr, dk_w_ptr, part_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Columns 0..D-1 of part[P, 2D] summed into dq_w[D], columns D..2D-1 into dk_w[D] (accumulate): fp32 sums
-    in a fixed order, one rounding into the gradient's dtype."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < 2 * D
-    acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
-    for start in range(0, P, BLOCK_P):
-        prow = start + tl.arange(0, BLOCK_P)
-        m = (prow < P)[:, None] & cmask[None, :]
-        acc += tl.load(part_ptr + prow[:, None] * (2 * D) + cols[None, :], mask=m, other=0.0)
-    total = tl.sum(acc, axis=0)
-    qmask = cols < D
-    kmask = cmask & (cols >= D)
-    kcols = tl.where(kmask, cols - D, 0)
-    dq = tl.load(dq_w_ptr + cols, mask=qmask, other=0.0).to(tl.float32) + total
-    tl.store(dq_w_ptr + cols, cast_to(dq, dq_w_ptr.dtype.element_ty), mask=qmask)
-    dk = tl.load(dk_w_ptr + kcols, mask=kmask, other=0.0).to(tl.float32) + total
-    tl.store(dk_w_ptr + kcols, cast_to(dk, dk_w_ptr.dtype.element_ty), mask=kmask)
-
-
 def _check(name, qkv, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads) -> tuple[int, int, int]:
     """Shape / dtype / layout checks shared by both directions; returns (N, Hq + Hkv, D)."""
     for t in (qkv, saved, rstd, q_weight, k_weight):
@@ -165,16 +144,10 @@ def qk_norm_backward(dqkv, dq_weight, dk_weight, saved, rstd, q_weight, k_weight
     if rows == 0:
         return
     block_d = next_pow2(d)
-    block_r = tile_rows(block_d, interpret_elems=16384, gpu_elems=2048)
-    row_blocks = triton.cdiv(rows, block_r)
-    programs = max(1, min(row_blocks, BWD_MAX_PROGRAMS if not INTERPRET else 8))
-    rows_per_prog = triton.cdiv(row_blocks, programs) * block_r
-    programs = triton.cdiv(rows, rows_per_prog)
+    block_r, programs, rows_per_prog = _reduce.partial_rows_plan(rows, block_d)
     part = torch.empty(programs, 2 * d, dtype=torch.float32, device=dqkv.device)
     _qk_norm_bwd_kernel[(programs,)](
         dqkv, part, saved, rstd, q_weight, k_weight, rows, h, n_q_heads, (n_q_heads + 2 * n_kv_heads) * d, d,
         rows_per_prog, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps_for(block_r * block_d))
-    col_block = min(next_pow2(2 * d), 256 if INTERPRET else 32)
-    block_p = min(next_pow2(programs), 16 if not INTERPRET else 64)
-    _qk_dw_sum_kernel[(triton.cdiv(2 * d, col_block),)](dq_weight, dk_weight, part, programs, d,
-                                                        BLOCK_P=block_p, BLOCK_C=col_block, num_warps=4)
+    _reduce.column_sum_into(dq_weight, part[:, :d])  # each partial row: q's sums, then k's
+    _reduce.column_sum_into(dk_weight, part[:, d:])

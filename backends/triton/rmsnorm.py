@@ -22,9 +22,8 @@ import triton.language as tl
 
 from llmq_ray.backends.triton import reduce as _reduce
 from llmq_ray.backends.triton.reduce import atomic_amax
-from llmq_ray.backends.triton._common import INTERPRET, cast_to, next_pow2, num_warps_for, tile_rows
+from llmq_ray.backends.triton._common import cast_to, next_pow2, num_warps_for, tile_rows
 
-BWD_MAX_PROGRAMS = 512  # partial dweight rows; fixed so the reduction order depends on N only
 
 
 @triton.jit
@@ -89,20 +88,6 @@ def _rmsnorm_bwd_kernel(dx_ptr, dw_part_ptr, dy_ptr, x_ptr, w_ptr, rstd_ptr, dre
         atomic_amax(amax_ptr, tl.max(tl.max(amax, axis=1), axis=0))
 
 
-@triton.jit
-def _column_sum_kernel(out_ptr, part_ptr, P, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-    """out[C] += sum_p part[p, C] (fp32 sum in a fixed order, one rounding into out's dtype)."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    acc = tl.zeros([BLOCK_P, BLOCK_C], tl.float32)
-    for start in range(0, P, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        m = (rows < P)[:, None] & cmask[None, :]
-        acc += tl.load(part_ptr + rows[:, None] * C + cols[None, :], mask=m, other=0.0)
-    total = tl.load(out_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + tl.sum(acc, axis=0)
-    tl.store(out_ptr + cols, cast_to(total, out_ptr.dtype.element_ty), mask=cmask)
-
-
 def _row_blocks(c: int) -> tuple[int, int]:
     block_c = next_pow2(c)
     return tile_rows(block_c), block_c
@@ -128,11 +113,7 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, abs
     0-d) = max|dinp| when given (each program folds its tile's max in atomically)."""
     n, c = inp.shape
     block_c = next_pow2(c)
-    block_r = tile_rows(block_c, interpret_elems=16384, gpu_elems=2048)
-    row_blocks = triton.cdiv(n, block_r)
-    programs = max(1, min(row_blocks, BWD_MAX_PROGRAMS if not INTERPRET else 8))
-    rows_per_prog = triton.cdiv(row_blocks, programs) * block_r
-    programs = triton.cdiv(n, rows_per_prog)
+    block_r, programs, rows_per_prog = _reduce.partial_rows_plan(n, block_c)
     part = torch.empty(programs, c, dtype=torch.float32, device=inp.device)
     if absmax is not None:
         _reduce.start_amax(absmax)
@@ -141,9 +122,4 @@ def rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, dresidual=None, abs
         absmax if absmax is not None else rstd, n, c,
         rows_per_prog, BLOCK_R=block_r, BLOCK_C=block_c, DRESIDUAL=dresidual is not None,
         ABSMAX=absmax is not None, num_warps=num_warps_for(block_r * block_c))
-    # Narrow column blocks: C/32 programs (28 for C=896) instead of C/256 (4), which left the GPU idle for
-    # ~35 us per call (1.7 ms per 0.5B step, H100 profile); the reduction order per column is unchanged.
-    col_block = min(block_c, 256 if INTERPRET else 32)
-    block_p = min(next_pow2(programs), 16 if not INTERPRET else 64)
-    _column_sum_kernel[(triton.cdiv(c, col_block),)](dweight, part, programs, c, BLOCK_P=block_p,
-                                                     BLOCK_C=col_block, num_warps=4)
+    _reduce.column_sum_into(dweight, part)

@@ -512,14 +512,12 @@ class LlamaModel:
     def _block_forward(self, layer: int) -> None:
         be, a, w, cfg = self.backend, self.acts, self.w.blocks[layer], self.cfg
         n = self.batch_size * self.seq_len
-        ln1, qkv, att, lse = a.get("ln1", layer), a.get("qkv", layer), a.get("att", layer), a.get("lse", layer)
+        ln1, qkv, att = a.get("ln1", layer), a.get("qkv", layer), a.get("att", layer)
         lin = self.lin
         lin.forward(qkv.view(n, -1), ln1, w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
         self._qk_norm_forward(layer, qkv)
         be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
-        be.attention_forward(att, lse, qkv, cfg.num_heads, cfg.num_kv_heads, self.segments)
-        if lin.fp8:
-            be.absmax(self.amax[layer, 1], att)
+        self._attention_forward(layer, qkv)
         lin.forward(self.scratch_nc, att.view(n, -1), w.key("out_w"), self._amax(layer, 1))
         if self.tp is not None:  # row-parallel: every rank's partial out-projection, summed
             self.tp.all_reduce_sum(self.scratch_nc)
@@ -580,6 +578,15 @@ class LlamaModel:
             self.swiglu_out_amax.copy_(self.amax[:, 3])
             self._swiglu_out_amax_filled = True
 
+    def _attention_forward(self, layer: int, qkv: torch.Tensor) -> None:
+        """att and lse of ``layer`` from its post-RoPE qkv (within documents under document masking); FP8: the
+        out-projection's input absmax. Shared by both block kinds' forward and recompute."""
+        att = self.acts.get("att", layer)
+        self.backend.attention_forward(att, self.acts.get("lse", layer), qkv, self.cfg.num_heads,
+                                       self.cfg.num_kv_heads, self.segments)
+        if self.lin.fp8:
+            self.backend.absmax(self.amax[layer, 1], att)
+
     def _qk_norm_forward(self, layer: int, qkv: torch.Tensor) -> None:
         """Qwen3: the per-head RMSNorm of the query and key heads of ``qkv``, in place, before RoPE."""
         cfg = self.cfg
@@ -604,10 +611,7 @@ class LlamaModel:
             self._qk_norm_forward(layer, qkv)
             be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         if rc.att:
-            be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads,
-                                 self.segments)
-            if lin.fp8:
-                be.absmax(self.amax[layer, 1], a.get("att", layer))
+            self._attention_forward(layer, qkv)
         if rc.block:
             lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), w.key("out_w"), self._amax(layer, 1))
             if self.tp is not None:
@@ -742,9 +746,7 @@ class LlamaModel:
         n, eps = self.batch_size * self.seq_len, cfg.rms_norm_eps
         qkv, att = a.get("qkv", layer), a.get("att", layer)
         lin.forward(qkv.view(n, -1), a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
-        be.attention_forward(att, a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads, self.segments)
-        if lin.fp8:
-            be.absmax(self.amax[layer, 1], att)
+        self._attention_forward(layer, qkv)
         lin.forward(self.scratch_nc, att.view(n, -1), w.key("out_w"), self._amax(layer, 1), bias=w.out_b)
         mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
         be.fused_residual_layernorm_forward(mid, ln2, a.mean2[layer], a.rstd2[layer], a.residual[layer],
@@ -774,10 +776,7 @@ class LlamaModel:
         if rc.qkv:
             lin.forward(qkv.view(n, -1), a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), bias=w.qkv_b)
         if rc.att:
-            be.attention_forward(a.get("att", layer), a.get("lse", layer), qkv, cfg.num_heads, cfg.num_kv_heads,
-                                 self.segments)
-            if lin.fp8:
-                be.absmax(self.amax[layer, 1], a.get("att", layer))
+            self._attention_forward(layer, qkv)
         if rc.block:
             lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), w.key("out_w"), self._amax(layer, 1),
                         bias=w.out_b)
