@@ -10,10 +10,16 @@ contracts, shapes and dtypes are documented on ``Backend`` in backends/base.py).
 * ``deterministic`` (--deterministic-attention): the same forward, and the backward through our own Triton kernel
   (backends/triton/attention_bwd.py, no atomics: the same bits on every run; under the Triton interpreter on CPU).
 
-Document masking (``--document-masking``): every op takes an optional ``segments`` int [B, T], the document
-index of each token inside its window; a query then attends only to earlier keys of its own document (causal
-and block-diagonal). Only the exact math takes it so far: the fused cuDNN path and the deterministic backward
-refuse it in one sentence (the variable-length GPU path is still to come).
+Document masking (``--document-masking``): every op takes an optional ``documents`` (a ``DocumentMask``: the
+document index of each token inside its window, [B, T]); a query then attends only to earlier keys of its own
+document (causal and block-diagonal). The exact math masks the scores with the segment ids. The fused cuDNN
+kernel takes no segment ids, so it gets an additive score bias [B, 1, T, T] (0 inside a document, -30000 across)
+built on the device from the ids once per forward and shared by every layer (DocumentMask.refresh): no host sync,
+so CUDA graphs capture it. Why a bias and not the variable-length (cumulative sequence lengths) kernels: those
+size their launch by the number of documents, which lives on the device (a host sync per step, no graph
+capture) unless padded to the worst case of one document per token; and flash's kernel is ~1.6x slower than
+cuDNN's dense causal one at our shapes (module docstring of _aten_attention.py), which masking would not win
+back at documents of hundreds of tokens. The deterministic backward refuses document masking in one sentence.
 """
 
 from __future__ import annotations
@@ -21,6 +27,42 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+# The score bias across documents: finite, so that a tile of keys all in other documents gives an online softmax
+# no (-inf) - (-inf) = NaN, yet far enough below any real score that exp() of it is exactly 0 in fp32 (a
+# probability of exactly zero, as -inf would give: below about -104 exp underflows).
+MASKED_SCORE_BIAS = -30000.0
+
+
+class DocumentMask:
+    """The documents of a packed batch, as the attention ops take them (module docstring).
+
+    ``segments`` [B, T] int32: the document index of each token inside its window (the model fills it on the
+    device from each micro-step's inputs, then calls ``refresh``). ``bias`` [B, 1, T, T] in the model dtype, or
+    None: 0 where query and key lie in the same document, ``MASKED_SCORE_BIAS`` elsewhere; made only when the fused cuDNN kernel
+    will run (SdpaAttention.document_mask), B*T*T*2 bytes (64 MiB at B=32, T=1024), shared by every layer's
+    forward, recompute and backward. ``rows(sl)`` is the mask of a slice of the batch (the chunked backward)."""
+
+    def __init__(self, segments: torch.Tensor, bias: torch.Tensor | None = None):
+        self.segments = segments
+        self.bias = bias
+        self._cross = None if bias is None else torch.empty(bias.shape, dtype=torch.bool, device=bias.device)
+
+    def refresh(self) -> None:
+        """Rebuild ``bias`` from ``segments`` (after the model wrote this micro-step's); device work only."""
+        if self.bias is None:
+            return
+        seg = self.segments
+        torch.ne(seg[:, None, :, None], seg[:, None, None, :], out=self._cross)
+        self.bias.zero_().masked_fill_(self._cross, MASKED_SCORE_BIAS)
+
+    def rows(self, sl: slice) -> "DocumentMask":
+        part = DocumentMask.__new__(DocumentMask)
+        part.segments = self.segments[sl]
+        part.bias = None if self.bias is None else self.bias[sl]
+        part._cross = None
+        return part
 
 
 def _allowed_mask_to_fill(t: int, segments: torch.Tensor | None, device) -> torch.Tensor:
@@ -33,12 +75,21 @@ def _allowed_mask_to_fill(t: int, segments: torch.Tensor | None, device) -> torc
     return causal | other_doc
 
 
-def _refuse_segments(what: str, segments) -> None:
-    if segments is not None:
+def _refuse_documents(what: str, documents) -> None:
+    if documents is not None:
         from llmq_ray.errors import ConfigError
 
-        raise ConfigError(f"--document-masking runs on the exact attention path only (CPU, or fp32), not with "
-                          f"{what} yet.")
+        raise ConfigError(f"--document-masking does not run with {what}.")
+
+
+def _bias(documents: DocumentMask | None) -> torch.Tensor | None:
+    """The fused kernel's score bias of ``documents`` (None without document masking)."""
+    if documents is None:
+        return None
+    if documents.bias is None:
+        raise ValueError("document masking on the fused cuDNN path needs the DocumentMask's bias: make the mask "
+                         "with the attention provider's document_mask() for the model dtype")
+    return documents.bias
 
 
 def _split_heads(qkv: torch.Tensor, n_q: int, n_kv: int):
@@ -63,13 +114,21 @@ class SdpaAttention:
 
             self._aten = _aten_attention
 
-    def _fused(self, qkv: torch.Tensor) -> bool:
-        return self._aten is not None and qkv.dtype in (torch.bfloat16, torch.float16)
+    def _fused(self, qkv_dtype: torch.dtype) -> bool:
+        return self._aten is not None and qkv_dtype in (torch.bfloat16, torch.float16)
 
-    def forward(self, out, lse, qkv, n_q_heads, n_kv_heads, segments=None):
-        if self._fused(qkv):
-            _refuse_segments("the fused cuDNN attention (CUDA, bf16)", segments)
-            return self._aten.forward(out, lse, qkv, n_q_heads, n_kv_heads)
+    def document_mask(self, segments: torch.Tensor, dtype: torch.dtype) -> DocumentMask:
+        """The DocumentMask over ``segments`` [B, T] for attention in ``dtype`` (the model dtype): with the
+        score bias the fused kernel needs when it will run (CUDA, bf16/fp16), the segment ids alone otherwise."""
+        if not self._fused(dtype):
+            return DocumentMask(segments)
+        b, t = segments.shape
+        return DocumentMask(segments, torch.zeros(b, 1, t, t, dtype=dtype, device=segments.device))
+
+    def forward(self, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
+        if self._fused(qkv.dtype):
+            return self._aten.forward(out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
+        segments = None if documents is None else documents.segments
         q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
         group = n_q_heads // n_kv_heads
         k = k.repeat_interleave(group, dim=1)
@@ -82,10 +141,10 @@ class SdpaAttention:
         lse.copy_(row_lse)
         out.copy_((probs @ v).transpose(1, 2))
 
-    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments=None):
-        if self._fused(qkv):
-            _refuse_segments("the fused cuDNN attention (CUDA, bf16)", segments)
-            return self._aten.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
+        if self._fused(qkv.dtype):
+            return self._aten.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
+        segments = None if documents is None else documents.segments
         q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
         b, _, t, d = q.shape
         group = n_q_heads // n_kv_heads
@@ -109,14 +168,13 @@ class SdpaAttention:
         dqkv[:, :, n_q_heads:n_q_heads + n_kv_heads] = dk.transpose(1, 2).to(dqkv.dtype)
         dqkv[:, :, n_q_heads + n_kv_heads:] = dv.transpose(1, 2).to(dqkv.dtype)
 
-    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, segments=None):
+    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, documents=None):
         """The gradient of the pre-RoPE qkv: cuDNN's dq/dk/dv go straight into ``backend.rope_backward_from``
         (no copy into dqkv first); otherwise ``backward`` then ``backend.rope_backward`` in place."""
-        if self._fused(qkv):
-            _refuse_segments("the fused cuDNN attention (CUDA, bf16)", segments)
-            dq, dk, dv = self._aten.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads)
+        if self._fused(qkv.dtype):
+            dq, dk, dv = self._aten.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
             return backend.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
-        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments)
+        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
         backend.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
 
 
@@ -139,13 +197,13 @@ class DeterministicAttention(SdpaAttention):
 
         self._kernel = attention_bwd
 
-    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments=None):
-        _refuse_segments("--deterministic-attention", segments)
+    def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
+        _refuse_documents("--deterministic-attention", documents)
         self._kernel.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
 
-    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, segments=None):
+    def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, documents=None):
         # our backward writes dqkv whole: the plain order, no cuDNN parts
-        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments)
+        self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
         backend.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
 
 

@@ -430,35 +430,40 @@ class Backend:
         self.quantize_with_transpose(q, q_t, descale, dinp, absmax if scale_absmax is None else scale_absmax)
 
     # ------------------------------------------------------------------ attention
+    def attention_document_mask(self, segments: torch.Tensor, dtype: torch.dtype):
+        """The DocumentMask (backends/attention.py) the attention ops below take as ``documents``, over
+        ``segments`` [B, T] int32 (the document index of each token, filled by the model, which then calls the
+        mask's ``refresh()`` once per forward), for attention in ``dtype``. (The attention provider's.)"""
+        return self.attention.document_mask(segments, dtype)
+
     def attention_forward(self, out: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor,
-                          n_q_heads: int, n_kv_heads: int, segments: torch.Tensor | None = None) -> None:
+                          n_q_heads: int, n_kv_heads: int, documents=None) -> None:
         """Causal grouped-query attention.
 
         qkv[B, T, Hq + 2*Hkv, D] (post-RoPE), out[B, T, Hq, D] model dtype, lse[B, Hq, T] fp32 the
         log-sum-exp of each softmax row (natural log, of the scaled scores), kept for the backward.
         Query head h reads key/value head h // (Hq / Hkv); scores are scaled by 1/sqrt(D).
-        ``segments`` int [B, T] (document masking): a query attends only to keys of its own segment.
-        (The attention provider's.)
+        ``documents`` (document masking; a DocumentMask from ``attention_document_mask``): a query attends only
+        to keys of its own document. (The attention provider's.)
         """
-        self.attention.forward(out, lse, qkv, n_q_heads, n_kv_heads, segments)
+        self.attention.forward(out, lse, qkv, n_q_heads, n_kv_heads, documents)
 
     def attention_backward(self, dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                           qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int,
-                           segments: torch.Tensor | None = None) -> None:
+                           qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, documents=None) -> None:
         """dqkv[B, T, Hq + 2*Hkv, D] (overwritten) from dout[B, T, Hq, D] and the forward's out, lse, qkv
-        (and ``segments``, as given to the forward).
+        (and ``documents``, as given to the forward, or its ``rows()`` for a slice of the batch).
 
         dk/dv of a shared kv head sum over the query heads of its group. (The attention provider's.)
         """
-        self.attention.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, segments)
+        self.attention.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
 
     def attention_rope_backward(self, dqkv: torch.Tensor, dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                 qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int,
-                                n_kv_heads: int, segments: torch.Tensor | None = None) -> None:
+                                n_kv_heads: int, documents=None) -> None:
         """dqkv[B, T, Hq + 2*Hkv, D] (overwritten) = the gradient of the *pre-RoPE* qkv: attention_backward,
         then rope_backward (arguments as there). An attention provider whose kernel hands back dq/dk/dv as
         separate tensors feeds them to this backend's rope_backward_from (no copy into dqkv first)."""
-        self.attention.rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, segments)
+        self.attention.rope_backward(self, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, documents)
 
     # ------------------------------------------------------------------ GEMMs
     def matmul(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, transpose_a: bool = False,

@@ -1,4 +1,5 @@
-"""Time training through the whole Ray runtime: a preset from scratch on random tokens (no data files).
+"""Time training through the whole Ray runtime: a preset from scratch on random tokens (no data files), or on
+the token shards of ``--train-file``.
 
     python benchmarks/bench_train.py --model Qwen2.5-0.5B --batch-size 16 --seq-len 1024 --steps 30 --gpus 1
     python benchmarks/bench_train.py --device cpu --model tiny --batch-size 4 --seq-len 128 --steps 10
@@ -69,6 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--opt-m-dtype", default="fp32", choices=["fp32", "bf16", "e4m3"], help="Adam m dtype")
     p.add_argument("--opt-v-dtype", default="fp32", choices=["fp32", "bf16"], help="Adam v dtype")
     p.add_argument("--memory-table", action="store_true", help="print rank 0's memory table after set-up")
+    p.add_argument("--train-file", default=None,
+                   help="token shards to train on instead of random tokens (e.g. benchmarks/make_packed_docs.py's)")
+    p.add_argument("--document-masking", action="store_true", help="attention stops at document ends (EOS)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = p.parse_args(argv)
     if a.warmup_steps >= a.steps:
@@ -90,10 +94,10 @@ def main(argv=None) -> int:
                   opt_resident_gib=a.opt_resident_gib,
                   fp8_delayed_swiglu_scale=a.fp8_delayed_swiglu_scale, use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
                   overlap_comm=a.overlap_comm,
-                  overlap_wgrad_sms=a.overlap_wgrad_sms,
+                  overlap_wgrad_sms=a.overlap_wgrad_sms, document_masking=a.document_masking,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})
-    runtime = dict(synthetic_data=True, device=a.device, backend=a.backend, export=False, final_eval=False,
+    runtime = dict(synthetic_data=a.train_file is None, train_file=a.train_file, device=a.device, backend=a.backend, export=False, final_eval=False,
                    out_dir="/tmp/llmq-bench", verbose=False, checkpoint_on_exit=False)
     if a.device == "cuda":
         runtime["gpus"] = a.gpus

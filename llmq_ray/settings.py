@@ -92,8 +92,8 @@ class DataSettings:
     document_masking: bool = setting(
         False,
         "attention stops at document boundaries inside a packed window: a token attends only to earlier "
-        "tokens of its own document (the exact attention path only so far: CPU or fp32; the GPU's fused "
-        "path refuses it)")
+        "tokens of its own document (on the GPU: cuDNN's fused attention with a score bias built on the "
+        "device; not with --deterministic-attention)")
     document_separator: int | None = setting(
         None,
         "the token that ends each document, for --document-masking; default: the train data's EOS "

@@ -46,20 +46,23 @@ def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
 def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulation: int = 2, overlap: bool = True,
            offload: bool = False, untied: bool = False, deterministic: bool = False, skip_step: int | None = None,
            eval_after: int | None = None, wgrad_sms: int = 0, wgrad_mode: str = "stream", wgrad_delay: int = 0,
-           delayed: bool = False, base: str = "Qwen2.5-0.5B"):
+           delayed: bool = False, base: str = "Qwen2.5-0.5B", documents: bool = False):
     """Losses, grad norms and final weights of a few steps of a 4-layer model with ``base``'s widths (Qwen2.5-0.5B;
     "gpt2": the GPT-2 block, learned positions and LayerNorm).
     ``overlap``: the update beside the next forward (the default); ``offload``: Adam m/v in host memory;
     ``untied``: a separate LM head (its own unit of the overlap); ``deterministic``: --deterministic-attention
     (cuDNN's backward is not bit-reproducible); ``skip_step``: that update is skipped (spike guard, max_loss=0);
     ``eval_after``: an evaluation between that step and the next; ``wgrad_sms``: the block wgrads on a side stream
-    sized for that many SMs (llmq_ray/engine/wgrad_overlap.py; ``wgrad_mode`` / ``wgrad_delay``: its test modes)."""
+    sized for that many SMs (llmq_ray/engine/wgrad_overlap.py; ``wgrad_mode`` / ``wgrad_delay``: its test modes);
+    ``documents``: --document-masking, with the model's EOS at random places of every micro-batch (the score bias
+    is rebuilt inside the replayed graph from each micro-step's tokens)."""
     cfg = dataclasses.replace(PRESETS[base], num_layers=4, name=f"{base}-4layers", tie_word_embeddings=not untied)
     opts = TrainOptions(model=base, batch_size=2, seq_len=256, grad_accumulation=accumulation,
                         model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16", opt_v_dtype="bf16",
                         use_cuda_graphs=graphs, steps=steps, overlap_update=overlap,
                         offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic,
-                        fp8_delayed_swiglu_scale=delayed)
+                        fp8_delayed_swiglu_scale=delayed, document_masking=documents,
+                        reset_positions=documents and base == "gpt2")
     engine = TrainEngine(cfg, opts, make_backend(backend, opts, "cuda"))
     if wgrad_sms:
         enable_wgrad_overlap(engine.model, wgrad_sms, wgrad_mode, wgrad_delay)
@@ -69,6 +72,8 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
     for step in range(steps):
         for _ in range(accumulation):
             batch = torch.randint(0, cfg.vocab_size, (2, 257), generator=gen)  # fresh data every micro-step
+            if documents:  # documents of 1..100 tokens, other places in every micro-batch
+                batch[torch.rand(batch.shape, generator=gen) < 0.02] = cfg.eos_token_id
             engine.micro_step(batch[:, :-1].cuda(), batch[:, 1:].cuda())
         stats = engine.update(1e-3, step + 1, max_loss=0.0 if step == skip_step else None)
         assert stats.skipped == (step == skip_step)
@@ -82,10 +87,12 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,matmul_dtype,delayed,base", [
-    ("triton", None, False, "Qwen2.5-0.5B"), ("triton", "e4m3", False, "Qwen2.5-0.5B"),
-    ("triton", "e4m3", True, "Qwen2.5-0.5B"), ("triton", None, False, "gpt2"), ("triton", "e4m3", False, "gpt2")])
-def test_graph_replay_equals_eager(backend, matmul_dtype, delayed, base):
+@pytest.mark.parametrize("backend,matmul_dtype,delayed,base,documents", [
+    ("triton", None, False, "Qwen2.5-0.5B", False), ("triton", "e4m3", False, "Qwen2.5-0.5B", False),
+    ("triton", "e4m3", True, "Qwen2.5-0.5B", False), ("triton", None, False, "gpt2", False),
+    ("triton", "e4m3", False, "gpt2", False), ("triton", None, False, "Qwen2.5-0.5B", True),
+    ("triton", "e4m3", False, "gpt2", True)])
+def test_graph_replay_equals_eager(backend, matmul_dtype, delayed, base, documents):
     """Same kernels, same data, same order: the replayed run must match eager exactly wherever eager itself is
     deterministic (checked by running eager twice: on the H100 both bf16 and e4m3 are, 2026-11-23); otherwise
     within eager's own noise: per weight two bf16 steps at its magnitude or twice eager's largest run-to-run
@@ -93,9 +100,10 @@ def test_graph_replay_equals_eager(backend, matmul_dtype, delayed, base):
     while the overlapped update was still writing them; ``_train`` now reads them through full_params.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    eager_losses, eager_w = _train(backend, False, matmul_dtype, delayed=delayed, base=base)
-    again_losses, again_w = _train(backend, False, matmul_dtype, delayed=delayed, base=base)
-    graph_losses, graph_w = _train(backend, True, matmul_dtype, delayed=delayed, base=base)
+    kw = dict(delayed=delayed, base=base, documents=documents)
+    eager_losses, eager_w = _train(backend, False, matmul_dtype, **kw)
+    again_losses, again_w = _train(backend, False, matmul_dtype, **kw)
+    graph_losses, graph_w = _train(backend, True, matmul_dtype, **kw)
     eager_spread = (eager_w.float() - again_w.float()).abs().max().item()
     graph_diff = (eager_w.float() - graph_w.float()).abs()
     # Eager's own nondeterminism flips last bits wherever it likes: allow each weight two bf16 steps at its own

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llmq_ray.backends import get_backend
+from llmq_ray.backends.attention import MASKED_SCORE_BIAS
 from llmq_ray.data_pipeline.shards import write_shard
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
@@ -97,13 +98,62 @@ def test_document_masking_refuses_what_it_cannot_do():
         LlamaModel(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=1, seq_len=8, document_separator=0)
     with pytest.raises(ConfigError, match="--reset-positions needs --document-masking"):
         TrainOptions(reset_positions=True).validate()
-    segments = torch.zeros(1, 4, dtype=torch.int32)
     be = get_backend("torch")
-    be.attention._aten = object()  # as on CUDA: bf16 goes to the fused kernel, which has no document mask
-    qkv = torch.zeros(1, 4, 3, 8, dtype=torch.bfloat16)
-    with pytest.raises(ConfigError, match="exact attention path only"):
-        be.attention_forward(torch.empty(1, 4, 1, 8, dtype=torch.bfloat16), torch.empty(1, 1, 4), qkv, 1, 1,
-                             segments)
+    mask = be.attention_document_mask(torch.zeros(1, 4, dtype=torch.int32), torch.float32)
+    qkv = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ConfigError, match="--document-masking does not run with --deterministic-attention"):
+        get_backend("torch", attention="deterministic").attention_backward(
+            torch.empty_like(qkv), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 1, 4), qkv, 1, 1,
+            mask)
+
+
+class _FakeCudnn:
+    """Stands in for backends/_aten_attention.py (CUDA only): records the score bias the fused path is given."""
+
+    def __init__(self):
+        self.biases = []
+
+    def forward(self, out, lse, qkv, n_q, n_kv, bias=None):
+        self.biases.append(bias)
+
+    def backward_parts(self, dout, out, lse, qkv, n_q, n_kv, bias=None):
+        self.biases.append(bias)
+        b, t, _, d = qkv.shape
+        return (torch.zeros(b, t, n_q, d, dtype=qkv.dtype), torch.zeros(b, t, n_kv, d, dtype=qkv.dtype),
+                torch.zeros(b, t, n_kv, d, dtype=qkv.dtype))
+
+
+def test_the_fused_path_gets_a_score_bias_built_from_the_segments_on_the_device():
+    """The bf16 GPU path (faked here): the model's DocumentMask carries a [B, 1, T, T] bias, 0 inside a document and
+    MASKED_SCORE_BIAS across (the causal part is cuDNN's own flag), rebuilt at every forward from that forward's inputs, and
+    the chunked backward hands each chunk its rows of it."""
+    be = get_backend("torch")
+    fake = be.attention._aten = _FakeCudnn()
+    model = LlamaModel(CFG, be, batch_size=2, seq_len=6, dtype=torch.bfloat16, document_separator=EOS,
+                       attn_bwd_chunks=2)
+    assert model.documents.bias.shape == (2, 1, 6, 6) and model.documents.bias.dtype == torch.bfloat16
+    tokens = torch.tensor([[3, EOS, 4, 5, EOS, 6], [3, 4, 5, 6, 8, 9]])
+    model._forward_trunk(tokens.reshape(-1))
+    seg = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
+    want = torch.where(seg[:, None, :, None] == seg[:, None, None, :], 0.0, MASKED_SCORE_BIAS).bfloat16().float()
+    assert torch.equal(model.documents.bias.float(), want)
+    assert all(b is model.documents.bias for b in fake.biases) and len(fake.biases) == CFG.num_layers
+    fake.biases.clear()
+    model._forward_trunk(torch.tensor([[3, 4, 5, 6, 8, 9], [EOS] * 6]).reshape(-1))  # the next micro-step's inputs
+    seg = torch.tensor([[0] * 6, [0, 1, 2, 3, 4, 5]])
+    assert torch.equal(model.documents.bias.float(),
+                       torch.where(seg[:, None, :, None] == seg[:, None, None, :], 0.0, MASKED_SCORE_BIAS)
+                       .bfloat16().float())
+    fake.biases.clear()
+    qkv = model.acts.get("qkv", 0)
+    model._attention_backward(model.acts.get("att", 0), model.acts.get("lse", 0), qkv)
+    assert [tuple(b.shape) for b in fake.biases] == [(1, 1, 6, 6)] * 2
+    assert torch.equal(torch.cat(fake.biases), model.documents.bias)
+    plain = get_backend("torch").attention_document_mask(torch.zeros(2, 6, dtype=torch.int32), torch.bfloat16)
+    assert plain.bias is None  # no fused kernel (CPU): the exact path masks by segment id, no bias made
+    with pytest.raises(ValueError, match="needs the DocumentMask's bias"):
+        be.attention_forward(torch.empty(2, 6, 1, 8, dtype=torch.bfloat16), torch.empty(2, 1, 6),
+                             torch.zeros(2, 6, 3, 8, dtype=torch.bfloat16), 1, 1, plain)
 
 
 def test_the_separator_comes_from_the_data_meta_json(tmp_path):

@@ -215,7 +215,7 @@ def test_attention_rope_backward_hands_the_kernels_parts_to_rope_backward_from()
         calls = 0
 
         @staticmethod
-        def backward_parts(dout_, out_, lse_, qkv_, n_q, n_kv):
+        def backward_parts(dout_, out_, lse_, qkv_, n_q, n_kv, bias=None):
             StandIn.calls += 1
             full = torch.empty_like(qkv_)
             reference.attention_backward(full, dout_, out_, lse_, qkv_, n_q, n_kv)

@@ -218,9 +218,6 @@ class TrainEngine:
                         lmhead_dtype="e4m3" if opts.lmhead_dtype == "e4m3" else None,
                         delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale,
                         document_separator=_document_separator(opts, cfg), reset_positions=opts.reset_positions)
-        if opts.document_masking and backend.device.type == "cuda" and dtype != torch.float32:
-            raise ConfigError("--document-masking runs on the exact attention path only so far (CPU, or "
-                              "--model-dtype fp32 on the GPU); the fused GPU attention has no document mask yet.")
         if self.zero3:  # only this rank's shard of the weights (llmq_ray/engine/zero3.py)
             self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
                                         sink=self._add_grad_piece)

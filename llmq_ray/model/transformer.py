@@ -359,6 +359,9 @@ class LlamaModel:
         self.document_separator = document_separator
         self.segments = (torch.zeros(batch_size, seq_len, dtype=torch.int32, device=backend.device)
                          if document_separator is not None else None)
+        # what the attention ops take: the segment ids, plus the fused GPU kernel's score bias (backends/attention.py)
+        self.documents = (backend.attention_document_mask(self.segments, dtype)
+                          if self.segments is not None else None)
         # per-token positions [B, T] (GPT-2 with --reset-positions; RoPE attends by distance, so a reset changes
         # nothing there and the RoPE models keep their tables)
         self.positions = (torch.zeros(batch_size, seq_len, dtype=torch.int64, device=backend.device)
@@ -551,6 +554,7 @@ class LlamaModel:
             is_sep = (tokens.view(self.batch_size, self.seq_len) == self.document_separator).to(torch.int32)
             torch.cumsum(is_sep, dim=1, out=self.segments)
             self.segments.sub_(is_sep)
+            self.documents.refresh()
             if self.positions is not None:  # t minus the start of its document (a running max of the starts)
                 t = torch.arange(self.seq_len, device=tokens.device).expand(self.batch_size, -1)
                 starts_here = torch.zeros_like(is_sep, dtype=torch.bool)
@@ -583,7 +587,7 @@ class LlamaModel:
         out-projection's input absmax. Shared by both block kinds' forward and recompute."""
         att = self.acts.get("att", layer)
         self.backend.attention_forward(att, self.acts.get("lse", layer), qkv, self.cfg.num_heads,
-                                       self.cfg.num_kv_heads, self.segments)
+                                       self.cfg.num_kv_heads, self.documents)
         if self.lin.fp8:
             self.backend.absmax(self.amax[layer, 1], att)
 
@@ -736,7 +740,7 @@ class LlamaModel:
             sl = slice(lo, lo + step)
             self.backend.attention_rope_backward(self.d_qkv[sl], self.d_att[sl], att[sl], lse[sl], qkv[sl],
                                                  self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads,
-                                                 None if self.segments is None else self.segments[sl])
+                                                 None if self.documents is None else self.documents.rows(sl))
 
     # ------------------------------------------------------------------ GPT-2's block
     def _gpt2_block_forward(self, layer: int) -> None:
@@ -819,7 +823,7 @@ class LlamaModel:
         for lo in range(0, self.batch_size, step):
             sl = slice(lo, lo + step)
             be.attention_backward(self.d_qkv[sl], self.d_att[sl], att[sl], lse[sl], qkv[sl], cfg.num_heads,
-                                  cfg.num_kv_heads, None if self.segments is None else self.segments[sl])
+                                  cfg.num_kv_heads, None if self.documents is None else self.documents.rows(sl))
         d_qkv = self.d_qkv.view(n, -1)
         be.bias_backward(g.qkv_b, d_qkv, absmax=self._dy_amax())  # FP8: the QKV GEMM's dy scale, same read
         lin.backward(self.d_ln, g.qkv_w, d_qkv, a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), acc,

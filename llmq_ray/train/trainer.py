@@ -249,9 +249,6 @@ class LLMQTrainer:
             self.opts = resolve_option_fields(option_fields, machine).validate()
         else:
             self.opts = dataclasses.replace(options, **option_fields).validate()
-        if self.opts.document_masking and machine == "cuda" and self.opts.model_dtype != "fp32":
-            raise ConfigError("--document-masking runs on the exact attention path only so far (CPU, or "
-                              "--model-dtype fp32 on the GPU); the fused GPU attention has no document mask yet.")
         # every location through llmq_ray/storage.py first: an unknown scheme is refused here, and no URI ever
         # reaches os.path (which would turn s3://bucket/x into a local folder ./s3:/bucket/x)
         resume_dir = resume if isinstance(resume, str) and resume != "latest" and not resume.isdigit() else None
