@@ -11,15 +11,18 @@ contracts, shapes and dtypes are documented on ``Backend`` in backends/base.py).
   (backends/triton/attention_bwd.py, no atomics: the same bits on every run; under the Triton interpreter on CPU).
 
 Document masking (``--document-masking``): every op takes an optional ``documents`` (a ``DocumentMask``: the
-document index of each token inside its window, [B, T]); a query then attends only to earlier keys of its own
-document (causal and block-diagonal). The exact math masks the scores with the segment ids. The fused cuDNN
-kernel takes no segment ids, so it gets an additive score bias [B, 1, T, T] (0 inside a document, -30000 across)
-built on the device from the ids once per forward and shared by every layer (DocumentMask.refresh): no host sync,
-so CUDA graphs capture it. Why a bias and not the variable-length (cumulative sequence lengths) kernels: those
-size their launch by the number of documents, which lives on the device (a host sync per step, no graph
-capture) unless padded to the worst case of one document per token; and flash's kernel is ~1.6x slower than
-cuDNN's dense causal one at our shapes (module docstring of _aten_attention.py), which masking would not win
-back at documents of hundreds of tokens. The deterministic backward refuses document masking in one sentence.
+document index of each token inside its window, [B, T], and each document's bounds, built on the device once per
+forward by DocumentMask.refresh: no host sync, so CUDA graphs capture it); a query then attends only to earlier
+keys of its own document (causal and block-diagonal). The exact math masks the scores with the segment ids. On
+the GPU (``DOCUMENT_KERNELS``), by default our Triton forward and backward (backends/triton/attention_fwd.py,
+attention_bwd.py; the latter is also --deterministic-attention's) take the segment ids and skip every tile
+outside a document. The alternative, "cudnn", hands cuDNN's fused kernels (which take no segment ids) an
+additive score bias [B, 1, T, T] (0 inside a document, -30000 across) shared by every layer: they compute every
+causal tile and read the bias besides. Why not the variable-length (cumulative sequence lengths) kernels: they
+size their launch by the number of documents, which lives on the device (a host sync per step, no graph capture)
+unless padded to the worst case of one document per token; and flash's kernel is ~1.6x slower than cuDNN's dense
+causal one at our shapes (module docstring of _aten_attention.py), which masking would not win back at
+documents of hundreds of tokens.
 """
 
 from __future__ import annotations
@@ -39,27 +42,40 @@ class DocumentMask:
     """The documents of a packed batch, as the attention ops take them (module docstring).
 
     ``segments`` [B, T] int32: the document index of each token inside its window (the model fills it on the
-    device from each micro-step's inputs, then calls ``refresh``). ``bias`` [B, 1, T, T] in the model dtype, or
-    None: 0 where query and key lie in the same document, ``MASKED_SCORE_BIAS`` elsewhere; made only when the fused cuDNN kernel
-    will run (SdpaAttention.document_mask), B*T*T*2 bytes (64 MiB at B=32, T=1024), shared by every layer's
-    forward, recompute and backward. ``rows(sl)`` is the mask of a slice of the batch (the chunked backward)."""
+    device from each micro-step's inputs, then calls ``refresh``). ``starts`` / ``ends`` [B, T] int32: the position
+    of the first token of each token's document and one past its last (inside the window): the tile bounds of the
+    Triton backward (backends/triton/attention_bwd.py), which skips whole tiles outside a document. ``bias``
+    [B, 1, T, T] in the model dtype, or None: 0 where query and key lie in the same document, ``MASKED_SCORE_BIAS``
+    elsewhere; made only when the fused cuDNN kernel will run (SdpaAttention.document_mask), B*T*T*2 bytes
+    (64 MiB at B=32, T=1024), shared by every layer's forward, recompute and backward. ``rows(sl)`` is the mask
+    of a slice of the batch (the chunked backward)."""
 
     def __init__(self, segments: torch.Tensor, bias: torch.Tensor | None = None):
         self.segments = segments
+        self.starts = torch.zeros_like(segments)
+        self.ends = torch.zeros_like(segments)
         self.bias = bias
         self._cross = None if bias is None else torch.empty(bias.shape, dtype=torch.bool, device=bias.device)
 
     def refresh(self) -> None:
-        """Rebuild ``bias`` from ``segments`` (after the model wrote this micro-step's); device work only."""
-        if self.bias is None:
-            return
+        """Rebuild ``starts``, ``ends`` and ``bias`` from ``segments`` (after the model wrote this micro-step's);
+        device work only, no host sync."""
         seg = self.segments
-        torch.ne(seg[:, None, :, None], seg[:, None, None, :], out=self._cross)
-        self.bias.zero_().masked_fill_(self._cross, MASKED_SCORE_BIAS)
+        t = seg.shape[1]
+        pos = torch.arange(t, dtype=torch.int32, device=seg.device).expand_as(seg)
+        new_doc = torch.ones_like(seg, dtype=torch.bool)
+        torch.ne(seg[:, 1:], seg[:, :-1], out=new_doc[:, 1:])
+        self.starts.copy_(torch.where(new_doc, pos, 0).cummax(dim=1).values)
+        doc_ends = torch.ones_like(new_doc)  # the last token of a document: the next token starts another
+        doc_ends[:, :-1] = new_doc[:, 1:]
+        self.ends.copy_(torch.where(doc_ends, pos + 1, t).flip(1).cummin(dim=1).values.flip(1))
+        if self.bias is not None:
+            torch.ne(seg[:, None, :, None], seg[:, None, None, :], out=self._cross)
+            self.bias.zero_().masked_fill_(self._cross, MASKED_SCORE_BIAS)
 
     def rows(self, sl: slice) -> "DocumentMask":
         part = DocumentMask.__new__(DocumentMask)
-        part.segments = self.segments[sl]
+        part.segments, part.starts, part.ends = self.segments[sl], self.starts[sl], self.ends[sl]
         part.bias = None if self.bias is None else self.bias[sl]
         part._cross = None
         return part
@@ -73,13 +89,6 @@ def _allowed_mask_to_fill(t: int, segments: torch.Tensor | None, device) -> torc
         return causal
     other_doc = segments[:, None, :, None] != segments[:, None, None, :]
     return causal | other_doc
-
-
-def _refuse_documents(what: str, documents) -> None:
-    if documents is not None:
-        from llmq_ray.errors import ConfigError
-
-        raise ConfigError(f"--document-masking does not run with {what}.")
 
 
 def _bias(documents: DocumentMask | None) -> torch.Tensor | None:
@@ -105,9 +114,14 @@ class SdpaAttention:
 
     name = "sdpa"
     deterministic = False
+    # The kernels under document masking on the GPU: "triton" (backends/triton/attention_fwd.py and
+    # attention_bwd.py, which skip the tiles outside each document; no bias tensor) or "cudnn" (cuDNN's fused
+    # kernels with the score bias). benchmarks/attention_doc_mask.py times both.
+    DOCUMENT_KERNELS = "triton"
 
     def __init__(self, device: torch.device):
         self.device = device
+        self._triton = None  # (attention_fwd, attention_bwd) of backends/triton/, when document masking needs them
         self._aten = None  # backends/_aten_attention.py on CUDA
         if device.type == "cuda":
             from llmq_ray.backends import _aten_attention
@@ -119,14 +133,17 @@ class SdpaAttention:
 
     def document_mask(self, segments: torch.Tensor, dtype: torch.dtype) -> DocumentMask:
         """The DocumentMask over ``segments`` [B, T] for attention in ``dtype`` (the model dtype): with the
-        score bias the fused kernel needs when it will run (CUDA, bf16/fp16), the segment ids alone otherwise."""
-        if not self._fused(dtype):
+        score bias cuDNN's fused kernels need when they will run (CUDA, bf16/fp16, ``DOCUMENT_KERNELS`` "cudnn"
+        or no triton), the segment ids and document bounds alone otherwise."""
+        if not self._fused(dtype) or self._tile_skipping(DocumentMask(segments)):
             return DocumentMask(segments)
         b, t = segments.shape
         return DocumentMask(segments, torch.zeros(b, 1, t, t, dtype=dtype, device=segments.device))
 
     def forward(self, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
         if self._fused(qkv.dtype):
+            if self._tile_skipping(documents):
+                return self._triton[0].attention_forward(out, lse, qkv, n_q_heads, n_kv_heads, documents)
             return self._aten.forward(out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
         segments = None if documents is None else documents.segments
         q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
@@ -141,8 +158,25 @@ class SdpaAttention:
         lse.copy_(row_lse)
         out.copy_((probs @ v).transpose(1, 2))
 
+    def _tile_skipping(self, documents) -> bool:
+        """Whether document masking on the fused path runs our Triton kernels (``DOCUMENT_KERNELS``; they need
+        triton: without it, cuDNN's with the score bias)."""
+        if documents is None or self.DOCUMENT_KERNELS != "triton":
+            return False
+        if self._triton is None:
+            try:
+                from llmq_ray.backends.triton import attention_bwd, attention_fwd
+            except ImportError:
+                self.DOCUMENT_KERNELS = "cudnn"
+                return False
+            self._triton = (attention_fwd, attention_bwd)
+        return True
+
     def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
         if self._fused(qkv.dtype):
+            if self._tile_skipping(documents):
+                return self._triton[1].attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads,
+                                                          documents)
             return self._aten.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
         segments = None if documents is None else documents.segments
         q, k, v = _split_heads(qkv, n_q_heads, n_kv_heads)
@@ -171,7 +205,7 @@ class SdpaAttention:
     def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, documents=None):
         """The gradient of the pre-RoPE qkv: cuDNN's dq/dk/dv go straight into ``backend.rope_backward_from``
         (no copy into dqkv first); otherwise ``backward`` then ``backend.rope_backward`` in place."""
-        if self._fused(qkv.dtype):
+        if self._fused(qkv.dtype) and not self._tile_skipping(documents):
             dq, dk, dv = self._aten.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
             return backend.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
         self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
@@ -198,8 +232,7 @@ class DeterministicAttention(SdpaAttention):
         self._kernel = attention_bwd
 
     def backward(self, dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
-        _refuse_documents("--deterministic-attention", documents)
-        self._kernel.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads)
+        self._kernel.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
 
     def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, documents=None):
         # our backward writes dqkv whole: the plain order, no cuDNN parts

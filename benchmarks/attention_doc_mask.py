@@ -1,5 +1,7 @@
-"""What --document-masking costs the attention on the GPU: cuDNN's fused causal attention, forward + backward,
-without and with the DocumentMask's score bias (backends/attention.py), at one model's head shapes.
+"""What --document-masking costs the attention on the GPU, forward + backward at one model's head shapes: cuDNN's
+dense causal kernels (no masking), the two kernel choices under masking (backends/attention.py DOCUMENT_KERNELS:
+our tile-skipping Triton kernels, and cuDNN's with the DocumentMask's score bias), and our Triton kernels on
+windows of one document each (their dense speed).
 
     python benchmarks/attention_doc_mask.py                      # Qwen2.5-0.5B heads, B=32, T=1024
     python benchmarks/attention_doc_mask.py --heads 16 8 128 --batch-size 16   # Qwen3-0.6B's
@@ -65,23 +67,36 @@ def main() -> None:
     out = torch.empty(b, t, hq, d, dtype=torch.bfloat16, device=dev)
     lse = torch.empty(b, hq, t, dtype=torch.float32, device=dev)
     dqkv = torch.empty_like(qkv)
-    attn = SdpaAttention(dev)
-    mask = attn.document_mask(seg, torch.bfloat16)
-    mask.refresh()
+
+    def provider(kernels: str) -> SdpaAttention:
+        attn = SdpaAttention(dev)
+        attn.DOCUMENT_KERNELS = kernels
+        return attn
+
+    def mask_of(attn: SdpaAttention, segments: torch.Tensor):
+        m = attn.document_mask(segments, torch.bfloat16)
+        m.refresh()
+        return m
+
     docs = float((seg.max(dim=1).values + 1).float().mean())
     print(f"B={b} T={t} heads {hq}/{hkv}x{d}, documents of {a.min_len}..{a.max_len}: {docs:.2f} per window")
+    cudnn, tri = provider("cudnn"), provider("triton")
+    variants = [("cuDNN dense causal (no masking)", cudnn, None),
+                ("cuDNN + document bias", cudnn, mask_of(cudnn, seg)),
+                ("Triton, tile-skipping", tri, mask_of(tri, seg)),
+                ("Triton, one document per window", tri, mask_of(tri, torch.zeros_like(seg)))]
     rows = []
-    for name, documents in (("dense causal", None), ("causal + document bias", mask)):
+    for name, attn, documents in variants:
         fwd = _time(lambda: attn.forward(out, lse, qkv, hq, hkv, documents), a.reps)
         bwd = _time(lambda: attn.backward(dqkv, dout, out, lse, qkv, hq, hkv, documents), a.reps)
         rows.append((name, fwd, bwd))
-    refresh = _time(mask.refresh, a.reps)
     base = rows[0][1] + rows[0][2]
-    print("| variant | forward ms | backward ms | fwd+bwd ms | vs dense |")
+    print("| variant | forward ms | backward ms | fwd+bwd ms | vs dense cuDNN |")
     print("|---|---|---|---|---|")
     for name, fwd, bwd in rows:
         print(f"| {name} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} | {(fwd + bwd) / base:.3f}x |")
-    print(f"| bias rebuild (once per micro-step) | {refresh:.3f} | | | |")
+    for name, _, documents in variants[1:3]:
+        print(f"| mask rebuild, {name} (once per micro-step) | {_time(documents.refresh, a.reps):.3f} | | | |")
 
 
 if __name__ == "__main__":

@@ -137,9 +137,6 @@ class _TrainOptionsBase:
              f"--document-separator={self.document_separator} needs --document-masking (alone it does nothing).")
         need(not self.reset_positions or self.document_masking,
              "--reset-positions needs --document-masking: positions restart at document starts.")
-        need(not (self.document_masking and self.deterministic_attention),
-             "--document-masking cannot be combined with --deterministic-attention yet: its backward kernel "
-             "has no document mask.")
         need(self.batch_size % self.attn_bwd_chunks == 0,
              f"--attn-bwd-chunks={self.attn_bwd_chunks} must divide --batch-size={self.batch_size}.")
         need(not self.offload_master or self.master_dtype != self.model_dtype,

@@ -92,8 +92,8 @@ class DataSettings:
     document_masking: bool = setting(
         False,
         "attention stops at document boundaries inside a packed window: a token attends only to earlier "
-        "tokens of its own document (on the GPU: cuDNN's fused attention with a score bias built on the "
-        "device; not with --deterministic-attention)")
+        "tokens of its own document (on the GPU: cuDNN's fused forward with a score bias built on the device, "
+        "the backward in Triton, skipping the tiles outside each document)")
     document_separator: int | None = setting(
         None,
         "the token that ends each document, for --document-masking; default: the train data's EOS "

@@ -30,10 +30,11 @@ def _documents(lengths, seed=0):
             for n in lengths]
 
 
-def _loss_and_grads(rows_in, rows_tgt, separator, recompute=None, cfg=CFG):
+def _loss_and_grads(rows_in, rows_tgt, separator, recompute=None, cfg=CFG, attention="sdpa"):
     """Sum of target losses and the gradient of it, for a batch of equal-length rows."""
     inputs, targets = torch.stack(rows_in), torch.stack(rows_tgt)
-    model = LlamaModel(cfg, get_backend("torch"), batch_size=inputs.shape[0], seq_len=inputs.shape[1],
+    model = LlamaModel(cfg, get_backend("torch", attention=attention), batch_size=inputs.shape[0],
+                       seq_len=inputs.shape[1],
                        document_separator=separator, recompute=recompute,
                        reset_positions=cfg.is_gpt2 and separator is not None)
     torch.manual_seed(1)
@@ -50,14 +51,15 @@ def _packed(docs):
     return inputs, targets
 
 
-@pytest.mark.parametrize("recompute, cfg", [(None, CFG), (RecomputeOptions(block=True), CFG),
-                                           (None, PRESETS["tiny-gpt2"])],
-                         ids=["stored", "recomputed", "gpt2-reset-positions"])
-def test_a_packed_window_equals_its_documents_run_alone(recompute, cfg):
-    """(GPT-2: with --reset-positions, its learned positions restart at each document.)"""
+@pytest.mark.parametrize("recompute, cfg, attention", [(None, CFG, "sdpa"), (RecomputeOptions(block=True), CFG, "sdpa"),
+                                                      (None, PRESETS["tiny-gpt2"], "sdpa"), (None, CFG, "deterministic")],
+                         ids=["stored", "recomputed", "gpt2-reset-positions", "triton-backward"])
+def test_a_packed_window_equals_its_documents_run_alone(recompute, cfg, attention):
+    """(GPT-2: with --reset-positions, its learned positions restart at each document. "triton-backward": the
+    packed window's attention backward through the tile-skipping Triton kernel, under the interpreter.)"""
     docs = [_documents((9, 14, 8)), _documents((5, 20, 6), seed=3)]   # two rows, 34 tokens each
     packed = [_packed(d) for d in docs]
-    loss, grads = _loss_and_grads([p[0] for p in packed], [p[1] for p in packed], EOS, recompute, cfg)
+    loss, grads = _loss_and_grads([p[0] for p in packed], [p[1] for p in packed], EOS, recompute, cfg, attention)
     alone_loss, alone_grads = 0.0, torch.zeros_like(grads)
     for doc in docs[0] + docs[1]:
         l, g = _loss_and_grads([doc[:-1]], [doc[1:]], EOS, cfg=cfg)
@@ -86,8 +88,6 @@ def test_engine_trains_with_document_masking_and_takes_the_model_eos_by_default(
 
 
 def test_document_masking_refuses_what_it_cannot_do():
-    with pytest.raises(ConfigError, match="--deterministic-attention"):
-        TrainOptions(document_masking=True, deterministic_attention=True).validate()
     with pytest.raises(ConfigError, match="--document-separator=-1"):
         TrainOptions(document_masking=True, document_separator=-1).validate()
     with pytest.raises(ConfigError, match="--document-separator=True must be a token id"):
@@ -98,13 +98,58 @@ def test_document_masking_refuses_what_it_cannot_do():
         LlamaModel(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=1, seq_len=8, document_separator=0)
     with pytest.raises(ConfigError, match="--reset-positions needs --document-masking"):
         TrainOptions(reset_positions=True).validate()
-    be = get_backend("torch")
-    mask = be.attention_document_mask(torch.zeros(1, 4, dtype=torch.int32), torch.float32)
-    qkv = torch.zeros(1, 4, 3, 8)
-    with pytest.raises(ConfigError, match="--document-masking does not run with --deterministic-attention"):
-        get_backend("torch", attention="deterministic").attention_backward(
-            torch.empty_like(qkv), torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8), torch.zeros(1, 1, 4), qkv, 1, 1,
-            mask)
+
+
+@pytest.mark.parametrize("n_q, n_kv, lengths", [(4, 2, ((5, 20, 30, 9), (64,))), (2, 2, ((1, 16, 15, 17, 15), (33, 31))),
+                                                (3, 1, ((40, 24), (16, 16, 16, 16)))])
+def test_the_tile_skipping_triton_kernels_equal_the_exact_masked_math(n_q, n_kv, lengths):
+    """The Triton forward (out, lse) and backward (the GPU's under document masking; the backward is also
+    --deterministic-attention's), under the interpreter in fp32 with 16-token tiles: documents ending inside a tile, on tile edges, one per row, a
+    one-token document, GQA groups of 1, 2, 3. out, lse, dq, dk, dv equal the exact masked math's within 1e-5
+    (relative to the largest); without the mask the backward equals the plain causal math, and differs from the
+    masked one (the test can fail)."""
+    from llmq_ray.backends.attention import DocumentMask, SdpaAttention
+    from llmq_ray.backends.triton import attention_bwd, attention_fwd
+
+    b, t, d = len(lengths), 64, 8
+    segments = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], dtype=torch.int32)
+    mask = DocumentMask(segments)
+    mask.refresh()
+    gen = torch.Generator().manual_seed(n_q)
+    qkv = torch.randn(b, t, n_q + 2 * n_kv, d, generator=gen)
+    dout = torch.randn(b, t, n_q, d, generator=gen)
+    exact = SdpaAttention(torch.device("cpu"))
+    out, lse = torch.empty(b, t, n_q, d), torch.empty(b, n_q, t)
+    exact.forward(out, lse, qkv, n_q, n_kv, mask)
+    want = torch.empty_like(qkv)
+    exact.backward(want, dout, out, lse, qkv, n_q, n_kv, mask)
+    fwd_out, fwd_lse = torch.empty_like(out), torch.empty_like(lse)
+    attention_fwd.attention_forward(fwd_out, fwd_lse, qkv, n_q, n_kv, mask)
+    assert ((fwd_out - out).abs().max() / out.abs().max()).item() <= 1e-5
+    assert (fwd_lse - lse).abs().max().item() <= 1e-5 * lse.abs().max().item()
+    got = torch.empty_like(qkv)
+    attention_bwd.attention_backward(got, dout, out, lse, qkv, n_q, n_kv, mask)
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= 1e-5, f"max relative difference {err:.2e}"
+    unmasked = torch.empty_like(qkv)  # the mask matters here: without it the kernel computes something else
+    out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
+    exact.forward(out2, lse2, qkv, n_q, n_kv, None)
+    attention_bwd.attention_backward(unmasked, dout, out2, lse2, qkv, n_q, n_kv, None)
+    plain = torch.empty_like(qkv)
+    exact.backward(plain, dout, out2, lse2, qkv, n_q, n_kv, None)
+    assert ((unmasked - plain).abs().max() / plain.abs().max()).item() <= 1e-5
+    assert (unmasked - got).abs().max() > 1e-2
+
+
+def test_document_bounds_for_the_tile_skipping():
+    from llmq_ray.backends.attention import DocumentMask
+
+    mask = DocumentMask(torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0], [0, 1, 2, 3, 4, 5]], dtype=torch.int32))
+    mask.refresh()
+    assert mask.starts.tolist() == [[0, 0, 2, 2, 2, 5], [0] * 6, [0, 1, 2, 3, 4, 5]]
+    assert mask.ends.tolist() == [[2, 2, 5, 5, 5, 6], [6] * 6, [1, 2, 3, 4, 5, 6]]
+    part = mask.rows(slice(1, 3))
+    assert part.starts.tolist() == mask.starts[1:].tolist() and part.ends.is_contiguous()
 
 
 class _FakeCudnn:
@@ -123,37 +168,78 @@ class _FakeCudnn:
                 torch.zeros(b, t, n_kv, d, dtype=qkv.dtype))
 
 
-def test_the_fused_path_gets_a_score_bias_built_from_the_segments_on_the_device():
-    """The bf16 GPU path (faked here): the model's DocumentMask carries a [B, 1, T, T] bias, 0 inside a document and
-    MASKED_SCORE_BIAS across (the causal part is cuDNN's own flag), rebuilt at every forward from that forward's inputs, and
-    the chunked backward hands each chunk its rows of it."""
+class _FakeTriton:
+    """Stands in for backends/triton/attention_fwd.py and attention_bwd.py on the faked GPU path: records the
+    DocumentMask each call gets."""
+
+    def __init__(self):
+        self.calls = []
+
+    def attention_forward(self, out, lse, qkv, n_q, n_kv, documents):
+        self.calls.append(("forward", documents))
+
+    def attention_backward(self, dqkv, dout, out, lse, qkv, n_q, n_kv, documents):
+        self.calls.append(("backward", documents))
+        dqkv.zero_()
+
+
+def _model_on_a_faked_gpu(kernels):
     be = get_backend("torch")
-    fake = be.attention._aten = _FakeCudnn()
+    be.attention._aten = _FakeCudnn()  # as on CUDA: bf16 goes to the fused path
+    be.attention.DOCUMENT_KERNELS = kernels
+    fake_triton = _FakeTriton()
+    be.attention._triton = (fake_triton, fake_triton)
     model = LlamaModel(CFG, be, batch_size=2, seq_len=6, dtype=torch.bfloat16, document_separator=EOS,
                        attn_bwd_chunks=2)
-    assert model.documents.bias.shape == (2, 1, 6, 6) and model.documents.bias.dtype == torch.bfloat16
-    tokens = torch.tensor([[3, EOS, 4, 5, EOS, 6], [3, 4, 5, 6, 8, 9]])
-    model._forward_trunk(tokens.reshape(-1))
-    seg = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]])
-    want = torch.where(seg[:, None, :, None] == seg[:, None, None, :], 0.0, MASKED_SCORE_BIAS).bfloat16().float()
-    assert torch.equal(model.documents.bias.float(), want)
-    assert all(b is model.documents.bias for b in fake.biases) and len(fake.biases) == CFG.num_layers
-    fake.biases.clear()
+    return model, be.attention._aten, fake_triton
+
+
+def _bias_of(seg):
+    return torch.where(seg[:, None, :, None] == seg[:, None, None, :], 0.0, MASKED_SCORE_BIAS).bfloat16().float()
+
+
+def test_on_the_gpu_the_tile_skipping_triton_kernels_get_the_documents_and_no_bias_is_made():
+    """The bf16 GPU path (faked here), by default: every layer's forward and each chunk of the backward get the
+    model's DocumentMask (its rows, per chunk) with segment ids and bounds rebuilt at every forward; cuDNN is
+    never called and no [B, 1, T, T] bias exists."""
+    model, cudnn, triton_kernels = _model_on_a_faked_gpu("triton")
+    assert model.documents.bias is None
+    model._forward_trunk(torch.tensor([[3, EOS, 4, 5, EOS, 6], [3, 4, 5, 6, 8, 9]]).reshape(-1))
+    assert [c[0] for c in triton_kernels.calls] == ["forward"] * CFG.num_layers and cudnn.biases == []
+    assert all(c[1] is model.documents for c in triton_kernels.calls)
+    assert model.documents.starts.tolist() == [[0, 0, 2, 2, 2, 5], [0] * 6]
+    triton_kernels.calls.clear()
     model._forward_trunk(torch.tensor([[3, 4, 5, 6, 8, 9], [EOS] * 6]).reshape(-1))  # the next micro-step's inputs
-    seg = torch.tensor([[0] * 6, [0, 1, 2, 3, 4, 5]])
-    assert torch.equal(model.documents.bias.float(),
-                       torch.where(seg[:, None, :, None] == seg[:, None, None, :], 0.0, MASKED_SCORE_BIAS)
-                       .bfloat16().float())
+    assert model.documents.segments.tolist() == [[0] * 6, [0, 1, 2, 3, 4, 5]]
+    assert model.documents.ends.tolist() == [[6] * 6, [1, 2, 3, 4, 5, 6]]
+    triton_kernels.calls.clear()
+    model._attention_backward(model.acts.get("att", 0), model.acts.get("lse", 0), model.acts.get("qkv", 0))
+    rows = [c[1] for c in triton_kernels.calls]
+    assert [c[0] for c in triton_kernels.calls] == ["backward"] * 2 and cudnn.biases == []
+    for name in ("segments", "starts", "ends"):
+        assert torch.equal(torch.cat([getattr(r, name) for r in rows]), getattr(model.documents, name))
+
+
+def test_with_cudnn_kernels_the_fused_path_gets_a_score_bias_built_from_the_segments_on_the_device():
+    """DOCUMENT_KERNELS = "cudnn" (faked GPU): the model's DocumentMask carries a [B, 1, T, T] bias, 0 inside a
+    document and MASKED_SCORE_BIAS across (the causal part is cuDNN's own flag), rebuilt at every forward from that
+    forward's inputs, and the chunked backward hands each chunk its rows of it."""
+    model, fake, _ = _model_on_a_faked_gpu("cudnn")
+    assert model.documents.bias.shape == (2, 1, 6, 6) and model.documents.bias.dtype == torch.bfloat16
+    model._forward_trunk(torch.tensor([[3, EOS, 4, 5, EOS, 6], [3, 4, 5, 6, 8, 9]]).reshape(-1))
+    assert torch.equal(model.documents.bias.float(), _bias_of(torch.tensor([[0, 0, 1, 1, 1, 2], [0] * 6])))
+    assert all(b is model.documents.bias for b in fake.biases) and len(fake.biases) == CFG.num_layers
+    model._forward_trunk(torch.tensor([[3, 4, 5, 6, 8, 9], [EOS] * 6]).reshape(-1))  # the next micro-step's inputs
+    assert torch.equal(model.documents.bias.float(), _bias_of(torch.tensor([[0] * 6, [0, 1, 2, 3, 4, 5]])))
     fake.biases.clear()
-    qkv = model.acts.get("qkv", 0)
-    model._attention_backward(model.acts.get("att", 0), model.acts.get("lse", 0), qkv)
+    model._attention_backward(model.acts.get("att", 0), model.acts.get("lse", 0), model.acts.get("qkv", 0))
     assert [tuple(b.shape) for b in fake.biases] == [(1, 1, 6, 6)] * 2
     assert torch.equal(torch.cat(fake.biases), model.documents.bias)
     plain = get_backend("torch").attention_document_mask(torch.zeros(2, 6, dtype=torch.int32), torch.bfloat16)
     assert plain.bias is None  # no fused kernel (CPU): the exact path masks by segment id, no bias made
     with pytest.raises(ValueError, match="needs the DocumentMask's bias"):
-        be.attention_forward(torch.empty(2, 6, 1, 8, dtype=torch.bfloat16), torch.empty(2, 1, 6),
-                             torch.zeros(2, 6, 3, 8, dtype=torch.bfloat16), 1, 1, plain)
+        model.backend.attention_forward(torch.empty(2, 6, 1, 8, dtype=torch.bfloat16), torch.empty(2, 1, 6),
+                                        torch.zeros(2, 6, 3, 8, dtype=torch.bfloat16), 1, 1, plain)
 
 
 def test_the_separator_comes_from_the_data_meta_json(tmp_path):

@@ -74,23 +74,31 @@ def _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ, q_
 
 
 @triton.jit
-def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
+def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_ptr, T, HQ, HKV, scale,
                  q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                 DOCS: tl.constexpr):
     pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     k, v, kmask, row_k = _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D, DOT_F32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    stop_m = T
+    if DOCS:  # no query after the end of the last key's document sees these keys
+        seg_k = tl.load(seg_ptr + b.to(tl.int64) * T + keys, mask=keys < T, other=-1)
+        stop_m = tl.load(end_ptr + b.to(tl.int64) * T + tl.minimum(pid_n * BLOCK_N + BLOCK_N, T) - 1)
     for g in range(GROUP):
         h = hk * GROUP + g
-        for start_m in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, T, BLOCK_M):  # query blocks that see these keys
+        for start_m in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, stop_m, BLOCK_M):  # query blocks seeing these keys
             rows = start_m + tl.arange(0, BLOCK_M)
             q, do, lse, delta, _, _ = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
                                                    q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
             s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BLOCK_M, BLOCK_N]
             live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+            if DOCS:
+                seg_q = tl.load(seg_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=-2)
+                live = live & (seg_q[:, None] == seg_k[None, :])
             p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -103,9 +111,10 @@ def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, sc
 
 
 @triton.jit
-def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scale,
+def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale,
                q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+               D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+               DOCS: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,11 +122,18 @@ def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scal
     q, do, lse, delta, qmask, row_q = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
                                                    q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(0, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T), BLOCK_N):  # key blocks these queries see
+    first_n = 0
+    if DOCS:  # no key before the start of the first query's document is seen by these queries
+        seg_q = tl.load(seg_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=-2)
+        first_n = tl.load(start_ptr + b.to(tl.int64) * T + pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
+    for start_n in range(first_n, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T), BLOCK_N):  # key blocks seen
         keys = start_n + tl.arange(0, BLOCK_N)
         k, v, _, _ = _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D, DOT_F32)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+        if DOCS:
+            seg_k = tl.load(seg_ptr + b.to(tl.int64) * T + keys, mask=keys < T, other=-1)
+            live = live & (seg_q[:, None] == seg_k[None, :])
         p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
@@ -125,9 +141,14 @@ def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, T, HQ, HKV, scal
     tl.store(dqkv_ptr + row_q + h * D, cast_to(dq * scale, dqkv_ptr.dtype.element_ty), mask=qmask)
 
 
-def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: int) -> None:
+def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents=None) -> None:
     """dqkv[B, T, Hq + 2 Hkv, D] (overwritten) from dout/out[B, T, Hq, D], lse[B, Hq, T] fp32 and the post-RoPE
-    qkv; the same contract as Backend.attention_backward, bit-reproducible. All tensors contiguous."""
+    qkv; the same contract as Backend.attention_backward, bit-reproducible. All tensors contiguous.
+
+    ``documents`` (document masking; backends/attention.py's DocumentMask, or its rows): a query sees only keys of
+    its own document, and whole tiles outside the document are skipped: the dK/dV program of a key block stops at
+    the end of its last key's document (``documents.ends``), the dQ program of a query block starts at the start
+    of its first query's document (``documents.starts``), so the work shrinks with the documents."""
     b, t, h, d = qkv.shape
     if h != n_q_heads + 2 * n_kv_heads or n_q_heads % n_kv_heads:
         raise ValueError(f"attention_backward: qkv {tuple(qkv.shape)} does not match Hq={n_q_heads}, Hkv={n_kv_heads}")
@@ -149,7 +170,16 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: in
                   # fp32 tiles: true fp32 products ("ieee"); Triton's default for fp32 dots on NVIDIA is TF32
                   # (10-bit mantissa). bf16 tiles: the default (None), the same kernels as measured on the H100.
                   PREC="ieee" if qkv.dtype == torch.float32 else None)
-    args = (qkv, dout, lse, delta, dqkv, t, n_q_heads, n_kv_heads, 1.0 / math.sqrt(d), qkv.stride(0),
-            qkv.stride(1), dout.stride(0), dout.stride(1), dout.stride(2))
-    _dkdv_kernel[(triton.cdiv(t, block_n), b, n_kv_heads)](*args, **common, num_warps=4)
-    _dq_kernel[(triton.cdiv(t, block_m), b, n_q_heads)](*args, **common, num_warps=4)
+    tail = (t, n_q_heads, n_kv_heads, 1.0 / math.sqrt(d), qkv.stride(0), qkv.stride(1), dout.stride(0),
+            dout.stride(1), dout.stride(2))
+    if documents is None:
+        seg = starts = ends = delta  # not read (DOCS=False)
+    else:
+        seg, starts, ends = documents.segments, documents.starts, documents.ends
+        for name, x in (("segments", seg), ("starts", starts), ("ends", ends)):
+            if tuple(x.shape) != (b, t) or x.dtype != torch.int32 or not x.is_contiguous():
+                raise ValueError(f"attention_backward: documents.{name} must be contiguous int32 [{b}, {t}]")
+    head = (qkv, dout, lse, delta, dqkv, seg)
+    common["DOCS"] = documents is not None
+    _dkdv_kernel[(triton.cdiv(t, block_n), b, n_kv_heads)](*head, ends, *tail, **common, num_warps=4)
+    _dq_kernel[(triton.cdiv(t, block_m), b, n_q_heads)](*head, starts, *tail, **common, num_warps=4)
