@@ -54,7 +54,9 @@ gelu_tanh_forward / gelu_tanh_backward    GPT-2 (the MLP's activation, HF's "gel
 position_embedding_forward / _backward    GPT-2 (wpe: positions 0..T-1 of every window)
 ========================================  ==========================================================
 
-A backend's own kernel for one of them is a method of the same name and contract on its class.
+A backend's own kernel for one of them is a method of the same name and contract on its class. The triton and
+cupy backends have their own for all of them but the position embedding (backends/triton/qk_norm.py, layernorm.py,
+gelu.py; backends/cupy/kernels/qk_norm.cu, layernorm.cu, gelu.cu); the torch reference runs the defaults.
 """
 
 from __future__ import annotations
@@ -235,8 +237,8 @@ class Backend:
         (model dtype) and rstd in ``rstd`` [N, Hq+Hkv] (fp32) for the backward. Internals in fp32, one rounding.
 
         This default is torch operations (TORCH_DEFAULT_OPS: the backends without a kernel of their own inherit
-        it; triton has one, backends/triton/qk_norm.py): per head vector it reads x once and writes it twice, a
-        few percent of a layer's QKV traffic."""
+        it; triton and cupy have one, backends/triton/qk_norm.py and backends/cupy/kernels/qk_norm.cu): per head
+        vector it reads x once and writes it twice, a few percent of a layer's QKV traffic."""
         x = qkv.view(saved.shape[0], -1, qkv.shape[-1])[:, :n_q_heads + n_kv_heads]
         saved.copy_(x)
         xf = x.float()
@@ -275,7 +277,8 @@ class Backend:
         """out[N, C] = (inp - mean) * rstd * weight + bias, with mean[N] and rstd[N] (fp32, kept for the backward)
         = the row mean and 1 / sqrt(var + eps) (biased variance), taken in fp32; weight, bias [C] model dtype.
         ``absmax`` (optional, fp32 0-d) overwritten with max|out| of the stored values (the FP8 scale of the GEMM
-        that reads out). Default in torch operations (TORCH_DEFAULT_OPS); triton: backends/triton/layernorm.py."""
+        that reads out). Default in torch operations (TORCH_DEFAULT_OPS); triton: backends/triton/layernorm.py,
+        cupy: backends/cupy/kernels/layernorm.cu."""
         x = inp.float()
         mu = x.mean(-1)
         xc = x - mu[:, None]

@@ -71,6 +71,7 @@ def test_every_kernel_source_compiles_with_nvrtc():
     # the fallbacks: software FP8 conversion, and pre-sm_80 bf16 rounding / shuffle max
     nvrtc_check.compile_module("fp8", "compute_90", defines=("LLMQ_SOFT_FP8",))
     nvrtc_check.compile_module("reduce", "compute_75")
+    nvrtc_check.compile_module("layernorm", "compute_75")
 
 
 def test_every_kernel_file_is_a_module_and_package_data():
@@ -157,6 +158,17 @@ def test_host_side_launches_match_the_kernels(rec, dtype, n, c, i, v, d):
     rec.rope_backward(qkv, cos, sin, 6, 2)
     rec.swiglu_forward(t(n, i), t(n, 2 * i), absmax=amax)
     rec.swiglu_backward(t(n, 2 * i), t(n, i), t(n, 2 * i))
+    # the TORCH_DEFAULT_OPS with kernels of their own: QK-norm, LayerNorm (+ fused residual), GELU-tanh
+    saved, qk_rstd = t(2 * 8, 6 + 2, d), torch.empty(2 * 8, 6 + 2)
+    rec.qk_norm_forward(qkv, saved, qk_rstd, t(d), t(d), 6, 2, 1e-6)
+    rec.qk_norm_backward(qkv, t(d), t(d), saved, qk_rstd, t(d), t(d), 6, 2)
+    mean = torch.empty(n)
+    rec.layernorm_forward(t(n, c), mean, rstd, x, w, t(c), 1e-5, absmax=amax)
+    rec.fused_residual_layernorm_forward(t(n, c), t(n, c), mean, rstd, x, t(n, c), w, t(c), 1e-5)
+    rec.layernorm_backward(t(n, c), t(c), t(c), t(n, c), x, w, mean, rstd, dresidual=t(n, c), absmax=amax)
+    rec.layernorm_backward(t(n, c), t(c), t(c), t(n, c), x, w, mean, rstd)
+    rec.gelu_tanh_forward(t(n, i), t(n, i), absmax=amax)
+    rec.gelu_tanh_backward(t(n, i), t(n, i), t(n, i), absmax=amax)
     for tokens in (torch.randint(0, v, (n,)), torch.randint(0, v, (n,), dtype=torch.int32)):
         rec.embedding_forward(t(n, c), tokens, t(v, c))
         rec.embedding_backward(t(v, c), tokens, t(n, c))
@@ -181,10 +193,14 @@ def test_host_side_launches_match_the_kernels(rec, dtype, n, c, i, v, d):
     names = {name.split("<")[0] for name in rec.k.launches}
     assert names == {"rmsnorm_fwd", "rmsnorm_bwd", "column_sum", "rope", "swiglu_fwd", "swiglu_bwd", "emb_fwd",
                      "emb_bwd_head", "emb_bwd_segments", "classifier", "absmax_kernel", "quantize_flat",
-                     "quantize_tiles", "sumsq_partial", "finish_sum", "stochastic_round", "adamw"}
+                     "quantize_tiles", "sumsq_partial", "finish_sum", "stochastic_round", "adamw", "qk_norm_fwd",
+                     "qk_norm_bwd", "layernorm_fwd", "layernorm_bwd", "gelu_fwd", "gelu_bwd"}
     vec = rt.VEC[dtype]
-    aligned_shape = c % vec == 0
-    assert (f"rmsnorm_fwd<{rt.T_NAME[dtype]}, {vec}, " in " ".join(rec.k.launches)) == aligned_shape
+    launched = " ".join(rec.k.launches)
+    for kernel, size in (("rmsnorm_fwd", c), ("layernorm_fwd", c), ("layernorm_bwd", c), ("qk_norm_fwd", d),
+                         ("qk_norm_bwd", d), ("gelu_fwd", n * i)):
+        assert (f"{kernel}<{rt.T_NAME[dtype]}, {vec}" in launched) == (size % vec == 0), kernel
+        assert (f"{kernel}<{rt.T_NAME[dtype]}, 1" in launched) == (size % vec != 0), kernel
 
 
 ADAM = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=2, seed=1)
@@ -243,3 +259,91 @@ def test_row_layout_for_real_hidden_sizes():
     assert _row_layout(8191, 1, prefer_small_k=False) == (8, 1024)
     with pytest.raises(ValueError, match="too long"):
         _row_layout(8193, 1, prefer_small_k=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256, 30, 102, 1000, 2048])
+def test_qk_norm_launch_geometry(rec, dtype, d):
+    """Every head dim the kernels take gets whole warps, lane groups of a power of two that cover the row, at most
+    48 KiB of shared memory (RecordingKernels checks), and partial rows [2, P, D] summed by two column_sum launches;
+    a head dim beyond 32 x 8 vectors goes to the torch default (no launch)."""
+    hq, hkv, n = 4, 2, 3 * 5
+    qkv = torch.randn(3, 5, hq + 2 * hkv, d).to(dtype)
+    saved, rstd = torch.empty(n, hq + hkv, d, dtype=dtype), torch.empty(n, hq + hkv)
+    w = torch.ones(d, dtype=dtype)
+    rec.qk_norm_forward(qkv, saved, rstd, w, w, hq, hkv, 1e-6)
+    rec.qk_norm_backward(qkv, w.clone(), w.clone(), saved, rstd, w, w, hq, hkv)
+    vec = rt.VEC[dtype] if d % rt.VEC[dtype] == 0 else 1
+    if d // vec > 32 * max(rt.QK_K):
+        assert rec.k.launches == []
+        return
+    (fwd, fgrid, fblock, fargs), (bwd, bgrid, bblock, bargs), *sums = rec.k.calls
+    g = int(fargs[-2])
+    k = int(fwd.split(",")[-1].rstrip(">"))
+    assert fwd == f"qk_norm_fwd<{rt.T_NAME[dtype]}, {vec}, {k}>" and bwd.startswith("qk_norm_bwd<")
+    assert g & (g - 1) == 0 and g <= 32 and g * k >= d // vec and (k == 1 or g == 32)
+    assert fgrid[0] * (fblock[0] // g) >= n * (hq + hkv)
+    assert [s[0] for s in sums] == [f"column_sum<{rt.T_NAME[dtype]}>"] * 2
+    blocks, rows_per_block = bgrid[0], int(bargs[-1])
+    assert blocks * rows_per_block >= n * (hq + hkv) > (blocks - 1) * rows_per_block
+    assert all(int(s[3][2]) == blocks and int(s[3][3]) == d for s in sums)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c", [768, 1600, 102, 1030, 8192, 8201])
+def test_layernorm_launch_geometry(rec, dtype, c):
+    """LayerNorm rows of every size the register-row layout takes (up to 8192 on the scalar path) launch within
+    the limits, with [2, P, C] partial rows summed by two column_sum launches; a longer scalar row goes to the torch
+    default."""
+    n = 7
+    x, w = torch.randn(n, c).to(dtype), torch.ones(c, dtype=dtype)
+    mean, rstd = torch.empty(n), torch.empty(n)
+    rec.layernorm_forward(torch.empty_like(x), mean, rstd, x, w, w, 1e-5, absmax=torch.empty(()))
+    rec.layernorm_backward(torch.empty_like(x), w.clone(), w.clone(), x, x, w, mean, rstd, dresidual=x.clone())
+    vec = rt.VEC[dtype] if c % rt.VEC[dtype] == 0 else 1
+    if vec == 1 and c > 1024 * rt.ROW_K_SCALAR:
+        assert rec.k.launches == []
+        return
+    assert [name.split("<")[0] for name in rec.k.launches] == ["layernorm_fwd", "layernorm_bwd", "column_sum",
+                                                                "column_sum"]
+    assert rec.k.launches[0].startswith(f"layernorm_fwd<{rt.T_NAME[dtype]}, {vec}, ")
+
+
+def test_torch_default_ops_fall_back_for_other_dtypes_and_layouts(rec):
+    """fp16 tensors and non-contiguous inputs go to the base class's torch default for that call (no launch), with
+    its result; mismatched shapes raise."""
+    from llmq_ray.backends.base import Backend
+
+    ref = TorchBackend("cpu")
+    qkv = torch.randn(2, 3, 4 + 2 * 2, 16).half()
+    outs = []
+    for be in (rec, ref):
+        y, saved, rstd = qkv.clone(), torch.empty(6, 6, 16, dtype=torch.half), torch.empty(6, 6)
+        w = torch.linspace(0.5, 1.5, 16).half()
+        be.qk_norm_forward(y, saved, rstd, w, w, 4, 2, 1e-6)
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])
+    x = torch.randn(10, 48).t()  # [48, 10], not contiguous
+    w = torch.randn(10)
+    outs = []
+    for be in (rec, ref):
+        out, mean, rstd = torch.empty(48, 10), torch.empty(48), torch.empty(48)
+        be.layernorm_forward(out, mean, rstd, x, w, w, 1e-5)
+        g = torch.empty(48, 10)
+        be.gelu_tanh_forward(g, x)
+        outs.append((out, g))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    out, want = torch.empty(7, 9, dtype=torch.half), torch.empty(7, 9, dtype=torch.half)
+    h = torch.randn(7, 9).half()
+    rec.gelu_tanh_backward(out, h, h)
+    Backend.gelu_tanh_backward(ref, want, h, h)
+    assert torch.equal(out, want)
+    assert rec.k.launches == []
+    with pytest.raises(ValueError, match="Hq \\+ 2\\*Hkv"):
+        rec.qk_norm_forward(torch.randn(2, 3, 7, 16), torch.empty(6, 6, 16), torch.empty(6, 6), torch.ones(16),
+                            torch.ones(16), 4, 2, 1e-6)
+    with pytest.raises(ValueError, match="bias"):
+        rec.layernorm_forward(torch.empty(5, 8), torch.empty(5), torch.empty(5), torch.randn(5, 8), torch.ones(8),
+                              torch.ones(7), 1e-5)
+    with pytest.raises(ValueError, match="shapes differ"):
+        rec.gelu_tanh_forward(torch.empty(5, 8), torch.randn(5, 9))

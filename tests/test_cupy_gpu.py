@@ -1,7 +1,9 @@
 """CuPy backend on a CUDA GPU, against the torch reference: the same checks as the Triton backend's
 (kernel_checks.py: realistic 0.5B shapes, fp32 <= 1e-5 / bf16 <= 1e-2 relative error, FP8 bit-exact with
-torch's casts, whole-model bf16 gradient cosine >= 0.99, e4m3 first-step loss within 1% of bf16), plus odd
-shapes that take the kernels' scalar (non-16-byte) paths, the software FP8 conversion, and a side stream.
+torch's casts, whole-model bf16 gradient cosine >= 0.99, e4m3 first-step loss within 1% of bf16), the Qwen3 QK-norm
+and GPT-2 LayerNorm / GELU-tanh kernels against the torch defaults (qk_norm_checks.py, gpt2_checks.py, as the
+Triton backend's), plus odd shapes that take the kernels' scalar (non-16-byte) paths, the software FP8
+conversion, and a side stream.
 
 Run on the GPU machine:  python3 -m pytest -m gpu tests/test_cupy_gpu.py -q -p no:cacheprovider -s
 Skipped without CuPy or without a GPU CuPy can use.
@@ -22,7 +24,9 @@ except Exception:  # noqa: BLE001
 if not _CUDA:
     pytest.skip("needs a CUDA GPU that both torch and CuPy can use", allow_module_level=True)
 
+import gpt2_checks  # noqa: E402
 import kernel_checks as kc  # noqa: E402
+import qk_norm_checks as qc  # noqa: E402
 from llmq_ray.backends import get_backend  # noqa: E402
 from llmq_ray.backends.cupy import _runtime as rt  # noqa: E402
 from kernel_checks import DEV, DTYPES, TOL, assert_close, randn  # noqa: E402
@@ -101,7 +105,33 @@ def test_stochastic_round_unbiased(cp):
     kc.check_stochastic_round_unbiased(cp)
 
 
-@pytest.mark.parametrize("which", ["tiny", "mid", "tiny-qwen3"])
+# ---------------------------------------------------------------------------------------------- Qwen3, GPT-2 ops
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_qwen3_shapes(cp, ref, dtype):
+    """The QK-norm kernels (qk_norm.cu) at Qwen3-0.6B-like shapes (B*T = 4096, Hq = 16, Hkv = 8, D = 128) against
+    the torch reference (tolerances in qk_norm_checks.py), then a timing line (bf16)."""
+    qc.check_qk_norm(cp, ref, dtype, 2, 2048, 16, 8, 128, DEV)
+    if dtype == torch.bfloat16:
+        qc.time_qk_norm(cp, ref, 2, 2048, 16, 8, 128, DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpt2_layernorm_and_gelu_124m_shapes(cp, ref, dtype):
+    """The LayerNorm (fused residual forward, backward with and without the residual gradient) and GELU-tanh
+    kernels (layernorm.cu, gelu.cu) at GPT-2 124M shapes against the base class's torch defaults: every output, the
+    absmax outputs exactly max|stored|, recompute and a second run bit-identical; then (bf16) a timing line per op
+    (gpt2_checks.py)."""
+    gpt2_checks.check_layernorm_and_gelu(cp, ref, dtype, label="cupy")
+
+
+def test_torch_default_ops_are_overridden(cp):
+    from llmq_ray.backends.base import TORCH_DEFAULT_OPS, Backend
+
+    own = {op for op in TORCH_DEFAULT_OPS if getattr(type(cp), op) is not getattr(Backend, op)}
+    assert own == set(TORCH_DEFAULT_OPS) - {"position_embedding_forward", "position_embedding_backward"}
+
+
+@pytest.mark.parametrize("which", ["tiny", "mid", "tiny-qwen3", "tiny-gpt2"])
 def test_whole_model_gradients_cupy_vs_torch_bf16(which):
     kc.check_whole_model_gradients_bf16("cupy", which)
 
@@ -185,6 +215,28 @@ def test_odd_shapes_take_the_scalar_paths(cp, ref, dtype):
     cp.global_norm_squared(n_c, flat)
     ref.global_norm_squared(n_r, flat)
     assert_close(n_c, n_r, 1e-5, "global norm^2 (unaligned)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,t,hq,hkv,d", [(2, 7, 6, 2, 30),    # D = 30: one vector of one element per lane, K = 1
+                                          (3, 5, 4, 1, 102),   # D = 102: K = 4 scalars per lane (the last one on 6 lanes)
+                                          (1, 33, 3, 3, 20)])  # D = 20: fp32 takes float4 (G = 8 lanes), bf16 scalars
+def test_qk_norm_odd_head_dims(cp, ref, dtype, b, t, hq, hkv, d):
+    """Head dims that are not multiples of 8 (bf16) or 4 (fp32): qk_norm.cu's scalar (VEC = 1) variants, partial
+    lane groups and a block's last, partly empty, row group; checked as at the Qwen3 shapes."""
+    if d % rt.VEC[dtype] == 0:
+        assert d == 20 and dtype == torch.float32
+    qc.check_qk_norm(cp, ref, dtype, b, t, hq, hkv, d, DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,c,i", [(37, 102, 99),     # C % 4 != 0, N*I odd: the scalar variants of every kernel
+                                   (301, 1030, 77)])  # a longer scalar row: K = 8, 160 threads a row
+def test_gpt2_layernorm_and_gelu_odd_shapes(cp, ref, dtype, n, c, i):
+    """layernorm.cu and gelu.cu on rows that are not 16-byte multiples (VEC = 1; C = 102: 8 rows a block, the
+    last block partly empty), checked as at the 124M shapes."""
+    assert c % rt.VEC[dtype] and (n * i) % rt.VEC[dtype]
+    gpt2_checks.check_layernorm_and_gelu(cp, ref, dtype, n=n, c=c, i=i, timings=False)
 
 
 @pytest.mark.parametrize("fp8", FP8_DTYPES)

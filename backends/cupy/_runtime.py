@@ -40,6 +40,9 @@ FP8_FMT = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
 # K = 8, so rows up to 8 x 1024 elements.
 ROW_K = (1, 2, 4)
 ROW_K_SCALAR = 8
+# qk_norm: vectors per lane (K) of a head row, 16-byte and scalar paths alike: head dims up to 8 x 32 vectors
+# (2048 bf16 / 1024 fp32 elements, 256 on the scalar path); a longer one goes to the torch default.
+QK_K = (1, 2, 4, 8)
 
 
 def _both_vecs(dtype):
@@ -57,14 +60,17 @@ def _name_expressions() -> dict[str, list[str]]:
     mods["embedding"] = (
         [f"emb_fwd<{w}, {ti}>" for w in ("uint4", "unsigned int", "unsigned short") for ti in ("int", "long long")]
         + [f"{k}<{T_NAME[d]}, {v}>" for k in ("emb_bwd_head", "emb_bwd_segments") for d in dts for v in _both_vecs(d)])
-    mods["rmsnorm"] = (
-        [f"{k}<{T_NAME[d]}, {v}, {kk}>" for k in ("rmsnorm_fwd", "rmsnorm_bwd") for d in dts for v in _both_vecs(d)
-         for kk in row_ks(v)]
-        + [f"column_sum<{T_NAME[d]}>" for d in dts])
+    mods["rmsnorm"] = [f"{k}<{T_NAME[d]}, {v}, {kk}>" for k in ("rmsnorm_fwd", "rmsnorm_bwd") for d in dts
+                       for v in _both_vecs(d) for kk in row_ks(v)]
+    mods["layernorm"] = [f"{k}<{T_NAME[d]}, {v}, {kk}>" for k in ("layernorm_fwd", "layernorm_bwd") for d in dts
+                         for v in _both_vecs(d) for kk in row_ks(v)]
+    mods["qk_norm"] = [f"{k}<{T_NAME[d]}, {v}, {kk}>" for k in ("qk_norm_fwd", "qk_norm_bwd") for d in dts
+                       for v in _both_vecs(d) for kk in QK_K]
     mods["rope"] = [f"rope<{T_NAME[d]}, {v}>" for d in dts for v in _both_vecs(d)]
     mods["swiglu"] = [f"{k}<{T_NAME[d]}, {v}>" for k in ("swiglu_fwd", "swiglu_bwd") for d in dts for v in _both_vecs(d)]
+    mods["gelu"] = [f"{k}<{T_NAME[d]}, {v}>" for k in ("gelu_fwd", "gelu_bwd") for d in dts for v in _both_vecs(d)]
     mods["reduce"] = ([f"{k}<{T_NAME[d]}, {v}>" for k in ("absmax_kernel", "sumsq_partial") for d in dts
-                       for v in _both_vecs(d)] + ["finish_sum"])
+                       for v in _both_vecs(d)] + ["finish_sum"] + [f"column_sum<{T_NAME[d]}>" for d in dts])
     mods["fp8"] = [f"{k}<{T_NAME[d]}, {v}, {f}>" for k in ("quantize_flat", "quantize_tiles") for d in dts
                    for v in _both_vecs(d) for f in (0, 1)]
     mods["classifier"] = [f"classifier<{T_NAME[d]}, {v}, {ti}>" for d in dts for v in _both_vecs(d)

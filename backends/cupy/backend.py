@@ -1,5 +1,8 @@
 """CupyBackend: hand-written CUDA C++ kernels (``kernels/*.cu``, compiled by NVRTC through CuPy) for every
-non-GEMM, non-attention op of backends/base.py.
+non-GEMM, non-attention op of backends/base.py, and for the ``TORCH_DEFAULT_OPS`` of Qwen3 and GPT-2 but the
+position embedding: the QK-norm (``qk_norm.cu``), LayerNorm with the fused residual add (``layernorm.cu``) and
+GELU-tanh (``gelu.cu``) override the base class's torch defaults; ``position_embedding_forward`` / ``_backward``
+stay on those defaults.
 
 GEMMs and attention are components (backends/base.py): by default the ``torch`` GEMM provider and the ``sdpa``
 attention provider (cuBLAS and cuDNN through torch); ``--gemm cublaslt`` gives it the Triton backend's GEMMs.
@@ -9,7 +12,8 @@ method here checks shapes and picks a launch geometry on the host, then launches
 where a deterministic cross-block reduction is needed) on torch's current stream, on the tensors' own memory,
 with no host sync. Each kernel has a 16-byte-vector variant and a scalar one (VEC = 1) for rows or pointers
 that are not 16-byte multiples; model dtypes are fp32 and bf16: a tensor of another dtype (never one of a
-training run) goes to the torch reference's kernel for that call.
+training run) goes to the torch reference's kernel for that call, as does (for the QK-norm, LayerNorm and GELU
+kernels) a non-contiguous tensor or a row too long to be held in registers.
 """
 
 from __future__ import annotations
@@ -23,9 +27,9 @@ from llmq_ray.backends.torch_ref import TorchBackend
 from llmq_ray.backends.torch_ref_optim import check_m_scale, derive_seed
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16)
-BWD_MAX_BLOCKS = 1024   # partial dweight rows of rmsnorm_backward: fixed, so the sum order depends on N only
+BWD_MAX_BLOCKS = 1024   # partial weight-gradient rows of the norms' backward: fixed, so the sum order depends on N only
 REDUCE_BLOCKS = 1024    # partials of global_norm_squared: likewise a function of the size only
-SMEM_FLOATS = 12288     # 48 KiB of dynamic shared memory for rmsnorm_backward's per-block dweight rows
+SMEM_FLOATS = 12288     # 48 KiB of dynamic shared memory for the norms' backward: per-block partial rows
 EMB_CHUNK = 32          # sorted positions per block of embedding_backward (CHUNK in embedding.cu)
 M8_TILE = 1024          # elements per block iteration of adamw with an e4m3 m (M8_TILE in adamw.cu)
 
@@ -62,6 +66,36 @@ def _row_layout(nvec: int, vec: int, prefer_small_k: bool) -> tuple[int, int]:
     if best is None:
         raise ValueError(f"cupy backend: rows of {nvec * vec} elements are too long for the rmsnorm kernels")
     return best[1], best[2]
+
+
+def _row_fits(c: int, vec: int) -> bool:
+    """Whether a row of ``c`` elements fits the register-row kernels (_row_layout's limit: 1024 threads of K
+    vectors)."""
+    return cdiv(c // vec, max(rt.row_ks(vec))) <= 1024
+
+
+def _partial_rows(rows: int, per_iter: int) -> tuple[int, int]:
+    """(blocks, rows per block) of a backward kernel that walks ``rows`` rows, ``per_iter`` at a time per block, and
+    writes one partial weight-gradient row per block: at most BWD_MAX_BLOCKS blocks, a function of the sizes only,
+    so column_sum adds the partials in the same order on every run."""
+    blocks = min(cdiv(rows, per_iter), BWD_MAX_BLOCKS)
+    rows_per_block = cdiv(rows, blocks)
+    return cdiv(rows, rows_per_block), rows_per_block
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _check_rows(what: str, n: int, c: int, **tensors: torch.Tensor | None) -> None:
+    """ValueError unless every given tensor has the size an [n, c] op gives it: [c] for weights and their
+    gradients, [n] for per-row statistics, [n, c] otherwise."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        want = (c,) if name in ("weight", "bias", "dweight", "dbias") else (n,) if name in ("mean", "rstd") else (n, c)
+        if tuple(t.shape) != want:
+            raise ValueError(f"{what}: {name} has shape {tuple(t.shape)}, expected {list(want)} for rows [{n}, {c}]")
 
 
 class CupyBackend(Backend):
@@ -171,16 +205,170 @@ class CupyBackend(Backend):
         vec = _vec(dtype, c, dinp, dout, inp, weight, dresidual)
         k, tx = _row_layout(c // vec, vec, prefer_small_k=True)
         ty = max(1, min(256 // tx, SMEM_FLOATS // c))
-        blocks = min(cdiv(n, ty), BWD_MAX_BLOCKS)
-        rows_per_block = cdiv(n, blocks)
-        blocks = cdiv(n, rows_per_block)
+        blocks, rows_per_block = _partial_rows(n, ty)
         part = torch.empty(blocks, c, dtype=torch.float32, device=inp.device)
         smem = ty * c * 4 if ty > 1 else 0
-        t = T_NAME[dtype]
-        self._launch("rmsnorm", f"rmsnorm_bwd<{t}, {vec}, {k}>", blocks, (tx, ty),
+        self._launch("rmsnorm", f"rmsnorm_bwd<{T_NAME[dtype]}, {vec}, {k}>", blocks, (tx, ty),
                      (ptr(dinp), ptr(part), ptr(dout), ptr(inp), ptr(weight), ptr(rstd), ptr(dresidual), ptr(absmax),
                       i32(n), i32(c), i32(rows_per_block)), shared_mem=smem)
-        self._launch("rmsnorm", f"column_sum<{t}>", cdiv(c, 32), (32, 32), (ptr(dweight), ptr(part), i32(blocks), i32(c)))
+        self._column_sum(dweight, part)
+
+    def _column_sum(self, out, part):
+        """out[C] += part[P, C].sum(0) (``column_sum`` of reduce.cu: fp32 partial rows, contiguous, summed per
+        column in a fixed order, one rounding into out's dtype)."""
+        p, c = part.shape
+        self._launch("reduce", f"column_sum<{T_NAME[out.dtype]}>", cdiv(c, 32), (32, 32),
+                     (ptr(out), ptr(part), i32(p), i32(c)))
+
+    # ------------------------------------------------------------------ QK-norm (Qwen3)
+    def qk_norm_forward(self, qkv, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads, eps):
+        """``qk_norm_fwd`` (kernels/qk_norm.cu): one pass over the q/k heads of qkv, in place; saved and rstd for
+        the backward (Backend.qk_norm_forward)."""
+        plan = self._qk_norm_plan("qk_norm_forward", qkv, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads)
+        if plan is None:
+            return self._reference.qk_norm_forward(qkv, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads, eps)
+        rows, h, d, vec, k, g = plan
+        if rows == 0:
+            return
+        self._launch("qk_norm", f"qk_norm_fwd<{T_NAME[qkv.dtype]}, {vec}, {k}>", cdiv(rows, 256 // g), 256,
+                     (ptr(qkv), ptr(saved), ptr(rstd), ptr(q_weight), ptr(k_weight), i32(rows), i32(h),
+                      i32(n_q_heads), i64((n_q_heads + 2 * n_kv_heads) * d), i32(d), i32(g), f32(eps)))
+
+    def qk_norm_backward(self, dqkv, dq_weight, dk_weight, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads):
+        """``qk_norm_bwd`` (dx in place on dqkv's q/k heads, one partial row per block and weight) and two
+        ``column_sum`` launches into dq_weight / dk_weight: deterministic (Backend.qk_norm_backward)."""
+        plan = self._qk_norm_plan("qk_norm_backward", dqkv, saved, rstd, q_weight, k_weight, n_q_heads, n_kv_heads,
+                                  dq_weight=dq_weight, dk_weight=dk_weight)
+        if plan is None:
+            return self._reference.qk_norm_backward(dqkv, dq_weight, dk_weight, saved, rstd, q_weight, k_weight,
+                                                    n_q_heads, n_kv_heads)
+        rows, h, d, vec, k, g = plan
+        if rows == 0:
+            return
+        groups = min(256 // g, SMEM_FLOATS // (2 * d))  # head rows in flight per block
+        groups = max(32 // g, groups - groups % (32 // g))  # whole warps
+        blocks, rows_per_block = _partial_rows(rows, groups)
+        part = torch.empty(2, blocks, d, dtype=torch.float32, device=dqkv.device)
+        smem = groups * 2 * d * 4 if groups > 1 else 0
+        self._launch("qk_norm", f"qk_norm_bwd<{T_NAME[dqkv.dtype]}, {vec}, {k}>", blocks, groups * g,
+                     (ptr(dqkv), ptr(part), ptr(saved), ptr(rstd), ptr(q_weight), ptr(k_weight), i32(rows), i32(h),
+                      i32(n_q_heads), i64((n_q_heads + 2 * n_kv_heads) * d), i32(d), i32(g), i32(rows_per_block)),
+                     shared_mem=smem)
+        self._column_sum(dq_weight, part[0])
+        self._column_sum(dk_weight, part[1])
+
+    @staticmethod
+    def _qk_norm_plan(what, qkv, saved, rstd, q_weight, k_weight, n_q, n_kv, **grads):
+        """(head rows R, H = Hq + Hkv, D, VEC, K, G) for the qk_norm kernels, or None for a call the torch default
+        takes (a dtype other than fp32/bf16, mixed dtypes, a non-contiguous tensor, a head dim beyond 32 x 8
+        vectors). Shapes that do not fit the contract raise ValueError."""
+        h, d = n_q + n_kv, qkv.shape[-1]
+        if qkv.dim() < 2 or qkv.shape[-2] != n_q + 2 * n_kv:
+            raise ValueError(f"{what}: qkv {tuple(qkv.shape)} is not [..., Hq + 2*Hkv = {n_q + 2 * n_kv}, D]")
+        n = qkv.numel() // ((n_q + 2 * n_kv) * d) if d else 0
+        if tuple(saved.shape) != (n, h, d) or tuple(rstd.shape) != (n, h):
+            raise ValueError(f"{what}: saved {tuple(saved.shape)} / rstd {tuple(rstd.shape)} must be [{n}, {h}, {d}] "
+                             f"/ [{n}, {h}]")
+        for name, t in (("q_weight", q_weight), ("k_weight", k_weight), *grads.items()):
+            if tuple(t.shape) != (d,):
+                raise ValueError(f"{what}: {name} {tuple(t.shape)} must be [{d}]")
+        dtype = qkv.dtype
+        tensors = (qkv, saved, rstd, q_weight, k_weight, *grads.values())
+        if (dtype not in MODEL_DTYPES or any(t.dtype != dtype for t in (saved, q_weight, k_weight))
+                or rstd.dtype != torch.float32 or any(t.dtype not in MODEL_DTYPES for t in grads.values())
+                or not all(t.is_contiguous() for t in tensors)):
+            return None
+        vec = _vec(dtype, d, qkv, saved, q_weight, k_weight)
+        nvec = d // vec
+        k = next((k for k in rt.QK_K if 32 * k >= nvec), None)
+        if k is None:
+            return None
+        return n * h, h, d, vec, k, _pow2(cdiv(nvec, k))
+
+    # ------------------------------------------------------------------ LayerNorm (GPT-2)
+    def layernorm_forward(self, out, mean, rstd, inp, weight, bias, eps, absmax=None):
+        """``layernorm_fwd`` (kernels/layernorm.cu): one read of inp, one write of out, mean/rstd in fp32, the
+        fused max|out| (Backend.layernorm_forward)."""
+        self._layernorm_forward(out, mean, rstd, inp, None, None, weight, bias, eps, absmax)
+
+    def fused_residual_layernorm_forward(self, residual, out, mean, rstd, inp1, inp2, weight, bias, eps,
+                                         absmax=None):
+        """``layernorm_fwd`` with the residual add fused in: the rounded residual is what gets normalised, so a
+        recompute through layernorm_forward(residual) gives the same bits (Backend.fused_residual_layernorm_forward)."""
+        self._layernorm_forward(out, mean, rstd, inp1, inp2, residual, weight, bias, eps, absmax)
+
+    def _layernorm_forward(self, out, mean, rstd, inp, inp2, residual, weight, bias, eps, absmax):
+        dtype = inp.dtype
+        tensors = (out, mean, rstd, inp, inp2, residual, weight, bias)
+        if not self._layernorm_ok(dtype, inp, (out, inp2, residual, weight, bias), (mean, rstd), tensors, absmax):
+            return self._reference_layernorm_forward(out, mean, rstd, inp, inp2, residual, weight, bias, eps, absmax)
+        n, c = inp.shape
+        _check_rows("layernorm_forward", n, c, out=out, inp2=inp2, residual=residual, mean=mean, rstd=rstd,
+                    weight=weight, bias=bias)
+        vec = _vec(dtype, c, out, inp, inp2, residual, weight, bias)
+        if not _row_fits(c, vec):
+            return self._reference_layernorm_forward(out, mean, rstd, inp, inp2, residual, weight, bias, eps, absmax)
+        k, tx = _row_layout(c // vec, vec, prefer_small_k=False)
+        ty = max(1, 256 // tx)
+        if absmax is not None:
+            self.k.zero_u32(absmax)
+        if n == 0:
+            return
+        self._launch("layernorm", f"layernorm_fwd<{T_NAME[dtype]}, {vec}, {k}>", cdiv(n, ty), (tx, ty),
+                     (ptr(out), ptr(mean), ptr(rstd), ptr(inp), ptr(inp2), ptr(residual), ptr(weight), ptr(bias),
+                      ptr(absmax), i32(n), i32(c), f32(eps)))
+
+    def _reference_layernorm_forward(self, out, mean, rstd, inp, inp2, residual, weight, bias, eps, absmax):
+        if residual is None:
+            return self._reference.layernorm_forward(out, mean, rstd, inp, weight, bias, eps, absmax)
+        return self._reference.fused_residual_layernorm_forward(residual, out, mean, rstd, inp, inp2, weight, bias,
+                                                                eps, absmax)
+
+    def layernorm_backward(self, dinp, dweight, dbias, dout, inp, weight, mean, rstd, dresidual=None, absmax=None):
+        """``layernorm_bwd`` (dinp, + dresidual, + max|dinp|, one partial row per block for the weight and one for
+        the bias) and two ``column_sum`` launches into dweight / dbias: deterministic (Backend.layernorm_backward)."""
+        dtype = inp.dtype
+        tensors = (dinp, dweight, dbias, dout, inp, weight, mean, rstd, dresidual)
+        if not self._layernorm_ok(dtype, inp, (dinp, dout, weight, dresidual), (mean, rstd), tensors, absmax,
+                                  grads=(dweight, dbias)):
+            return self._reference.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, dresidual,
+                                                      absmax)
+        n, c = inp.shape
+        _check_rows("layernorm_backward", n, c, dinp=dinp, dout=dout, dresidual=dresidual, mean=mean, rstd=rstd,
+                    weight=weight, dweight=dweight, dbias=dbias)
+        vec = _vec(dtype, c, dinp, dout, inp, weight, dresidual)
+        if not _row_fits(c, vec):
+            return self._reference.layernorm_backward(dinp, dweight, dbias, dout, inp, weight, mean, rstd, dresidual,
+                                                      absmax)
+        if absmax is not None:
+            self.k.zero_u32(absmax)
+        if n == 0:
+            return
+        k, tx = _row_layout(c // vec, vec, prefer_small_k=True)
+        ty = max(1, min(256 // tx, SMEM_FLOATS // (2 * c)))
+        blocks, rows_per_block = _partial_rows(n, ty)
+        part = torch.empty(2, blocks, c, dtype=torch.float32, device=inp.device)
+        smem = ty * 2 * c * 4 if ty > 1 else 0
+        self._launch("layernorm", f"layernorm_bwd<{T_NAME[dtype]}, {vec}, {k}>", blocks, (tx, ty),
+                     (ptr(dinp), ptr(part), ptr(dout), ptr(inp), ptr(weight), ptr(mean), ptr(rstd), ptr(dresidual),
+                      ptr(absmax), i32(n), i32(c), i32(rows_per_block)), shared_mem=smem)
+        self._column_sum(dweight, part[0])
+        self._column_sum(dbias, part[1])
+
+    @staticmethod
+    def _layernorm_ok(dtype, inp, same_dtype, stats, tensors, absmax, grads=()) -> bool:
+        """Whether the layernorm kernels take the call: fp32/bf16 [N, C] rows, one dtype for the model-dtype
+        tensors, fp32 statistics and absmax, weight/bias gradients fp32 or bf16, everything contiguous; otherwise
+        the call goes to the torch default (as does a row too long for registers: _row_fits)."""
+        if dtype not in MODEL_DTYPES or inp.dim() != 2:
+            return False
+        if any(t is not None and t.dtype != dtype for t in same_dtype):
+            return False
+        if any(t.dtype != torch.float32 for t in stats) or any(t.dtype not in MODEL_DTYPES for t in grads):
+            return False
+        if absmax is not None and (absmax.dtype != torch.float32 or absmax.numel() != 1):
+            return False
+        return all(t is None or t.is_contiguous() for t in tensors)
 
     # ------------------------------------------------------------------ RoPE
     def rope_forward(self, qkv, cos, sin, n_q_heads, n_kv_heads):
@@ -240,6 +428,39 @@ class CupyBackend(Backend):
             return
         self._launch("swiglu", f"swiglu_bwd<{T_NAME[dout.dtype]}, {vec}>", self.k.grid_for(total, 256), 256,
                      (ptr(dinp), ptr(dout), ptr(inp), ptr(absmax), i64(n), i32(i)))
+
+    # ------------------------------------------------------------------ GELU-tanh (GPT-2)
+    def gelu_tanh_forward(self, out, inp, absmax=None):
+        """``gelu_fwd`` (kernels/gelu.cu): element-wise, the fused max|out| (Backend.gelu_tanh_forward)."""
+        if not self._gelu_ok(out, inp, absmax):
+            return self._reference.gelu_tanh_forward(out, inp, absmax)
+        self._gelu("gelu_fwd", (out, inp), absmax)
+
+    def gelu_tanh_backward(self, dinp, dout, inp, absmax=None):
+        """``gelu_bwd``: the tanh recomputed from inp, the fused max|dinp| (Backend.gelu_tanh_backward)."""
+        if not self._gelu_ok(dinp, inp, absmax, dout):
+            return self._reference.gelu_tanh_backward(dinp, dout, inp, absmax)
+        self._gelu("gelu_bwd", (dinp, dout, inp), absmax)
+
+    @staticmethod
+    def _gelu_ok(out, inp, absmax, other=None) -> bool:
+        for t in (out,) if other is None else (out, other):
+            if t.shape != inp.shape:
+                raise ValueError(f"gelu_tanh: shapes differ: {tuple(t.shape)} vs inp {tuple(inp.shape)}")
+        tensors = (out, inp) if other is None else (out, other, inp)
+        return (inp.dtype in MODEL_DTYPES and all(t.dtype == inp.dtype and t.is_contiguous() for t in tensors)
+                and (absmax is None or (absmax.dtype == torch.float32 and absmax.numel() == 1)))
+
+    def _gelu(self, kernel, tensors, absmax):
+        inp = tensors[-1]
+        n = inp.numel()
+        vec = VEC[inp.dtype] if n % VEC[inp.dtype] == 0 and aligned(*tensors) else 1
+        if absmax is not None:
+            self.k.zero_u32(absmax)
+        if n == 0:
+            return
+        self._launch("gelu", f"{kernel}<{T_NAME[inp.dtype]}, {vec}>", self.k.grid_for(n // vec, 256), 256,
+                     (*(ptr(t) for t in tensors), ptr(absmax), i64(n)))
 
     # ------------------------------------------------------------------ FP8 quantization
     def absmax(self, out, inp):

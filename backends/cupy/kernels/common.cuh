@@ -128,6 +128,14 @@ __device__ __forceinline__ float row_sum(float v, float* red) {
     return s;
 }
 
+// Sum over a group of G lanes (G a power of two <= 32; groups are the aligned lane ranges [g*G, g*G + G) of a
+// warp); every lane of the group gets the same total (an xor butterfly: the two lanes of each pair add the same two
+// values, and fp32 addition commutes). All 32 lanes of the warp must call it (inactive lanes with 0).
+__device__ __forceinline__ float group_sum(float v, int G) {
+    for (int o = G >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
 // Block sum (1-D block, multiple of 32 threads) in a fixed order; result valid in thread 0.
 __device__ __forceinline__ float block_sum(float v) {
     __shared__ float red_sum[32];

@@ -1,6 +1,7 @@
-// reduce.cu - device-side reductions: absolute max (FP8 scaling) and sum of squares (global norm).
+// reduce.cu - device-side reductions: absolute max (FP8 scaling), sum of squares (global norm) and the per-column
+// sum of partial rows (the deterministic weight gradients of the norms).
 //
-// Both stream the tensor once with 16-byte loads in a grid-stride loop (the VEC-aligned body; the < VEC
+// The first two stream the tensor once with 16-byte loads in a grid-stride loop (the VEC-aligned body; the < VEC
 // leftover elements are taken by block 0), keep per-thread partials in registers, and reduce the block
 // with warp shuffles (redux.sync for the max) plus one shared-memory step.
 //   absmax_kernel:  one atomicMax per block on the fp32 bits of |x| (order-free, so exact and
@@ -8,6 +9,9 @@
 //   sumsq_partial + finish_sum: P blocks (P a function of n only) each write one fp32 partial; one block
 //                   adds the P partials in a fixed order into out (accumulate). No atomics: the same bits
 //                   on every run and every GPU type.
+//   column_sum:     out[C] += sum_p part[p, C] over the fp32 partial rows that rmsnorm_bwd, layernorm_bwd and
+//                   qk_norm_bwd write (one per block over a fixed partition of the rows), in a fixed order, one
+//                   rounding into out's dtype. No atomics either.
 
 template <typename T, int VEC>
 __global__ void absmax_kernel(unsigned* __restrict__ out, const T* __restrict__ x, i64 n) {
@@ -54,4 +58,24 @@ __global__ void finish_sum(float* __restrict__ out, const float* __restrict__ pa
     for (int i = threadIdx.x; i < P; i += blockDim.x) v += part[i];
     v = block_sum(v);
     if (threadIdx.x == 0) *out += v;
+}
+
+// out[C] += sum_p part[p, C]: block (32, 32), 32 columns per block, partial rows strided by 32, then a fixed
+// order over the 32 strands; one rounding into out's dtype.
+template <typename T>
+__global__ void column_sum(T* __restrict__ out, const float* __restrict__ part, int P, int C) {
+    __shared__ float sm[32][33];
+    const int col = blockIdx.x * 32 + threadIdx.x;
+    float s = 0.f;
+    if (col < C) {
+#pragma unroll 4
+        for (int p = threadIdx.y; p < P; p += 32) s += part[(i64)p * C + col];
+    }
+    sm[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < C) {
+        float t = 0.f;
+        for (int y = 0; y < 32; ++y) t += sm[y][threadIdx.x];
+        out[col] = from_f32<T>(to_f32(out[col]) + t);
+    }
 }

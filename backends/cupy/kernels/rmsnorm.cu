@@ -12,7 +12,7 @@
 //
 // Backward: dinp = rstd * (g*w - xhat * mean(g*w*xhat)) (+ dresidual, fused; dinp may alias it) and, for
 // dweight, each block accumulates sum_rows g * xhat of its rows in fp32 registers and writes one partial
-// row; column_sum adds the partials in a fixed order into dweight. No atomics: deterministic.
+// row; column_sum (reduce.cu) adds the partials in a fixed order into dweight. No atomics: deterministic.
 
 template <typename T, int VEC, int K>
 __global__ void rmsnorm_fwd(T* __restrict__ out, float* __restrict__ rstd, const T* x,
@@ -157,25 +157,5 @@ __global__ void rmsnorm_bwd(T* dx, float* __restrict__ dw_part, const T* __restr
         float s = 0.f;
         for (int y = 0; y < (int)blockDim.y; ++y) s += dw_sm[y * C + c];
         part[c] = s;
-    }
-}
-
-// out[C] += sum_p part[p, C]: block (32, 32), 32 columns per block, partial rows strided by 32, then a fixed
-// order over the 32 strands; one rounding into out's dtype.
-template <typename T>
-__global__ void column_sum(T* __restrict__ out, const float* __restrict__ part, int P, int C) {
-    __shared__ float sm[32][33];
-    const int col = blockIdx.x * 32 + threadIdx.x;
-    float s = 0.f;
-    if (col < C) {
-#pragma unroll 4
-        for (int p = threadIdx.y; p < P; p += 32) s += part[(i64)p * C + col];
-    }
-    sm[threadIdx.y][threadIdx.x] = s;
-    __syncthreads();
-    if (threadIdx.y == 0 && col < C) {
-        float t = 0.f;
-        for (int y = 0; y < 32; ++y) t += sm[y][threadIdx.x];
-        out[col] = from_f32<T>(to_f32(out[col]) + t);
     }
 }
