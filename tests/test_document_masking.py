@@ -102,12 +102,14 @@ def test_document_masking_refuses_what_it_cannot_do():
 
 @pytest.mark.parametrize("n_q, n_kv, lengths", [(4, 2, ((5, 20, 30, 9), (64,))), (2, 2, ((1, 16, 15, 17, 15), (33, 31))),
                                                 (3, 1, ((40, 24), (16, 16, 16, 16)))])
-def test_the_tile_skipping_triton_kernels_equal_the_exact_masked_math(n_q, n_kv, lengths):
+@pytest.mark.parametrize("tiles", ["16x16", "uneven"])
+def test_the_tile_skipping_triton_kernels_equal_the_exact_masked_math(n_q, n_kv, lengths, tiles):
     """The Triton forward (out, lse) and backward (the GPU's under document masking; the backward is also
-    --deterministic-attention's), under the interpreter in fp32 with 16-token tiles: documents ending inside a tile, on tile edges, one per row, a
-    one-token document, GQA groups of 1, 2, 3. out, lse, dq, dk, dv equal the exact masked math's within 1e-5
-    (relative to the largest); without the mask the backward equals the plain causal math, and differs from the
-    masked one (the test can fail)."""
+    --deterministic-attention's), under the interpreter in fp32, with 16-token tiles and with uneven ones (32
+    queries x 16 keys, and 16 x 32): documents ending inside a tile, on tile edges, one per row, a one-token
+    document, GQA groups of 1, 2, 3; tiles wholly live (no mask computed) and cut by the diagonal or a document
+    end. out, lse, dq, dk, dv equal the exact masked math's within 1e-5 (relative to the largest); without the mask
+    the backward equals the plain causal math, and differs from the masked one (the test can fail)."""
     from llmq_ray.backends.attention import DocumentMask, SdpaAttention
     from llmq_ray.backends.triton import attention_bwd, attention_fwd
 
@@ -123,18 +125,19 @@ def test_the_tile_skipping_triton_kernels_equal_the_exact_masked_math(n_q, n_kv,
     exact.forward(out, lse, qkv, n_q, n_kv, mask)
     want = torch.empty_like(qkv)
     exact.backward(want, dout, out, lse, qkv, n_q, n_kv, mask)
+    fwd_tiles, bwd_tiles = (None, None) if tiles == "16x16" else ((32, 16, 4, 1), ((16, 32, 4, 1), (32, 16, 4, 1)))
     fwd_out, fwd_lse = torch.empty_like(out), torch.empty_like(lse)
-    attention_fwd.attention_forward(fwd_out, fwd_lse, qkv, n_q, n_kv, mask)
+    attention_fwd.attention_forward(fwd_out, fwd_lse, qkv, n_q, n_kv, mask, tiles=fwd_tiles)
     assert ((fwd_out - out).abs().max() / out.abs().max()).item() <= 1e-5
     assert (fwd_lse - lse).abs().max().item() <= 1e-5 * lse.abs().max().item()
     got = torch.empty_like(qkv)
-    attention_bwd.attention_backward(got, dout, out, lse, qkv, n_q, n_kv, mask)
+    attention_bwd.attention_backward(got, dout, out, lse, qkv, n_q, n_kv, mask, tiles=bwd_tiles)
     err = ((got - want).abs().max() / want.abs().max()).item()
     assert err <= 1e-5, f"max relative difference {err:.2e}"
     unmasked = torch.empty_like(qkv)  # the mask matters here: without it the kernel computes something else
     out2, lse2 = torch.empty_like(out), torch.empty_like(lse)
     exact.forward(out2, lse2, qkv, n_q, n_kv, None)
-    attention_bwd.attention_backward(unmasked, dout, out2, lse2, qkv, n_q, n_kv, None)
+    attention_bwd.attention_backward(unmasked, dout, out2, lse2, qkv, n_q, n_kv, None, tiles=bwd_tiles)
     plain = torch.empty_like(qkv)
     exact.backward(plain, dout, out2, lse2, qkv, n_q, n_kv, None)
     assert ((unmasked - plain).abs().max() / plain.abs().max()).item() <= 1e-5

@@ -21,13 +21,15 @@ DEV = torch.device("cuda")
 
 
 def _segments(b: int, t: int, seed: int) -> torch.Tensor:
-    """[B, T] int32 document ids: documents of 20..700 tokens packed back to back in every row."""
+    """[B, T] int32 document ids: documents of 20..min(700, T/2) tokens packed back to back in every row (so every
+    row holds at least three documents and the mask changes the result)."""
+    hi = min(700, t // 2)
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for _ in range(b):
         ids, doc = [], 0
         while len(ids) < t:
-            ids += [doc] * int(torch.randint(20, 700, (1,), generator=gen))
+            ids += [doc] * int(torch.randint(20, hi, (1,), generator=gen))
             doc += 1
         rows.append(ids[:t])
     return torch.tensor(rows, dtype=torch.int32, device=DEV)

@@ -16,6 +16,12 @@ dQ = scale * dS K, dK = scale * dS^T Q. Layouts as the rest of the backend: qkv/
 out/dout [B, T, Hq, D], lse [B, Hq, T] fp32 (natural log, scaled scores). Tiles are loaded in the model dtype;
 the products run on tensor cores with fp32 accumulation on the GPU (fp32 models: in full fp32, not TF32), and
 in fp32 under the interpreter (which computes bf16 arithmetic wrongly; seen with triton 3.9 on the CPU).
+
+Speed: the exponentials are taken in base 2 (the scale and lse pre-multiplied by log2 e); the causal and document
+masks are computed only on tiles that need them (the diagonal, a key block spanning two documents, the last query
+tile of a document), a whole-live tile skips the comparisons. The tile shapes, warps and pipeline stages per head
+size are ``TILES`` (picked on an H100 with benchmarks/attention_tiles.py; one fixed choice per head size, so the
+summation order and the bits do not depend on a tuning run).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D: tl.constexpr, D
 @triton.jit
 def _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ, q_b, q_t, o_b, o_t, o_h,
                  D: tl.constexpr, DOT_F32: tl.constexpr):
-    """q and dout [BLOCK_M, BLOCK_D] of query head h at the positions ``rows``, their lse and delta [BLOCK_M]
+    """q and dout [BLOCK_M, BLOCK_D] of query head h at the positions ``rows``, their lse (base 2) and delta [BLOCK_M]
     (masked lanes 0), the mask, and the offsets of those rows (without the head) in qkv / dqkv."""
     qmask = (rows < T)[:, None] & (d < D)[None, :]
     row_q = b.to(tl.int64) * q_b + rows.to(tl.int64)[:, None] * q_t + d[None, :]
@@ -66,7 +72,7 @@ def _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ, q_
     do = tl.load(dout_ptr + b.to(tl.int64) * o_b + rows.to(tl.int64)[:, None] * o_t + h * o_h + d[None, :],
                  mask=qmask, other=0.0)
     stat = (b * HQ + h).to(tl.int64) * T + rows
-    lse = tl.load(lse_ptr + stat, mask=rows < T, other=0.0)
+    lse = tl.load(lse_ptr + stat, mask=rows < T, other=0.0) * 1.4426950408889634  # base 2
     delta = tl.load(delta_ptr + stat, mask=rows < T, other=0.0)
     if DOT_F32:
         q, do = q.to(tl.float32), do.to(tl.float32)
@@ -74,12 +80,13 @@ def _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ, q_
 
 
 @triton.jit
-def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_ptr, T, HQ, HKV, scale,
+def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_ptr, T, HQ, HKV, scale, scale_log2,
                  q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
                  DOCS: tl.constexpr):
     pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_lo = pid_n * BLOCK_N
+    keys = key_lo + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     k, v, kmask, row_k = _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D, DOT_F32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -87,19 +94,26 @@ def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_p
     stop_m = T
     if DOCS:  # no query after the end of the last key's document sees these keys
         seg_k = tl.load(seg_ptr + b.to(tl.int64) * T + keys, mask=keys < T, other=-1)
-        stop_m = tl.load(end_ptr + b.to(tl.int64) * T + tl.minimum(pid_n * BLOCK_N + BLOCK_N, T) - 1)
+        key_hi = tl.minimum(key_lo + BLOCK_N, T) - 1
+        stop_m = tl.load(end_ptr + b.to(tl.int64) * T + key_hi)
+        one_doc = tl.load(seg_ptr + b.to(tl.int64) * T + key_lo) == tl.load(seg_ptr + b.to(tl.int64) * T + key_hi)
     for g in range(GROUP):
         h = hk * GROUP + g
-        for start_m in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, stop_m, BLOCK_M):  # query blocks seeing these keys
+        for start_m in range(key_lo // BLOCK_M * BLOCK_M, stop_m, BLOCK_M):  # query blocks seeing these keys
             rows = start_m + tl.arange(0, BLOCK_M)
             q, do, lse, delta, _, _ = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
                                                    q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [BLOCK_M, BLOCK_N]
-            live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
+            # whole tile live: every query at or after every key, inside T, and (documents) in the keys' document
+            full = (start_m >= key_lo + BLOCK_N - 1) & (start_m + BLOCK_M <= stop_m)
             if DOCS:
-                seg_q = tl.load(seg_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=-2)
-                live = live & (seg_q[:, None] == seg_k[None, :])
-            p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
+                full = full & one_doc  # (then stop_m is the end of that document)
+            if not full:
+                live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+                if DOCS:
+                    seg_q = tl.load(seg_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=-2)
+                    live = live & (seg_q[:, None] == seg_k[None, :])
+                p = tl.where(live, p, 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PREC)
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
@@ -111,44 +125,70 @@ def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_p
 
 
 @triton.jit
-def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale,
+def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale, scale_log2,
                q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
                DOCS: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_lo = pid_m * BLOCK_M
+    rows = row_lo + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     q, do, lse, delta, qmask, row_q = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
                                                    q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    first_n = 0
+    doc_lo = 0  # the first key every query of the block sees (documents: its document's start)
     if DOCS:  # no key before the start of the first query's document is seen by these queries
         seg_q = tl.load(seg_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=-2)
-        first_n = tl.load(start_ptr + b.to(tl.int64) * T + pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
-    for start_n in range(first_n, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T), BLOCK_N):  # key blocks seen
+        doc_lo = tl.load(start_ptr + b.to(tl.int64) * T + row_lo)
+        row_hi = tl.minimum(row_lo + BLOCK_M, T) - 1
+        one_doc = tl.load(seg_ptr + b.to(tl.int64) * T + row_lo) == tl.load(seg_ptr + b.to(tl.int64) * T + row_hi)
+    for start_n in range(doc_lo // BLOCK_N * BLOCK_N, tl.minimum(row_lo + BLOCK_M, T), BLOCK_N):  # key blocks seen
         keys = start_n + tl.arange(0, BLOCK_N)
         k, v, _, _ = _key_block(qkv_ptr, b, hk, keys, d, T, HQ, HKV, q_b, q_t, D, DOT_F32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2 - lse[:, None])
+        # whole tile live: every key at or before every query, every query inside T and (documents) all in the
+        # queries' one document
+        full = (start_n + BLOCK_N - 1 <= row_lo) & (row_lo + BLOCK_M <= T)
         if DOCS:
-            seg_k = tl.load(seg_ptr + b.to(tl.int64) * T + keys, mask=keys < T, other=-1)
-            live = live & (seg_q[:, None] == seg_k[None, :])
-        p = tl.where(live, tl.exp(s - lse[:, None]), 0.0)
+            full = full & one_doc & (start_n >= doc_lo)
+        if not full:
+            live = (rows[:, None] >= keys[None, :]) & (rows < T)[:, None] & (keys < T)[None, :]
+            if DOCS:
+                seg_k = tl.load(seg_ptr + b.to(tl.int64) * T + keys, mask=keys < T, other=-1)
+                live = live & (seg_q[:, None] == seg_k[None, :])
+            p = tl.where(live, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
     tl.store(dqkv_ptr + row_q + h * D, cast_to(dq * scale, dqkv_ptr.dtype.element_ty), mask=qmask)
 
 
-def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents=None) -> None:
+LOG2E = 1.4426950408889634
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV and the dQ kernel on the GPU, by head size (D <= 64, larger).
+# BLOCK_M tiles the queries and BLOCK_N the keys in both kernels.
+TILES = {64: ((64, 64, 4, 3), (64, 64, 4, 3)), 128: ((32, 32, 4, 3), (32, 32, 4, 3))}
+_INTERPRETER_TILES = ((16, 16, 4, 1), (16, 16, 4, 1))
+
+
+def _tiles(d: int):
+    """The (dK/dV, dQ) tile choices for head size ``d``: ``TILES`` on the GPU, 16 x 16 under the interpreter."""
+    return _INTERPRETER_TILES if INTERPRET else TILES[64 if d <= 64 else 128]
+
+
+def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents=None,
+                       tiles=None) -> None:
     """dqkv[B, T, Hq + 2 Hkv, D] (overwritten) from dout/out[B, T, Hq, D], lse[B, Hq, T] fp32 and the post-RoPE
     qkv; the same contract as Backend.attention_backward, bit-reproducible. All tensors contiguous.
 
     ``documents`` (document masking; backends/attention.py's DocumentMask, or its rows): a query sees only keys of
     its own document, and whole tiles outside the document are skipped: the dK/dV program of a key block stops at
     the end of its last key's document (``documents.ends``), the dQ program of a query block starts at the start
-    of its first query's document (``documents.starts``), so the work shrinks with the documents."""
+    of its first query's document (``documents.starts``), so the work shrinks with the documents.
+
+    ``tiles``: ((BLOCK_M, BLOCK_N, warps, stages) of the dK/dV kernel, the same of the dQ kernel) instead of
+    ``TILES`` (benchmarks/attention_tiles.py and the tests try others)."""
     b, t, h, d = qkv.shape
     if h != n_q_heads + 2 * n_kv_heads or n_q_heads % n_kv_heads:
         raise ValueError(f"attention_backward: qkv {tuple(qkv.shape)} does not match Hq={n_q_heads}, Hkv={n_kv_heads}")
@@ -161,16 +201,16 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: in
     if tuple(lse.shape) != (b, n_q_heads, t) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"attention_backward: lse must be contiguous fp32 [{b}, {n_q_heads}, {t}]")
     block_d = next_pow2(d)
-    block_m = block_n = 16 if INTERPRET else (64 if d <= 64 else 32)
+    dkdv_tiles, dq_tiles = tiles or _tiles(d)
     delta = torch.empty(b, n_q_heads, t, dtype=torch.float32, device=qkv.device)
     _delta_kernel[(triton.cdiv(t, 64), b, n_q_heads)](out, dout, delta, t, n_q_heads, out.stride(0), out.stride(1),
                                                      out.stride(2), BLOCK_T=64, BLOCK_D=block_d, D=d)
-    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=d, GROUP=n_q_heads // n_kv_heads,
-                  DOT_F32=INTERPRET or qkv.dtype == torch.float32,
+    common = dict(BLOCK_D=block_d, D=d, GROUP=n_q_heads // n_kv_heads, DOT_F32=INTERPRET or qkv.dtype == torch.float32,
                   # fp32 tiles: true fp32 products ("ieee"); Triton's default for fp32 dots on NVIDIA is TF32
                   # (10-bit mantissa). bf16 tiles: the default (None), the same kernels as measured on the H100.
                   PREC="ieee" if qkv.dtype == torch.float32 else None)
-    tail = (t, n_q_heads, n_kv_heads, 1.0 / math.sqrt(d), qkv.stride(0), qkv.stride(1), dout.stride(0),
+    scale = 1.0 / math.sqrt(d)
+    tail = (t, n_q_heads, n_kv_heads, scale, scale * LOG2E, qkv.stride(0), qkv.stride(1), dout.stride(0),
             dout.stride(1), dout.stride(2))
     if documents is None:
         seg = starts = ends = delta  # not read (DOCS=False)
@@ -181,5 +221,9 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: in
                 raise ValueError(f"attention_backward: documents.{name} must be contiguous int32 [{b}, {t}]")
     head = (qkv, dout, lse, delta, dqkv, seg)
     common["DOCS"] = documents is not None
-    _dkdv_kernel[(triton.cdiv(t, block_n), b, n_kv_heads)](*head, ends, *tail, **common, num_warps=4)
-    _dq_kernel[(triton.cdiv(t, block_m), b, n_q_heads)](*head, starts, *tail, **common, num_warps=4)
+    bm, bn, warps, stages = dkdv_tiles
+    _dkdv_kernel[(triton.cdiv(t, bn), b, n_kv_heads)](*head, ends, *tail, **common, BLOCK_M=bm, BLOCK_N=bn,
+                                                      num_warps=warps, num_stages=stages)
+    bm, bn, warps, stages = dq_tiles
+    _dq_kernel[(triton.cdiv(t, bm), b, n_q_heads)](*head, starts, *tail, **common, BLOCK_M=bm, BLOCK_N=bn,
+                                                   num_warps=warps, num_stages=stages)

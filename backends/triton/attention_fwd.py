@@ -8,8 +8,8 @@ the mask inside a tile compares segment ids (no [B, T, T] tensor at all).
 
 One program per (query block, b, q head): q [BLOCK_M, D] stays in registers; for each key block from
 ``starts[b, first query]`` (rounded down to the tile) up to the block's last query, s = scale * q k^T, masked to
-causal-and-same-document, folded into a running max m, running sum l and accumulator acc (the online softmax, in
-base 2); out = acc / l, lse = m + log(l) (natural log of the scaled scores, as the backward and cuDNN use). A row
+causal-and-same-document (on the tiles not wholly live only), folded into a running max m, running sum l and
+accumulator acc (the online softmax, in base 2); out = acc / l, lse = m + log(l) (natural log of the scaled scores, as the backward and cuDNN use). A row
 whose keys so far are all masked has m = -inf; the exponentials then use 0 in its place, so no (-inf) - (-inf).
 
 Layouts: qkv [B, T, Hq + 2 Hkv, D] (post-RoPE), out [B, T, Hq, D] model dtype, lse [B, Hq, T] fp32, documents a
@@ -43,11 +43,16 @@ def _fwd_kernel(qkv_ptr, out_ptr, lse_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale
     if DOT_F32:
         q = q.to(tl.float32)
     seg_q = tl.load(seg_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=-2)
-    first_n = tl.load(start_ptr + b.to(tl.int64) * T + pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
+    row_lo = pid_m * BLOCK_M
+    doc_lo = tl.load(start_ptr + b.to(tl.int64) * T + row_lo)  # the start of the first query's document
+    row_hi = tl.minimum(row_lo + BLOCK_M, T) - 1
+    # every query of the block inside T and in one document
+    one_doc = (row_lo + BLOCK_M <= T) & (tl.load(seg_ptr + b.to(tl.int64) * T + row_lo)
+                                         == tl.load(seg_ptr + b.to(tl.int64) * T + row_hi))
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start_n in range(first_n, tl.minimum(pid_m * BLOCK_M + BLOCK_M, T), BLOCK_N):
+    for start_n in range(doc_lo // BLOCK_N * BLOCK_N, tl.minimum(row_lo + BLOCK_M, T), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         kmask = (keys < T)[:, None] & (d < D)[None, :]
         row_k = base + keys.to(tl.int64)[:, None] * q_t + d[None, :]
@@ -55,9 +60,12 @@ def _fwd_kernel(qkv_ptr, out_ptr, lse_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale
         v = tl.load(qkv_ptr + row_k + (HQ + HKV + hk) * D, mask=kmask, other=0.0)
         if DOT_F32:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        seg_k = tl.load(seg_ptr + b.to(tl.int64) * T + keys, mask=keys < T, other=-1)
-        live = (rows[:, None] >= keys[None, :]) & (seg_q[:, None] == seg_k[None, :])
-        s = tl.where(live, tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2, float("-inf"))
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        # a tile wholly live (every key at or before every query, all in the queries' one document) skips the mask
+        if not ((start_n + BLOCK_N - 1 <= row_lo) & (start_n >= doc_lo) & one_doc):
+            seg_k = tl.load(seg_ptr + b.to(tl.int64) * T + keys, mask=keys < T, other=-1)
+            live = (rows[:, None] >= keys[None, :]) & (seg_q[:, None] == seg_k[None, :])
+            s = tl.where(live, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -72,10 +80,15 @@ def _fwd_kernel(qkv_ptr, out_ptr, lse_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale
     tl.store(lse_ptr + (b * HQ + h).to(tl.int64) * T + rows, lse, mask=rows < T)
 
 
-def attention_forward(out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents) -> None:
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU by head size (D <= 64, larger); BLOCK_M tiles the queries.
+TILES = {64: (128, 64, 8, 3), 128: (128, 32, 8, 3)}
+
+
+def attention_forward(out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents, tiles=None) -> None:
     """out[B, T, Hq, D] and lse[B, Hq, T] fp32 (overwritten) of causal attention within documents over the post-RoPE
     qkv[B, T, Hq + 2 Hkv, D]; the contract of Backend.attention_forward with ``documents`` given (a
-    DocumentMask after its ``refresh()``). qkv, out, lse contiguous."""
+    DocumentMask after its ``refresh()``). qkv, out, lse contiguous. ``tiles``: (BLOCK_M, BLOCK_N, warps, stages)
+    instead of ``TILES`` (benchmarks/attention_tiles.py and the tests try others)."""
     b, t, h, d = qkv.shape
     if h != n_q_heads + 2 * n_kv_heads or n_q_heads % n_kv_heads:
         raise ValueError(f"attention_forward: qkv {tuple(qkv.shape)} does not match Hq={n_q_heads}, Hkv={n_kv_heads}")
@@ -88,14 +101,9 @@ def attention_forward(out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents)
         if tuple(x.shape) != (b, t) or x.dtype != torch.int32 or not x.is_contiguous():
             raise ValueError(f"attention_forward: documents.{name} must be contiguous int32 [{b}, {t}]")
     block_d = next_pow2(d)
-    if INTERPRET:
-        block_m = block_n = 16
-        warps = 4
-    else:
-        block_m, block_n = (128, 64) if d <= 64 else (128, 32)
-        warps = 8
+    block_m, block_n, warps, stages = tiles or ((16, 16, 4, 1) if INTERPRET else TILES[64 if d <= 64 else 128])
     _fwd_kernel[(triton.cdiv(t, block_m), b, n_q_heads)](
         qkv, out, lse, seg, starts, t, n_q_heads, n_kv_heads, LOG2E / math.sqrt(d), qkv.stride(0), qkv.stride(1),
         out.stride(0), out.stride(1), out.stride(2), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, D=d,
         GROUP=n_q_heads // n_kv_heads, DOT_F32=INTERPRET or qkv.dtype == torch.float32,
-        PREC="ieee" if qkv.dtype == torch.float32 else None, num_warps=warps, num_stages=1 if INTERPRET else 3)
+        PREC="ieee" if qkv.dtype == torch.float32 else None, num_warps=warps, num_stages=stages)
