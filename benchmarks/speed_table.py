@@ -49,6 +49,10 @@ from llmq_ray.observe.runlog import atomic_write_json, atomic_write_text  # noqa
 ROW_SHAPES = {
     "Qwen2.5-0.5B": {"triton": (32, 1, 25, 5), "torch": (16, 1, 12, 4), "hf": (16, 10)},
     "Qwen2.5-1.5B": {"triton": (16, 16, 6, 2), "torch": (8, 1, 10, 3), "hf": (8, 10)},
+    "Qwen3-1.7B": {"triton": (16, 4, 6, 2), "torch": (8, 1, 8, 3), "hf": (8, 8)},
+    # GPT-2 as llm.c trains it: 124M at large batches (its runs use B=64), 1558M at B=16
+    "gpt2": {"triton": (64, 2, 10, 3), "torch": (16, 1, 10, 3), "hf": (32, 10)},
+    "gpt2-xl": {"triton": (16, 4, 6, 2), "torch": (8, 1, 8, 3), "hf": (8, 8)},
 }
 DEFAULT_SHAPES = {"triton": (16, 1, 12, 4), "torch": (8, 1, 8, 3), "hf": (8, 8)}
 
