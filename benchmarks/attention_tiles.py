@@ -1,7 +1,7 @@
 """Pick the tile shapes of our Triton attention kernels (backends/triton/attention_fwd.py, attention_bwd.py) on the
 GPU: times each candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) of the forward, the dK/dV and the dQ kernel
 under --document-masking at one model's head shapes, checks its result against the current choice (cosine >=
-0.9999; a candidate that does not compile or fit is skipped), and prints the fastest of each beside the current
+0.99999; a candidate that does not compile or fit is skipped), and prints the fastest of each beside the current
 ``TILES`` entry.
 
     python benchmarks/attention_tiles.py                                   # Qwen2.5-0.5B heads, B=32, T=1024
@@ -27,13 +27,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from llmq_ray.backends.attention import DocumentMask  # noqa: E402
 
-FWD = [(bm, bn, w, s) for bm, bn, w in ((128, 64, 8), (128, 128, 8), (128, 32, 8), (64, 64, 4), (64, 128, 4),
-                                       (128, 64, 4)) for s in (2, 3, 4)]
+# (BLOCK_M, BLOCK_N, warps) tried with each --stages; the current TILES entry is always tried too.
+FWD = ((128, 64, 8), (128, 128, 8), (128, 32, 8), (64, 64, 4), (64, 128, 4), (128, 64, 4))
 # dK/dV: BLOCK_M is the inner (query) tile, BLOCK_N the program's keys; dQ: BLOCK_M the program's queries
-DKDV = [(bm, bn, w, s) for bm, bn, w in ((64, 64, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8), (16, 128, 4),
-                                        (32, 64, 4), (128, 128, 8)) for s in (2, 3, 4)]
-DQ = [(bm, bn, w, s) for bm, bn, w in ((64, 64, 4), (128, 32, 4), (128, 32, 8), (128, 64, 8), (64, 32, 4),
-                                      (128, 16, 4)) for s in (2, 3, 4)]
+DKDV = ((64, 64, 4), (32, 128, 4), (32, 128, 8), (64, 128, 8), (16, 128, 4), (32, 64, 4), (128, 128, 8))
+DQ = ((64, 64, 4), (128, 32, 4), (128, 32, 8), (128, 64, 8), (64, 32, 4), (128, 16, 4))
+# a candidate whose result is further than this from the current tiles' is reported and not chosen: a different
+# summation order in bf16 stays above 0.99999 (seen on an H100); some shapes fell to 0.9994 there (benchmarks/LOG.md,
+# 2026-11-26), which the exact-math GPU test of the chosen tiles (tests/test_document_masking_gpu.py) would not pass
+MIN_COSINE = 0.99999
 
 
 def _time(fn, reps: int) -> float:
@@ -67,8 +69,9 @@ def _sweep(name: str, candidates, current, run, reference: torch.Tensor, result:
             continue
         cos = _cosine(result, reference)
         mark = " (current)" if tuple(tiles) == tuple(current) else ""
+        mark += "" if cos >= MIN_COSINE else " DIFFERS: not a candidate"
         print(f"  {name} {tiles}: {ms:.3f} ms, cosine vs current {cos:.6f}{mark}")
-        if cos >= 0.9999:
+        if cos >= MIN_COSINE:
             rows.append((ms, tuple(tiles)))
     rows.sort()
     return rows
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=200)
     ap.add_argument("--max-len", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3, 4], help="pipeline stages to try")
     ap.add_argument("--json-out", help="write {head_dim, fwd, dkdv, dq} of the fastest candidates here")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -108,11 +112,15 @@ def main() -> None:
     cur_fwd, (cur_dkdv, cur_dq) = attention_fwd.TILES[key], attention_bwd.TILES[key]
     print(f"B={b} T={t} heads {hq}/{hkv}x{d}; current fwd {cur_fwd}, dkdv {cur_dkdv}, dq {cur_dq}")
 
+    def candidates(shapes, current):
+        tried = [tuple(current)] + [(bm, bn, w, st) for bm, bn, w in shapes for st in a.stages]
+        return list(dict.fromkeys(tried))
+
     attention_fwd.attention_forward(out, lse, qkv, hq, hkv, documents)
     ref_out, ref_lse = out.clone(), lse.clone()
     fwd_out = torch.empty_like(out)
     fwd_lse = torch.empty_like(lse)
-    fwd = _sweep("fwd", FWD, cur_fwd,
+    fwd = _sweep("fwd", candidates(FWD, cur_fwd), cur_fwd,
                  lambda tiles: attention_fwd.attention_forward(fwd_out, fwd_lse, qkv, hq, hkv, documents, tiles=tiles),
                  ref_out, fwd_out, a.reps)
 
@@ -123,8 +131,8 @@ def main() -> None:
     def bwd(tiles):
         attention_bwd.attention_backward(dqkv, dout, ref_out, ref_lse, qkv, hq, hkv, documents, tiles=tiles)
 
-    dkdv = _sweep("dkdv", DKDV, cur_dkdv, lambda tiles: bwd((tiles, cur_dq)), ref_dqkv, dqkv, a.reps)
-    dq = _sweep("dq", DQ, cur_dq, lambda tiles: bwd((cur_dkdv, tiles)), ref_dqkv, dqkv, a.reps)
+    dkdv = _sweep("dkdv", candidates(DKDV, cur_dkdv), cur_dkdv, lambda tiles: bwd((tiles, cur_dq)), ref_dqkv, dqkv, a.reps)
+    dq = _sweep("dq", candidates(DQ, cur_dq), cur_dq, lambda tiles: bwd((cur_dkdv, tiles)), ref_dqkv, dqkv, a.reps)
     best = {"head_dim": key, "fwd": list(fwd[0][1]), "dkdv": list(dkdv[0][1]), "dq": list(dq[0][1])}
     cur_ms = _time(lambda: bwd((cur_dkdv, cur_dq)), a.reps)
     new_ms = _time(lambda: bwd((tuple(best["dkdv"]), tuple(best["dq"]))), a.reps)

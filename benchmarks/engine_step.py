@@ -12,6 +12,7 @@ stream with the kernels on either side (``GAPS`` lines).
 """
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -133,6 +134,9 @@ def main():
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
                     help="sync between micro-steps and update to time each (the update then cannot overlap)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="replace the preset's vocabulary size (e.g. GPT-2's 50257 by 50304, a multiple of 64) to "
+                         "measure what an unaligned vocabulary costs")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
@@ -147,6 +151,8 @@ def main():
                         opt_resident_gib=args.opt_resident_gib, overlap_update=args.overlap_update,
                         deterministic_attention=args.deterministic_attention, **rec)
     cfg = PRESETS[args.model]
+    if args.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=args.vocab_size)
     backend = make_backend(args.backend, opts, args.device)
     if args.unfused_attn_rope_bwd:
         def unfused(dqkv, dout, out, lse, qkv, cos, sin, n_q, n_kv):  # attention backward, then RoPE in place
