@@ -212,3 +212,32 @@ def test_what_gpt2_does_not_take_yet_is_refused():
                    delayed_swiglu_scale=True)
     with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
         LlamaModel(cfg, get_backend("torch"), batch_size=1, seq_len=cfg.max_position_embeddings + 1)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_vocabulary_padded_inside_the_head_gives_the_unpadded_loss_and_gradients(chunks):
+    """GPT-2's vocabulary (here 100) is padded to a multiple of 64 inside the model-dtype LM head (its rows would
+    not be 16-byte aligned for cuBLAS): losses, dx and dW (accumulated onto what dW held) equal torch autograd's
+    cross-entropy over the unpadded logits within 1e-6 relative (fp32), a masked row (-100) gives 0 loss and 0 dx,
+    and the padded logits' gradient is exactly 0."""
+    from llmq_ray.model.lm_head import LMHead
+
+    be = get_backend("torch", torch.device("cpu"))
+    n, c, v = 8, 16, 100
+    head = LMHead(be, v, c, n // chunks, chunks, torch.float32, fp8=False)
+    assert head.logits.shape == (n // chunks, 128)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(n, c, generator=gen), torch.randn(v, c, generator=gen)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[3] = -100
+    dw0 = torch.randn(v, c, generator=gen)
+    losses, dx, dw = torch.empty(n), torch.empty(n, c), dw0.clone()
+    head.run(x, w, losses, targets, dx, dw)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(xr @ wr.t(), targets, reduction="none", ignore_index=-100)
+    want.sum().backward()
+    for name, got, ref in (("losses", losses, want.detach()), ("dx", dx, xr.grad), ("dw", dw, dw0 + wr.grad)):
+        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 1e-6, f"{name}: max relative difference {err:.2e}"
+    assert losses[3] == 0 and (dx[3] == 0).all()
+    assert (head.logits[:, v:] == 0).all()  # dlogits of the padded columns (the last chunk's)

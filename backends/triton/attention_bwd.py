@@ -168,7 +168,7 @@ LOG2E = 1.4426950408889634
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV and the dQ kernel on the GPU, by head size (D <= 64, larger).
 # BLOCK_M tiles the queries and BLOCK_N the keys in both kernels.
-TILES = {64: ((64, 64, 4, 3), (64, 32, 4, 3)), 128: ((32, 32, 4, 3), (32, 32, 4, 3))}
+TILES = {64: ((64, 64, 4, 3), (64, 32, 4, 3)), 128: ((64, 64, 4, 2), (128, 32, 4, 2))}
 _INTERPRETER_TILES = ((16, 16, 4, 1), (16, 16, 4, 1))
 
 

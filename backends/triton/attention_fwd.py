@@ -81,7 +81,7 @@ def _fwd_kernel(qkv_ptr, out_ptr, lse_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) on the GPU by head size (D <= 64, larger); BLOCK_M tiles the queries.
-TILES = {64: (64, 128, 4, 2), 128: (128, 32, 8, 3)}
+TILES = {64: (64, 128, 4, 2), 128: (64, 64, 4, 3)}
 
 
 def attention_forward(out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents, tiles=None) -> None:

@@ -4,6 +4,15 @@ head's dgrad and wgrad -- in the model dtype, or (``fp8``, --lmhead-dtype e4m3) 
 x is the final RMSNorm's output [N, C]; W [V, C] is the head's weight (the embedding table when tied). Each
 chunk of N / chunks rows has its logits [rows, V] in one reused buffer, so the full [N, V] logits never exist.
 
+A vocabulary that is no multiple of 64 (GPT-2's 50,257) is padded to one (50,304) inside the model-dtype head:
+the logits buffer is [rows, Vp], the weight is copied once per call into a [Vp, C] buffer whose extra rows are
+zero, and the extra logits are set to -10000 before the cross-entropy, so their probabilities are exactly 0 in
+fp32 (exp(-10000 - max) underflows), the loss and dx equal the unpadded ones and dlogits is 0 there. Why: rows of
+50,257 bf16 values are not 16-byte aligned, and cuBLAS then runs the head's three GEMMs on slow kernels: at GPT-2
+124M on an H100 the step took 438 ms unpadded against 241 ms with a 50,304 vocabulary (benchmarks/LOG.md,
+2026-11-26). The weight gradient is the GEMM of the first V columns of dlogits (a strided view, leading dimension
+Vp), accumulated straight into dW [V, C].
+
 Why FP8 here: the head's GEMMs are 2 N C V FLOPs each, ~28% of the linear layers' FLOPs in Qwen2.5-0.5B
 (V = 151,936 against C = 896), and in an e4m3 step with a bf16 head they were 19% of the time on an H100.
 The three GEMMs and their FP8 operands (per-tensor scaling, as the block linears in llmq_ray/model/linear.py):
@@ -35,15 +44,23 @@ from llmq_ray.backends.base import Backend
 from llmq_ray.errors import ConfigError
 
 
+VOCAB_ALIGN = 64  # the model-dtype head pads the vocabulary to a multiple of this (module docstring)
+PAD_LOGIT = -10000.0  # the padded logits: exp(PAD_LOGIT - max) is exactly 0 in fp32
+
+
 class LMHead:
     """Buffers and GEMMs of the chunked LM head. rows = tokens per chunk; ``x_amax`` (fp32 0-d) is where the
-    kernel producing x writes max|x| when ``fp8`` (the model's final RMSNorm)."""
+    kernel producing x writes max|x| when ``fp8`` (the model's final RMSNorm). ``logits`` [rows, Vp]: Vp = V, or
+    V padded to a multiple of ``VOCAB_ALIGN`` (model-dtype head; the module docstring says why)."""
 
     def __init__(self, backend: Backend, vocab: int, hidden: int, rows: int, chunks: int, dtype: torch.dtype,
                  fp8: bool):
         dev = backend.device
-        self.be, self.chunks, self.fp8 = backend, chunks, fp8
-        self.logits = torch.empty(rows, vocab, dtype=dtype, device=dev)
+        self.be, self.chunks, self.fp8, self.vocab = backend, chunks, fp8, vocab
+        padded = vocab if fp8 or vocab % VOCAB_ALIGN == 0 else -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+        self.logits = torch.empty(rows, padded, dtype=dtype, device=dev)
+        # [Vp, C]: the weight's rows, then zeros (written once; ``run`` copies the weight in per call)
+        self.w_padded = torch.zeros(padded, hidden, dtype=dtype, device=dev) if padded != vocab else None
         self.x_amax = None
         if not fp8:
             return
@@ -75,7 +92,11 @@ class LMHead:
         """losses[N] (fp32) = cross-entropy of x[N, C] W[V, C]^T against targets[N] (-100 = masked); with dx
         and dw (training), dx[N, C] = dL/dx (overwritten) and dw[V, C] += dL/dW, L = the *sum* of the losses."""
         be, backward = self.be, dw is not None
-        rows = self.logits.shape[0]
+        rows, vocab = self.logits.shape[0], self.vocab
+        w_head = w
+        if self.w_padded is not None:
+            self.w_padded[:vocab].copy_(w)
+            w_head = self.w_padded
         if self.fp8:
             be.absmax(self.w_amax, w)
             if backward:
@@ -86,11 +107,13 @@ class LMHead:
             sl = slice(chunk * rows, (chunk + 1) * rows)
             xc = x[sl]
             if not self.fp8:
-                be.matmul(self.logits, xc, w, transpose_b=True)
+                be.matmul(self.logits, xc, w_head, transpose_b=True)
+                if w_head is not w:
+                    self.logits[:, vocab:].fill_(PAD_LOGIT)
                 be.fused_classifier(self.logits, losses[sl], targets[sl], 1.0, write_dlogits=backward)
                 if backward:
-                    be.matmul(dx[sl], self.logits, w)
-                    be.matmul(dw, self.logits, xc, transpose_a=True, accumulate=True)
+                    be.matmul(dx[sl], self.logits, w_head)
+                    be.matmul(dw, self.logits[:, :vocab], xc, transpose_a=True, accumulate=True)
                 continue
             if backward:  # x^T waits for the wgrad
                 be.quantize_with_transpose(self.x_q, self.xt_q, self.x_descale, xc, self.x_amax)
