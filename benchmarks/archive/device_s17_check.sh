@@ -5,9 +5,10 @@
 source benchmarks/device_lib.sh s17d.log smi17d.csv
 export PYTHONUNBUFFERED=1
 G=tests/test_cuda_graphs.py::test_graph_replay_equals_eager
-run tests_gpu 150 -m pytest -q -p no:cacheprovider -m gpu -s -rs tests/test_document_masking_gpu.py \
-  "tests/test_triton_gpu.py" -k "determin or document or Document or gpt2 or GPT" "$G[triton-None-False-gpt2-False]" \
-  "$G[triton-None-False-Qwen2.5-0.5B-True]"
+run tests_gpu 120 -m pytest -q -p no:cacheprovider -m gpu -s -rs tests/test_document_masking_gpu.py \
+  tests/test_triton_gpu.py -k "determin or document or Document or gpt2 or GPT"
+run tests_graphs 90 -m pytest -q -p no:cacheprovider -m gpu -rs "$G[triton-None-False-gpt2-False]" \
+  "$G[triton-e4m3-False-gpt2-True]" "$G[triton-None-False-Qwen2.5-0.5B-True]"
 run gpt2_engine 70 benchmarks/engine_step.py --model gpt2 --backend triton --batch-size 64 --grad-accumulation 2 --steps 5 --cuda-graphs
 for m in gpt2 gpt2-xl; do
   hf=""; [ $m = gpt2-xl ] && hf="--no-hf-baseline"
