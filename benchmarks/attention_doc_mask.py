@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from llmq_ray.backends.attention import SdpaAttention  # noqa: E402
 
 
-def _time(fn, reps: int) -> float:
+def time_ms(fn, reps: int) -> float:
     """Median ms of ``fn`` over ``reps`` CUDA-event-timed calls (after 3 untimed ones)."""
     for _ in range(3):
         fn()
@@ -36,8 +36,21 @@ def _time(fn, reps: int) -> float:
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsedtime_ms(end))
     return statistics.median(times)
+
+
+def packed_segments(b: int, t: int, min_len: int, max_len: int, seed: int = 0) -> torch.Tensor:
+    """[B, T] int32 document ids (CPU) of documents of min_len..max_len tokens packed back to back over the whole
+    stream of B windows, then counted per window from 0 (as the model computes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.zeros(b * t, dtype=torch.int32)
+    pos = 0
+    while pos < b * t:
+        pos += int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+        flat[pos:] += 1
+    seg = flat.view(b, t)
+    return seg - seg[:, :1]
 
 
 def main() -> None:
@@ -54,14 +67,7 @@ def main() -> None:
     dev = torch.device("cuda")
     hq, hkv, d = a.heads
     b, t = a.batch_size, a.seq_len
-    gen = torch.Generator().manual_seed(0)
-    flat = torch.zeros(b * t, dtype=torch.int32)
-    pos = 0
-    while pos < b * t:  # document ids over the whole stream, then per window from 0 (as the model computes them)
-        pos += int(torch.randint(a.min_len, a.max_len + 1, (1,), generator=gen))
-        flat[pos:] += 1
-    seg = flat.view(b, t)
-    seg = (seg - seg[:, :1]).to(dev)
+    seg = packed_segments(b, t, a.min_len, a.max_len).to(dev)
     qkv = torch.randn(b, t, hq + 2 * hkv, d, device=dev).bfloat16()
     dout = torch.randn(b, t, hq, d, device=dev).bfloat16()
     out = torch.empty(b, t, hq, d, dtype=torch.bfloat16, device=dev)
@@ -87,8 +93,8 @@ def main() -> None:
                 ("Triton, one document per window", tri, mask_of(tri, torch.zeros_like(seg)))]
     rows = []
     for name, attn, documents in variants:
-        fwd = _time(lambda: attn.forward(out, lse, qkv, hq, hkv, documents), a.reps)
-        bwd = _time(lambda: attn.backward(dqkv, dout, out, lse, qkv, hq, hkv, documents), a.reps)
+        fwd = time_ms(lambda: attn.forward(out, lse, qkv, hq, hkv, documents), a.reps)
+        bwd = time_ms(lambda: attn.backward(dqkv, dout, out, lse, qkv, hq, hkv, documents), a.reps)
         rows.append((name, fwd, bwd))
     base = rows[0][1] + rows[0][2]
     print("| variant | forward ms | backward ms | fwd+bwd ms | vs dense cuDNN |")
@@ -96,7 +102,7 @@ def main() -> None:
     for name, fwd, bwd in rows:
         print(f"| {name} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} | {(fwd + bwd) / base:.3f}x |")
     for name, _, documents in variants[1:3]:
-        print(f"| mask rebuild, {name} (once per micro-step) | {_time(documents.refresh, a.reps):.3f} | | | |")
+        print(f"| mask rebuild, {name} (once per micro-step) | {time_ms(documents.refresh, a.reps):.3f} | | | |")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from attention_doc_mask import packed_segments, time_ms  # noqa: E402  (benchmarks/, the script's folder)
 from llmq_ray.backends.attention import DocumentMask  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, warps) tried with each --stages; the current TILES entry is always tried too.
@@ -38,21 +38,6 @@ DQ = ((64, 64, 4), (128, 32, 4), (128, 32, 8), (128, 64, 8), (64, 32, 4), (128, 
 MIN_COSINE = 0.99999
 
 
-def _time(fn, reps: int) -> float:
-    """Median ms of ``fn`` over ``reps`` CUDA-event-timed calls (after 2 untimed ones)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float().flatten(), b.float().flatten()
     return float(a @ b / (a.norm() * b.norm()))
@@ -63,7 +48,7 @@ def _sweep(name: str, candidates, current, run, reference: torch.Tensor, result:
     rows = []
     for tiles in candidates:
         try:
-            ms = _time(lambda: run(tiles), reps)
+            ms = time_ms(lambda: run(tiles), reps)
         except Exception as e:  # out of shared memory / registers for this shape: not a candidate here
             print(f"  {name} {tiles}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
             continue
@@ -95,14 +80,7 @@ def main() -> None:
     dev = torch.device("cuda")
     hq, hkv, d = a.heads
     b, t = a.batch_size, a.seq_len
-    gen = torch.Generator().manual_seed(0)
-    flat = torch.zeros(b * t, dtype=torch.int32)
-    pos = 0
-    while pos < b * t:
-        pos += int(torch.randint(a.min_len, a.max_len + 1, (1,), generator=gen))
-        flat[pos:] += 1
-    seg = flat.view(b, t)
-    documents = DocumentMask((seg - seg[:, :1]).to(dev))
+    documents = DocumentMask(packed_segments(b, t, a.min_len, a.max_len).to(dev))
     documents.refresh()
     qkv = torch.randn(b, t, hq + 2 * hkv, d, device=dev).bfloat16()
     dout = torch.randn(b, t, hq, d, device=dev).bfloat16()
@@ -134,8 +112,8 @@ def main() -> None:
     dkdv = _sweep("dkdv", candidates(DKDV, cur_dkdv), cur_dkdv, lambda tiles: bwd((tiles, cur_dq)), ref_dqkv, dqkv, a.reps)
     dq = _sweep("dq", candidates(DQ, cur_dq), cur_dq, lambda tiles: bwd((cur_dkdv, tiles)), ref_dqkv, dqkv, a.reps)
     best = {"head_dim": key, "fwd": list(fwd[0][1]), "dkdv": list(dkdv[0][1]), "dq": list(dq[0][1])}
-    cur_ms = _time(lambda: bwd((cur_dkdv, cur_dq)), a.reps)
-    new_ms = _time(lambda: bwd((tuple(best["dkdv"]), tuple(best["dq"]))), a.reps)
+    cur_ms = time_ms(lambda: bwd((cur_dkdv, cur_dq)), a.reps)
+    new_ms = time_ms(lambda: bwd((tuple(best["dkdv"]), tuple(best["dq"]))), a.reps)
     print("| kernel | current tiles | ms | fastest tiles | ms |")
     print("|---|---|---|---|---|")
     cur_f = next((ms for ms, tl_ in fwd if tl_ == tuple(cur_fwd)), float("nan"))
