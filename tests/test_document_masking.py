@@ -254,3 +254,59 @@ def test_the_separator_comes_from_the_data_meta_json(tmp_path):
     assert data_eos_id(str(tmp_path / "nothing-*.bin")) is None
     # the fallback to the model's EOS is refused when that token never ends a document in the data
     assert separator_seen(pattern, 9) is True and separator_seen(pattern, 0) is False
+
+
+def _zero_batch(step: int, micro: int):
+    """[2, 16] inputs/targets of the tiny preset with its EOS inside every row (documents of 5, 6 and 5 tokens)."""
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    eos = PRESETS["tiny"].eos_token_id
+    x = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 17), generator=gen)
+    x[x == eos] = eos + 1  # no separator but the two placed below
+    x[:, 5] = x[:, 11] = eos
+    return x[:, :-1], x[:, 1:]
+
+
+def _zero_rank(rank: int, port: int, out_path: str) -> None:
+    """One of 2 gloo ranks: ZeRO-3 with --document-masking, 3 steps of one micro-batch each (rank r takes
+    micro-batch r of the one-process run's 2); rank 0 saves the losses and the gathered weights."""
+    from _helpers import gloo_group
+
+    with gloo_group(rank, 2, port) as comm:
+        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=3,
+                            document_masking=True, grad_clip=0.0)
+        e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"), comm)
+        losses = []
+        for step in range(3):
+            e.micro_step(*_zero_batch(step, rank))
+            losses.append(e.update(2e-3, step + 1).loss)
+        params = e.full_params()
+        if rank == 0:
+            torch.save((losses, params), out_path)
+
+
+def test_document_masking_under_zero3_on_two_gloo_ranks_equals_one_process(tmp_path):
+    """ZeRO-3 shards the weights and gathers each layer before use; the document masks are per micro-batch and
+    need nothing from it. 2 gloo ranks (ZeRO-3, 1 micro-step each) == 1 process (ZeRO-1, 2 micro-steps) on the
+    same micro-batches with --document-masking: losses and final weights within 1e-5 relative (fp32; the sums
+    run in another order), and the masking is on (the unmasked run's losses differ)."""
+    from _helpers import spawn_gloo_ranks
+
+    spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path / "rank0.pt")), _zero_rank, 2)
+    dist_losses, dist_params = torch.load(tmp_path / "rank0.pt")
+
+    def one_process(masking: bool):
+        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=1,
+                            document_masking=masking, grad_clip=0.0)
+        e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
+        losses = []
+        for step in range(3):
+            for micro in range(2):
+                e.micro_step(*_zero_batch(step, micro))
+            losses.append(e.update(2e-3, step + 1).loss)
+        return losses, e.full_params()
+
+    losses, params = one_process(True)
+    np.testing.assert_allclose(dist_losses, losses, rtol=1e-5)
+    assert ((dist_params - params).norm() / params.norm()).item() < 1e-5
+    unmasked, _ = one_process(False)
+    assert abs(unmasked[0] - losses[0]) > 1e-4 * losses[0]
