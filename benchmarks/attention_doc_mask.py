@@ -1,7 +1,8 @@
 """What --document-masking costs the attention on the GPU, forward + backward at one model's head shapes: cuDNN's
 dense causal kernels (no masking), the two kernel choices under masking (backends/attention.py DOCUMENT_KERNELS:
-our tile-skipping Triton kernels, and cuDNN's with the DocumentMask's score bias), and our Triton kernels on
-windows of one document each (their dense speed).
+our tile-skipping Triton kernels, and cuDNN's with the DocumentMask's score bias), our Triton kernels on
+windows of one document each (their dense speed), and without masking cuDNN's forward with our Triton backward
+(--deterministic-attention's path).
 
     python benchmarks/attention_doc_mask.py                      # Qwen2.5-0.5B heads, B=32, T=1024
     python benchmarks/attention_doc_mask.py --heads 16 8 128 --batch-size 16   # Qwen3-0.6B's
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmq_ray.backends.attention import SdpaAttention  # noqa: E402
+from llmq_ray.backends.attention import DeterministicAttention, SdpaAttention  # noqa: E402
 
 
 def time_ms(fn, reps: int) -> float:
@@ -90,7 +91,8 @@ def main() -> None:
     variants = [("cuDNN dense causal (no masking)", cudnn, None),
                 ("cuDNN + document bias", cudnn, mask_of(cudnn, seg)),
                 ("Triton, tile-skipping", tri, mask_of(tri, seg)),
-                ("Triton, one document per window", tri, mask_of(tri, torch.zeros_like(seg)))]
+                ("Triton, one document per window", tri, mask_of(tri, torch.zeros_like(seg))),
+                ("cuDNN forward + our Triton backward, no masking", DeterministicAttention(dev), None)]
     rows = []
     for name, attn, documents in variants:
         fwd = time_ms(lambda: attn.forward(out, lse, qkv, hq, hkv, documents), a.reps)

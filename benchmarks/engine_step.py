@@ -134,6 +134,9 @@ def main():
                     help="triton: the bit-reproducible attention backward instead of cuDNN's")
     ap.add_argument("--split-timing", action="store_true",
                     help="sync between micro-steps and update to time each (the update then cannot overlap)")
+    ap.add_argument("--triton-attention-backward", action="store_true",
+                    help="the attention backward through our Triton kernel (--deterministic-attention's) while the "
+                         "GEMMs keep their tuned algorithms: what that kernel alone changes")
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="replace the preset's vocabulary size (e.g. GPT-2's 50257 by 50304, a multiple of 64) to "
                          "measure what an unaligned vocabulary costs")
@@ -154,6 +157,10 @@ def main():
     if args.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=args.vocab_size)
     backend = make_backend(args.backend, opts, args.device)
+    if args.triton_attention_backward:
+        from llmq_ray.backends.attention import DeterministicAttention
+
+        backend.attention = DeterministicAttention(backend.device)
     if args.unfused_attn_rope_bwd:
         def unfused(dqkv, dout, out, lse, qkv, cos, sin, n_q, n_kv):  # attention backward, then RoPE in place
             backend.attention_backward(dqkv, dout, out, lse, qkv, n_q, n_kv)
