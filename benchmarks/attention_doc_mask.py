@@ -37,7 +37,7 @@ def time_ms(fn, reps: int) -> float:
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsedtime_ms(end))
+        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 

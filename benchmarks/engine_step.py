@@ -157,10 +157,6 @@ def main():
     if args.vocab_size:
         cfg = dataclasses.replace(cfg, vocab_size=args.vocab_size)
     backend = make_backend(args.backend, opts, args.device)
-    if args.triton_attention_backward:
-        from llmq_ray.backends.attention import DeterministicAttention
-
-        backend.attention = DeterministicAttention(backend.device)
     if args.unfused_attn_rope_bwd:
         def unfused(dqkv, dout, out, lse, qkv, cos, sin, n_q, n_kv):  # attention backward, then RoPE in place
             backend.attention_backward(dqkv, dout, out, lse, qkv, n_q, n_kv)
@@ -168,6 +164,10 @@ def main():
 
         backend.attention_rope_backward = unfused
     engine = TrainEngine(cfg, opts, backend)
+    if args.triton_attention_backward:  # after the engine checked the backend against the options
+        from llmq_ray.backends.attention import DeterministicAttention
+
+        backend.attention = DeterministicAttention(backend.device)
     if args.overlap_wgrad:
         enable_wgrad_overlap(engine.model, args.overlap_wgrad)
     gen = torch.Generator().manual_seed(0)

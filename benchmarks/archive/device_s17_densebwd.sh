@@ -9,7 +9,7 @@ run attn_05b 50 benchmarks/attention_doc_mask.py
 run attn_15b 50 benchmarks/attention_doc_mask.py --heads 12 2 128 --batch-size 16
 run attn_7b 50 benchmarks/attention_doc_mask.py --heads 28 4 128 --batch-size 8
 ES="benchmarks/engine_step.py --model Qwen2.5-0.5B --backend triton --batch-size 32 --steps 20 --cuda-graphs"
-for i in 1 2; do
+for i in 1 2; do  # (call 8: call 7 lost these rows and the microbench to two script errors)
   run e2e_cudnn_$i 60 $ES
   run e2e_tritonbwd_$i 60 $ES --triton-attention-backward
 done
