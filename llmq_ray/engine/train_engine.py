@@ -36,6 +36,14 @@ norm over one copy of the shards (``all_reduce_over_shards``).
 Host offloading (``--offload-*``, llmq_ray/engine/offload.py): the optimizer state and ``grad_shard`` may live in
 pinned host memory; the optimizer and the accumulation stream them through the device in chunks.
 
+Tensor parallelism (``tensor_parallel=``, a ``TensorParallelRank`` of llmq_ray/engine/tensor_parallel.py; ZeRO-1
+only so far, not yet on the command line): the model is this rank's part of the block weights
+(``plan.local_config()``), its flat buffers are in that local layout, and ``comm`` is the *data-parallel*
+group's. The weights start as the full model's init cut by the plan (the same values as one process); the
+update first sums the gradients each rank holds a part of (``reduce_tensor_parallel_grads``), and the squared
+gradient norm counts a replicated parameter once (its square divided by its number of copies, then summed over
+the group), so clipping and the reported norm equal one process's.
+
 Everything stays on the device until ``update`` returns its small stats tensor: the one host sync per step.
 """
 
@@ -184,8 +192,13 @@ class TrainEngine:
     """
 
     def __init__(self, cfg: ModelConfig, opts: TrainOptions, backend: Backend, comm: Communicator | None = None,
-                 *, init_weights: bool = True):
+                 *, init_weights: bool = True, tensor_parallel=None):
         opts.validate()
+        self.tp = tensor_parallel
+        full_cfg = cfg
+        if tensor_parallel is not None:
+            _check_tensor_parallel(opts, tensor_parallel)
+            cfg = tensor_parallel.plan.local_config()
         self.cfg, self.opts, self.backend = cfg, opts, backend
         self.comm = comm or Communicator()
         if opts.use_zero_copy and backend.device.type == "cuda":
@@ -217,7 +230,8 @@ class TrainEngine:
                         attn_bwd_chunks=opts.attn_bwd_chunks, quants=opts.quants_placement,
                         lmhead_dtype="e4m3" if opts.lmhead_dtype == "e4m3" else None,
                         delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale,
-                        document_separator=_document_separator(opts, cfg), reset_positions=opts.reset_positions)
+                        document_separator=_document_separator(opts, cfg), reset_positions=opts.reset_positions,
+                        tensor_parallel=tensor_parallel)
         if self.zero3:  # only this rank's shard of the weights (llmq_ray/engine/zero3.py)
             self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
                                         sink=self._add_grad_piece)
@@ -237,9 +251,20 @@ class TrainEngine:
                 self.store, self.grads = None, torch.zeros(padded, dtype=dtype, device=backend.device)
                 self.model = LlamaModel(cfg, backend, params=params, grads=self.grads, **model_kw)
             self.params = params
-            if init_weights:
+            if init_weights and tensor_parallel is not None:  # the full model's init, cut by the plan
+                from llmq_ray.engine.tensor_parallel import shard_params
+
+                full_layout = ParamLayout(full_cfg)
+                full = torch.empty(full_layout.numel, dtype=dtype, device=backend.device)
+                init_params(full_layout, full, opts.seed)
+                self.params[:layout.numel].copy_(shard_params(tensor_parallel.plan, full_layout, full,
+                                                              tensor_parallel.rank))
+                del full
+            elif init_weights:
                 init_params(layout, self.params, opts.seed)
         self.layout = self.model.layout
+        # tensor parallelism: (start, end, copies) of the local flat ranges every copy holds whole
+        self._replicated = _replicated_ranges(self.layout, tensor_parallel) if tensor_parallel is not None else []
         self.optimizer = self._make_optimizer()
         self.micro_steps_done = 0
         self._monitor: torch.Tensor | None = None  # [L] fp32: this step's FP8 monitor, while one is collected
@@ -435,7 +460,9 @@ class TrainEngine:
         self.join_update()
         model, comm = self.model, self.comm
         totals = torch.stack([model.loss_sum.double(), model.target_count.double()])
-        comm.all_reduce_sum(totals)
+        comm.all_reduce_sum(totals)  # over the data-parallel ranks (a tensor-parallel group shares one loss)
+        if self.tp is not None:  # the parts of the QK-norm weights and of replicated KV rows, summed
+            model.reduce_tensor_parallel_grads()
         if self.grad_shard is not None:  # ZeRO-2/3: reduced during every backward already
             shard = self.grad_shard
         else:  # ZeRO-1: reduce once, at the end of the step (unless the last backward did, layer by layer)
@@ -445,6 +472,13 @@ class TrainEngine:
             self._grads_reduced = False
         local = shard[:self.shard_end - self.shard_start]
         norm_sq = self.optimizer.grad_norm_squared(local)
+        if self.tp is not None:  # a replicated parameter counts once over the group
+            for lo, hi, copies in self._replicated:
+                a, b = max(lo, self.shard_start), min(hi, self.shard_end)
+                if a < b:
+                    part = local[a - self.shard_start:b - self.shard_start].float()
+                    norm_sq -= (1.0 - 1.0 / copies) * (part * part).sum()
+            self.tp.all_reduce_sum(norm_sq)
         comm.all_reduce_over_shards(norm_sq)  # every shard once, also when nodes hold copies of them
         count = totals[1].clamp(min=1.0).float()
         norm = norm_sq.sqrt() / count
@@ -482,3 +516,29 @@ class TrainEngine:
         self.comm.all_reduce_sum(totals)
         loss_sum, count = totals.tolist()
         return loss_sum, int(count)
+
+
+def _check_tensor_parallel(opts: TrainOptions, tp) -> None:
+    """What tensor parallelism does not run with yet: one ConfigError sentence each."""
+    refused = [(opts.effective_zero_level != 1, "ZeRO-2/3"), (opts.use_cuda_graphs, "--use-cuda-graphs"),
+               (opts.matmul_dtype == "e4m3" or opts.lmhead_dtype == "e4m3", "FP8 (--matmul-dtype/--lmhead-dtype e4m3)"),
+               (opts.overlap_comm, "--overlap-comm"), (bool(opts.overlap_wgrad_sms), "--overlap-wgrad-sms")]
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"--tensor-parallel={tp.plan.size} does not run with {what} yet; drop one of them.")
+
+
+def _replicated_ranges(layout: ParamLayout, tp) -> list[tuple[int, int, int]]:
+    """(start, end, copies) of the ranges of the local flat buffer that several ranks of the tensor-parallel group
+    hold whole (after ``reduce_tensor_parallel_grads`` their gradients are equal on those ranks): the embedding
+    and LM head (not yet split by vocabulary), every norm weight, and the K/V rows of replicated KV heads."""
+    out = []
+    for name, slot in layout.slots.items():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in ("embed", "lm_head") or kind in tp.plan.REPLICATED:
+            out.append((slot.offset, slot.end, tp.plan.size))
+        elif kind in ("qkv_w", "qkv_b") and tp.kv_rows:
+            row = slot.numel // slot.shape[0]  # elements per row (1 for the bias)
+            for rows in tp.kv_rows:
+                out.append((slot.offset + rows.start * row, slot.offset + rows.stop * row, tp.plan.kv_replicas))
+    return out
