@@ -68,24 +68,47 @@ def restore_engine(engine: TrainEngine, tensors: Mapping[str, torch.Tensor]) -> 
 
 def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
                            data_state: Sequence[Mapping | None] | None = None, extra: Mapping[str, Any] | None = None,
-                           keep_n: int | None = 2, major_every: int = 0) -> str:
+                           keep_n: int | None = 2, major_every: int = 0) -> str | None:
     """Single process (world size 1): write the checkpoint of ``step`` (updates completed) and apply
-    retention. ``data_state``: [stream.state()]. Returns the checkpoint folder."""
+    retention. ``data_state``: [stream.state()]. Returns the checkpoint folder.
+
+    One tensor-parallel group (data-parallel size 1): a collective over the group; the state is gathered into
+    the whole model's flat layout (``TrainEngine.tensor_parallel_gather``), so the checkpoint is the one a
+    single process would write and resumes on any tensor-parallel size; rank 0 of the group writes it and
+    returns the folder, the others return None."""
     if engine.comm.world_size != 1:
         raise RuntimeError("save_engine_checkpoint is for one process; under Ray each worker calls "
                            "write_rank_shard and the coordinator finalize_checkpoint.")
-    shards = [(engine.shard_start, engine.shard_end, engine_checkpoint_tensors(engine))]
-    return save_checkpoint(ckpt_dir, step, shards, config=engine.cfg, options=engine.opts, data_state=data_state,
-                           rng=rng_state(engine.opts.seed), extra=extra, keep_n=keep_n, major_every=major_every)
+    state = engine_checkpoint_tensors(engine)
+    if engine.tp is not None:
+        state = {name: engine.tensor_parallel_gather(t) for name, t in state.items()}
+        if engine.tp.rank != 0:
+            return None
+    shards = [(0, next(iter(state.values())).numel(), state)] if engine.tp is not None else \
+        [(engine.shard_start, engine.shard_end, state)]
+    return save_checkpoint(ckpt_dir, step, shards, config=engine.full_cfg, options=engine.opts,
+                           data_state=data_state, rng=rng_state(engine.opts.seed), extra=extra, keep_n=keep_n,
+                           major_every=major_every)
 
 
 def load_engine_checkpoint(folder: str, engine: TrainEngine, *, restore_global_rng: bool = True) -> dict:
     """Load ``folder`` into this rank's ``engine`` (any saved world size; collective when W > 1, see
     ``restore_engine``) and return the manifest; the caller restores its data stream from
     ``data_state_for_rank(manifest, rank, world_size)`` and continues at ``manifest["step"]``."""
-    tensors, manifest = load_checkpoint(folder, expected_config=engine.cfg, world_size=engine.comm.world_size,
-                                        rank=engine.comm.rank, shard_start=engine.shard_start,
-                                        shard_end=engine.shard_end, device=engine.device)
+    if engine.tp is not None:  # the whole model's state (one data-parallel rank), this rank's part of it
+        from llmq_ray.engine.tensor_parallel import shard_params
+        from llmq_ray.model.params import ParamLayout
+
+        if engine.comm.world_size != 1:
+            raise RuntimeError("load_engine_checkpoint takes one tensor-parallel group (data-parallel size 1).")
+        full_layout = ParamLayout(engine.full_cfg)
+        tensors, manifest = load_checkpoint(folder, expected_config=engine.full_cfg, shard_start=0,
+                                            shard_end=full_layout.numel, device=engine.device)
+        tensors = {k: shard_params(engine.tp.plan, full_layout, t, engine.tp.rank) for k, t in tensors.items()}
+    else:
+        tensors, manifest = load_checkpoint(folder, expected_config=engine.cfg, world_size=engine.comm.world_size,
+                                            rank=engine.comm.rank, shard_start=engine.shard_start,
+                                            shard_end=engine.shard_end, device=engine.device)
     restore_engine(engine, tensors)
     if restore_global_rng and manifest.get("rng"):
         restore_rng(manifest["rng"])

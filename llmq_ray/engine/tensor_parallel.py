@@ -229,3 +229,40 @@ def shard_params(plan: TensorParallelPlan, full_layout, full: torch.Tensor, rank
         part = view.clone() if name in ("embed", "lm_head") else plan.shard(name, view, rank)
         out[slot.offset:slot.end] = part.reshape(-1)
     return out
+
+
+def unshard_params(plan: TensorParallelPlan, full_layout, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of ``shard_params``: the full model's flat buffer in ``full_layout`` from every rank's local
+    buffer (``parts[r]``: rank r's, in the layout of ``plan.local_config()``). Replicated tensors come from rank
+    0 (they are equal on every rank); replicated KV heads from each rank that holds them (equal too). How a
+    checkpoint of a tensor-parallel run is written in the same full layout as one process's."""
+    from llmq_ray.model.params import ParamLayout
+
+    if len(parts) != plan.size:
+        raise ValueError(f"unshard_params: {len(parts)} parts for a group of {plan.size}")
+    local_layout = ParamLayout(plan.local_config())
+    out = torch.empty(full_layout.numel, dtype=parts[0].dtype, device=parts[0].device)
+    for name, slot in full_layout.slots.items():
+        kind = name.rsplit(".", 1)[-1]
+        full = out[slot.offset:slot.end].view(slot.shape)
+        for rank, flat in enumerate(parts):
+            local_slot = local_layout.slots[name]
+            local = flat[local_slot.offset:local_slot.end].view(local_slot.shape)
+            if kind in ("qkv_w", "qkv_b") or kind == "up_gate_w":
+                ranges = plan.qkv_rows(rank) if kind != "up_gate_w" else plan.up_gate_rows(rank)
+                row = 0
+                for a, b in ranges:
+                    full[a:b] = local[row:row + b - a]
+                    row += b - a
+            elif kind == "out_w":
+                a, b = plan.out_cols(rank)
+                full[:, a:b] = local
+            elif kind == "down_w":
+                a, b = plan.ffn_slice(rank)
+                full[:, a:b] = local
+            elif kind in ("embed", "lm_head") or kind in plan.REPLICATED:
+                if rank == 0:  # held whole by every rank (the embedding and head are not split by vocabulary yet)
+                    full.copy_(local)
+            else:
+                raise KeyError(f"unshard_params: no split known for {name!r}")
+    return out

@@ -200,6 +200,7 @@ class TrainEngine:
             _check_tensor_parallel(opts, tensor_parallel)
             cfg = tensor_parallel.plan.local_config()
         self.cfg, self.opts, self.backend = cfg, opts, backend
+        self.full_cfg = full_cfg  # the whole model's (``cfg`` is this rank's part under tensor parallelism)
         self.comm = comm or Communicator()
         if opts.use_zero_copy and backend.device.type == "cuda":
             # Seen on the H100: Triton 3.6 refuses pinned host pointers at launch ("cannot be accessed from
@@ -323,6 +324,16 @@ class TrainEngine:
             return self.store.full_params()
         self.join_update()
         return self.params[:self.layout.numel]
+
+    def tensor_parallel_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism: the whole model's flat tensor [full layout numel] from every rank's ``local``
+        [local layout numel] (weights or one optimizer state; a collective over the group, every rank gets it)."""
+        from llmq_ray.engine.tensor_parallel import unshard_params
+
+        n, size = self.layout.numel, self.tp.plan.size
+        gathered = torch.empty(size * n, dtype=local.dtype, device=local.device)
+        self.tp.comm.all_gather(gathered, local[:n].contiguous())
+        return unshard_params(self.tp.plan, ParamLayout(self.full_cfg), list(gathered.split(n)))
 
     def load_full_params(self, flat: torch.Tensor) -> None:
         """Set the weights from a full flat tensor [layout.numel] (any device/float dtype; e.g. HF weights),
