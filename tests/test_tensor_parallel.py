@@ -231,10 +231,11 @@ ENGINE_MODELS = {"qwen2-kv-split": ModelConfig("qwen2", 64, 96, 2, 4, 2, 300, qk
 STEPS = 10
 
 
-def _engine_opts(accumulation: int):
+def _engine_opts(accumulation: int, zero: int = 1):
     from llmq_ray.options import TrainOptions
 
     return TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=accumulation, model_dtype="fp32",
+                        zero_level=zero,
                         master_dtype="fp32", opt_m_dtype="fp32", opt_v_dtype="fp32", learning_rate=3e-3,
                         grad_clip=0.5, seed=3)
 
@@ -257,7 +258,7 @@ def _engine_steps(engine, cfg, micro_batches, first: int = 0, last: int = STEPS)
     return out
 
 
-def _engine_rank(rank: int, world: int, port: int, out: str) -> None:
+def _engine_rank(rank: int, world: int, zero: int, port: int, out: str) -> None:
     """One of ``world`` gloo ranks: tensor-parallel groups of 2 (``world`` 4: x 2 data-parallel), ZeRO-1, fp32;
     data-parallel rank d takes micro-batch d of the one-process run's two. Saves losses, norms, local weights."""
     from llmq_ray.actors.collectives import tensor_parallel_groups
@@ -275,23 +276,25 @@ def _engine_rank(rank: int, world: int, port: int, out: str) -> None:
         for name, cfg in ENGINE_MODELS.items():
             plan = TensorParallelPlan(cfg, 2)
             tp = TensorParallelRank(plan, tp_comm.rank, tp_comm, kv_replica_comm=tp_comm if plan.kv_replicas > 1 else None)
-            engine = TrainEngine(cfg, _engine_opts(2 if dp_comm is None else 1), get_backend("torch"), dp_comm,
-                                 tensor_parallel=tp)
+            engine = TrainEngine(cfg, _engine_opts(2 if dp_comm is None else 1, zero), get_backend("torch"),
+                                 dp_comm, tensor_parallel=tp)
             micro = [0, 1] if dp_comm is None else [dp_rank]
             results[name] = (_engine_steps(engine, cfg, micro), engine.full_params().clone(), tp_comm.rank)
         torch.save(results, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2xdp2"])
-def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world):
-    """TP=2 (2 gloo ranks) and TP=2 x DP=2 (4 ranks), ZeRO-1, fp32, clipping on: over 10 steps the losses and
+@pytest.mark.parametrize("world, zero", [(2, 1), (4, 1), (2, 3), (4, 3)],
+                         ids=["tp2-zero1", "tp2xdp2-zero1", "tp2-zero3", "tp2xdp2-zero3"])
+def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, zero):
+    """TP=2 (2 gloo ranks) and TP=2 x DP=2 (4 ranks), ZeRO-1 and ZeRO-3 (the one process: ZeRO-1), fp32,
+    clipping on: over 10 steps the losses and
     gradient norms equal one process's within 1e-5 relative, and every rank's weights equal one process's final
     weights cut by the plan -- with the KV heads split and with one KV head replicated on both ranks."""
     from llmq_ray.backends import get_backend
     from llmq_ray.engine.tensor_parallel import shard_params
     from llmq_ray.engine.train_engine import TrainEngine
 
-    spawn_gloo_ranks(lambda r, port: (r, world, port, str(tmp_path)), _engine_rank, world)
+    spawn_gloo_ranks(lambda r, port: (r, world, zero, port, str(tmp_path)), _engine_rank, world)
     for name, cfg in ENGINE_MODELS.items():
         one = TrainEngine(cfg, _engine_opts(2), get_backend("torch"))
         want = _engine_steps(one, cfg, [0, 1])
@@ -305,7 +308,8 @@ def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world):
             assert err < 1e-5, (name, rank, err)
 
 
-@pytest.mark.parametrize("change, words", [(dict(zero_level=3), "ZeRO-2/3"), (dict(use_cuda_graphs=True), "--use-cuda-graphs"),
+@pytest.mark.parametrize("change, words", [(dict(zero_level=2, offload_gradients=True), "--offload-gradients"),
+                                           (dict(use_cuda_graphs=True), "--use-cuda-graphs"),
                                            (dict(model_dtype="bf16", matmul_dtype="e4m3"), "FP8")])
 def test_what_tensor_parallelism_does_not_run_with_yet_is_refused_in_one_sentence(change, words):
     from llmq_ray.backends import get_backend

@@ -36,11 +36,12 @@ norm over one copy of the shards (``all_reduce_over_shards``).
 Host offloading (``--offload-*``, llmq_ray/engine/offload.py): the optimizer state and ``grad_shard`` may live in
 pinned host memory; the optimizer and the accumulation stream them through the device in chunks.
 
-Tensor parallelism (``tensor_parallel=``, a ``TensorParallelRank`` of llmq_ray/engine/tensor_parallel.py; ZeRO-1
-only so far, not yet on the command line): the model is this rank's part of the block weights
-(``plan.local_config()``), its flat buffers are in that local layout, and ``comm`` is the *data-parallel*
+Tensor parallelism (``tensor_parallel=``, a ``TensorParallelRank`` of llmq_ray/engine/tensor_parallel.py; not yet
+on the command line): the model is this rank's part of the block weights (``plan.local_config()``), its flat
+buffers -- and the ZeRO shards of any level -- are in that local layout, and ``comm`` is the *data-parallel*
 group's. The weights start as the full model's init cut by the plan (the same values as one process); the
-update first sums the gradients each rank holds a part of (``reduce_tensor_parallel_grads``), and the squared
+gradients each rank holds a part of are summed over the group (``reduce_tensor_parallel_grads``: at the update
+under ZeRO-1, before each per-layer reduce under ZeRO-2/3), and the squared
 gradient norm counts a replicated parameter once (its square divided by its number of copies, then summed over
 the group), so clipping and the reported norm equal one process's.
 
@@ -238,7 +239,12 @@ class TrainEngine:
                                         sink=self._add_grad_piece)
             self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
             self.params = self.grads = None
-            if init_weights:
+            if init_weights and tensor_parallel is not None:  # the full model's init, cut by the plan, this shard
+                local = _tensor_parallel_init(full_cfg, tensor_parallel, opts.seed, dtype, backend.device)
+                n = self.shard_end - self.shard_start
+                self.store.params_shard[:n].copy_(local[self.shard_start:self.shard_end])
+                self.store.after_update()
+            elif init_weights:
                 init_params(layout, self.store.params_shard, opts.seed, start=rank * self.shard_size)
                 self.store.after_update()
         else:  # the full flat weights, padded so that every rank's shard has equal size
@@ -253,17 +259,13 @@ class TrainEngine:
                 self.model = LlamaModel(cfg, backend, params=params, grads=self.grads, **model_kw)
             self.params = params
             if init_weights and tensor_parallel is not None:  # the full model's init, cut by the plan
-                from llmq_ray.engine.tensor_parallel import shard_params
-
-                full_layout = ParamLayout(full_cfg)
-                full = torch.empty(full_layout.numel, dtype=dtype, device=backend.device)
-                init_params(full_layout, full, opts.seed)
-                self.params[:layout.numel].copy_(shard_params(tensor_parallel.plan, full_layout, full,
-                                                              tensor_parallel.rank))
-                del full
+                self.params[:layout.numel].copy_(_tensor_parallel_init(full_cfg, tensor_parallel, opts.seed, dtype,
+                                                                       backend.device))
             elif init_weights:
                 init_params(layout, self.params, opts.seed)
         self.layout = self.model.layout
+        if tensor_parallel is not None and self.store is not None:  # ZeRO-2/3: the group's sums before each reduce
+            self.store.before_reduce = self.model.reduce_tensor_parallel_grads
         # tensor parallelism: (start, end, copies) of the local flat ranges every copy holds whole
         self._replicated = _replicated_ranges(self.layout, tensor_parallel) if tensor_parallel is not None else []
         self.optimizer = self._make_optimizer()
@@ -472,8 +474,8 @@ class TrainEngine:
         model, comm = self.model, self.comm
         totals = torch.stack([model.loss_sum.double(), model.target_count.double()])
         comm.all_reduce_sum(totals)  # over the data-parallel ranks (a tensor-parallel group shares one loss)
-        if self.tp is not None:  # the parts of the QK-norm weights and of replicated KV rows, summed
-            model.reduce_tensor_parallel_grads()
+        if self.tp is not None and self.store is None:  # ZeRO-1: the parts of the QK-norm weights and replicated
+            model.reduce_tensor_parallel_grads()          # KV rows, summed (ZeRO-2/3: before each reduce)
         if self.grad_shard is not None:  # ZeRO-2/3: reduced during every backward already
             shard = self.grad_shard
         else:  # ZeRO-1: reduce once, at the end of the step (unless the last backward did, layer by layer)
@@ -531,12 +533,23 @@ class TrainEngine:
 
 def _check_tensor_parallel(opts: TrainOptions, tp) -> None:
     """What tensor parallelism does not run with yet: one ConfigError sentence each."""
-    refused = [(opts.effective_zero_level != 1, "ZeRO-2/3"), (opts.use_cuda_graphs, "--use-cuda-graphs"),
+    refused = [(opts.use_cuda_graphs, "--use-cuda-graphs"), (opts.offload_gradients, "--offload-gradients"),
                (opts.matmul_dtype == "e4m3" or opts.lmhead_dtype == "e4m3", "FP8 (--matmul-dtype/--lmhead-dtype e4m3)"),
                (opts.overlap_comm, "--overlap-comm"), (bool(opts.overlap_wgrad_sms), "--overlap-wgrad-sms")]
     for bad, what in refused:
         if bad:
             raise ConfigError(f"--tensor-parallel={tp.plan.size} does not run with {what} yet; drop one of them.")
+
+
+def _tensor_parallel_init(full_cfg: ModelConfig, tp, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """This rank's local flat weights: the whole model's ``init_params`` (the values one process starts from),
+    cut by the plan. Makes the whole model once, on the device (a temporary the size of the full weights)."""
+    from llmq_ray.engine.tensor_parallel import shard_params
+
+    full_layout = ParamLayout(full_cfg)
+    full = torch.empty(full_layout.numel, dtype=dtype, device=device)
+    init_params(full_layout, full, seed)
+    return shard_params(tp.plan, full_layout, full, tp.rank)
 
 
 def _replicated_ranges(layout: ParamLayout, tp) -> list[tuple[int, int, int]]:

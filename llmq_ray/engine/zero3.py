@@ -125,6 +125,9 @@ class ShardedGradients(Policy):
         self.head_reduces: list = []
         self._views: dict = {}
         self.w, self.g = _NamedViews(self, False), _NamedViews(self, True)
+        # tensor parallelism: called with a layer index or "plain" just before that part's gradients are reduced
+        # (the engine sums the parts the group's ranks each hold a share of; LlamaModel.reduce_tensor_parallel_grads)
+        self.before_reduce: Callable[[object], None] | None = None
 
     def _zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=self.dtype, device=self.device)
@@ -213,6 +216,8 @@ class ShardedGradients(Policy):
         if not backward:
             return
         if isinstance(unit, int):
+            if self.before_reduce is not None:
+                self.before_reduce(unit)
             self.grad_reduces[unit % 2] = self._reduce(*self.units[unit], self.layer_grads[unit % 2])
         elif unit == "embed" or "lm_head" in self.units:  # the untied head, or the (tied) embedding at the end
             name = "embed" if unit == "embed" else "lm_head"
@@ -228,6 +233,8 @@ class ShardedGradients(Policy):
         norm/bias gradients are reduced too (then zeroed for the next micro-step)."""
         for pending in (*self.grad_reduces, self.head_reduces):
             self._finish(pending)
+        if self.before_reduce is not None:
+            self.before_reduce("plain")
         self._finish(self._reduce(self.plain_lo, self.layout.numel, self.plain_grads))
         self.plain_grads.zero_()
 

@@ -714,22 +714,28 @@ class LlamaModel:
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
 
-    def reduce_tensor_parallel_grads(self) -> None:
-        """Tensor parallelism, once per optimizer step (after the last micro-step): sum the gradients each rank
-        holds only a part of -- the QK-norm weights (shared by all heads, each rank saw its own heads) over the
-        group, the K and V rows of replicated KV heads (each replica saw its own query heads) over the replicas.
-        Everything else is either this rank's own shard or already equal on every rank."""
+    def reduce_tensor_parallel_grads(self, unit=None) -> None:
+        """Tensor parallelism: sum the gradients each rank holds only a part of -- the QK-norm weights (shared by
+        all heads, each rank saw its own heads) over the group, the K and V rows of replicated KV heads (each
+        replica saw its own query heads) over the replicas. Everything else is either this rank's own shard or
+        already equal on every rank. ``unit``: None = all of them (ZeRO-1: once per step, after the last
+        micro-step); under ZeRO-2/3, before each gradient reduce of every micro-step (sums are linear), a layer
+        index = that layer's qkv_w rows, ``"plain"`` = the norm-and-bias tail (QK-norm weights, qkv_b rows)."""
         if self.tp is None:
             return
-        for layer in range(self.cfg.num_layers):
+        layers = [unit] if isinstance(unit, int) else range(self.cfg.num_layers)
+        for layer in layers:
             g = self.g.blocks[layer]
-            if self.cfg.qk_norm:
-                self.tp.all_reduce_sum(g.q_norm_w)
-                self.tp.all_reduce_sum(g.k_norm_w)
-            for rows in self.tp.kv_rows:
-                self.tp.kv_replica_sum(g.qkv_w[rows])
+            if unit is None or unit == "plain":
+                if self.cfg.qk_norm:
+                    self.tp.all_reduce_sum(g.q_norm_w)
+                    self.tp.all_reduce_sum(g.k_norm_w)
                 if g.qkv_b is not None:
-                    self.tp.kv_replica_sum(g.qkv_b[rows])
+                    for rows in self.tp.kv_rows:
+                        self.tp.kv_replica_sum(g.qkv_b[rows])
+            if unit is None or isinstance(unit, int):
+                for rows in self.tp.kv_rows:
+                    self.tp.kv_replica_sum(g.qkv_w[rows])
 
     def _attention_backward(self, att: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor) -> None:
         """d_qkv (the gradient of the pre-RoPE qkv) from d_att, in ``attn_bwd_chunks`` slices of the batch (rows
