@@ -4,6 +4,7 @@ weights reproduces the full block when each rank computes its part and the row-p
 losses and logit gradients, over a real gloo group; the model and the training engine on 2 and 4 gloo ranks
 (TP=2, TP=2 x DP=2, ZeRO-1) train as one process does."""
 
+import itertools
 import math
 import re
 
@@ -258,7 +259,7 @@ def _engine_steps(engine, cfg, micro_batches, first: int = 0, last: int = STEPS)
     return out
 
 
-def _engine_rank(rank: int, world: int, zero: int, port: int, out: str) -> None:
+def _engine_rank(rank: int, world: int, port: int, out: str) -> None:
     """One of ``world`` gloo ranks: tensor-parallel groups of 2 (``world`` 4: x 2 data-parallel), ZeRO-1, fp32;
     data-parallel rank d takes micro-batch d of the one-process run's two. Saves losses, norms, local weights."""
     from llmq_ray.actors.collectives import tensor_parallel_groups
@@ -273,39 +274,39 @@ def _engine_rank(rank: int, world: int, zero: int, port: int, out: str) -> None:
             tp_comm, dp_comm = tensor_parallel_groups(comm, 2, per_node=world)
         dp_rank = 0 if dp_comm is None else dp_comm.rank
         results = {}
-        for name, cfg in ENGINE_MODELS.items():
+        for (name, cfg), zero in itertools.product(ENGINE_MODELS.items(), (1, 3)):
             plan = TensorParallelPlan(cfg, 2)
             tp = TensorParallelRank(plan, tp_comm.rank, tp_comm, kv_replica_comm=tp_comm if plan.kv_replicas > 1 else None)
             engine = TrainEngine(cfg, _engine_opts(2 if dp_comm is None else 1, zero), get_backend("torch"),
                                  dp_comm, tensor_parallel=tp)
             micro = [0, 1] if dp_comm is None else [dp_rank]
-            results[name] = (_engine_steps(engine, cfg, micro), engine.full_params().clone(), tp_comm.rank)
+            results[name, zero] = (_engine_steps(engine, cfg, micro), engine.full_params().clone(), tp_comm.rank)
         torch.save(results, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("world, zero", [(2, 1), (4, 1), (2, 3), (4, 3)],
-                         ids=["tp2-zero1", "tp2xdp2-zero1", "tp2-zero3", "tp2xdp2-zero3"])
-def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, zero):
-    """TP=2 (2 gloo ranks) and TP=2 x DP=2 (4 ranks), ZeRO-1 and ZeRO-3 (the one process: ZeRO-1), fp32,
-    clipping on: over 10 steps the losses and
-    gradient norms equal one process's within 1e-5 relative, and every rank's weights equal one process's final
-    weights cut by the plan -- with the KV heads split and with one KV head replicated on both ranks."""
+@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2xdp2"])
+def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world):
+    """TP=2 (2 gloo ranks) and TP=2 x DP=2 (4 ranks), each under ZeRO-1 and ZeRO-3 (the one process: ZeRO-1),
+    fp32, clipping on: over 10 steps the losses and gradient norms equal one process's within 1e-5 relative, and
+    every rank's weights equal one process's final weights cut by the plan -- with the KV heads split and with
+    one KV head replicated on both ranks."""
     from llmq_ray.backends import get_backend
     from llmq_ray.engine.tensor_parallel import shard_params
     from llmq_ray.engine.train_engine import TrainEngine
 
-    spawn_gloo_ranks(lambda r, port: (r, world, zero, port, str(tmp_path)), _engine_rank, world)
+    spawn_gloo_ranks(lambda r, port: (r, world, port, str(tmp_path)), _engine_rank, world)
     for name, cfg in ENGINE_MODELS.items():
         one = TrainEngine(cfg, _engine_opts(2), get_backend("torch"))
         want = _engine_steps(one, cfg, [0, 1])
         assert want[-1][0] < want[0][0] - 0.1, want  # it trained
         plan = TensorParallelPlan(cfg, 2)
-        for rank in range(world):
-            got, params, tp_rank = torch.load(tmp_path / f"rank{rank}.pt")[name]
-            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, err_msg=f"{name} rank {rank}")
+        for rank, zero in itertools.product(range(world), (1, 3)):
+            got, params, tp_rank = torch.load(tmp_path / f"rank{rank}.pt")[name, zero]
+            np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5,
+                                       err_msg=f"{name} rank {rank} ZeRO-{zero}")
             ref = shard_params(plan, one.layout, one.full_params(), tp_rank)
             err = float((params - ref).norm() / ref.norm())
-            assert err < 1e-5, (name, rank, err)
+            assert err < 1e-5, (name, rank, zero, err)
 
 
 @pytest.mark.parametrize("change, words", [(dict(zero_level=2, offload_gradients=True), "--offload-gradients"),
