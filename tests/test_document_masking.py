@@ -101,19 +101,19 @@ def test_document_masking_refuses_what_it_cannot_do():
 
 
 @pytest.mark.parametrize("n_q, n_kv, lengths", [(4, 2, ((5, 20, 30, 9), (64,))), (2, 2, ((1, 16, 15, 17, 15), (33, 31))),
-                                                (3, 1, ((40, 24), (16, 16, 16, 16)))])
+                                                (3, 1, ((40, 24), (16, 16, 16, 16))), (2, 1, ((7, 30, 23), (1, 59)))])
 @pytest.mark.parametrize("tiles", ["16x16", "uneven"])
 def test_the_tile_skipping_triton_kernels_equal_the_exact_masked_math(n_q, n_kv, lengths, tiles):
     """The Triton forward (out, lse) and backward (the GPU's under document masking; the backward is also
-    --deterministic-attention's), under the interpreter in fp32, with 16-token tiles and with uneven ones (32
-    queries x 16 keys, and 16 x 32): documents ending inside a tile, on tile edges, one per row, a one-token
-    document, GQA groups of 1, 2, 3; tiles wholly live (no mask computed) and cut by the diagonal or a document
+    --deterministic-attention's), under the interpreter in fp32, with 16-token tiles and with uneven ones (16
+    queries x 32 keys, and 32 x 16): documents ending inside a tile, on tile edges, one per row, a one-token
+    document, GQA groups of 1, 2, 3, T = 64 and T = 60 (partial edge tiles); tiles wholly live (no mask computed) and cut by the diagonal or a document
     end. out, lse, dq, dk, dv equal the exact masked math's within 1e-5 (relative to the largest); without the mask
     the backward equals the plain causal math, and differs from the masked one (the test can fail)."""
     from llmq_ray.backends.attention import DocumentMask, SdpaAttention
     from llmq_ray.backends.triton import attention_bwd, attention_fwd
 
-    b, t, d = len(lengths), 64, 8
+    b, t, d = len(lengths), sum(lengths[0]), 8  # T = 64, or 60 (no multiple of the tiles: the edge tiles)
     segments = torch.tensor([sum(([i] * n for i, n in enumerate(row)), []) for row in lengths], dtype=torch.int32)
     mask = DocumentMask(segments)
     mask.refresh()
@@ -125,7 +125,7 @@ def test_the_tile_skipping_triton_kernels_equal_the_exact_masked_math(n_q, n_kv,
     exact.forward(out, lse, qkv, n_q, n_kv, mask)
     want = torch.empty_like(qkv)
     exact.backward(want, dout, out, lse, qkv, n_q, n_kv, mask)
-    fwd_tiles, bwd_tiles = (None, None) if tiles == "16x16" else ((32, 16, 4, 1), ((16, 32, 4, 1), (32, 16, 4, 1)))
+    fwd_tiles, bwd_tiles = (None, None) if tiles == "16x16" else ((16, 32, 4, 1), ((16, 32, 4, 1), (32, 16, 4, 1)))
     fwd_out, fwd_lse = torch.empty_like(out), torch.empty_like(lse)
     attention_fwd.attention_forward(fwd_out, fwd_lse, qkv, n_q, n_kv, mask, tiles=fwd_tiles)
     assert ((fwd_out - out).abs().max() / out.abs().max()).item() <= 1e-5
@@ -257,7 +257,8 @@ def test_the_separator_comes_from_the_data_meta_json(tmp_path):
 
 
 def _zero_batch(step: int, micro: int):
-    """[2, 16] inputs/targets of the tiny preset with its EOS inside every row (documents of 5, 6 and 5 tokens)."""
+    """[2, 16] inputs/targets of the tiny preset with its EOS inside every row (documents of 6, 6 and 4 inputs, a
+    separator ending each of the first two)."""
     gen = torch.Generator().manual_seed(1000 * step + micro)
     eos = PRESETS["tiny"].eos_token_id
     x = torch.randint(0, PRESETS["tiny"].vocab_size, (2, 17), generator=gen)

@@ -2,7 +2,7 @@
 weights reproduces the full block when each rank computes its part and the row-parallel partials are summed
 (GQA with more and with fewer KV heads than ranks), and the vocabulary-parallel cross-entropy equals the full one,
 losses and logit gradients, over a real gloo group; the model and the training engine on 2 and 4 gloo ranks
-(TP=2, TP=2 x DP=2, ZeRO-1) train as one process does."""
+(TP=2, TP=2 x DP=2; ZeRO-1, 2 and 3) train as one process does; checkpoints in the full layout."""
 
 import itertools
 import math
@@ -274,7 +274,7 @@ def _engine_rank(rank: int, world: int, port: int, out: str) -> None:
             tp_comm, dp_comm = tensor_parallel_groups(comm, 2, per_node=world)
         dp_rank = 0 if dp_comm is None else dp_comm.rank
         results = {}
-        for (name, cfg), zero in itertools.product(ENGINE_MODELS.items(), (1, 3)):
+        for (name, cfg), zero in itertools.product(ENGINE_MODELS.items(), (1, 2, 3)):
             plan = TensorParallelPlan(cfg, 2)
             tp = TensorParallelRank(plan, tp_comm.rank, tp_comm, kv_replica_comm=tp_comm if plan.kv_replicas > 1 else None)
             engine = TrainEngine(cfg, _engine_opts(2 if dp_comm is None else 1, zero), get_backend("torch"),
@@ -286,7 +286,7 @@ def _engine_rank(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2xdp2"])
 def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world):
-    """TP=2 (2 gloo ranks) and TP=2 x DP=2 (4 ranks), each under ZeRO-1 and ZeRO-3 (the one process: ZeRO-1),
+    """TP=2 (2 gloo ranks) and TP=2 x DP=2 (4 ranks), each under ZeRO-1, 2 and 3 (the one process: ZeRO-1),
     fp32, clipping on: over 10 steps the losses and gradient norms equal one process's within 1e-5 relative, and
     every rank's weights equal one process's final weights cut by the plan -- with the KV heads split and with
     one KV head replicated on both ranks."""
@@ -300,7 +300,7 @@ def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world):
         want = _engine_steps(one, cfg, [0, 1])
         assert want[-1][0] < want[0][0] - 0.1, want  # it trained
         plan = TensorParallelPlan(cfg, 2)
-        for rank, zero in itertools.product(range(world), (1, 3)):
+        for rank, zero in itertools.product(range(world), (1, 2, 3)):
             got, params, tp_rank = torch.load(tmp_path / f"rank{rank}.pt")[name, zero]
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5,
                                        err_msg=f"{name} rank {rank} ZeRO-{zero}")
@@ -393,3 +393,23 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process_bit_for_bit(tmp_pat
             assert torch.equal(shard_params(plan, one.layout, full, rank), got[rank]["state"][name]), (name, rank)
     resumed = _engine_steps(one, cfg, [0, 1], 4, 8)
     np.testing.assert_allclose(np.array(resumed), np.array(got[0]["after"]), rtol=1e-5)
+
+
+def test_load_full_params_takes_the_whole_model_and_keeps_this_ranks_part():
+    """HF weights come as the whole model's flat buffer: under tensor parallelism ``load_full_params`` cuts it
+    by the plan (rank 1 of 2 here; no collective is involved)."""
+    from llmq_ray.backends import get_backend
+    from llmq_ray.engine.tensor_parallel import TensorParallelRank, shard_params
+    from llmq_ray.engine.train_engine import TrainEngine
+    from llmq_ray.model.params import ParamLayout
+
+    cfg = ENGINE_MODELS["qwen2-kv-split"]
+    plan = TensorParallelPlan(cfg, 2)
+    engine = TrainEngine(cfg, _engine_opts(1), get_backend("torch"),
+                         tensor_parallel=TensorParallelRank(plan, 1, Communicator()))
+    full_layout = ParamLayout(cfg)
+    full = torch.randn(full_layout.numel, generator=torch.Generator().manual_seed(2))
+    engine.load_full_params(full)
+    assert torch.equal(engine.full_params(), shard_params(plan, full_layout, full, 1))
+    with pytest.raises(ValueError, match="values for a model of"):
+        engine.load_full_params(full[:-1])

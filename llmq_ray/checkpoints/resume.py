@@ -75,20 +75,32 @@ def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
     One tensor-parallel group (data-parallel size 1): a collective over the group; the state is gathered into
     the whole model's flat layout (``TrainEngine.tensor_parallel_gather``), so the checkpoint is the one a
     single process would write and resumes on any tensor-parallel size; rank 0 of the group writes it and
-    returns the folder, the others return None."""
+    returns the folder, the others return None once it is complete (or raise CheckpointError if it failed)."""
     if engine.comm.world_size != 1:
         raise RuntimeError("save_engine_checkpoint is for one process; under Ray each worker calls "
                            "write_rank_shard and the coordinator finalize_checkpoint.")
     state = engine_checkpoint_tensors(engine)
-    if engine.tp is not None:
-        state = {name: engine.tensor_parallel_gather(t) for name, t in state.items()}
-        if engine.tp.rank != 0:
-            return None
-    shards = [(0, next(iter(state.values())).numel(), state)] if engine.tp is not None else \
-        [(engine.shard_start, engine.shard_end, state)]
-    return save_checkpoint(ckpt_dir, step, shards, config=engine.full_cfg, options=engine.opts,
-                           data_state=data_state, rng=rng_state(engine.opts.seed), extra=extra, keep_n=keep_n,
-                           major_every=major_every)
+    write = dict(config=engine.full_cfg, options=engine.opts, data_state=data_state, rng=rng_state(engine.opts.seed),
+                 extra=extra, keep_n=keep_n, major_every=major_every)
+    if engine.tp is None:
+        return save_checkpoint(ckpt_dir, step, [(engine.shard_start, engine.shard_end, state)], **write)
+    state = {name: engine.tensor_parallel_gather(t) for name, t in state.items()}
+    done = torch.zeros(1, device=engine.device)  # rank 0 says whether the folder is complete: a barrier too
+    path = None
+    if engine.tp.rank == 0:
+        try:
+            path = save_checkpoint(ckpt_dir, step, [(0, next(iter(state.values())).numel(), state)], **write)
+            done += 1
+        finally:  # on failure the others learn it here instead of waiting at their next collective
+            engine.tp.all_reduce_sum(done)
+        return path
+    engine.tp.all_reduce_sum(done)
+    if done.item() != 1:
+        from llmq_ray.errors import CheckpointError
+
+        raise CheckpointError(f"the checkpoint of step {step} in {ckpt_dir} was not written: rank 0 of the "
+                              f"tensor-parallel group failed to write it (its error says why).")
+    return None
 
 
 def load_engine_checkpoint(folder: str, engine: TrainEngine, *, restore_global_rng: bool = True) -> dict:

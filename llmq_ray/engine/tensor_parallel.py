@@ -1,5 +1,6 @@
-"""Tensor parallelism's plan and its vocabulary-parallel cross-entropy (groundwork for ``--tensor-parallel T``;
-not yet wired into the model or the workers).
+"""Tensor parallelism's plan, its vocabulary-parallel cross-entropy and the full-layout split / join of flat
+buffers (``--tensor-parallel T``: in the model and the training engine, not yet on the command line or in the
+workers).
 
 The split (Megatron-style, written for this project's fused layouts; see llmq_ray/model/params.py):
 
@@ -14,9 +15,11 @@ The split (Megatron-style, written for this project's fused layouts; see llmq_ra
   the partial outputs are summed over the ranks (a reduce-scatter over the sequence with sequence parallelism).
 * ``up_gate_w`` [2I, C] column-parallel: the rank's slice of the up rows, then the same slice of the gate rows
   (so the local SwiGLU reads [up | gate] as the full one does); ``down_w`` [C, I] row-parallel on that slice.
-* the embedding and the LM head are vocabulary-parallel: rank r holds rows [r*Vs, (r+1)*Vs) with
-  Vs = ceil(V / T) (the last shard is shorter when T does not divide V); ``vocab_parallel_cross_entropy`` turns
-  the logits of each rank's vocabulary shard into the exact losses without gathering the full logits.
+* the embedding and the LM head are to be vocabulary-parallel: rank r holding rows [r*Vs, (r+1)*Vs) with
+  Vs = ceil(V / T) (``vocab_range``; the last shard is shorter when T does not divide V), and
+  ``vocab_parallel_cross_entropy`` turns the logits of each rank's vocabulary shard into the exact losses
+  without gathering the full logits. Not yet in the model: ``shard_params`` / ``unshard_params`` and the
+  engine keep both whole on every rank today.
 * norms (and Qwen3's QK-norm weights, per head and shared by all heads) are replicated.
 
 Why our own: the split depends on this project's fused flat layout (q|k|v rows, up|gate rows), and the

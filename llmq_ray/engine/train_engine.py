@@ -321,7 +321,8 @@ class TrainEngine:
     # ------------------------------------------------------------------ weights, whatever the ZeRO level
     def full_params(self) -> torch.Tensor:
         """All weights [layout.numel] (model dtype): a view of the flat device buffer under ZeRO-1/2; under
-        ZeRO-3 a new CPU tensor gathered from every rank (a collective: all ranks must call it)."""
+        ZeRO-3 a new CPU tensor gathered from every rank (a collective: all ranks must call it). Under tensor
+        parallelism these are this rank's part, in its local layout (``tensor_parallel_gather`` joins them)."""
         if self.zero3:
             return self.store.full_params()
         self.join_update()
@@ -333,13 +334,22 @@ class TrainEngine:
         from llmq_ray.engine.tensor_parallel import unshard_params
 
         n, size = self.layout.numel, self.tp.plan.size
-        gathered = torch.empty(size * n, dtype=local.dtype, device=local.device)
-        self.tp.comm.all_gather(gathered, local[:n].contiguous())
+        local = local[:n].to(self.device).contiguous()  # optimizer state may be in host memory; NCCL needs the device
+        gathered = torch.empty(size * n, dtype=local.dtype, device=self.device)
+        self.tp.comm.all_gather(gathered, local)
         return unshard_params(self.tp.plan, ParamLayout(self.full_cfg), list(gathered.split(n)))
 
     def load_full_params(self, flat: torch.Tensor) -> None:
         """Set the weights from a full flat tensor [layout.numel] (any device/float dtype; e.g. HF weights),
-        then call ``reset_optimizer_from_params`` to rebuild the master from them. Collective under ZeRO-3."""
+        then call ``reset_optimizer_from_params`` to rebuild the master from them. Collective under ZeRO-3.
+        Under tensor parallelism ``flat`` is the whole model's (its layout's numel), cut here by the plan."""
+        if self.tp is not None:
+            from llmq_ray.engine.tensor_parallel import shard_params
+
+            full_layout = ParamLayout(self.full_cfg)
+            if flat.numel() < full_layout.numel:
+                raise ValueError(f"load_full_params: {flat.numel()} values for a model of {full_layout.numel}")
+            flat = shard_params(self.tp.plan, full_layout, flat[:full_layout.numel], self.tp.rank)
         if self.zero3:
             self.store.params_shard[:self.shard_end - self.shard_start].copy_(flat[self.shard_start:self.shard_end])
             self.store.after_update()

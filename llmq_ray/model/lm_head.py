@@ -2,7 +2,8 @@
 head's dgrad and wgrad -- in the model dtype, or (``fp8``, --lmhead-dtype e4m3) as three FP8 GEMMs.
 
 x is the final RMSNorm's output [N, C]; W [V, C] is the head's weight (the embedding table when tied). Each
-chunk of N / chunks rows has its logits [rows, V] in one reused buffer, so the full [N, V] logits never exist.
+chunk of N / chunks rows has its logits [rows, Vp] (Vp: V, or V padded as below) in one reused buffer, so the
+full [N, V] logits never exist.
 
 A vocabulary that is no multiple of 64 (GPT-2's 50,257) is padded to one (50,304) inside the model-dtype head:
 the logits buffer is [rows, Vp], the weight is copied once per call into a [Vp, C] buffer whose extra rows are

@@ -325,7 +325,7 @@ class LlamaModel:
     between two positions, so a document gets the attention it would get alone up to rounding. GPT-2's learned
     positions do need one: ``reset_positions`` (--reset-positions) makes each document's positions start at 0.
     The target at a separator position (the next document's first token) stays a target, as without masking.
-    ``tensor_parallel`` (groundwork, not yet reachable from the command line): this rank's part of a
+    ``tensor_parallel`` (the training engine's; not yet reachable from the command line): this rank's part of a
     tensor-parallel group (llmq_ray/engine/tensor_parallel.py), an object with ``all_reduce_sum(t)`` over the
     group, ``kv_replica_sum(t)`` over the ranks holding the same replicated KV heads (identity when none are) and
     ``kv_rows`` (the row slices of the local qkv_w / qkv_b that are K and V). ``cfg`` is then the rank's local
@@ -333,7 +333,7 @@ class LlamaModel:
     rank: the row-parallel outputs (attention out-projection, down projection) are summed over the group before
     the residual add, and the input gradients of the column-parallel GEMMs (QKV, up+gate) before their norm's
     backward; ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (QK-norm weights,
-    replicated KV rows) once per optimizer step.
+    replicated KV rows): once per optimizer step under ZeRO-1, per unit and micro-step under ZeRO-2/3.
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
     llmq_ray/model/linear.py. The results are the same bits in every case.
