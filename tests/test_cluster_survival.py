@@ -136,10 +136,14 @@ def test_a_drain_notice_for_a_node_of_ours_stops_the_run_with_a_checkpoint_as_si
                     kwargs=dict(steps=40))
     assert out["error"] is None and isinstance(out.get("drained_at"), float), _story(out)
     stopped = out["stopped"]
-    assert stopped is not None and stopped["written"] and 2 <= stopped["step"] < 40, stopped
+    assert stopped is not None and 2 <= stopped["step"] < 40, stopped
     assert stopped["signal"].startswith("node 127.0.0.1 is being drained (Ray's drain notice, to be shut down in ")
     assert stopped["checkpoint"] == f"s3://bucket/survival/drain/ckpt/step_{stopped['step']:08d}"
+    # the stop's checkpoint, or (written False) the periodic one of that step (--ckpt-interval 2): one, complete
+    (saved,) = [r for r in _kinds(out["log"], "checkpoint") if r["step"] == stopped["step"]]
+    assert saved["path"] == stopped["checkpoint"] and (stopped["written"] or stopped["step"] % 2 == 0), saved
     end = _kinds(out["log"], "end")[-1]
-    assert end["reason"] == "stopped" and end["checkpoint_written"] and end["step"] == stopped["step"]
+    assert end["reason"] == "stopped" and end["checkpoint"] == stopped["checkpoint"], end
+    assert end["checkpoint_written"] == stopped["written"] and end["step"] == stopped["step"], end
     (warning,) = [w for w in _kinds(out["log"], "warning") if w["kind"] == "drain"]
     assert warning["message"].endswith(f": stopping after step {stopped['step']} with a checkpoint, as on SIGTERM.")
