@@ -47,11 +47,11 @@ def _trainer_from_cli(argv: list[str]) -> LLMQTrainer:
 
 
 @contextlib.contextmanager
-def _driver(args: list[str], cwd, training_line: str):
+def _driver(args: list[str], cwd, training_line: str, env: dict | None = None):
     """A driver process (``python ARGS``, its own local Ray in a short temporary folder: Ray's socket paths must
     stay under 107 bytes), yielded once its stdout shows ``training_line``; killed and cleaned up at the end."""
     ray_tmp = tempfile.mkdtemp(prefix="rs")  # the system temp folder: a short path
-    env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp)
+    env = dict(os.environ, PYTHONPATH=REPO, RAY_TMPDIR=ray_tmp, **(env or {}))
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=cwd)
     try:
@@ -69,11 +69,14 @@ def _driver(args: list[str], cwd, training_line: str):
 
 
 def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster, shards, tmp_path):
-    steps = 400
+    steps = 100
     ref = _trainer_from_cli(_argv(shards, tmp_path / "ref", steps)).fit()
     out = tmp_path / "run"
     train = [os.path.join(REPO, "examples", "train.py"), *_argv(shards, out, steps)]
-    with _driver(train, tmp_path, "[T] step    20 ") as proc:
+    # rank 0 sleeps 0.1 s a step (the test hook; the losses do not change): the run is still going at step 20
+    slow = {"LLMQ_RAY_TEST_FAULT": json.dumps({"rank": 0, "step": 0, "kind": "slow_step", "seconds": 0.1,
+                                               "every_group": True})}
+    with _driver(train, tmp_path, "[T] step    20 ", slow) as proc:
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rest, err = proc.communicate(timeout=60)
