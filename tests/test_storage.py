@@ -68,21 +68,25 @@ def _cli(args: list[str], cwd, env=None, timeout=240) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_run_on_s3_shards_trains_exactly_as_on_local_ones(s3, shards, tmp_path):
+def test_a_run_on_s3_shards_trains_exactly_as_on_local_ones(s3, ray_cluster, shards, tmp_path, monkeypatch):
     """Two CPU workers read train/eval shards from s3:// and give the per-step losses of the same run on the
-    local files, bit for bit (the workers get the endpoint and credentials from the driver's environment)."""
+    local files, bit for bit (the workers get the endpoint and credentials from the driver's environment). The
+    s3 run is the command (its own Ray); the local one the same arguments on the test session's Ray."""
     _put(s3, "run/train.bin", open(shards.train, "rb").read())
     _put(s3, "run/eval.bin", open(shards.eval, "rb").read())
     common = ["--device", "cpu", "--workers", "2", "--model", "tiny", "--backend", "torch", "--batch-size", "2",
               "--seq-len", "16", "--steps", "4", "--eval-every-n-steps", "0", "--no-export", "--sample-tokens", "0",
               "--no-progress"]
-    runs = {}
-    for name, train, ev in (("local", shards.train, shards.eval),
-                            ("s3", "s3://bucket/run/train*.bin", "s3://bucket/run/eval.bin")):
-        out = tmp_path / name
-        p = _cli(common + ["--train-file", train, "--eval-file", ev, "--out-dir", str(out)], tmp_path)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs[name] = _losses(str(out / "log.jsonl"))
+    from llmq_ray.train import cli
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    p = _cli(common + ["--train-file", "s3://bucket/run/train*.bin", "--eval-file", "s3://bucket/run/eval.bin",
+                       "--out-dir", str(tmp_path / "s3")], tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    local = common + ["--train-file", shards.train, "--eval-file", shards.eval, "--out-dir", str(tmp_path / "local")]
+    LLMQTrainer(cli=True, **cli.trainer_kwargs(cli.build_parser().parse_args(local))).fit()
+    runs = {name: _losses(str(tmp_path / name / "log.jsonl")) for name in ("local", "s3")}
     assert len(runs["local"]) == 4 and runs["s3"] == runs["local"]
 
 
