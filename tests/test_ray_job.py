@@ -65,12 +65,14 @@ def _ray_job(dashboard: str, *args: str, timeout: float = 240) -> str:
     return proc.stdout + proc.stderr
 
 
-def _runtime_env() -> str:
-    """The S3 server's address and credentials for the job (the workers get them forwarded by the driver)."""
+def _runtime_env(slow: bool) -> str:
+    """The S3 server's address and credentials for the job (the workers get them forwarded by the driver);
+    ``slow``: rank 0 sleeps 0.3 s a step (the test hook), so that the job is stopped mid-run."""
     keep = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "LLMQ_RAY_CACHE",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
     env = {k: os.environ[k] for k in keep if k in os.environ}
-    env["LLMQ_RAY_TEST_FAULT"] = json.dumps({"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3})
+    if slow:
+        env["LLMQ_RAY_TEST_FAULT"] = json.dumps({"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3})
     return json.dumps({"env_vars": env})
 
 
@@ -89,7 +91,7 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
     flags = FLAGS + ["--train-file", "s3://bucket/job/data/train.bin", "--checkpoint-dir", store,
                      "--out-dir", str(out)]
     entry = [sys.executable, "-m", "llmq_ray.train.cli"] + flags
-    submitted = _ray_job(job_cluster, "submit", "--no-wait", "--runtime-env-json", _runtime_env(), "--", *entry)
+    submitted = _ray_job(job_cluster, "submit", "--no-wait", "--runtime-env-json", _runtime_env(True), "--", *entry)
     job_id = next(w for w in submitted.replace("'", " ").split() if w.startswith("raysubmit_"))
     log_file = out / "log.jsonl"
     deadline = time.monotonic() + 120
@@ -107,7 +109,7 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
     assert end["checkpoint"] == storage.join(store, f"step_{last + 1:08d}")
     assert f"step_{last + 1:08d}" in storage.list_names(store)
 
-    again = _ray_job(job_cluster, "submit", "--runtime-env-json", _runtime_env(), "--", *entry,
+    again = _ray_job(job_cluster, "submit", "--runtime-env-json", _runtime_env(False), "--", *entry,
                      "--continue")
     assert "succeeded" in again, again
     ours = _steps(read_log(str(log_file)))
