@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -288,9 +289,30 @@ def tensor_parallel_rank_lists(world_size: int, tp: int, per_node: int) -> tuple
     return tp_lists, dp_lists
 
 
-def tensor_parallel_groups(world: TorchDistCommunicator, tp: int, per_node: int):
-    """This rank's (tensor-parallel, data-parallel) communicators over subgroups of ``world`` (every rank calls
-    this with the same arguments; the layout is ``tensor_parallel_rank_lists``'s)."""
+def kv_replica_rank_lists(world_size: int, tp: int, kv_replicas: int) -> list[list[int]]:
+    """The ranks that hold the same KV heads when a model has fewer KV heads than ``tp`` (each KV head lives on
+    ``kv_replicas`` consecutive ranks of its tensor-parallel group: tp rank r holds KV head r // kv_replicas,
+    ``TensorParallelPlan.kv_heads``); their partial gradients of those heads are summed over this set. Every
+    tensor-parallel group of ``tensor_parallel_rank_lists`` splits into tp / kv_replicas such sets."""
+    if kv_replicas < 1 or tp % kv_replicas:
+        raise ValueError(f"kv_replica_rank_lists: {kv_replicas} replicas do not divide a group of {tp}")
+    return [list(range(start, start + kv_replicas)) for start in range(0, world_size, kv_replicas)]
+
+
+class TensorParallelGroups(NamedTuple):
+    """This rank's communicators of the 2-D layout: ``tp`` over its tensor-parallel group, ``dp`` over its
+    data-parallel group (the ZeRO shards), ``kv_replica`` over the ranks holding the same replicated KV heads
+    (None when the KV heads are split, not replicated)."""
+    tp: TorchDistCommunicator
+    dp: TorchDistCommunicator
+    kv_replica: Optional[TorchDistCommunicator]
+
+
+def tensor_parallel_groups(world: TorchDistCommunicator, tp: int, per_node: int,
+                           kv_replicas: int = 1) -> TensorParallelGroups:
+    """This rank's communicators over subgroups of ``world`` (every rank calls this with the same arguments;
+    the layout is ``tensor_parallel_rank_lists``'s and, with ``kv_replicas`` > 1 (``TensorParallelPlan
+    .kv_replicas``), ``kv_replica_rank_lists``'s)."""
     tp_lists, dp_lists = tensor_parallel_rank_lists(world.world_size, tp, per_node)
     tp_groups = _new_groups(tp_lists, world.timeout_s)  # all ranks create every group, in this order
     dp_groups = _new_groups(dp_lists, world.timeout_s)
@@ -298,7 +320,14 @@ def tensor_parallel_groups(world: TorchDistCommunicator, tp: int, per_node: int)
     tp_comm = TorchDistCommunicator(r, tp, world.backend, world.timeout_s, group=tp_groups[g], members=tp_lists[g])
     dp_comm = TorchDistCommunicator(g, world.world_size // tp, world.backend, world.timeout_s, group=dp_groups[r],
                                     members=dp_lists[r])
-    return tp_comm, dp_comm
+    kv_comm = None
+    if kv_replicas > 1:
+        kv_lists = kv_replica_rank_lists(world.world_size, tp, kv_replicas)
+        kv_groups = _new_groups(kv_lists, world.timeout_s)
+        k = world.rank // kv_replicas
+        kv_comm = TorchDistCommunicator(world.rank % kv_replicas, kv_replicas, world.backend, world.timeout_s,
+                                        group=kv_groups[k], members=kv_lists[k])
+    return TensorParallelGroups(tp_comm, dp_comm, kv_comm)
 
 
 def _new_groups(rank_lists: list[list[int]], timeout_s: float) -> list:

@@ -154,11 +154,27 @@ def test_the_2d_layout_keeps_tensor_parallel_groups_on_a_node():
         tensor_parallel_rank_lists(8, 4, per_node=2)
 
 
+def test_kv_replica_sets_are_the_ranks_of_a_group_that_hold_the_same_kv_head():
+    from llmq_ray.actors.collectives import kv_replica_rank_lists, tensor_parallel_rank_lists
+
+    cfg = ModelConfig("llama", 64, 96, 2, 8, 2, 300, name="tp-kv2")  # 2 KV heads over T=4: 2 replicas each
+    plan = TensorParallelPlan(cfg, 4)
+    sets = kv_replica_rank_lists(8, 4, plan.kv_replicas)  # 2 tensor-parallel groups of 4
+    assert sets == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    groups, _ = tensor_parallel_rank_lists(8, 4, per_node=8)
+    for members in sets:  # inside one group, and the same KV head on every member
+        assert any(set(members) <= set(g) for g in groups)
+        assert len({tuple(plan.kv_heads(r % 4)) for r in members}) == 1
+    with pytest.raises(ValueError, match="do not divide"):
+        kv_replica_rank_lists(8, 4, 3)
+
+
 def _groups_rank(rank: int, port: int, out: str) -> None:
     from llmq_ray.actors.collectives import tensor_parallel_groups
 
     with gloo_group(rank, 4, port) as world:
-        tp, dp = tensor_parallel_groups(world, 2, per_node=4)
+        tp, dp, kv = tensor_parallel_groups(world, 2, per_node=4)
+        assert kv is None
         a, b = torch.tensor([float(rank)]), torch.tensor([float(rank)])
         tp.all_reduce_sum(a)
         dp.all_reduce_sum(b)
@@ -259,47 +275,49 @@ def _engine_steps(engine, cfg, micro_batches, first: int = 0, last: int = STEPS)
     return out
 
 
-def _engine_rank(rank: int, world: int, port: int, out: str) -> None:
-    """One of ``world`` gloo ranks: tensor-parallel groups of 2 (``world`` 4: x 2 data-parallel), ZeRO-1, fp32;
-    data-parallel rank d takes micro-batch d of the one-process run's two. Saves losses, norms, local weights."""
+def _engine_rank(rank: int, world: int, tp_size: int, port: int, out: str) -> None:
+    """One of ``world`` gloo ranks: tensor-parallel groups of ``tp_size`` (x world / tp_size data-parallel),
+    fp32, ZeRO-1, 2 and 3; data-parallel rank d takes micro-batch d of the one-process run's two (one data-parallel
+    rank: both). The groups, KV-replica sets included, are ``tensor_parallel_groups``'s. Saves losses, norms,
+    local weights."""
     from llmq_ray.actors.collectives import tensor_parallel_groups
     from llmq_ray.backends import get_backend
     from llmq_ray.engine.tensor_parallel import TensorParallelRank
     from llmq_ray.engine.train_engine import TrainEngine
 
     with gloo_group(rank, world, port) as comm:
-        if world == 2:
-            tp_comm, dp_comm = comm, None
-        else:
-            tp_comm, dp_comm = tensor_parallel_groups(comm, 2, per_node=world)
-        dp_rank = 0 if dp_comm is None else dp_comm.rank
         results = {}
-        for (name, cfg), zero in itertools.product(ENGINE_MODELS.items(), (1, 2, 3)):
-            plan = TensorParallelPlan(cfg, 2)
-            tp = TensorParallelRank(plan, tp_comm.rank, tp_comm, kv_replica_comm=tp_comm if plan.kv_replicas > 1 else None)
-            engine = TrainEngine(cfg, _engine_opts(2 if dp_comm is None else 1, zero), get_backend("torch"),
-                                 dp_comm, tensor_parallel=tp)
-            micro = [0, 1] if dp_comm is None else [dp_rank]
-            results[name, zero] = (_engine_steps(engine, cfg, micro), engine.full_params().clone(), tp_comm.rank)
+        for name, cfg in ENGINE_MODELS.items():
+            plan = TensorParallelPlan(cfg, tp_size)
+            groups = tensor_parallel_groups(comm, tp_size, per_node=world, kv_replicas=plan.kv_replicas)
+            assert (groups.kv_replica is None) == (plan.kv_replicas == 1)
+            dp_comm = groups.dp if groups.dp.world_size > 1 else None
+            for zero in (1, 2, 3):
+                tp = TensorParallelRank(plan, groups.tp.rank, groups.tp, kv_replica_comm=groups.kv_replica)
+                engine = TrainEngine(cfg, _engine_opts(2 if dp_comm is None else 1, zero), get_backend("torch"),
+                                     dp_comm, tensor_parallel=tp)
+                micro = [0, 1] if dp_comm is None else [dp_comm.rank]
+                results[name, zero] = (_engine_steps(engine, cfg, micro), engine.full_params().clone(), groups.tp.rank)
         torch.save(results, f"{out}/rank{rank}.pt")
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "tp2xdp2"])
-def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world):
-    """TP=2 (2 gloo ranks) and TP=2 x DP=2 (4 ranks), each under ZeRO-1, 2 and 3 (the one process: ZeRO-1),
+@pytest.mark.parametrize("world, tp_size", [(2, 2), (4, 2), (4, 4)], ids=["tp2", "tp2xdp2", "tp4"])
+def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, tp_size):
+    """TP=2 (2 gloo ranks), TP=2 x DP=2 and TP=4 (4 ranks), each under ZeRO-1, 2 and 3 (the one process: ZeRO-1),
     fp32, clipping on: over 10 steps the losses and gradient norms equal one process's within 1e-5 relative, and
-    every rank's weights equal one process's final weights cut by the plan -- with the KV heads split and with
-    one KV head replicated on both ranks."""
+    every rank's weights equal one process's final weights cut by the plan -- with the KV heads split (2 over 2
+    ranks), replicated on every rank of the group (1 KV head), and, at TP=4, 2 KV heads each on a pair of ranks
+    (the KV-replica sets of ``kv_replica_rank_lists``)."""
     from llmq_ray.backends import get_backend
     from llmq_ray.engine.tensor_parallel import shard_params
     from llmq_ray.engine.train_engine import TrainEngine
 
-    spawn_gloo_ranks(lambda r, port: (r, world, port, str(tmp_path)), _engine_rank, world)
+    spawn_gloo_ranks(lambda r, port: (r, world, tp_size, port, str(tmp_path)), _engine_rank, world)
     for name, cfg in ENGINE_MODELS.items():
         one = TrainEngine(cfg, _engine_opts(2), get_backend("torch"))
         want = _engine_steps(one, cfg, [0, 1])
         assert want[-1][0] < want[0][0] - 0.1, want  # it trained
-        plan = TensorParallelPlan(cfg, 2)
+        plan = TensorParallelPlan(cfg, tp_size)
         for rank, zero in itertools.product(range(world), (1, 2, 3)):
             got, params, tp_rank = torch.load(tmp_path / f"rank{rank}.pt")[name, zero]
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5,
