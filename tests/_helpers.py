@@ -164,3 +164,14 @@ def random_batch(vocab: int, batch: int, seq: int, seed: int = 1):
     targets[0, 3] = -100
     targets[1, 10:13] = -100
     return inputs, targets
+
+
+def trainer_from_cli(argv: list[str], **overrides):
+    """The LLMQTrainer that ``examples/train.py ARGV`` (the command line) builds, made in this process -- so it
+    runs on the test session's Ray instead of starting and stopping a Ray of its own (~10 s per run on the
+    2-core CI machine). ``overrides``: keyword arguments that replace the parsed ones (e.g. short timeouts)."""
+    from llmq_ray.train import cli
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    return LLMQTrainer(cli=True, **{**cli.trainer_kwargs(cli.build_parser().parse_args(argv)), **overrides})
+

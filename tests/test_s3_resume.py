@@ -26,6 +26,8 @@ import time
 
 import pytest
 
+from _helpers import trainer_from_cli
+
 from llmq_ray import storage
 from llmq_ray.observe.runlog import read_log
 
@@ -136,15 +138,6 @@ def _cli_in_its_own_session(args: list[str], cwd, env: dict) -> subprocess.Popen
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _in_process(args: list[str]) -> None:
-    """The run ``python -m llmq_ray.train.cli ARGS`` makes, on the test session's Ray (no Ray of its own to start
-    and stop: ~10 s less per run on the 2-core CI machine)."""
-    from llmq_ray.train import cli
-    from llmq_ray.train.trainer import LLMQTrainer
-
-    LLMQTrainer(cli=True, **cli.trainer_kwargs(cli.build_parser().parse_args(args))).fit()
-
-
 def _session_pids(sid: int) -> list[int]:
     """Processes still alive in session ``sid`` (zombies are dead)."""
     out = []
@@ -210,8 +203,8 @@ def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_d
 
     # 2. --continue from the store, on 1 worker (the command line's run, on the session's Ray from here on)
     monkeypatch.chdir(tmp_path)
-    _in_process(COMMON + s3_data + ["--workers", "1", "--checkpoint-dir", store, "--continue", "--out-dir",
-                                    str(tmp_path / "b")])
+    trainer_from_cli(COMMON + s3_data + ["--workers", "1", "--checkpoint-dir", store, "--continue", "--out-dir",
+                                        str(tmp_path / "b")]).fit()
     log_b = str(tmp_path / "b" / "log.jsonl")
     (resume,) = _records(log_b, "resume")
     k = resume["step"]
@@ -223,11 +216,11 @@ def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_d
 
     # 3. the reference: the same 2-worker run on local disk, then the same resume from its step_K
     local = tmp_path / "ckpt_local"
-    _in_process(COMMON + ["--train-file", shards.train, "--workers", "2", "--checkpoint-dir", str(local),
-                          "--out-dir", str(tmp_path / "c")])
-    _in_process(COMMON + ["--train-file", shards.train, "--workers", "1", "--checkpoint-dir",
-                          str(tmp_path / "ckpt_d"), "--continue", str(local / f"step_{k:08d}"), "--out-dir",
-                          str(tmp_path / "d")])
+    trainer_from_cli(COMMON + ["--train-file", shards.train, "--workers", "2", "--checkpoint-dir", str(local),
+                               "--out-dir", str(tmp_path / "c")]).fit()
+    trainer_from_cli(COMMON + ["--train-file", shards.train, "--workers", "1", "--checkpoint-dir",
+                               str(tmp_path / "ckpt_d"), "--continue", str(local / f"step_{k:08d}"),
+                               "--out-dir", str(tmp_path / "d")]).fit()
     assert _step_losses(str(tmp_path / "d" / "log.jsonl")) == s3_losses  # bit for bit
 
 

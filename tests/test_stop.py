@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+from _helpers import trainer_from_cli
+
 from llmq_ray.checkpoints.store import validate_checkpoint
 from llmq_ray.errors import CheckpointError
 from llmq_ray.observe.runlog import read_log, steps_as_one_run
@@ -40,10 +42,7 @@ def _argv(shards, out, steps: int) -> list[str]:
 
 def _trainer_from_cli(argv: list[str]) -> LLMQTrainer:
     """The trainer ``examples/train.py argv`` builds, run in this process (on the test session's Ray)."""
-    from llmq_ray.train import cli
-
-    kw = cli.trainer_kwargs(cli.build_parser().parse_args(argv))
-    return LLMQTrainer(cli=True, **{**kw, **FAST})
+    return trainer_from_cli(argv, **FAST)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from _helpers import trainer_from_cli
+
 from llmq_ray import storage
 from llmq_ray.errors import ConfigError, DataError
 
@@ -77,15 +79,12 @@ def test_a_run_on_s3_shards_trains_exactly_as_on_local_ones(s3, ray_cluster, sha
     common = ["--device", "cpu", "--workers", "2", "--model", "tiny", "--backend", "torch", "--batch-size", "2",
               "--seq-len", "16", "--steps", "4", "--eval-every-n-steps", "0", "--no-export", "--sample-tokens", "0",
               "--no-progress"]
-    from llmq_ray.train import cli
-    from llmq_ray.train.trainer import LLMQTrainer
-
     p = _cli(common + ["--train-file", "s3://bucket/run/train*.bin", "--eval-file", "s3://bucket/run/eval.bin",
                        "--out-dir", str(tmp_path / "s3")], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     monkeypatch.chdir(tmp_path)
     local = common + ["--train-file", shards.train, "--eval-file", shards.eval, "--out-dir", str(tmp_path / "local")]
-    LLMQTrainer(cli=True, **cli.trainer_kwargs(cli.build_parser().parse_args(local))).fit()
+    trainer_from_cli(local).fit()
     runs = {name: _losses(str(tmp_path / name / "log.jsonl")) for name in ("local", "s3")}
     assert len(runs["local"]) == 4 and runs["s3"] == runs["local"]
 
