@@ -107,10 +107,13 @@ def _write_shards(workers: list, tmp: str, step: int, target: str | None, timeou
 def _manifest_of(out: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict) -> tuple[dict, list]:
     """(manifest, shard records) of the checkpoint of ``step`` from the workers' [(record, data state)]. Its
     world size is the number of shard files: under --zero-scope node only the first node's ranks write one
-    (the other nodes hold copies, record None), while every worker's data state is kept."""
+    (the other nodes hold copies, record None), while every worker's data state is kept. Under
+    --tensor-parallel only rank 0 of each group writes (a shard of the whole model's layout) and gives the
+    group's data state (the others return (None, None)): the checkpoint looks like one of W / T workers."""
     records = [rec for rec, _ in out if rec is not None]
+    states = [state for rec, state in out if not (rec is None and state is None)]
     manifest = build_manifest(step, config=cfg, world_size=len(records), options=spec.opts,
-                              data_state=[state for _, state in out], rng=rng_state(spec.opts.seed), extra=extra)
+                              data_state=states, rng=rng_state(spec.opts.seed), extra=extra)
     return manifest, records
 
 

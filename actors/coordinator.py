@@ -58,6 +58,7 @@ import os
 import time
 
 from llmq_ray.actors import telemetry
+from llmq_ray.actors.collectives import check_tensor_parallel_placement
 from llmq_ray.actors.checkpointing import (UploadFailed, load_group_checkpoint, poll_group_upload,
                                            publish_group_checkpoint, restart_point, save_group_checkpoint,
                                            stage_group_checkpoint, upload_failed_message)
@@ -195,6 +196,8 @@ class Coordinator:
         self.pg, self.workers, nodes = create_workers(spec, on_wait=self._waiting, why=why, elastic=elastic,
                                                       restart=restart, **kwargs)
         try:
+            if spec.tensor_parallel > 1:  # a group exchanges activations every layer: one node (NVLink)
+                check_tensor_parallel_placement([n["node_id"] for n in nodes], spec.tensor_parallel)
             address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
             self.log.add("rendezvous", address=address)  # where the process group meets (firewalls, debugging)
             infos = gather([w.setup.remote(address, nodes[r]["local_rank"]) for r, w in enumerate(self.workers)],
@@ -221,12 +224,13 @@ class Coordinator:
         batch, raising --grad-accumulation so the global batch stays; the checkpoint is resharded when loaded.
         Returns the warning line, or None when no smaller group fits (room 0)."""
         spec, o = self.spec, self.opts
-        total = spec.world_size * o.grad_accumulation  # micro-batches per optimizer step, over all workers
-        fits = [n for n in range(1, min(room, spec.world_size - 1) + 1) if total % n == 0]
+        t = spec.tensor_parallel  # whole tensor-parallel groups only: a group computes one micro-batch
+        total = spec.data_parallel_size * o.grad_accumulation  # micro-batches per optimizer step
+        fits = [n for n in range(t, min(room, spec.world_size - 1) + 1, t) if total % (n // t) == 0]
         if not fits:
             return None
         n = fits[-1]
-        ga = total // n
+        ga = total // (n // t)
         self.log.add("elastic", step=self.step, from_world_size=spec.world_size, world_size=n,
                      from_grad_accumulation=o.grad_accumulation, grad_accumulation=ga)
         line = self._warn(self.step, "elastic", f"--elastic: the cluster can place {room} of {spec.world_size} "
@@ -659,7 +663,7 @@ class Coordinator:
         results = self._call("update", step, lr, what=f"update (step {step + 1})", timeout=self.spec.step_timeout_s)
         wall = time.perf_counter() - t0
         o = self.opts
-        tokens = o.batch_size * o.seq_len * self.micro_pending * self.spec.world_size
+        tokens = o.batch_size * o.seq_len * self.micro_pending * self.spec.data_parallel_size
         self.micro_pending = 0
         self.step += 1
         rec = self._record_step(step, lr, results, wall, tokens)
@@ -728,12 +732,17 @@ class Coordinator:
                 os.replace(path, kept)
             self._warn(self.step, "export", f"an earlier run's export at {path} was kept as {kept}")
         self._exported.add(path)
-        if self.opts.effective_zero_level >= 3:  # gathering the sharded weights needs every rank
+        if self._weights_are_split:  # gathering the sharded weights needs every rank
             refs = [w.export.remote(path, self.spec.export_dtype, r == self._export_rank)
                     for r, w in enumerate(self.workers)]
             return gather(refs, self.spec.call_timeout_s, "export")[self._export_rank]
         w = self.workers[self._export_rank]
         return gather([w.export.remote(path, self.spec.export_dtype)], self.spec.call_timeout_s, "export")[0]
+
+    @property
+    def _weights_are_split(self) -> bool:
+        """No worker holds the whole model's weights (ZeRO-3, or --tensor-parallel): reading them is a collective."""
+        return self.opts.effective_zero_level >= 3 or self.spec.tensor_parallel > 1
 
     def finish(self) -> dict:
         """Final eval over the whole eval file, the export, the last log flush. Returns the summary."""
@@ -815,7 +824,7 @@ class Coordinator:
         return {"steps": list(self.history), "evals": [{k: v for k, v in e.items() if k != "line"} for e in self.evals]}
 
     def flat_params(self, rank: int = 0):
-        if self.opts.effective_zero_level >= 3:  # a collective: every rank takes part
+        if self._weights_are_split:  # a collective: every rank takes part
             return gather([w.flat_params.remote() for w in self.workers], self.spec.call_timeout_s, "flat_params")[rank]
         return gather([self.workers[rank].flat_params.remote()], self.spec.call_timeout_s, "flat_params")[0]
 

@@ -49,7 +49,8 @@ class RandomTokenStream:
 
 
 def train_source(spec: RuntimeSpec, vocab_size: int, rank: int):
-    """The worker's endless batch source for ``spec`` (rank ``rank`` of ``spec.world_size``)."""
+    """The worker's endless batch source for ``spec``: data-parallel rank ``rank`` of ``spec.data_parallel_size``
+    (the worker's rank unless --tensor-parallel groups share one source)."""
     o = spec.opts
     if spec.synthetic_data:
         return RandomTokenStream(vocab_size, o.seq_len, o.batch_size, rank, o.seed)
@@ -57,16 +58,16 @@ def train_source(spec: RuntimeSpec, vocab_size: int, rank: int):
         raise DataError("no --train-file given (pass a glob of token shards, or --synthetic-data for random tokens).")
     from llmq_ray.data_pipeline.stream import TokenStream
 
-    return TokenStream(spec.train_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.world_size,
+    return TokenStream(spec.train_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.data_parallel_size,
                        seed=o.seed, use_ray=spec.use_ray_data, vocab_size=vocab_size)
 
 
 def eval_source(spec: RuntimeSpec, vocab_size: int, rank: int, max_batches=None):
-    """An EvalStream over ``spec.eval_file`` (None when there is no eval file)."""
+    """An EvalStream over ``spec.eval_file`` for data-parallel rank ``rank`` (None when there is no eval file)."""
     if not spec.eval_file:
         return None
     from llmq_ray.data_pipeline.stream import EvalStream
 
     o = spec.opts
-    return EvalStream(spec.eval_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.world_size,
+    return EvalStream(spec.eval_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.data_parallel_size,
                       vocab_size=vocab_size, max_batches=max_batches)

@@ -76,6 +76,17 @@ class RuntimeSpec:
         return self.checkpoint_dir or os.path.join(self.out_dir, "ckpt")
 
     @property
+    def tensor_parallel(self) -> int:
+        """Workers per tensor-parallel group (``--tensor-parallel``; 1: none)."""
+        return int(self.opts.tensor_parallel)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many workers read batches of their own: world_size / --tensor-parallel (the ranks of a
+        tensor-parallel group compute one batch between them)."""
+        return self.world_size // self.tensor_parallel
+
+    @property
     def tokens_per_step(self) -> int:
         o = self.opts
-        return o.batch_size * o.seq_len * o.grad_accumulation * self.world_size
+        return o.batch_size * o.seq_len * o.grad_accumulation * self.data_parallel_size

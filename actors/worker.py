@@ -2,7 +2,15 @@
 
 It holds a ``TrainEngine`` (the full weights under ZeRO-1/2, its shard of the optimizer state and, under
 ZeRO-2, of the gradients), its own data source (rank r of W), and the torch.distributed group over which
-the engine's collectives run. The coordinator makes **one Ray call per worker per optimizer step**
+the engine's collectives run.
+
+With ``--tensor-parallel T`` (llmq_ray/engine/tensor_parallel.py) the W workers form W/T tensor-parallel groups
+of T consecutive ranks (one node; the coordinator checks the placement): the engine holds this rank's part of
+each block and its ZeRO shards over the *data-parallel* group (the ranks with the same tensor-parallel rank),
+and the data source is the group's (data-parallel rank r // T of W / T): the T ranks of a group read the same
+batches. Checkpoints and exports stay in the whole model's layout: the state is gathered over the
+data-parallel group, then joined over the tensor-parallel group, and tensor-parallel rank 0 of each group
+writes data-parallel shard r // T of it (``_full_layout_shard``). The coordinator makes **one Ray call per worker per optimizer step**
 (``train_step``): all grad-accumulation micro-steps and the update run inside the actor, without a host
 sync until the update's small stats tensor is read. The result is a small dict.
 
@@ -63,6 +71,18 @@ def worker_env(cpus_per_worker: int) -> dict:
     return env
 
 
+def _tensor_parallel_groups(world, cfg, size: int):
+    """(the data-parallel group's communicator, the engine's ``TensorParallelRank``) of this rank in the 2-D
+    layout of ``size``-rank tensor-parallel groups (actors/collectives.py ``tensor_parallel_groups``; a
+    collective: every rank creates every group). The coordinator has checked that each group is on one node."""
+    from llmq_ray.actors.collectives import tensor_parallel_groups
+    from llmq_ray.engine.tensor_parallel import TensorParallelPlan, TensorParallelRank
+
+    plan = TensorParallelPlan(cfg, size)
+    groups = tensor_parallel_groups(world, size, per_node=size, kv_replicas=plan.kv_replicas)
+    return groups.dp, TensorParallelRank(plan, groups.tp.rank, groups.tp, groups.kv_replica)
+
+
 def pick_cuda_device(local_rank: int) -> torch.device:
     """This worker's GPU. With NOSET_CUDA_VISIBLE_DEVICES the process sees all the node's GPUs; Ray still
     records which one it assigned to the bundle (``ray.get_gpu_ids()``, physical ids). We map that id
@@ -99,6 +119,8 @@ class GPUWorker:
         self._uploads = None  # checkpoint uploads running in the background (llmq_ray/checkpoints/remote.py)
         self._snapshot = None  # the reused host buffers a background checkpoint is copied into (HostSnapshot)
         self.world_size = spec.world_size
+        # the data-parallel rank and size: which batches this worker reads and which checkpoint shard it owns
+        self.dp_rank, self.dp_size = rank // spec.tensor_parallel, spec.data_parallel_size
         self.engine: TrainEngine | None = None
         self.device: torch.device | None = None
         self._train = self._eval_periodic = self._eval_full = None
@@ -136,22 +158,28 @@ class GPUWorker:
             where = self.node()
             comm = node_scope(comm, where["node_id"], where["ip"])
         cfg, weights = resolve_model(o.model)
+        tensor_parallel = None
+        if spec.tensor_parallel > 1:  # the engine's comm becomes the data-parallel group's
+            comm, tensor_parallel = _tensor_parallel_groups(comm, cfg, spec.tensor_parallel)
         backend = make_backend(spec.backend, o, self.device)
-        self.engine = TrainEngine(cfg, o, backend, comm, init_weights=o.from_scratch or weights is None)
+        self.engine = TrainEngine(cfg, o, backend, comm, init_weights=o.from_scratch or weights is None,
+                                  tensor_parallel=tensor_parallel)
         if not o.from_scratch:
             if weights is None:
                 raise ConfigError(f"--model={o.model!r} is a preset without weights; add --from-scratch or "
                                   f"pass an HF model folder.")
             from llmq_ray.model.hf_io import load_hf_weights
+            from llmq_ray.model.params import ParamLayout
 
-            if self.engine.params is not None:
+            if self.engine.params is not None and tensor_parallel is None:
                 load_hf_weights(weights, self.engine.layout, self.engine.params)
-            else:  # ZeRO-3: read the whole model on the host, keep this rank's shard
-                flat = torch.empty(self.engine.layout.numel, dtype=o.torch_dtype)
-                load_hf_weights(weights, self.engine.layout, flat)
+            else:  # ZeRO-3 or tensor parallelism: read the whole model on the host, keep this rank's part
+                full_layout = ParamLayout(cfg)
+                flat = torch.empty(full_layout.numel, dtype=o.torch_dtype)
+                load_hf_weights(weights, full_layout, flat)
                 self.engine.load_full_params(flat)
             self.engine.reset_optimizer_from_params()
-        self._train = train_source(spec, cfg.vocab_size, self.rank)
+        self._train = train_source(spec, cfg.vocab_size, self.dp_rank)
         if spec.checkpoints_on and storage.is_remote(spec.ckpt_dir):
             from llmq_ray.checkpoints.remote import HostSnapshot
             from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
@@ -166,8 +194,8 @@ class GPUWorker:
 
             self._gpu_util = GpuUtilLogger(spec.log_gpu_util, device=self.device)
         if spec.eval_file:
-            self._eval_periodic = eval_source(spec, cfg.vocab_size, self.rank, spec.eval_num_steps)
-            self._eval_full = eval_source(spec, cfg.vocab_size, self.rank, None)
+            self._eval_periodic = eval_source(spec, cfg.vocab_size, self.dp_rank, spec.eval_num_steps)
+            self._eval_full = eval_source(spec, cfg.vocab_size, self.dp_rank, None)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"device": str(self.device), "device_name": name, "memory": self.memory_table(),
                 "dataset": self._dataset_info(), "backend": self.engine.backend.describe()}
@@ -299,7 +327,7 @@ class GPUWorker:
         from llmq_ray.options import DTYPES
 
         e = self.engine
-        flat = e.full_params()
+        flat = self._whole_model_weights()
         if not write:
             return None
         torch_dtype = DTYPES[dtype] if dtype else flat.dtype
@@ -307,12 +335,23 @@ class GPUWorker:
 
         _, weights = resolve_model(self.spec.opts.model)
         write_to = export_hf_to_uri if storage.is_remote(out_dir) else export_hf
-        return write_to(out_dir, e.cfg, e.layout, flat.cpu(), dtype=torch_dtype,
-                        tokenizer_source=tokenizer_source_for_export(weights, e.cfg.vocab_size))
+        from llmq_ray.model.params import ParamLayout
+
+        return write_to(out_dir, e.full_cfg, ParamLayout(e.full_cfg), flat.cpu(), dtype=torch_dtype,
+                        tokenizer_source=tokenizer_source_for_export(weights, e.full_cfg.vocab_size))
+
+    def _whole_model_weights(self) -> torch.Tensor:
+        """The whole model's weights [full layout numel], model dtype: a collective under ZeRO-3 (over the
+        data-parallel group) and under tensor parallelism (then joined over the tensor-parallel group)."""
+        flat = self.engine.full_params()
+        if self.engine.tp is not None:
+            flat = self.engine.tensor_parallel_gather(flat)
+        return flat
 
     def flat_params(self) -> torch.Tensor:
-        """A CPU fp32 copy of the weights [layout.numel] (tests, small models; a collective under ZeRO-3)."""
-        return self.engine.full_params().detach().float().cpu().clone()
+        """A CPU fp32 copy of the whole model's weights [layout.numel] (tests, small models; a collective under
+        ZeRO-3 and tensor parallelism)."""
+        return self._whole_model_weights().detach().float().cpu().clone()
 
     def data_state(self) -> dict:
         return self._train.state() if self._train is not None else {}
@@ -342,6 +381,12 @@ class GPUWorker:
         e = self.engine
         if e.comm.replica != 0:  # a copy of the shards the first node writes
             return None, self.data_state()
+        rank, start, end = e.comm.rank, e.shard_start, e.shard_end
+        state = None
+        if e.tp is not None:  # the whole model's layout, data-parallel shard dp_rank of it (a collective)
+            state, start, end = self._full_layout_shard()
+            if e.tp.rank != 0:  # tensor-parallel rank 0 of the group writes it; the group reads one stream
+                return None, None
         if upload_to is not None:
             os.makedirs(tmp_dir, exist_ok=True)
         self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
@@ -351,14 +396,14 @@ class GPUWorker:
             # the only synchronous part: a copy of the state into (pinned) host buffers; the file is written,
             # hashed and uploaded on the upload thread while the next steps train
             self._snapshot = self._snapshot or HostSnapshot()
-            state = self._snapshot.take(engine_checkpoint_tensors(e))
-            rank, start, end = e.comm.rank, e.shard_start, e.shard_end
+            state = self._snapshot.take(state if state is not None else engine_checkpoint_tensors(e))
             self._uploads = self._uploads or BackgroundUploads()
             self._uploads.submit(step, tmp_dir, None, upload_to, before=lambda: self.faults.uploading(step),
                                  write=lambda: write_rank_shard(tmp_dir, rank, state, start, end))
             self.faults.after_saving(step)
             return {"rank": rank, "pending": True}, self.data_state()
-        rec = write_rank_shard(tmp_dir, e.comm.rank, engine_checkpoint_tensors(e), e.shard_start, e.shard_end)
+        rec = write_rank_shard(tmp_dir, rank, state if state is not None else engine_checkpoint_tensors(e),
+                               start, end)
         if upload_to is not None:
             from llmq_ray.checkpoints.remote import upload_rank_shard
 
@@ -366,11 +411,40 @@ class GPUWorker:
         self.faults.after_saving(step)
         return rec, self.data_state()
 
+    def _full_layout_shard(self) -> tuple[dict | None, int, int]:
+        """Tensor parallelism: ({"master", "m", "v"} over [start, end) of the whole model's flat layout, start,
+        end) -- data-parallel shard ``dp_rank`` of ``dp_size`` of the state one process would hold, so the
+        checkpoint resumes on any tensor- and data-parallel size. A collective over every rank (each state is
+        all-gathered over the data-parallel group, then joined over the tensor-parallel group); the dict only
+        on tensor-parallel rank 0 (None elsewhere). Costs one whole-model tensor of device memory at a time
+        (fp32 master: 4 bytes per parameter), and the host copy of this rank's shard."""
+        from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
+        from llmq_ray.model.params import ParamLayout
+
+        e = self.engine
+        n_full = ParamLayout(e.full_cfg).numel
+        size = -(-n_full // self.dp_size)
+        start, end = min(self.dp_rank * size, n_full), min((self.dp_rank + 1) * size, n_full)
+        out = {}
+        for name, shard in engine_checkpoint_tensors(e).items():
+            padded = torch.zeros(e.shard_size, dtype=shard.dtype, device=e.device)
+            padded[:shard.numel()].copy_(shard)
+            local = torch.empty(e.shard_size * e.comm.world_size, dtype=shard.dtype, device=e.device)
+            e.comm.all_gather(local, padded)
+            whole = e.tensor_parallel_gather(local[:e.layout.numel])
+            del local, padded
+            if e.tp.rank == 0:
+                out[name] = whole[start:end].cpu()
+            del whole
+        return (out if e.tp.rank == 0 else None), start, end
+
     def upload_status(self, step: int, wait: bool = False, timeout_s: float | None = None) -> dict:
         """Whether the background upload of this rank's shard of checkpoint ``step`` finished: {"done": False}
         while it runs (with ``wait``: after up to ``timeout_s`` of waiting), else {"done": True, "error": None
         or the reason it failed, "seconds"}. Never raises for a failed upload."""
-        if self.engine is not None and self.engine.comm.replica != 0:  # --zero-scope node: wrote nothing
+        e = self.engine
+        if e is not None and (e.comm.replica != 0 or (e.tp is not None and e.tp.rank != 0)):  # wrote nothing
+            # (--zero-scope node: a copy of the first node's shards; tensor parallelism: rank 0 wrote the group's)
             return {"done": True, "error": None, "seconds": 0.0}
         if self._uploads is None:
             return {"done": True, "error": f"rank {self.rank} has no upload of step {step}", "seconds": 0.0}
@@ -395,11 +469,21 @@ class GPUWorker:
             from llmq_ray.checkpoints.remote import fetch
 
             folder = fetch(folder)
-        tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,
-                                            rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
-                                            verify_checksums=not verified, device=e.device)
+        if e.tp is not None:  # the whole model's state on the host, this rank's part, its data-parallel shard
+            from llmq_ray.engine.tensor_parallel import shard_params
+            from llmq_ray.model.params import ParamLayout
+
+            full_layout = ParamLayout(e.full_cfg)
+            tensors, manifest = load_checkpoint(folder, expected_config=e.full_cfg, shard_start=0,
+                                                shard_end=full_layout.numel, verify_checksums=not verified)
+            tensors = {k: shard_params(e.tp.plan, full_layout, t, e.tp.rank)[e.shard_start:e.shard_end]
+                       for k, t in tensors.items()}
+        else:
+            tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,
+                                                rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
+                                                verify_checksums=not verified, device=e.device)
         restore_engine(e, tensors)  # also resets the gradient accumulators (ZeRO-2's grad shard included)
-        state = data_state_for_rank(manifest, self.rank, self.world_size)
+        state = data_state_for_rank(manifest, self.dp_rank, self.dp_size)
         if state and self._train is not None:
             self._train.restore(state)
         return int(manifest["step"])

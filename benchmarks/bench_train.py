@@ -46,6 +46,8 @@ def main(argv=None) -> int:
     p.add_argument("--lmhead-dtype", default=None, choices=["bf16", "e4m3"],
                    help="the LM head's GEMMs (default: the model dtype; e4m3: FP8)")
     p.add_argument("--zero-level", type=int, default=1, choices=[1, 2, 3], help="ZeRO level")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                   help="workers per tensor-parallel group (1: none)")
     p.add_argument("--lmhead-chunks", type=int, default=1, help="LM head row chunks")
     p.add_argument("--attn-bwd-chunks", type=int, default=1, help="attention backward batch chunks")
     for what in ("block", "ffn", "swiglu", "norm", "qkv", "att"):
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
                   grad_accumulation=a.grad_accumulation, steps=a.steps, learning_rate=3e-4, warmup=0,
                   model_dtype=dtype, matmul_dtype=a.matmul_dtype if a.matmul_dtype != dtype else None,
                   lmhead_dtype=a.lmhead_dtype if a.lmhead_dtype != dtype else None,
-                  zero_level=a.zero_level, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
+                  zero_level=a.zero_level, tensor_parallel=a.tensor_parallel, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
                   master_dtype=a.master_dtype if dtype == "bf16" else "fp32", opt_m_dtype=a.opt_m_dtype,
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
                   opt_resident_gib=a.opt_resident_gib,
@@ -136,7 +138,8 @@ def main(argv=None) -> int:
            "data_wait_ms": 1000 * med([r["data_seconds"] for r in steady]),
            "peak_memory_gib": max(max(r["memory"]) for r in steady) / 2**30}
     print(f"\n{a.model} B={a.batch_size} T={a.seq_len} x{a.grad_accumulation} on {world} x {info['gpu'] or 'cpu'} "
-          f"({t.spec.backend}, {dtype}, ZeRO-{a.zero_level})")
+          f"({t.spec.backend}, {dtype}, ZeRO-{a.zero_level}"
+          + (f", tensor-parallel {a.tensor_parallel})" if a.tensor_parallel > 1 else ")"))
     sol_s = "-" if res["sol"] is None else f"{100 * res['sol']:.1f}%"
     print(f"tokens/s {tps:,.0f} ({tps / world:,.0f} per GPU) | step {res['step_ms']:.1f} ms | "
           f"inside train_step {res['worker_step_ms']:.1f} ms | Ray overhead {res['ray_overhead_ms']:.2f} ms "

@@ -182,6 +182,17 @@ class _TrainOptionsBase:
         need(not self.overlap_wgrad_sms or self.effective_zero_level < 2,
              f"--overlap-wgrad-sms cannot be combined with --zero-level {self.effective_zero_level} (which reduces "
              "each layer's gradients as soon as its backward ends, before a side-stream wgrad would be done).")
+        t = self.tensor_parallel
+        need(isinstance(t, int) and not isinstance(t, bool) and t >= 1,
+             f"--tensor-parallel={t!r} must be an integer >= 1.")
+        if t > 1:
+            for bad, what in ((self.use_cuda_graphs, "--use-cuda-graphs"),
+                              (self.offload_gradients, "--offload-gradients"),
+                              (self.matmul_dtype == "e4m3" or self.lmhead_dtype == "e4m3",
+                               "FP8 (--matmul-dtype/--lmhead-dtype e4m3)"),
+                              (self.overlap_comm, "--overlap-comm"), (bool(self.overlap_wgrad_sms), "--overlap-wgrad-sms"),
+                              (self.zero_scope == "node", "--zero-scope node")):
+                need(not bad, f"--tensor-parallel={t} does not run with {what} yet; drop one of them.")
         need(not self.overlap_wgrad_sms or not self.offload_residual,
              "--overlap-wgrad-sms is not verified with --offload-residual (whose fetches run on their own side "
              "stream); drop one of them.")

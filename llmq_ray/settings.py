@@ -266,6 +266,11 @@ class ParallelSettings:
         choices=(1, 2, 3))
     shard_gradients: bool = setting(False, "shard gradients too (same as --zero-level 2)")
     shard_weights: bool = setting(False, "shard weights too (same as --zero-level 3)")
+    tensor_parallel: int = setting(
+        1,
+        "T: split each block's weights across T workers of one node (attention heads, MLP columns/rows; KV heads "
+        "replicated when there are fewer than T); the ZeRO shards split over the workers / T data-parallel ranks",
+        metavar="T")
     zero_scope: str = setting(
         "world",
         "world: ZeRO shards over every worker; node: shards within each node and replicates across nodes (one "

@@ -112,6 +112,53 @@ def test_resume_on_another_world_size(reference, shards, tmp_path, saved, now):
     assert (resumed["saved_world_size"], resumed["world_size"]) == (saved, now)
 
 
+def test_tensor_parallel_runs_train_as_one_worker_and_their_checkpoints_resume_on_one(reference, shards, tmp_path):
+    """--tensor-parallel through Ray (tiny: 4 query heads, 2 KV heads, QKV bias, tied embedding; fp32 on gloo):
+
+    * T=2 on 2 workers x grad_accumulation 2 (ZeRO-1) and T=2 x DP=2 on 4 workers x 1 (ZeRO-3) train the
+      reference's steps: per-step losses and norms within 1e-5 of 1 worker (the same global batch: a
+      tensor-parallel group reads one data-parallel rank's batches);
+    * their checkpoints are in the whole model's layout, one file per data-parallel rank, and look like a
+      1- or 2-worker run's (world_size, data states);
+    * the T=2 run's step-12 checkpoint loaded on 1 worker gives the T=2 run's exported weights bit for bit
+      (fp32), and its step-6 checkpoint resumed on 1 worker continues within 1e-5 of the uninterrupted run."""
+    ref = reference[1]
+    tp2 = _run(shards, tmp_path / "tp2", 1, workers=2, tensor_parallel=2)
+    tp2dp2 = _run(shards, tmp_path / "tp2dp2", 2, workers=4, tensor_parallel=2, zero_level=3)
+    for res in (tp2, tp2dp2):
+        assert [r["step"] for r in res.history] == list(range(12))
+        np.testing.assert_allclose(_losses(res), _losses(ref), rtol=1e-5)
+        np.testing.assert_allclose([r["norm"] for r in res.history], [r["norm"] for r in ref.history], rtol=1e-4)
+        assert [r["tokens"] for r in res.history] == [r["tokens"] for r in ref.history]
+        w, w_ref = _weights(res), _weights(ref)
+        assert float((w - w_ref).norm() / w_ref.norm()) < 1e-5
+    for res, dp in ((tp2, 1), (tp2dp2, 2)):
+        with open(os.path.join(_ckpt(res, 6), "manifest.json")) as f:
+            manifest = json.load(f)
+        assert manifest["world_size"] == dp and len(manifest["files"]) == dp
+        assert len(manifest["data_state"]) == dp and manifest["train_options"]["tensor_parallel"] == 2
+
+    loaded = _run(shards, tmp_path / "loaded", 1, resume=_ckpt(tp2, 12))
+    assert loaded.history == [] and torch.equal(_weights(loaded), _weights(tp2))
+    resumed = _run(shards, tmp_path / "resumed", 1, resume=_ckpt(tp2, 6))
+    assert [r["step"] for r in resumed.history] == list(range(6, 12))
+    np.testing.assert_allclose(_losses(resumed), _losses(tp2)[6:], rtol=1e-5)
+
+
+def test_tensor_parallel_sizes_that_do_not_fit_are_one_sentence_before_any_actor_starts(ray_cluster, shards, tmp_path):
+    """Refused before any actor starts, naming the flag and the value: a T that does not divide the workers, one
+    that does not divide the model's heads, and an option tensor parallelism does not run with yet."""
+    from llmq_ray.errors import ConfigError
+
+    cases = [(dict(workers=3, tensor_parallel=2), "tensor_parallel=2 must divide the number of workers (3"),
+             (dict(workers=8, tensor_parallel=8), "tensor_parallel=8 must divide the model's 4 attention heads"),
+             (dict(workers=2, tensor_parallel=2, overlap_comm=True),
+              "tensor_parallel=2 does not run with overlap_comm")]  # the API's names (api_names)
+    for kw, words in cases:
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            LLMQTrainer(**dict(BASE, train_file=shards.train, out_dir=str(tmp_path), **FAST, **kw)).start()
+
+
 def test_killed_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_path):
     """Rank 1's process is SIGKILLed at step 9 (after the step-6 checkpoint) while rank 0 waits in a
     collective. The coordinator notices, tears the group down, starts a new one, loads step 6, trains

@@ -542,13 +542,12 @@ class TrainEngine:
 
 
 def _check_tensor_parallel(opts: TrainOptions, tp) -> None:
-    """What tensor parallelism does not run with yet: one ConfigError sentence each."""
-    refused = [(opts.use_cuda_graphs, "--use-cuda-graphs"), (opts.offload_gradients, "--offload-gradients"),
-               (opts.matmul_dtype == "e4m3" or opts.lmhead_dtype == "e4m3", "FP8 (--matmul-dtype/--lmhead-dtype e4m3)"),
-               (opts.overlap_comm, "--overlap-comm"), (bool(opts.overlap_wgrad_sms), "--overlap-wgrad-sms")]
-    for bad, what in refused:
-        if bad:
-            raise ConfigError(f"--tensor-parallel={tp.plan.size} does not run with {what} yet; drop one of them.")
+    """What tensor parallelism does not run with yet (``TrainOptions.validate`` names them, one sentence each;
+    this only checks that the options' tensor-parallel size is the group's)."""
+    if opts.tensor_parallel not in (1, tp.plan.size):
+        raise ConfigError(f"--tensor-parallel={opts.tensor_parallel} but the engine was given a group of "
+                          f"{tp.plan.size}.")
+    dataclasses.replace(opts, tensor_parallel=tp.plan.size).validate()
 
 
 def _tensor_parallel_init(full_cfg: ModelConfig, tp, seed: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -292,8 +292,9 @@ class LLMQTrainer:
         self._check_data()
         self.resume_from = self._resolve_resume()  # last: it hashes the whole checkpoint (a minute at 7B, cold)
         known_world = (r["workers"] or 1) if machine == "cpu" and local else (r["gpus"] or r["workers"] or None)
-        if known_world:
-            self._keep_global_batch(known_world)
+        t = self.opts.tensor_parallel
+        if known_world and known_world % t == 0:  # else _build_spec says why
+            self._keep_global_batch(known_world // t)
         if self.resume_from and not storage.is_remote(self.resume_from) and \
                 os.path.dirname(self.resume_from) == self.checkpoint_dir:
             # every check passed: a run that goes back to an older checkpoint starts a new branch
@@ -344,6 +345,10 @@ class LLMQTrainer:
         o, r = self.opts, self.runtime
         cfg, _ = resolve_model(o.model)
         self.cfg = cfg
+        if o.tensor_parallel > 1:  # the model's split (heads, MLP width), before any actor starts
+            from llmq_ray.engine.tensor_parallel import TensorParallelPlan
+
+            TensorParallelPlan(cfg, o.tensor_parallel)
         from llmq_ray.lr_schedule import learning_rate_at
 
         # the schedule's own checks (--warmup in [0, --steps), wsd cooldown room), before any actor starts
@@ -520,7 +525,11 @@ class LLMQTrainer:
                                   f"one worker per GPU, give only one of them.")
         else:
             world = r["workers"] or 1
-        self._keep_global_batch(world)  # resuming on another worker count (a no-op when done before)
+        t = self.opts.tensor_parallel
+        if world % t:
+            raise ConfigError(f"--tensor-parallel={t} must divide the number of workers ({world}: "
+                              f"{'--gpus or the GPUs of the cluster' if device == 'cuda' else '--workers'}).")
+        self._keep_global_batch(world // t)  # the data-parallel size: the checkpoint's global batch stays  # resuming on another worker count (a no-op when done before)
         self._print(self.lines)
         self.lines = []
         cpw = r["cpus_per_worker"]
