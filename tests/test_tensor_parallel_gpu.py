@@ -8,7 +8,7 @@
   group, where one GPU rounds the full sum once. Tolerances, with margin over what 2 x H200 gave on 2026-11-27
   (loss 3e-5, norm 4e-4, weights 1.55e-3): per-step losses within 2e-4 relative, gradient norms within 3e-3,
   final weights within 5e-3 relative (norm of the difference over the norm), for ZeRO-1 and ZeRO-3. FP8 (e4m3
-  block GEMMs and LM head, ZeRO-1): each rank quantizes its row-parallel GEMM input with its own part's scale, so
+  block GEMMs, ZeRO-1): each rank quantizes its row-parallel GEMM input with its own part's scale, so
   the bars are FP8's (the CPU test's, tests/test_tensor_parallel.py): losses 3e-3, norms 1e-1, weights 1e-2.
 """
 
@@ -29,10 +29,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CFG = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
 STEPS, MICRO = 3, 2
-RUNS = [(1, False), (3, False), (1, True)]  # (ZeRO level, FP8 block GEMMs + FP8 LM head)
+RUNS = [(1, False), (3, False), (1, True)]  # (ZeRO level, FP8 block GEMMs)
 
 
-FP8 = dict(matmul_dtype="e4m3", lmhead_dtype="e4m3")
+FP8 = dict(matmul_dtype="e4m3")  # the FP8 LM head does not run under tensor parallelism yet
 
 
 def _opts(zero: int, fp8: bool = False):

@@ -1,6 +1,5 @@
 """Tensor parallelism's plan, its vocabulary-parallel cross-entropy and the full-layout split / join of flat
-buffers (``--tensor-parallel T``: in the model and the training engine, not yet on the command line or in the
-workers).
+buffers (``--tensor-parallel T``; the Ray workers build the groups in actors/worker.py).
 
 The split (Megatron-style, written for this project's fused layouts; see llmq_ray/model/params.py):
 
@@ -15,11 +14,12 @@ The split (Megatron-style, written for this project's fused layouts; see llmq_ra
   the partial outputs are summed over the ranks (a reduce-scatter over the sequence with sequence parallelism).
 * ``up_gate_w`` [2I, C] column-parallel: the rank's slice of the up rows, then the same slice of the gate rows
   (so the local SwiGLU reads [up | gate] as the full one does); ``down_w`` [C, I] row-parallel on that slice.
-* the embedding and the LM head are to be vocabulary-parallel: rank r holding rows [r*Vs, (r+1)*Vs) with
-  Vs = ceil(V / T) (``vocab_range``; the last shard is shorter when T does not divide V), and
-  ``vocab_parallel_cross_entropy`` turns the logits of each rank's vocabulary shard into the exact losses
-  without gathering the full logits. Not yet in the model: ``shard_params`` / ``unshard_params`` and the
-  engine keep both whole on every rank today.
+* the embedding and the LM head are vocabulary-parallel: rank r holds rows [r*Vs, (r+1)*Vs) with Vs = ceil(V / T)
+  (``vocab_range``); the local tables are [Vs, C] on every rank, the last rank's padded with zero rows when T does
+  not divide V (they get no gradient and stay zero; checkpoints and exports never hold them). The lookup takes
+  the rank's rows and zeros for other tokens, summed over the group; the head's logits [N, Vs] of each rank go
+  through ``vocab_parallel_cross_entropy``, which gives the exact losses without gathering the full logits, and
+  the head's input gradient is summed over the group (llmq_ray/model/transformer.py, lm_head.py).
 * norms (and Qwen3's QK-norm weights, per head and shared by all heads) are replicated.
 
 Why our own: the split depends on this project's fused flat layout (q|k|v rows, up|gate rows), and the
@@ -87,11 +87,16 @@ class TensorParallelPlan:
         return range(rank * n, (rank + 1) * n)
 
     def local_config(self) -> ModelConfig:
-        """The shape one rank computes: its head counts and intermediate slice (head_dim and the rest as the
-        model's; hidden size and vocabulary unchanged, the embedding's split is the vocabulary range's)."""
+        """The shape one rank computes: its head counts, intermediate slice and vocabulary shard ``vocab_shard``
+        (the rows of its embedding / LM head tables; head_dim, hidden size and the rest as the model's)."""
         return dataclasses.replace(self.cfg, num_heads=self.q_heads_per_rank, num_kv_heads=self.kv_heads_per_rank,
                                    intermediate_size=self.cfg.intermediate_size // self.size,
-                                   head_dim=self.cfg.head_dim)
+                                   head_dim=self.cfg.head_dim, vocab_size=self.vocab_shard)
+
+    @property
+    def vocab_shard(self) -> int:
+        """Rows of every rank's embedding / LM head table: ceil(V / T)."""
+        return -(-self.cfg.vocab_size // self.size)
 
     # ---------------------------------------------------------------- row / column ranges of the fused weights
     def qkv_rows(self, rank: int) -> list[tuple[int, int]]:
@@ -140,9 +145,11 @@ class TensorParallelPlan:
         if kind == "down_w":
             a, b = self.ffn_slice(rank)
             return full[:, a:b].clone()
-        if kind in ("embed", "lm_head"):
+        if kind in ("embed", "lm_head"):  # [Vs, C]: the rank's rows, then zero rows up to Vs (last rank)
             a, b = self.vocab_range(rank)
-            return full[a:b].clone()
+            out = full.new_zeros((self.vocab_shard,) + tuple(full.shape[1:]))
+            out[:b - a] = full[a:b]
+            return out
         if kind in self.REPLICATED:
             return full.clone()
         raise KeyError(f"TensorParallelPlan.shard: no split known for {name!r}")
@@ -198,14 +205,17 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
 
 class TensorParallelRank:
     """What the model needs of its tensor-parallel group (``LlamaModel(..., tensor_parallel=...)``): sums over the
-    group, sums over the ranks holding the same replicated KV heads, and which rows of the local qkv_w / qkv_b
-    are K and V (empty unless the KV heads are replicated). ``comm`` / ``kv_replica_comm``: the engine's
+    group, sums over the ranks holding the same replicated KV heads, which rows of the local qkv_w / qkv_b are K
+    and V (empty unless the KV heads are replicated), and its vocabulary range (``vocab_start``, ``vocab_valid``:
+    the real rows of its [Vs, C] embedding / head tables). ``comm`` / ``kv_replica_comm``: the engine's
     Communicator over the group and over this rank's replica set (None when the KV heads are not replicated)."""
 
     def __init__(self, plan: TensorParallelPlan, rank: int, comm, kv_replica_comm=None):
         if plan.kv_replicas > 1 and kv_replica_comm is None:
             raise ValueError("replicated KV heads need the communicator over their replicas")
         self.plan, self.rank, self.comm, self.kv_replica_comm = plan, rank, comm, kv_replica_comm
+        start, end = plan.vocab_range(rank)
+        self.vocab_start, self.vocab_valid = start, end - start  # this rank's token ids: [start, start + valid)
         local = plan.local_config()
         q, kv = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
         self.kv_rows = [slice(q, q + 2 * kv)] if plan.kv_replicas > 1 else []
@@ -229,8 +239,7 @@ def shard_params(plan: TensorParallelPlan, full_layout, full: torch.Tensor, rank
     for name, slot in local_layout.slots.items():
         src = full_layout.slots[name]
         view = full[src.offset:src.end].view(src.shape)
-        part = view.clone() if name in ("embed", "lm_head") else plan.shard(name, view, rank)
-        out[slot.offset:slot.end] = part.reshape(-1)
+        out[slot.offset:slot.end] = plan.shard(name, view, rank).reshape(-1)
     return out
 
 
@@ -263,8 +272,11 @@ def unshard_params(plan: TensorParallelPlan, full_layout, parts: list[torch.Tens
             elif kind == "down_w":
                 a, b = plan.ffn_slice(rank)
                 full[:, a:b] = local
-            elif kind in ("embed", "lm_head") or kind in plan.REPLICATED:
-                if rank == 0:  # held whole by every rank (the embedding and head are not split by vocabulary yet)
+            elif kind in ("embed", "lm_head"):  # the rank's vocabulary rows (not the zero padding of the last)
+                a, b = plan.vocab_range(rank)
+                full[a:b] = local[:b - a]
+            elif kind in plan.REPLICATED:
+                if rank == 0:  # held whole by every rank, equal on all
                     full.copy_(local)
             else:
                 raise KeyError(f"unshard_params: no split known for {name!r}")

@@ -36,8 +36,8 @@ norm over one copy of the shards (``all_reduce_over_shards``).
 Host offloading (``--offload-*``, llmq_ray/engine/offload.py): the optimizer state and ``grad_shard`` may live in
 pinned host memory; the optimizer and the accumulation stream them through the device in chunks.
 
-Tensor parallelism (``tensor_parallel=``, a ``TensorParallelRank`` of llmq_ray/engine/tensor_parallel.py; not yet
-on the command line): the model is this rank's part of the block weights (``plan.local_config()``), its flat
+Tensor parallelism (``tensor_parallel=``, a ``TensorParallelRank`` of llmq_ray/engine/tensor_parallel.py;
+``--tensor-parallel``): the model is this rank's part of the block weights (``plan.local_config()``), its flat
 buffers -- and the ZeRO shards of any level -- are in that local layout, and ``comm`` is the *data-parallel*
 group's. The weights start as the full model's init cut by the plan (the same values as one process); the
 gradients each rank holds a part of are summed over the group (``reduce_tensor_parallel_grads``: at the update
@@ -563,12 +563,12 @@ def _tensor_parallel_init(full_cfg: ModelConfig, tp, seed: int, dtype: torch.dty
 
 def _replicated_ranges(layout: ParamLayout, tp) -> list[tuple[int, int, int]]:
     """(start, end, copies) of the ranges of the local flat buffer that several ranks of the tensor-parallel group
-    hold whole (after ``reduce_tensor_parallel_grads`` their gradients are equal on those ranks): the embedding
-    and LM head (not yet split by vocabulary), every norm weight, and the K/V rows of replicated KV heads."""
+    hold whole (after ``reduce_tensor_parallel_grads`` their gradients are equal on those ranks): every norm
+    weight, and the K/V rows of replicated KV heads (the embedding and LM head are split by vocabulary)."""
     out = []
     for name, slot in layout.slots.items():
         kind = name.rsplit(".", 1)[-1]
-        if kind in ("embed", "lm_head") or kind in tp.plan.REPLICATED:
+        if kind in tp.plan.REPLICATED:
             out.append((slot.offset, slot.end, tp.plan.size))
         elif kind in ("qkv_w", "qkv_b") and tp.kv_rows:
             row = slot.numel // slot.shape[0]  # elements per row (1 for the bias)

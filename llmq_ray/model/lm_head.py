@@ -55,10 +55,11 @@ class LMHead:
     V padded to a multiple of ``VOCAB_ALIGN`` (model-dtype head; the module docstring says why)."""
 
     def __init__(self, backend: Backend, vocab: int, hidden: int, rows: int, chunks: int, dtype: torch.dtype,
-                 fp8: bool):
+                 fp8: bool, pad: bool = True):
         dev = backend.device
         self.be, self.chunks, self.fp8, self.vocab = backend, chunks, fp8, vocab
-        padded = vocab if fp8 or vocab % VOCAB_ALIGN == 0 else -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+        self._dlogits32 = None  # run_vocab_parallel's fp32 logit gradient [rows, V], made on first use
+        padded = vocab if fp8 or not pad or vocab % VOCAB_ALIGN == 0 else -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
         self.logits = torch.empty(rows, padded, dtype=dtype, device=dev)
         # [Vp, C]: the weight's rows, then zeros (written once; ``run`` copies the weight in per call)
         self.w_padded = torch.zeros(padded, hidden, dtype=dtype, device=dev) if padded != vocab else None
@@ -127,3 +128,35 @@ class LMHead:
             be.fused_classifier_fp8(self.logits, losses[sl], targets[sl], self.d_q, self.dt_q, self.d_descale, 1.0)
             be.matmul_fp8(dx[sl], self.d_q, self.wt_q, self.d_descale, self.w_descale)
             be.matmul_fp8(dw, self.dt_q, self.xt_q, self.d_descale, self.x_descale, accumulate=True)
+
+    def run_vocab_parallel(self, x: torch.Tensor, w: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
+                           tp, dx: torch.Tensor | None = None, dw: torch.Tensor | None = None) -> None:
+        """``run`` for a vocabulary-parallel head (--tensor-parallel, llmq_ray/engine/tensor_parallel.py): w [Vs, C]
+        is this rank's vocabulary shard (``tp.vocab_valid`` real rows from token id ``tp.vocab_start``), the
+        logits [rows, Vs] go through ``vocab_parallel_cross_entropy`` over ``tp.comm`` (two collectives of [rows]
+        vectors per chunk, never the full logits), losses[N] are the whole vocabulary's on every rank, dw [Vs, C]
+        += this shard's gradient, and dx -- the sum over the shards of dlogits W -- is summed over the group.
+        Model dtype only (the FP8 head's classifier has no cross-rank softmax). The logit gradient is made in
+        fp32 by torch ops (a few passes over [rows, Vs]), then rounded to the model dtype for the two GEMMs, as
+        the fused classifier does."""
+        from llmq_ray.engine.tensor_parallel import vocab_parallel_cross_entropy
+
+        if self.fp8:
+            raise ConfigError("--lmhead-dtype e4m3 does not run with --tensor-parallel yet.")
+        be, backward = self.be, dw is not None
+        rows = self.logits.shape[0]
+        if backward and self._dlogits32 is None:
+            self._dlogits32 = torch.empty(self.logits.shape, dtype=torch.float32, device=self.logits.device)
+        for chunk in range(self.chunks):
+            sl = slice(chunk * rows, (chunk + 1) * rows)
+            xc = x[sl]
+            be.matmul(self.logits, xc, w, transpose_b=True)
+            losses[sl] = vocab_parallel_cross_entropy(self.logits, targets[sl], tp.vocab_start, tp.comm,
+                                                      dlogits=self._dlogits32 if backward else None,
+                                                      valid=tp.vocab_valid)
+            if backward:
+                self.logits.copy_(self._dlogits32)
+                be.matmul(dx[sl], self.logits, w)
+                be.matmul(dw, self.logits, xc, transpose_a=True, accumulate=True)
+        if backward:
+            tp.all_reduce_sum(dx)

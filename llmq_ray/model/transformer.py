@@ -325,14 +325,15 @@ class LlamaModel:
     between two positions, so a document gets the attention it would get alone up to rounding. GPT-2's learned
     positions do need one: ``reset_positions`` (--reset-positions) makes each document's positions start at 0.
     The target at a separator position (the next document's first token) stays a target, as without masking.
-    ``tensor_parallel`` (the training engine's; not yet reachable from the command line): this rank's part of a
+    ``tensor_parallel`` (the training engine's, ``--tensor-parallel``): this rank's part of a
     tensor-parallel group (llmq_ray/engine/tensor_parallel.py), an object with ``all_reduce_sum(t)`` over the
     group, ``kv_replica_sum(t)`` over the ranks holding the same replicated KV heads (identity when none are) and
     ``kv_rows`` (the row slices of the local qkv_w / qkv_b that are K and V). ``cfg`` is then the rank's local
-    config (its heads and intermediate slice) and the weights its shards. The residual stream stays whole on every
-    rank: the row-parallel outputs (attention out-projection, down projection) are summed over the group before
-    the residual add, and the input gradients of the column-parallel GEMMs (QKV, up+gate) before their norm's
-    backward; ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (QK-norm weights,
+    config (its heads, intermediate slice and vocabulary shard) and the weights its shards. The residual stream
+    stays whole on every rank: the embedding lookup (each rank its vocabulary rows) and the row-parallel outputs
+    (attention out-projection, down projection) are summed over the group before the residual add, and the
+    input gradients of the column-parallel GEMMs (QKV, up+gate, the LM head) before their norm's backward; the
+    loss is the vocabulary-parallel cross-entropy of the rank's logits (llmq_ray/model/lm_head.py); ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (QK-norm weights,
     replicated KV rows): once per optimizer step under ZeRO-1, per unit and micro-step under ZeRO-2/3.
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
@@ -429,7 +430,7 @@ class LlamaModel:
         if lmhead_dtype not in (None, "e4m3"):
             raise ValueError(f"lmhead_dtype={lmhead_dtype!r} must be None (the model dtype) or 'e4m3'")
         self.head = LMHead(backend, cfg.vocab_size, c, n // lmhead_chunks, lmhead_chunks, dtype,
-                           fp8=lmhead_dtype == "e4m3")
+                           fp8=lmhead_dtype == "e4m3", pad=tensor_parallel is None)
         self.logits = self.head.logits
         self.losses = empty(n, dt=torch.float32)
         # backward buffers, shared by all layers
@@ -562,7 +563,14 @@ class LlamaModel:
                 start = torch.where(starts_here, t, torch.zeros_like(t)).cummax(dim=1).values
                 torch.sub(t, start, out=self.positions)
         hooks.before(EMBED)
-        be.embedding_forward(a.residual[0], tokens, self.w.embed)
+        if self.tp is not None:  # vocabulary-parallel: this rank's rows, zeros for other tokens, summed
+            self._tp_tokens = self._vocab_local(tokens)
+            local, mine = self._tp_tokens
+            be.embedding_forward(a.residual[0], local, self.w.embed)
+            a.residual[0].view(-1, self.cfg.hidden_size).mul_(mine[:, None].to(a.residual[0].dtype))
+            self.tp.all_reduce_sum(a.residual[0])
+        else:
+            be.embedding_forward(a.residual[0], tokens, self.w.embed)
         if self.gpt2:
             be.position_embedding_forward(a.residual[0], self.w.pos_embed, self.seq_len, self.positions)
         hooks.after(EMBED)
@@ -714,6 +722,14 @@ class LlamaModel:
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
 
+    def _vocab_local(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensor parallelism: (row of each token in this rank's vocabulary shard, clamped into it; whether the
+        token is in the shard) for tokens [N] -- the lookup reads a real row for every token and the mask zeroes
+        the others."""
+        start, valid = self.tp.vocab_start, self.tp.vocab_valid
+        mine = (tokens >= start) & (tokens < start + valid)
+        return (tokens - start).clamp(0, max(valid - 1, 0)), mine
+
     def reduce_tensor_parallel_grads(self, unit=None) -> None:
         """Tensor parallelism: sum the gradients each rank holds only a part of -- the QK-norm weights (shared by
         all heads, each rank saw its own heads) over the group, the K and V rows of replicated KV heads (each
@@ -843,7 +859,11 @@ class LlamaModel:
         LM-head weight gradient. Adds the chunk losses to ``loss_sum``."""
         self.schedule.before(HEAD, backward)
         w_head, g_head = self._lm_head(backward)  # g_head is None without backward
-        self.head.run(self.final_ln, w_head, self.losses, targets, dx=self.d_ln if backward else None, dw=g_head)
+        if self.tp is not None:  # vocabulary-parallel: this rank's logits, the cross-entropy over the group
+            self.head.run_vocab_parallel(self.final_ln, w_head, self.losses, targets, self.tp,
+                                         dx=self.d_ln if backward else None, dw=g_head)
+        else:
+            self.head.run(self.final_ln, w_head, self.losses, targets, dx=self.d_ln if backward else None, dw=g_head)
         self.schedule.after(HEAD, backward)
         self.loss_sum += self.losses.sum()
         self.target_count += (targets != -100).sum()
@@ -869,7 +889,12 @@ class LlamaModel:
             block_backward(layer)
             hooks.after(layer, backward=True)
         hooks.before(EMBED, backward=True)
-        self.backend.embedding_backward(self.g.embed, tokens, self.d_residual)
+        if self.tp is not None:  # only this rank's rows: the other tokens' gradients zeroed (d_residual is spent)
+            local, mine = self._tp_tokens
+            self.d_residual.mul_(mine[:, None].to(self.d_residual.dtype))
+            self.backend.embedding_backward(self.g.embed, local, self.d_residual)
+        else:
+            self.backend.embedding_backward(self.g.embed, tokens, self.d_residual)
         if self.gpt2:
             self.backend.position_embedding_backward(self.g.pos_embed, self.d_residual, self.seq_len,
                                                      self.positions)
@@ -892,6 +917,9 @@ class LlamaModel:
     @torch.no_grad()
     def logits_for(self, inputs: torch.Tensor) -> torch.Tensor:
         """Full logits [B, T, V] in fp32 for inputs [B, T] (tests, generation; allocates [N, V])."""
+        if self.tp is not None:
+            raise ConfigError("logits_for does not run under --tensor-parallel (each rank holds a vocabulary "
+                              "shard): export the model and load it in one process.")
         tokens, _ = self._check_batch(inputs, None)
         self.lin.invalidate_weights()
         self._forward_trunk(tokens)
