@@ -352,6 +352,8 @@ class LlamaModel:
         if tensor_parallel is not None and cfg.is_gpt2:
             raise ConfigError("--tensor-parallel does not take GPT-2 yet.")
         self.tp = tensor_parallel
+        # the embedding and head split by vocabulary (a group of one holds the whole vocabulary: the plain path)
+        self.vocab_parallel = tensor_parallel is not None and tensor_parallel.plan.size > 1
         if reset_positions and document_separator is None:
             raise ConfigError("--reset-positions needs --document-masking: positions restart at document starts.")
         if document_separator is not None and cfg.is_gpt2 and not reset_positions:
@@ -430,7 +432,7 @@ class LlamaModel:
         if lmhead_dtype not in (None, "e4m3"):
             raise ValueError(f"lmhead_dtype={lmhead_dtype!r} must be None (the model dtype) or 'e4m3'")
         self.head = LMHead(backend, cfg.vocab_size, c, n // lmhead_chunks, lmhead_chunks, dtype,
-                           fp8=lmhead_dtype == "e4m3", pad=tensor_parallel is None)
+                           fp8=lmhead_dtype == "e4m3", pad=not self.vocab_parallel)
         self.logits = self.head.logits
         self.losses = empty(n, dt=torch.float32)
         # backward buffers, shared by all layers
@@ -563,7 +565,7 @@ class LlamaModel:
                 start = torch.where(starts_here, t, torch.zeros_like(t)).cummax(dim=1).values
                 torch.sub(t, start, out=self.positions)
         hooks.before(EMBED)
-        if self.tp is not None:  # vocabulary-parallel: this rank's rows, zeros for other tokens, summed
+        if self.vocab_parallel:  # this rank's rows, zeros for other tokens, summed over the group
             self._tp_tokens = self._vocab_local(tokens)
             local, mine = self._tp_tokens
             be.embedding_forward(a.residual[0], local, self.w.embed)
@@ -859,7 +861,7 @@ class LlamaModel:
         LM-head weight gradient. Adds the chunk losses to ``loss_sum``."""
         self.schedule.before(HEAD, backward)
         w_head, g_head = self._lm_head(backward)  # g_head is None without backward
-        if self.tp is not None:  # vocabulary-parallel: this rank's logits, the cross-entropy over the group
+        if self.vocab_parallel:  # this rank's logits, the cross-entropy over the group
             self.head.run_vocab_parallel(self.final_ln, w_head, self.losses, targets, self.tp,
                                          dx=self.d_ln if backward else None, dw=g_head)
         else:
@@ -889,7 +891,7 @@ class LlamaModel:
             block_backward(layer)
             hooks.after(layer, backward=True)
         hooks.before(EMBED, backward=True)
-        if self.tp is not None:  # only this rank's rows: the other tokens' gradients zeroed (d_residual is spent)
+        if self.vocab_parallel:  # only this rank's rows: the other tokens' gradients zeroed (d_residual is spent)
             local, mine = self._tp_tokens
             self.d_residual.mul_(mine[:, None].to(self.d_residual.dtype))
             self.backend.embedding_backward(self.g.embed, local, self.d_residual)
@@ -917,7 +919,7 @@ class LlamaModel:
     @torch.no_grad()
     def logits_for(self, inputs: torch.Tensor) -> torch.Tensor:
         """Full logits [B, T, V] in fp32 for inputs [B, T] (tests, generation; allocates [N, V])."""
-        if self.tp is not None:
+        if self.vocab_parallel:
             raise ConfigError("logits_for does not run under --tensor-parallel (each rank holds a vocabulary "
                               "shard): export the model and load it in one process.")
         tokens, _ = self._check_batch(inputs, None)
