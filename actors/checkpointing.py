@@ -56,7 +56,7 @@ from llmq_ray.actors.failures import gather
 from llmq_ray.checkpoints.remote import begin as begin_remote, clear_step, publish, reason_of
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.checkpoints.store import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
-                                 build_manifest, discard_tmp, finalize_checkpoint, read_manifest, rng_state,
+                                 build_manifest, discard_tmp, finalize_checkpoint, read_manifest,
                                  step_dir, step_of, validate_checkpoint)
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError
@@ -112,8 +112,10 @@ def _manifest_of(out: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extr
     group's data state (the others return (None, None)): the checkpoint looks like one of W / T workers."""
     records = [rec for rec, _ in out if rec is not None]
     states = [state for rec, state in out if not (rec is None and state is None)]
+    # the seed only: the coordinator draws no random numbers, so its torch generator state would say nothing
+    # (and importing torch here would cost the coordinator ~3 s on a small machine)
     manifest = build_manifest(step, config=cfg, world_size=len(records), options=spec.opts,
-                              data_state=states, rng=rng_state(spec.opts.seed), extra=extra)
+                              data_state=states, rng={"seed": int(spec.opts.seed)}, extra=extra)
     return manifest, records
 
 

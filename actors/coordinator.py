@@ -58,13 +58,12 @@ import os
 import time
 
 from llmq_ray.actors import telemetry
-from llmq_ray.actors.collectives import check_tensor_parallel_placement
 from llmq_ray.actors.checkpointing import (UploadFailed, load_group_checkpoint, poll_group_upload,
                                            publish_group_checkpoint, restart_point, save_group_checkpoint,
                                            stage_group_checkpoint, upload_failed_message)
 from llmq_ray.actors.failures import (WorkerError, dead_nodes_of, find_hung_ranks, gather, probe_activities,
                                       wait_for_dead_nodes)
-from llmq_ray.actors.placement import TooFewWorkers, create_workers
+from llmq_ray.actors.placement import TooFewWorkers, check_tensor_parallel_placement, create_workers
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
 from llmq_ray.observe.metrics import sol_fraction, sol_record

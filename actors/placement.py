@@ -18,6 +18,21 @@ from llmq_ray.errors import ConfigError
 PLACEMENT_TIMEOUT_S = 120.0
 
 
+def check_tensor_parallel_placement(node_of_rank: list[str], tp: int) -> None:
+    """One ConfigError sentence unless every tensor-parallel group (``tp`` consecutive ranks) was placed on one
+    node, and ``tp`` divides the worker count. ``node_of_rank``: each rank's node id, in rank order."""
+    world = len(node_of_rank)
+    if tp < 1 or world % tp:
+        raise ConfigError(f"--tensor-parallel={tp} must divide the number of workers ({world}).")
+    split = [g for g in range(world // tp) if len(set(node_of_rank[g * tp:(g + 1) * tp])) > 1]
+    if split:
+        g = split[0]
+        raise ConfigError(f"--tensor-parallel={tp}: the workers {g * tp}-{(g + 1) * tp - 1} of one tensor-parallel "
+                          f"group were placed on {len(set(node_of_rank[g * tp:(g + 1) * tp]))} nodes; a group "
+                          f"exchanges activations every layer and must stay on one node: use a --tensor-parallel "
+                          f"that divides every node's GPU count.")
+
+
 def check_resources(spec: RuntimeSpec) -> None:
     """Raise ConfigError when the cluster cannot hold ``spec.world_size`` workers at all."""
     import ray

@@ -20,6 +20,10 @@ a node sees all its GPUs (per-actor CUDA_VISIBLE_DEVICES masking is known to mak
 then picks its own GPU: the one Ray assigned to its bundle when Ray reports it, else ``cuda:<local_rank>``.
 ``OMP_NUM_THREADS`` = k and ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` are set in the same runtime_env.
 
+Imports: torch, the engine and the collectives are imported inside the methods that run in the worker's own
+process (``setup`` first), never at the top: the coordinator imports this module to create the actors, and
+torch alone takes ~3 s to import on a small CPU machine -- time every run would wait before its workers start.
+
 Method order: ``rendezvous_address`` (rank 0 only) -> ``setup`` (all ranks, concurrently) -> any of
 ``train_step`` / ``micro_step`` + ``update`` / ``evaluate`` / ``export`` -> ``close``.
 
@@ -34,21 +38,21 @@ from __future__ import annotations
 
 import os
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmq_ray import storage
 
 from llmq_ray.actors import telemetry
-from llmq_ray.actors.collectives import (destroy_group, free_port, free_port_in, init_group, node_ip, node_scope,
-                                        set_socket_interface, set_worker_threads)
-from llmq_ray.actors.data import eval_source, train_source
 from llmq_ray.actors.fault_injection import FaultInjector
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
-from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.errors import ConfigError
 from llmq_ray.heap import GcPauses, freeze_long_lived
+
+if TYPE_CHECKING:  # torch and everything that imports it load in the worker's own process, when it sets up
+    import torch
+
+    from llmq_ray.engine.train_engine import TrainEngine
 
 PROBE_GROUP = "probe"  # the concurrency group of ``GPUWorker.activity``
 
@@ -83,10 +87,12 @@ def _tensor_parallel_groups(world, cfg, size: int):
     return groups.dp, TensorParallelRank(plan, groups.tp.rank, groups.tp, groups.kv_replica)
 
 
-def pick_cuda_device(local_rank: int) -> torch.device:
+def pick_cuda_device(local_rank: int) -> "torch.device":
     """This worker's GPU. With NOSET_CUDA_VISIBLE_DEVICES the process sees all the node's GPUs; Ray still
     records which one it assigned to the bundle (``ray.get_gpu_ids()``, physical ids). We map that id
     through any node-level CUDA_VISIBLE_DEVICES to a torch index; if Ray reports nothing, ``local_rank``."""
+    import torch
+
     count = torch.cuda.device_count()
     if count == 0:
         raise ConfigError("--device=cuda but this worker sees no CUDA device; use --device=cpu.")
@@ -127,6 +133,8 @@ class GPUWorker:
         self._activity = {"step": None, "at": -2, "what": "idle", "since": time.monotonic()}
         self._heap_frozen = False
         self._gc_pauses = GcPauses()
+        from llmq_ray.actors.collectives import set_worker_threads
+
         set_worker_threads(spec.cpus_per_worker)
 
     # ------------------------------------------------------------------ set-up
@@ -134,12 +142,16 @@ class GPUWorker:
         """Where this actor runs: {"node_id", "ip", "pid", "gpu_ids"} (the coordinator derives local ranks)."""
         import ray
 
+        from llmq_ray.actors.collectives import node_ip
+
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": node_ip(), "pid": os.getpid(),
                 "gpu_ids": [str(i) for i in ray.get_gpu_ids()]}
 
     def rendezvous_address(self) -> str:
         """Rank 0 only: reserve a free port on this node and return ``tcp://ip:port`` for init_process_group."""
+        from llmq_ray.actors.collectives import free_port, free_port_in, node_ip
+
         ip = node_ip()
         ports = self.spec.rendezvous_ports
         return f"tcp://{ip}:{free_port_in(*ports) if ports else free_port()}"
@@ -147,6 +159,12 @@ class GPUWorker:
     def setup(self, init_method: str, local_rank: int) -> dict:
         """Pick the device, join the process group, build the engine (weights: init or HF load) and the
         data sources. Returns {"device", "device_name", "memory": {...}, "dataset": {...}}."""
+        import torch
+
+        from llmq_ray.actors.collectives import init_group, node_scope, set_socket_interface
+        from llmq_ray.actors.data import eval_source, train_source
+        from llmq_ray.engine.train_engine import TrainEngine, make_backend
+
         spec, o = self.spec, self.spec.opts
         if spec.device == "cuda":
             self.device = pick_cuda_device(local_rank)
@@ -340,7 +358,7 @@ class GPUWorker:
         return write_to(out_dir, e.full_cfg, ParamLayout(e.full_cfg), flat.cpu(), dtype=torch_dtype,
                         tokenizer_source=tokenizer_source_for_export(weights, e.full_cfg.vocab_size))
 
-    def _whole_model_weights(self) -> torch.Tensor:
+    def _whole_model_weights(self) -> "torch.Tensor":
         """The whole model's weights [full layout numel], model dtype: a collective under ZeRO-3 (over the
         data-parallel group) and under tensor parallelism (then joined over the tensor-parallel group)."""
         flat = self.engine.full_params()
@@ -348,7 +366,7 @@ class GPUWorker:
             flat = self.engine.tensor_parallel_gather(flat)
         return flat
 
-    def flat_params(self) -> torch.Tensor:
+    def flat_params(self) -> "torch.Tensor":
         """A CPU fp32 copy of the whole model's weights [layout.numel] (tests, small models; a collective under
         ZeRO-3 and tensor parallelism)."""
         return self._whole_model_weights().detach().float().cpu().clone()
@@ -418,6 +436,8 @@ class GPUWorker:
         all-gathered over the data-parallel group, then joined over the tensor-parallel group); the dict only
         on tensor-parallel rank 0 (None elsewhere). Costs one whole-model tensor of device memory at a time
         (fp32 master: 4 bytes per parameter), and the host copy of this rank's shard."""
+        import torch
+
         from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
         from llmq_ray.model.params import ParamLayout
 
@@ -493,4 +513,6 @@ class GPUWorker:
         self._gc_pauses.close()
         if self._train is not None:
             self._train.close()
+        from llmq_ray.actors.collectives import destroy_group
+
         destroy_group(captured=self.engine is not None and self.engine.captures_collectives)

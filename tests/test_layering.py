@@ -131,3 +131,30 @@ def test_only_the_schedule_makes_cuda_streams():
                         if "torch.cuda.Stream(" in line:
                             found.append(f"{os.path.relpath(path, REPO)}:{i}")
     assert [x.split(":")[0] for x in found] == ["llmq_ray/engine/schedule.py"], found
+
+
+def test_the_coordinator_imports_and_writes_manifests_without_torch():
+    """The coordinator actor's process never needs torch: importing it (with the worker class it creates and the
+    placement) and building a checkpoint manifest must not import torch -- which takes ~3 s on a small machine,
+    paid by every run's start-up (actors/worker.py says why its imports are inside its methods)."""
+    code = """
+import sys
+from llmq_ray.actors import coordinator, placement, worker
+from llmq_ray.actors.checkpointing import _manifest_of
+from llmq_ray.actors.spec import RuntimeSpec
+from llmq_ray.model.config import PRESETS
+from llmq_ray.options import TrainOptions
+assert "torch" not in sys.modules, "import"
+spec = RuntimeSpec(opts=TrainOptions(model="tiny"), world_size=2)
+manifest, records = _manifest_of([({"rank": 0}, {"cursor": 1}), ({"rank": 1}, {"cursor": 1})], spec,
+                                 PRESETS["tiny"], 3, {})
+assert manifest["world_size"] == 2 and manifest["rng"] == {"seed": 42}, manifest
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
+print("ok")
+"""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

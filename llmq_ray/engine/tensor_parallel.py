@@ -1,5 +1,5 @@
-"""Tensor parallelism's plan, its vocabulary-parallel cross-entropy and the full-layout split / join of flat
-buffers (``--tensor-parallel T``; the Ray workers build the groups in actors/worker.py).
+"""Tensor parallelism's plan and the full-layout split / join of flat buffers (``--tensor-parallel T``; the Ray
+workers build the groups in actors/worker.py).
 
 The split (Megatron-style, written for this project's fused layouts; see llmq_ray/model/params.py):
 
@@ -18,12 +18,11 @@ The split (Megatron-style, written for this project's fused layouts; see llmq_ra
   (``vocab_range``); the local tables are [Vs, C] on every rank, the last rank's padded with zero rows when T does
   not divide V (they get no gradient and stay zero; checkpoints and exports never hold them). The lookup takes
   the rank's rows and zeros for other tokens, summed over the group; the head's logits [N, Vs] of each rank go
-  through ``vocab_parallel_cross_entropy``, which gives the exact losses without gathering the full logits, and
-  the head's input gradient is summed over the group (llmq_ray/model/transformer.py, lm_head.py).
+  through ``vocab_parallel_cross_entropy`` (llmq_ray/model/lm_head.py), which gives the exact losses without
+  gathering the full logits, and the head's input gradient is summed over the group.
 * norms (and Qwen3's QK-norm weights, per head and shared by all heads) are replicated.
 
-Why our own: the split depends on this project's fused flat layout (q|k|v rows, up|gate rows), and the
-cross-entropy runs on the engine's ``Communicator`` (all-gather and sum only), not on autograd.
+Why our own: the split depends on this project's fused flat layout (q|k|v rows, up|gate rows).
 """
 
 from __future__ import annotations
@@ -153,54 +152,6 @@ class TensorParallelPlan:
         if kind in self.REPLICATED:
             return full.clone()
         raise KeyError(f"TensorParallelPlan.shard: no split known for {name!r}")
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm,
-                                 dlogits: torch.Tensor | None = None, valid: int | None = None) -> torch.Tensor:
-    """Cross-entropy over logits split by vocabulary across the ranks of ``comm`` (the tensor-parallel group).
-
-    logits[N, Vr] (any float dtype; computed in fp32) are this rank's columns [vocab_start, vocab_start + Vr)
-    of the full [N, V] logits; ``valid`` (default Vr): how many of them are real vocabulary, the rest being the
-    padding of an equal-size shard (left out of the softmax, zero gradient). targets[N] int, global ids, -100 =
-    masked. Returns losses[N] fp32, the same on every rank (0 at masked rows). With ``dlogits`` [N, Vr] fp32, also
-    writes d(sum of losses)/d logits for this rank's columns: softmax - one-hot, zero at masked rows.
-
-    Two collectives of [N]-sized vectors, never the full logits: the row maxima (all-gathered, then the max, so
-    every rank shifts by the same value), then one sum of the stacked [2, N] exp-sums and target logits (each
-    target logit from the rank that holds its column, 0 elsewhere). No host sync (gathers and masks, no
-    data-dependent shapes). ``comm`` needs ``world_size``, ``all_gather(full, shard)`` and ``all_reduce_sum``
-    (the engine's Communicator). Targets must be -100 or in [0, V): the data pipeline checks token ids.
-    """
-    x = logits.float()
-    n, local_v = x.shape
-    valid = local_v if valid is None else valid
-    if valid < local_v:
-        x = x.clone()
-        x[:, valid:] = float("-inf")
-    world = comm.world_size
-    local_max = x.max(dim=1).values if local_v else torch.full((n,), float("-inf"), device=x.device)
-    maxima = torch.empty(world * n, dtype=torch.float32, device=x.device)
-    comm.all_gather(maxima, local_max.contiguous())
-    row_max = maxima.view(world, n).max(dim=0).values
-    exp = torch.exp(x - row_max[:, None])
-    sum_exp = exp.sum(dim=1)
-    local_t = targets.to(x.device).long() - vocab_start
-    mine = (local_t >= 0) & (local_t < valid)
-    idx = local_t.clamp(0, max(local_v - 1, 0))[:, None]
-    target_logit = (torch.where(mine, x.gather(1, idx).squeeze(1), 0.0) if local_v
-                    else torch.zeros(n, dtype=torch.float32, device=x.device))
-    stats = torch.stack([sum_exp, target_logit])  # one collective for both sums
-    comm.all_reduce_sum(stats)
-    sum_exp, target_logit = stats[0], stats[1]
-    masked = targets.to(x.device) == -100
-    losses = torch.log(sum_exp) + row_max - target_logit
-    losses = losses.masked_fill(masked, 0.0)
-    if dlogits is not None:
-        dlogits.copy_(exp / sum_exp[:, None])
-        if local_v:
-            dlogits.scatter_add_(1, idx, -mine.float()[:, None])
-        dlogits.mul_((~masked).float()[:, None])
-    return losses
 
 
 class TensorParallelRank:

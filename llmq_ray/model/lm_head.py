@@ -35,6 +35,10 @@ under ZeRO-3 or captured in a CUDA graph, and re-quantizing unchanged weights gi
 Memory with fp8: 2 FP8 bytes of gradient per logit beside the model-dtype logits, 2 V C bytes of weight
 copies, 2 (N / chunks) C bytes for x. ``logits_for`` (generation, tests) keeps the model-dtype head. The CuPy
 backend takes the torch reference's classifier for this (fp32 temporaries in blocks of rows: slower, more memory).
+
+Under tensor parallelism (--tensor-parallel T, llmq_ray/engine/tensor_parallel.py) each rank holds a vocabulary
+shard of W and ``run_vocab_parallel`` computes the loss with ``vocab_parallel_cross_entropy``: our own, because it
+runs on the engine's ``Communicator`` (all-gather and sum of per-token vectors), not on autograd.
 """
 
 from __future__ import annotations
@@ -47,6 +51,54 @@ from llmq_ray.errors import ConfigError
 
 VOCAB_ALIGN = 64  # the model-dtype head pads the vocabulary to a multiple of this (module docstring)
 PAD_LOGIT = -10000.0  # the padded logits: exp(PAD_LOGIT - max) is exactly 0 in fp32
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm,
+                                 dlogits: torch.Tensor | None = None, valid: int | None = None) -> torch.Tensor:
+    """Cross-entropy over logits split by vocabulary across the ranks of ``comm`` (the tensor-parallel group).
+
+    logits[N, Vr] (any float dtype; computed in fp32) are this rank's columns [vocab_start, vocab_start + Vr)
+    of the full [N, V] logits; ``valid`` (default Vr): how many of them are real vocabulary, the rest being the
+    padding of an equal-size shard (left out of the softmax, zero gradient). targets[N] int, global ids, -100 =
+    masked. Returns losses[N] fp32, the same on every rank (0 at masked rows). With ``dlogits`` [N, Vr] fp32, also
+    writes d(sum of losses)/d logits for this rank's columns: softmax - one-hot, zero at masked rows.
+
+    Two collectives of [N]-sized vectors, never the full logits: the row maxima (all-gathered, then the max, so
+    every rank shifts by the same value), then one sum of the stacked [2, N] exp-sums and target logits (each
+    target logit from the rank that holds its column, 0 elsewhere). No host sync (gathers and masks, no
+    data-dependent shapes). ``comm`` needs ``world_size``, ``all_gather(full, shard)`` and ``all_reduce_sum``
+    (the engine's Communicator). Targets must be -100 or in [0, V): the data pipeline checks token ids.
+    """
+    x = logits.float()
+    n, local_v = x.shape
+    valid = local_v if valid is None else valid
+    if valid < local_v:
+        x = x.clone()
+        x[:, valid:] = float("-inf")
+    world = comm.world_size
+    local_max = x.max(dim=1).values if local_v else torch.full((n,), float("-inf"), device=x.device)
+    maxima = torch.empty(world * n, dtype=torch.float32, device=x.device)
+    comm.all_gather(maxima, local_max.contiguous())
+    row_max = maxima.view(world, n).max(dim=0).values
+    exp = torch.exp(x - row_max[:, None])
+    sum_exp = exp.sum(dim=1)
+    local_t = targets.to(x.device).long() - vocab_start
+    mine = (local_t >= 0) & (local_t < valid)
+    idx = local_t.clamp(0, max(local_v - 1, 0))[:, None]
+    target_logit = (torch.where(mine, x.gather(1, idx).squeeze(1), 0.0) if local_v
+                    else torch.zeros(n, dtype=torch.float32, device=x.device))
+    stats = torch.stack([sum_exp, target_logit])  # one collective for both sums
+    comm.all_reduce_sum(stats)
+    sum_exp, target_logit = stats[0], stats[1]
+    masked = targets.to(x.device) == -100
+    losses = torch.log(sum_exp) + row_max - target_logit
+    losses = losses.masked_fill(masked, 0.0)
+    if dlogits is not None:
+        dlogits.copy_(exp / sum_exp[:, None])
+        if local_v:
+            dlogits.scatter_add_(1, idx, -mine.float()[:, None])
+        dlogits.mul_((~masked).float()[:, None])
+    return losses
 
 
 class LMHead:
@@ -139,8 +191,6 @@ class LMHead:
         Model dtype only (the FP8 head's classifier has no cross-rank softmax). The logit gradient is made in
         fp32 by torch ops (a few passes over [rows, Vs]), then rounded to the model dtype for the two GEMMs, as
         the fused classifier does."""
-        from llmq_ray.engine.tensor_parallel import vocab_parallel_cross_entropy
-
         if self.fp8:
             raise ConfigError("--lmhead-dtype e4m3 does not run with --tensor-parallel yet.")
         be, backward = self.be, dw is not None

@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-
-import torch
+from typing import TYPE_CHECKING
 
 from llmq_ray.model.config import ModelConfig
+
+if TYPE_CHECKING:  # the layout is arithmetic: a checkpoint manifest (written by the coordinator) needs no torch
+    import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,7 +236,7 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int, start: int = 0) -> None:
+def init_params(layout: ParamLayout, flat: "torch.Tensor", seed: int, start: int = 0) -> None:
     """Fill ``flat`` with a from-scratch initialization, identical for any device and number of workers.
 
     ``flat`` holds the global elements [start, start + flat.numel()) of the layout (the whole buffer by
@@ -248,6 +250,8 @@ def init_params(layout: ParamLayout, flat: torch.Tensor, seed: int, start: int =
     generator seeded by (seed, name) in fp32, so the values do not depend on the device, the model dtype
     (beyond the final rounding) or how the buffer is later sharded.
     """
+    import torch
+
     std = 0.02
     residual_std = std / math.sqrt(2 * layout.cfg.num_layers)
     end = start + flat.numel()
