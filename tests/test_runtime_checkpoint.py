@@ -121,9 +121,11 @@ def test_tensor_parallel_runs_train_as_one_worker_and_their_checkpoints_resume_o
     * their checkpoints are in the whole model's layout, one file per data-parallel rank, and look like a
       1- or 2-worker run's (world_size, data states);
     * the T=2 run's step-12 checkpoint loaded on 1 worker gives the T=2 run's exported weights bit for bit
-      (fp32), and its step-6 checkpoint resumed on 1 worker continues within 1e-5 of the uninterrupted run."""
+      (fp32) and the same final eval (targets, loss within 1e-5), and its step-6 checkpoint resumed on 1 worker
+      continues within 1e-5 of the uninterrupted run."""
     ref = reference[1]
-    tp2 = _run(shards, tmp_path / "tp2", 1, workers=2, tensor_parallel=2)
+    ev = dict(eval_file=shards.eval, final_eval=True)
+    tp2 = _run(shards, tmp_path / "tp2", 1, workers=2, tensor_parallel=2, **ev)
     tp2dp2 = _run(shards, tmp_path / "tp2dp2", 2, workers=4, tensor_parallel=2, zero_level=3)
     for res in (tp2, tp2dp2):
         assert [r["step"] for r in res.history] == list(range(12))
@@ -138,8 +140,11 @@ def test_tensor_parallel_runs_train_as_one_worker_and_their_checkpoints_resume_o
         assert manifest["world_size"] == dp and len(manifest["files"]) == dp
         assert len(manifest["data_state"]) == dp and manifest["train_options"]["tensor_parallel"] == 2
 
-    loaded = _run(shards, tmp_path / "loaded", 1, resume=_ckpt(tp2, 12))
+    loaded = _run(shards, tmp_path / "loaded", 1, resume=_ckpt(tp2, 12), **ev)
     assert loaded.history == [] and torch.equal(_weights(loaded), _weights(tp2))
+    # the final eval of the group (its two ranks read the same batches) is one worker's on the same weights
+    (e_tp,), (e_one,) = [[e for e in r.evals if e["full"]] for r in (tp2, loaded)]
+    assert e_tp["targets"] == e_one["targets"] > 0 and abs(e_tp["loss"] - e_one["loss"]) <= 1e-5 * e_one["loss"]
     resumed = _run(shards, tmp_path / "resumed", 1, resume=_ckpt(tp2, 6))
     assert [r["step"] for r in resumed.history] == list(range(6, 12))
     np.testing.assert_allclose(_losses(resumed), _losses(tp2)[6:], rtol=1e-5)
