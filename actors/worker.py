@@ -198,7 +198,8 @@ class GPUWorker:
                 self.engine.load_full_params(flat)
             self.engine.reset_optimizer_from_params()
         self._train = train_source(spec, cfg.vocab_size, self.dp_rank)
-        if spec.checkpoints_on and storage.is_remote(spec.ckpt_dir):
+        if spec.checkpoints_on and storage.is_remote(spec.ckpt_dir) and tensor_parallel is None:
+            # (under tensor parallelism the state is gathered into host tensors of another size at each save)
             from llmq_ray.checkpoints.remote import HostSnapshot
             from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
 

@@ -187,3 +187,27 @@ def test_checkpoints_on_s3_are_written_pruned_and_resumed(s3, ray_cluster, shard
                     resume=f"{store_uri}/step_00000004").fit()
     assert [r["step"] for r in b.history] == [4, 5, 6, 7]
     np.testing.assert_allclose(losses(b), losses(ref)[4:], rtol=1e-5)
+
+
+def test_a_tensor_parallel_run_checkpoints_to_s3_and_resumes_on_one_worker_bit_for_bit(s3, ray_cluster, shards,
+                                                                                       tmp_path, monkeypatch):
+    """--tensor-parallel 2 with checkpoints on s3:// (staged on the node, uploaded in the background): one shard
+    file per data-parallel rank (here one, written by tensor-parallel rank 0 of the group), the manifest last;
+    the step-4 checkpoint loaded on one worker gives the group's exported weights bit for bit (fp32)."""
+    from safetensors.torch import load_file
+
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    monkeypatch.chdir(tmp_path)
+    base = dict(model="tiny", steps=4, batch_size=2, seq_len=16, learning_rate=3e-3, warmup=1, device="cpu",
+                final_eval=False, export_dtype="fp32", ckpt_interval=2, collective_timeout_s=15.0,
+                call_timeout_s=60.0, use_ray_data=False, verbose=False, train_file=shards.train, grad_accumulation=2)
+    store_uri = "s3://bucket/ckpts/tp2"
+    tp = LLMQTrainer(**base, workers=2, tensor_parallel=2, out_dir=str(tmp_path / "tp"), checkpoint_dir=store_uri,
+                     fault={"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3}).fit()
+    assert storage.list_names(store_uri) == ["step_00000002", "step_00000004"]
+    assert storage.list_names(f"{store_uri}/step_00000004") == ["manifest.json", "rank_00000.safetensors"]
+    one = LLMQTrainer(**base, workers=1, out_dir=str(tmp_path / "one"), resume=f"{store_uri}/step_00000004").fit()
+    assert one.history == []
+    a, b = (load_file(os.path.join(r.export_path, "model.safetensors")) for r in (tp, one))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
