@@ -1,7 +1,8 @@
 """``GPUWorker``: the Ray actor that owns one GPU (or, with ``device="cpu"``, a few CPU cores) of a run.
 
 It holds a ``TrainEngine`` (the full weights under ZeRO-1/2, its shard of the optimizer state and, under
-ZeRO-2, of the gradients), its own data source (rank r of W), and the torch.distributed group over which
+ZeRO-2, of the gradients), its own data source (rank r of W; under --tensor-parallel its group's, below), and the
+torch.distributed group over which
 the engine's collectives run.
 
 With ``--tensor-parallel T`` (llmq_ray/engine/tensor_parallel.py) the W workers form W/T tensor-parallel groups
@@ -339,14 +340,14 @@ class GPUWorker:
     def export(self, out_dir: str, dtype: str | None, write: bool = True) -> str | None:
         """Write the weights as an HF folder, atomically; returns its absolute path (or its URI: an object
         store gets it through a staging folder on this node, llmq_ray/model/hf_io.py ``export_hf_to_uri``). Under
-        ZeRO-3 gathering them is a collective: every rank calls this, and only the one with ``write`` writes
-        (others: None)."""
+        ZeRO-3 and tensor parallelism gathering them is a collective: every rank calls this, and only the one
+        with ``write`` writes (others: None)."""
         from llmq_ray import storage
         from llmq_ray.model.hf_io import export_hf, export_hf_to_uri
         from llmq_ray.options import DTYPES
 
         e = self.engine
-        flat = self._whole_model_weights()
+        flat = self._whole_model_weights(keep=write)
         if not write:
             return None
         torch_dtype = DTYPES[dtype] if dtype else flat.dtype
@@ -359,12 +360,13 @@ class GPUWorker:
         return write_to(out_dir, e.full_cfg, ParamLayout(e.full_cfg), flat.cpu(), dtype=torch_dtype,
                         tokenizer_source=tokenizer_source_for_export(weights, e.full_cfg.vocab_size))
 
-    def _whole_model_weights(self) -> "torch.Tensor":
+    def _whole_model_weights(self, keep: bool = True) -> "torch.Tensor | None":
         """The whole model's weights [full layout numel], model dtype: a collective under ZeRO-3 (over the
-        data-parallel group) and under tensor parallelism (then joined over the tensor-parallel group)."""
+        data-parallel group) and under tensor parallelism (then joined over the tensor-parallel group, slot by
+        slot, into host memory on the ranks that ``keep`` it; the others get None)."""
         flat = self.engine.full_params()
         if self.engine.tp is not None:
-            flat = self.engine.tensor_parallel_gather(flat)
+            return self.engine.tensor_parallel_gather(flat, keep=keep)
         return flat
 
     def flat_params(self) -> "torch.Tensor":
@@ -393,7 +395,9 @@ class GPUWorker:
         the upload is done.
 
         With --zero-scope node every node holds a copy of the shards: only the first node's ranks write theirs
-        (as shard files 0 .. L-1: a checkpoint of L shards); the others return None and their data state."""
+        (as shard files 0 .. L-1: a checkpoint of L shards); the others return None and their data state. With
+        --tensor-parallel every rank takes part in gathering the state (``_full_layout_shard``); tensor-parallel
+        rank 0 of each group writes data-parallel shard r // T, the others return (None, None)."""
         from llmq_ray.checkpoints.store import rank_file_name, write_rank_shard
         from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
 
@@ -408,14 +412,16 @@ class GPUWorker:
                 return None, None
         if upload_to is not None:
             os.makedirs(tmp_dir, exist_ok=True)
-        self.faults.saving(tmp_dir, step, rank_file_name(self.rank))
+        self.faults.saving(tmp_dir, step, rank_file_name(rank))
         if upload_to is not None and background:
             from llmq_ray.checkpoints.remote import BackgroundUploads, HostSnapshot
 
-            # the only synchronous part: a copy of the state into (pinned) host buffers; the file is written,
-            # hashed and uploaded on the upload thread while the next steps train
-            self._snapshot = self._snapshot or HostSnapshot()
-            state = self._snapshot.take(state if state is not None else engine_checkpoint_tensors(e))
+            # the only synchronous part: a copy of the state into (pinned) host buffers (tensor parallelism:
+            # the gathered state already is a fresh host copy); the file is written, hashed and uploaded on the
+            # upload thread while the next steps train
+            if state is None:
+                self._snapshot = self._snapshot or HostSnapshot()
+                state = self._snapshot.take(engine_checkpoint_tensors(e))
             self._uploads = self._uploads or BackgroundUploads()
             self._uploads.submit(step, tmp_dir, None, upload_to, before=lambda: self.faults.uploading(step),
                                  write=lambda: write_rank_shard(tmp_dir, rank, state, start, end))
@@ -433,10 +439,11 @@ class GPUWorker:
     def _full_layout_shard(self) -> tuple[dict | None, int, int]:
         """Tensor parallelism: ({"master", "m", "v"} over [start, end) of the whole model's flat layout, start,
         end) -- data-parallel shard ``dp_rank`` of ``dp_size`` of the state one process would hold, so the
-        checkpoint resumes on any tensor- and data-parallel size. A collective over every rank (each state is
-        all-gathered over the data-parallel group, then joined over the tensor-parallel group); the dict only
-        on tensor-parallel rank 0 (None elsewhere). Costs one whole-model tensor of device memory at a time
-        (fp32 master: 4 bytes per parameter), and the host copy of this rank's shard."""
+        checkpoint resumes on any tensor- and data-parallel size. A collective over every rank: each state is
+        all-gathered over the data-parallel group into this rank's whole part (on the device; none needed with
+        one data-parallel rank, whose shard is that part), then joined over the tensor-parallel group slot by
+        slot (``TrainEngine.tensor_parallel_gather``: T x one slot of device memory). The dict, host tensors,
+        only on tensor-parallel rank 0 (None elsewhere)."""
         import torch
 
         from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
@@ -446,18 +453,22 @@ class GPUWorker:
         n_full = ParamLayout(e.full_cfg).numel
         size = -(-n_full // self.dp_size)
         start, end = min(self.dp_rank * size, n_full), min((self.dp_rank + 1) * size, n_full)
+        keep = e.tp.rank == 0
         out = {}
         for name, shard in engine_checkpoint_tensors(e).items():
-            padded = torch.zeros(e.shard_size, dtype=shard.dtype, device=e.device)
-            padded[:shard.numel()].copy_(shard)
-            local = torch.empty(e.shard_size * e.comm.world_size, dtype=shard.dtype, device=e.device)
-            e.comm.all_gather(local, padded)
-            whole = e.tensor_parallel_gather(local[:e.layout.numel])
-            del local, padded
-            if e.tp.rank == 0:
-                out[name] = whole[start:end].cpu()
-            del whole
-        return (out if e.tp.rank == 0 else None), start, end
+            if e.comm.world_size > 1:
+                padded = torch.zeros(e.shard_size, dtype=shard.dtype, device=e.device)
+                padded[:shard.numel()].copy_(shard)
+                local = torch.empty(e.shard_size * e.comm.world_size, dtype=shard.dtype, device=e.device)
+                e.comm.all_gather(local, padded)
+                del padded
+            else:
+                local = shard  # one data-parallel rank: its shard is its whole part
+            part = e.tensor_parallel_gather(local, keep=keep, start=start, end=end)
+            del local
+            if keep:
+                out[name] = part
+        return (out if keep else None), start, end
 
     def upload_status(self, step: int, wait: bool = False, timeout_s: float | None = None) -> dict:
         """Whether the background upload of this rank's shard of checkpoint ``step`` finished: {"done": False}
@@ -490,15 +501,8 @@ class GPUWorker:
             from llmq_ray.checkpoints.remote import fetch
 
             folder = fetch(folder)
-        if e.tp is not None:  # the whole model's state on the host, this rank's part, its data-parallel shard
-            from llmq_ray.engine.tensor_parallel import shard_params
-            from llmq_ray.model.params import ParamLayout
-
-            full_layout = ParamLayout(e.full_cfg)
-            tensors, manifest = load_checkpoint(folder, expected_config=e.full_cfg, shard_start=0,
-                                                shard_end=full_layout.numel, verify_checksums=not verified)
-            tensors = {k: shard_params(e.tp.plan, full_layout, t, e.tp.rank)[e.shard_start:e.shard_end]
-                       for k, t in tensors.items()}
+        if e.tp is not None:  # this rank's data-parallel shard of its part, cut slot by slot from the whole model's
+            tensors, manifest = self._load_tensor_parallel_shard(folder, verified)
         else:
             tensors, manifest = load_checkpoint(folder, expected_config=e.cfg, world_size=self.world_size,
                                                 rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
@@ -508,6 +512,41 @@ class GPUWorker:
         if state and self._train is not None:
             self._train.restore(state)
         return int(manifest["step"])
+
+    def _load_tensor_parallel_shard(self, folder: str, verified: bool) -> tuple[dict, dict]:
+        """Tensor parallelism: ({"master", "m", "v"} over [shard_start, shard_end) of this rank's local layout,
+        manifest) from a checkpoint in the whole model's layout (any T, any worker count). Reads one whole-model
+        slot at a time (host memory: 3 x the largest slot, plus the shard), only the slots the shard overlaps;
+        unless ``verified``, every file of the folder is hashed first (``verify_checkpoint``)."""
+        import torch
+
+        from llmq_ray.checkpoints.store import load_checkpoint, verify_checkpoint
+        from llmq_ray.model.params import ParamLayout
+
+        e = self.engine
+        if not verified:
+            verify_checkpoint(folder)
+        full_layout, lo, hi = ParamLayout(e.full_cfg), e.shard_start, e.shard_end
+        out: dict = {}
+        manifest = None
+        for name, slot in e.layout.slots.items():
+            a, b = max(slot.offset, lo), min(slot.end, hi)
+            if a >= b:
+                continue
+            src = full_layout.slots[name]
+            tensors, manifest = load_checkpoint(folder, expected_config=e.full_cfg, shard_start=src.offset,
+                                                shard_end=src.end, verify_checksums=False)
+            for k, t in tensors.items():
+                part = e.tp.plan.shard(name, t.view(src.shape), e.tp.rank).reshape(-1)
+                if k not in out:
+                    out[k] = torch.empty(hi - lo, dtype=t.dtype)
+                out[k][a - lo:b - lo] = part[a - slot.offset:b - slot.offset]
+        if manifest is None:  # an empty shard (more ranks than parameters): the manifest alone
+            from llmq_ray.checkpoints.store import read_manifest
+
+            manifest = read_manifest(folder)
+            out = {k: torch.empty(0) for k in ("master", "m", "v")}
+        return out, manifest
 
     def close(self) -> None:
         """Stop the data reader and leave the process group (the actor is killed afterwards)."""

@@ -122,7 +122,8 @@ def test_tensor_parallel_runs_train_as_one_worker_and_their_checkpoints_resume_o
       1- or 2-worker run's (world_size, data states);
     * the T=2 run's step-12 checkpoint loaded on 1 worker gives the T=2 run's exported weights bit for bit
       (fp32) and the same final eval (targets, loss within 1e-5), and its step-6 checkpoint resumed on 1 worker
-      continues within 1e-5 of the uninterrupted run."""
+      continues within 1e-5 of the uninterrupted run; the T=2 x DP=2 run resumed from its own step-6 checkpoint
+      is bit for bit the uninterrupted one (losses and final weights)."""
     ref = reference[1]
     ev = dict(eval_file=shards.eval, final_eval=True)
     tp2 = _run(shards, tmp_path / "tp2", 1, workers=2, tensor_parallel=2, **ev)
@@ -148,6 +149,10 @@ def test_tensor_parallel_runs_train_as_one_worker_and_their_checkpoints_resume_o
     resumed = _run(shards, tmp_path / "resumed", 1, resume=_ckpt(tp2, 6))
     assert [r["step"] for r in resumed.history] == list(range(6, 12))
     np.testing.assert_allclose(_losses(resumed), _losses(tp2)[6:], rtol=1e-5)
+    # the same layout resumed from its own step-6 checkpoint (each rank cuts its part and data-parallel shard out
+    # of the whole model's state): bit for bit the uninterrupted run
+    again = _run(shards, tmp_path / "again", 2, workers=4, tensor_parallel=2, zero_level=3, resume=_ckpt(tp2dp2, 6))
+    assert _losses(again) == _losses(tp2dp2)[6:] and torch.equal(_weights(again), _weights(tp2dp2))
 
 
 def test_tensor_parallel_sizes_that_do_not_fit_are_one_sentence_before_any_actor_starts(ray_cluster, shards, tmp_path):

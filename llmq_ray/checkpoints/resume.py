@@ -84,7 +84,7 @@ def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
                  extra=extra, keep_n=keep_n, major_every=major_every)
     if engine.tp is None:
         return save_checkpoint(ckpt_dir, step, [(engine.shard_start, engine.shard_end, state)], **write)
-    state = {name: engine.tensor_parallel_gather(t) for name, t in state.items()}
+    state = {name: engine.tensor_parallel_gather(t, keep=engine.tp.rank == 0) for name, t in state.items()}
     done = torch.zeros(1, device=engine.device)  # rank 0 says whether the folder is complete: a barrier too
     path = None
     if engine.tp.rank == 0:

@@ -194,11 +194,39 @@ def shard_params(plan: TensorParallelPlan, full_layout, full: torch.Tensor, rank
     return out
 
 
+def unshard_slot(plan: TensorParallelPlan, name: str, full: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Write the full tensor of layout slot ``name`` into ``full`` (its full shape) from every rank's local part
+    (``parts[r]``: rank r's, in its local shape). Replicated tensors come from rank 0 (equal on every rank);
+    replicated KV heads from each rank that holds them (equal too); the vocabulary rows without the last rank's
+    zero padding."""
+    kind = name.rsplit(".", 1)[-1]
+    for rank, local in enumerate(parts):
+        if kind in ("qkv_w", "qkv_b", "up_gate_w"):
+            ranges = plan.qkv_rows(rank) if kind != "up_gate_w" else plan.up_gate_rows(rank)
+            row = 0
+            for a, b in ranges:
+                full[a:b] = local[row:row + b - a]
+                row += b - a
+        elif kind == "out_w":
+            a, b = plan.out_cols(rank)
+            full[:, a:b] = local
+        elif kind == "down_w":
+            a, b = plan.ffn_slice(rank)
+            full[:, a:b] = local
+        elif kind in ("embed", "lm_head"):
+            a, b = plan.vocab_range(rank)
+            full[a:b] = local[:b - a]
+        elif kind in plan.REPLICATED:
+            if rank == 0:
+                full.copy_(local)
+        else:
+            raise KeyError(f"unshard: no split known for {name!r}")
+
+
 def unshard_params(plan: TensorParallelPlan, full_layout, parts: list[torch.Tensor]) -> torch.Tensor:
     """The inverse of ``shard_params``: the full model's flat buffer in ``full_layout`` from every rank's local
-    buffer (``parts[r]``: rank r's, in the layout of ``plan.local_config()``). Replicated tensors come from rank
-    0 (they are equal on every rank); replicated KV heads from each rank that holds them (equal too). How a
-    checkpoint of a tensor-parallel run is written in the same full layout as one process's."""
+    buffer (``parts[r]``: rank r's, in the layout of ``plan.local_config()``). Holds every part and the whole
+    result at once: for small models and tests; a run joins its ranks' parts slot by slot (``join_parts``)."""
     from llmq_ray.model.params import ParamLayout
 
     if len(parts) != plan.size:
@@ -206,29 +234,36 @@ def unshard_params(plan: TensorParallelPlan, full_layout, parts: list[torch.Tens
     local_layout = ParamLayout(plan.local_config())
     out = torch.empty(full_layout.numel, dtype=parts[0].dtype, device=parts[0].device)
     for name, slot in full_layout.slots.items():
-        kind = name.rsplit(".", 1)[-1]
-        full = out[slot.offset:slot.end].view(slot.shape)
-        for rank, flat in enumerate(parts):
-            local_slot = local_layout.slots[name]
-            local = flat[local_slot.offset:local_slot.end].view(local_slot.shape)
-            if kind in ("qkv_w", "qkv_b") or kind == "up_gate_w":
-                ranges = plan.qkv_rows(rank) if kind != "up_gate_w" else plan.up_gate_rows(rank)
-                row = 0
-                for a, b in ranges:
-                    full[a:b] = local[row:row + b - a]
-                    row += b - a
-            elif kind == "out_w":
-                a, b = plan.out_cols(rank)
-                full[:, a:b] = local
-            elif kind == "down_w":
-                a, b = plan.ffn_slice(rank)
-                full[:, a:b] = local
-            elif kind in ("embed", "lm_head"):  # the rank's vocabulary rows (not the zero padding of the last)
-                a, b = plan.vocab_range(rank)
-                full[a:b] = local[:b - a]
-            elif kind in plan.REPLICATED:
-                if rank == 0:  # held whole by every rank, equal on all
-                    full.copy_(local)
-            else:
-                raise KeyError(f"unshard_params: no split known for {name!r}")
+        ls = local_layout.slots[name]
+        unshard_slot(plan, name, out[slot.offset:slot.end].view(slot.shape),
+                     [flat[ls.offset:ls.end].view(ls.shape) for flat in parts])
+    return out
+
+
+def join_parts(plan: TensorParallelPlan, full_layout, local: torch.Tensor, comm, device, *, keep: bool,
+               start: int = 0, end: int | None = None) -> torch.Tensor | None:
+    """[start, end) of the whole model's flat tensor (full layout; default: all of it) from every rank's
+    ``local`` [local layout numel] (weights, or one optimizer state, on the device or the host), as a new CPU
+    tensor on the ranks that ``keep`` it (None on the others). A collective over ``comm`` (the tensor-parallel
+    group; every rank passes the same start and end): one all-gather per layout slot, so the device holds T x
+    the largest slot at a time (the embedding: V x C), never the whole model."""
+    from llmq_ray.model.params import ParamLayout
+
+    end = full_layout.numel if end is None else end
+    local_layout = ParamLayout(plan.local_config())
+    out = torch.empty(end - start, dtype=local.dtype) if keep else None
+    for name, src in full_layout.slots.items():
+        if src.end <= start or src.offset >= end:
+            continue
+        ls = local_layout.slots[name]
+        piece = local[ls.offset:ls.end].to(device).contiguous()
+        gathered = torch.empty(plan.size * piece.numel(), dtype=piece.dtype, device=device)
+        comm.all_gather(gathered, piece)
+        if keep:
+            full = torch.empty(src.shape, dtype=piece.dtype, device=device)
+            unshard_slot(plan, name, full, [g.view(ls.shape) for g in gathered.split(piece.numel())])
+            lo, hi = max(src.offset, start), min(src.end, end)
+            out[lo - start:hi - start] = full.reshape(-1)[lo - src.offset:hi - src.offset].cpu()
+            del full
+        del gathered, piece
     return out

@@ -328,16 +328,16 @@ class TrainEngine:
         self.join_update()
         return self.params[:self.layout.numel]
 
-    def tensor_parallel_gather(self, local: torch.Tensor) -> torch.Tensor:
-        """Tensor parallelism: the whole model's flat tensor [full layout numel] from every rank's ``local``
-        [local layout numel] (weights or one optimizer state; a collective over the group, every rank gets it)."""
-        from llmq_ray.engine.tensor_parallel import unshard_params
+    def tensor_parallel_gather(self, local: torch.Tensor, *, keep: bool = True, start: int = 0,
+                               end: int | None = None) -> torch.Tensor | None:
+        """Tensor parallelism: [start, end) of the whole model's flat tensor (full layout; default all of it) from
+        every rank's ``local`` [local layout numel] (weights or one optimizer state, device or host), as a CPU
+        tensor on the ranks that ``keep`` it, None on the others. A collective over the group, joined slot by
+        slot (``join_parts``: the device holds T x one slot at a time)."""
+        from llmq_ray.engine.tensor_parallel import join_parts
 
-        n, size = self.layout.numel, self.tp.plan.size
-        local = local[:n].to(self.device).contiguous()  # optimizer state may be in host memory; NCCL needs the device
-        gathered = torch.empty(size * n, dtype=local.dtype, device=self.device)
-        self.tp.comm.all_gather(gathered, local)
-        return unshard_params(self.tp.plan, ParamLayout(self.full_cfg), list(gathered.split(n)))
+        return join_parts(self.tp.plan, ParamLayout(self.full_cfg), local[:self.layout.numel], self.tp.comm,
+                          self.device, keep=keep, start=start, end=end)
 
     def load_full_params(self, flat: torch.Tensor) -> None:
         """Set the weights from a full flat tensor [layout.numel] (any device/float dtype; e.g. HF weights),

@@ -529,7 +529,8 @@ class LLMQTrainer:
         if world % t:
             raise ConfigError(f"--tensor-parallel={t} must divide the number of workers ({world}: "
                               f"{'--gpus or the GPUs of the cluster' if device == 'cuda' else '--workers'}).")
-        self._keep_global_batch(world // t)  # the data-parallel size: the checkpoint's global batch stays  # resuming on another worker count (a no-op when done before)
+        # resuming on another data-parallel size keeps the checkpoint's global batch (a no-op when done before)
+        self._keep_global_batch(world // t)
         self._print(self.lines)
         self.lines = []
         cpw = r["cpus_per_worker"]
