@@ -298,7 +298,8 @@ class GPUWorker:
             out["fp8_monitor"] = monitor
         self._mark(step, 2 * o.grad_accumulation + 1, "done with the step")
         seconds = time.perf_counter() - t0
-        tokens = o.batch_size * o.seq_len * o.grad_accumulation
+        # this worker's share of the tokens: a tensor-parallel group's T ranks compute one batch between them
+        tokens = o.batch_size * o.seq_len * o.grad_accumulation / self.spec.tensor_parallel
         mem = telemetry.memory_bytes(self.device)
         out.update(seconds=seconds, data_seconds=data_s, memory=mem)
         events = telemetry.allocator_events(self.device)

@@ -69,24 +69,25 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     data-dependent shapes). ``comm`` needs ``world_size``, ``all_gather(full, shard)`` and ``all_reduce_sum``
     (the engine's Communicator). Targets must be -100 or in [0, V): the data pipeline checks token ids.
     """
-    x = logits.float()
-    n, local_v = x.shape
+    n, local_v = logits.shape
     valid = local_v if valid is None else valid
-    if valid < local_v:
-        x = x.clone()
-        x[:, valid:] = float("-inf")
+    # one fp32 [N, Vr] buffer for everything: dlogits when asked for (its values become exp, then softmax -
+    # one-hot), else a temporary; the logits themselves are only read
+    x = dlogits if dlogits is not None else torch.empty(n, local_v, dtype=torch.float32, device=logits.device)
+    x.copy_(logits)
+    xv = x[:, :valid]
     world = comm.world_size
-    local_max = x.max(dim=1).values if local_v else torch.full((n,), float("-inf"), device=x.device)
+    local_max = xv.max(dim=1).values if valid else torch.full((n,), float("-inf"), device=x.device)
     maxima = torch.empty(world * n, dtype=torch.float32, device=x.device)
     comm.all_gather(maxima, local_max.contiguous())
     row_max = maxima.view(world, n).max(dim=0).values
-    exp = torch.exp(x - row_max[:, None])
-    sum_exp = exp.sum(dim=1)
     local_t = targets.to(x.device).long() - vocab_start
     mine = (local_t >= 0) & (local_t < valid)
     idx = local_t.clamp(0, max(local_v - 1, 0))[:, None]
     target_logit = (torch.where(mine, x.gather(1, idx).squeeze(1), 0.0) if local_v
                     else torch.zeros(n, dtype=torch.float32, device=x.device))
+    xv.sub_(row_max[:, None]).exp_()
+    sum_exp = xv.sum(dim=1)
     stats = torch.stack([sum_exp, target_logit])  # one collective for both sums
     comm.all_reduce_sum(stats)
     sum_exp, target_logit = stats[0], stats[1]
@@ -94,10 +95,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     losses = torch.log(sum_exp) + row_max - target_logit
     losses = losses.masked_fill(masked, 0.0)
     if dlogits is not None:
-        dlogits.copy_(exp / sum_exp[:, None])
+        xv.div_(sum_exp[:, None])
+        x[:, valid:] = 0.0
         if local_v:
-            dlogits.scatter_add_(1, idx, -mine.float()[:, None])
-        dlogits.mul_((~masked).float()[:, None])
+            x.scatter_add_(1, idx, -mine.float()[:, None])
+        x.mul_((~masked).float()[:, None])
     return losses
 
 
