@@ -65,18 +65,22 @@ def bundle_of(spec: RuntimeSpec) -> dict:
     return {"GPU": 1, "CPU": k} if spec.device == "cuda" else {"CPU": k}
 
 
-def placeable_workers(spec: RuntimeSpec) -> int:
+def placeable_workers(spec: RuntimeSpec, nodes: list | None = None) -> int:
     """How many workers of ``spec``'s bundle the cluster's alive nodes can hold (by their total resources: what
-    other jobs hold right now is not counted). After a node is lost this says how far an elastic run shrinks."""
-    import ray
+    other jobs hold right now is not counted). After a node is lost this says how far an elastic run shrinks.
+    Under --tensor-parallel T only whole groups on one node count (a node with 3 GPUs holds one group of 2).
+    ``nodes``: ``ray.nodes()``'s list (default: asked here)."""
+    if nodes is None:
+        import ray
 
-    bundle = bundle_of(spec)
+        nodes = ray.nodes()
+    bundle, t = bundle_of(spec), spec.tensor_parallel
     room = 0
-    for n in ray.nodes():
+    for n in nodes:
         if not n.get("Alive"):
             continue
         have = n.get("Resources", {})
-        room += min(int(have.get(r, 0) // need) for r, need in bundle.items())
+        room += min(int(have.get(r, 0) // need) for r, need in bundle.items()) // t * t
     return room
 
 

@@ -493,3 +493,25 @@ def test_load_full_params_takes_the_whole_model_and_keeps_this_ranks_part():
     assert torch.equal(engine.full_params(), shard_params(plan, full_layout, full, 1))
     with pytest.raises(ValueError, match="values for a model of"):
         engine.load_full_params(full[:-1])
+
+
+def test_placement_counts_whole_tensor_parallel_groups_per_node_and_refuses_split_groups():
+    """After a lost node, --elastic shrinks to what the alive nodes hold: under --tensor-parallel only whole
+    groups on one node count (GPUs 3 + 1 + 4 hold 2 + 0 + 4 workers of T=2); a group placed across two nodes
+    ends the set-up in one sentence naming its workers."""
+    from llmq_ray.actors.placement import check_tensor_parallel_placement, placeable_workers
+    from llmq_ray.actors.spec import RuntimeSpec
+    from llmq_ray.options import TrainOptions
+
+    nodes = [{"Alive": True, "Resources": {"GPU": g, "CPU": 32}} for g in (3, 1, 4)]
+    nodes.append({"Alive": False, "Resources": {"GPU": 8, "CPU": 32}})
+    for t, want in ((1, 8), (2, 6), (4, 4)):
+        spec = RuntimeSpec(opts=TrainOptions(model="tiny", tensor_parallel=t), device="cuda", world_size=8,
+                           cpus_per_worker=4)
+        assert placeable_workers(spec, nodes) == want, (t, want)
+    check_tensor_parallel_placement(["a", "a", "b", "b"], 2)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel=2: the workers 2-3 of one tensor-parallel group were "
+                                          r"placed on 2 nodes"):
+        check_tensor_parallel_placement(["a", "a", "a", "b"], 2)
+    with pytest.raises(ConfigError, match=r"--tensor-parallel=4 must divide the number of workers \(6\)"):
+        check_tensor_parallel_placement(["a"] * 6, 4)
