@@ -175,3 +175,23 @@ def trainer_from_cli(argv: list[str], **overrides):
 
     return LLMQTrainer(cli=True, **{**cli.trainer_kwargs(cli.build_parser().parse_args(argv)), **overrides})
 
+
+
+def exit_after(fn, *args) -> None:
+    """The target of a spawned GPU test process: ``fn(*args)``, then exit at once with its status (a traceback
+    printed on failure). The process group is not destroyed: after NCCL collectives were captured into CUDA graphs
+    that waits forever (see actors/collectives.py: destroy_group), and os._exit skips it either way."""
+    import os
+    import sys
+    import traceback
+
+    code = 1
+    try:
+        fn(*args)
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported, and the exit status fails the test
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

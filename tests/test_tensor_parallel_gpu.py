@@ -17,11 +17,10 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import sys
-import traceback
-
 import pytest
 import torch
+
+from _helpers import exit_after
 
 from llmq_ray.model.config import PRESETS
 
@@ -82,19 +81,6 @@ def test_a_tensor_parallel_group_of_one_trains_bit_for_bit_as_the_plain_engine(z
     assert torch.equal(one.full_params().cpu(), plain.full_params().cpu())
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    code = 1
-    try:
-        _tp_rank(rank, port, out)
-        code = 0
-    except BaseException:  # noqa: BLE001 - reported, and the exit status fails the test
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
 def _tp_rank(rank: int, port: int, out: str) -> None:
     """Rank ``rank`` of a T=2 group on GPU ``rank``: ZeRO-1 and ZeRO-3 runs (losses, norms, the whole model's
     weights); rank 0 then runs the one-GPU reference."""
@@ -128,7 +114,7 @@ def test_tensor_parallel_on_two_gpus_trains_as_one_gpu(tmp_path):
 
     ctx = multiprocessing.get_context("spawn")
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=exit_after, args=(_tp_rank, r, port, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

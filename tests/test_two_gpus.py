@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
-import os
-import sys
-import traceback
-
 import pytest
 import torch
+
+from _helpers import exit_after
 
 from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.model.config import PRESETS
@@ -32,21 +30,6 @@ pytestmark = [pytest.mark.gpu,
 RUNS = {"plain": dict(),
         "overlapped": dict(overlap_comm=True),
         "overlapped-graphs": dict(overlap_comm=True, use_cuda_graphs=True)}
-
-
-def _rank(rank: int, port: int, matmul_dtype, out_dir: str) -> None:
-    """One process: ``_train_rank``, then exit at once with its status. The group is not destroyed: after NCCL
-    collectives were captured into CUDA graphs that waits forever (see actors/collectives.py: destroy_group)."""
-    code = 1
-    try:
-        _train_rank(rank, port, matmul_dtype, out_dir)
-        code = 0
-    except BaseException:  # noqa: BLE001 - reported, and the exit status fails the test
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
 
 
 def _train_rank(rank: int, port: int, matmul_dtype, out_dir: str) -> None:
@@ -83,7 +66,7 @@ def test_two_gpu_zero1_overlaps_equal_the_plain_order(tmp_path, matmul_dtype):
 
     ctx = multiprocessing.get_context("spawn")
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_rank, args=(r, port, matmul_dtype, str(tmp_path))) for r in range(2)]
+    procs = [ctx.Process(target=exit_after, args=(_train_rank, r, port, matmul_dtype, str(tmp_path))) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
