@@ -67,8 +67,9 @@ def e4m3_stochastic_neighbours(q, scale, want_fp32, rel: float = 1e-6):
 
 
 def spawn_gloo_ranks(args_of, target, world: int, timeout_s: float = 180) -> None:
-    """Run ``target(*args_of(rank, port))`` in ``world`` spawned processes forming one gloo group; all must
-    exit 0. A hang (mismatched collectives) fails the test instead of leaving processes behind."""
+    """Run ``target(*args_of(rank, port))`` in ``world`` spawned processes that form one process group at
+    ``port`` (gloo; or NCCL when the target joins one on a GPU); all must exit 0. A hang (mismatched collectives)
+    fails the test instead of leaving processes behind."""
     import multiprocessing
 
     from llmq_ray.actors.collectives import free_port

@@ -15,12 +15,11 @@
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 import pytest
 import torch
 
-from _helpers import exit_after
+from _helpers import exit_after, spawn_gloo_ranks
 
 from llmq_ray.model.config import PRESETS
 
@@ -110,20 +109,7 @@ def _tp_rank(rank: int, port: int, out: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_tensor_parallel_on_two_gpus_trains_as_one_gpu(tmp_path):
-    from llmq_ray.actors.collectives import free_port
-
-    ctx = multiprocessing.get_context("spawn")
-    port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=exit_after, args=(_tp_rank, r, port, str(tmp_path))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0, 0], codes
+    spawn_gloo_ranks(lambda r, port: (_tp_rank, r, port, str(tmp_path)), exit_after, 2, timeout_s=600)
     results = torch.load(tmp_path / "results.pt")
     failed = []
     for zero, fp8 in RUNS:
