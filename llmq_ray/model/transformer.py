@@ -333,7 +333,8 @@ class LlamaModel:
     stays whole on every rank: the embedding lookup (each rank its vocabulary rows) and the row-parallel outputs
     (attention out-projection, down projection) are summed over the group before the residual add, and the
     input gradients of the column-parallel GEMMs (QKV, up+gate, the LM head) before their norm's backward; the
-    loss is the vocabulary-parallel cross-entropy of the rank's logits (llmq_ray/model/lm_head.py); ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (QK-norm weights,
+    loss is the vocabulary-parallel cross-entropy of the rank's logits (llmq_ray/model/lm_head.py);
+    ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (QK-norm weights,
     replicated KV rows): once per optimizer step under ZeRO-1, per unit and micro-step under ZeRO-2/3.
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
