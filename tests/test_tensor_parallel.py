@@ -251,13 +251,19 @@ ENGINE_MODELS = {"qwen2-kv-split": ModelConfig("qwen2", 64, 96, 2, 4, 2, 300, qk
 STEPS = 10
 
 
-def _engine_opts(accumulation: int, zero: int = 1):
+# the engine variants each rank runs: ZeRO-1, 2, 3, and ZeRO-1 recomputing the whole block (norms and the
+# out-projection's reduce-scatter included: sequence parallelism's gathers run again in the backward) with the
+# residual stream offloaded
+ENGINE_VARIANTS = {1: dict(zero_level=1), 2: dict(zero_level=2), 3: dict(zero_level=3),
+                   "recompute": dict(zero_level=1, recompute_block=True, offload_residual=True)}
+
+
+def _engine_opts(accumulation: int, zero=1):
     from llmq_ray.options import TrainOptions
 
     return TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=accumulation, model_dtype="fp32",
-                        zero_level=zero,
                         master_dtype="fp32", opt_m_dtype="fp32", opt_v_dtype="fp32", learning_rate=3e-3,
-                        grad_clip=0.5, seed=3)
+                        grad_clip=0.5, seed=3, **ENGINE_VARIANTS[zero])
 
 
 def _engine_batch(cfg, step: int, micro: int):
@@ -295,7 +301,7 @@ def _engine_rank(rank: int, world: int, tp_size: int, port: int, out: str) -> No
             groups = tensor_parallel_groups(comm, tp_size, per_node=world, kv_replicas=plan.kv_replicas)
             assert (groups.kv_replica is None) == (plan.kv_replicas == 1)
             dp_comm = groups.dp if groups.dp.world_size > 1 else None
-            for zero in (1, 2, 3):
+            for zero in ENGINE_VARIANTS:
                 tp = TensorParallelRank(plan, groups.tp.rank, groups.tp, kv_replica_comm=groups.kv_replica)
                 engine = TrainEngine(cfg, _engine_opts(2 if dp_comm is None else 1, zero), get_backend("torch"),
                                      dp_comm, tensor_parallel=tp)
@@ -306,8 +312,9 @@ def _engine_rank(rank: int, world: int, tp_size: int, port: int, out: str) -> No
 
 @pytest.mark.parametrize("world, tp_size", [(2, 2), (4, 2), (4, 4)], ids=["tp2", "tp2xdp2", "tp4"])
 def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, tp_size):
-    """TP=2 (2 gloo ranks), TP=2 x DP=2 and TP=4 (4 ranks), each under ZeRO-1, 2 and 3 (the one process: ZeRO-1),
-    fp32, clipping on: over 10 steps the losses and gradient norms equal one process's within 1e-5 relative, and
+    """TP=2 (2 gloo ranks), TP=2 x DP=2 and TP=4 (4 ranks), each under ZeRO-1, 2 and 3 and ZeRO-1 with the block
+    recomputed and the residual stream offloaded (the one process: ZeRO-1), fp32, clipping on, sequence parallelism
+    (the norms and the residual stream split by token rows): over 10 steps the losses and gradient norms equal one process's within 1e-5 relative, and
     every rank's weights equal one process's final weights cut by the plan -- with the KV heads split (2 over 2
     ranks), replicated on every rank of the group (1 KV head), and, at TP=4, 2 KV heads each on a pair of ranks
     (the KV-replica sets of ``kv_replica_rank_lists``)."""
@@ -321,7 +328,7 @@ def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, tp_size):
         want = _engine_steps(one, cfg, [0, 1])
         assert want[-1][0] < want[0][0] - 0.1, want  # it trained
         plan = TensorParallelPlan(cfg, tp_size)
-        for rank, zero in itertools.product(range(world), (1, 2, 3)):
+        for rank, zero in itertools.product(range(world), ENGINE_VARIANTS):
             got, params, tp_rank = torch.load(tmp_path / f"rank{rank}.pt")[name, zero]
             np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5,
                                        err_msg=f"{name} rank {rank} ZeRO-{zero}")
@@ -493,6 +500,34 @@ def test_load_full_params_takes_the_whole_model_and_keeps_this_ranks_part():
     assert torch.equal(engine.full_params(), shard_params(plan, full_layout, full, 1))
     with pytest.raises(ValueError, match="values for a model of"):
         engine.load_full_params(full[:-1])
+
+
+def test_sequence_parallelism_keeps_a_ranks_rows_of_the_residual_stream_and_refuses_an_uneven_split():
+    """T=2: the saved residual stream, ``residual_mid`` and the norms' rstd hold this rank's N/2 token rows, the
+    GEMM inputs ln1 / ln2 all N; the per-layer activation bytes shrink by exactly the halved parts; a micro-batch
+    whose B*T the group does not divide is refused in one sentence."""
+    from llmq_ray.backends import get_backend
+    from llmq_ray.engine.tensor_parallel import TensorParallelRank
+    from llmq_ray.model.transformer import LlamaModel
+
+    cfg = ENGINE_MODELS["qwen2-kv-split"]
+    plan = TensorParallelPlan(cfg, 2)
+    be, n, c = get_backend("torch"), 2 * 16, cfg.hidden_size
+    one = LlamaModel(cfg, be, batch_size=2, seq_len=16)
+    two = LlamaModel(plan.local_config(), be, batch_size=2, seq_len=16,
+                     tensor_parallel=TensorParallelRank(plan, 1, Communicator()))
+    assert two.acts.residual[0].shape == (n // 2, c) and two.acts.rstd1[0].shape == (n // 2,)
+    assert two.acts.get("residual_mid", 0).shape == (n // 2, c) and two.acts.get("ln1", 0).shape == (n, c)
+    assert two.d_residual.shape == (n // 2, c) and two.final_ln.shape == (n, c)
+    # per layer: the residual, residual_mid (C fp32 each) and two rstd per row are halved; qkv/att/MLP activations
+    # are the local heads' and columns' (the group's share), checked against the plan's local config
+    local = LlamaModel(plan.local_config(), be, batch_size=2, seq_len=16)
+    halved = (n // 2) * (2 * c + 2) * 4
+    assert two.acts.per_layer_bytes == local.acts.per_layer_bytes - halved, (two.acts.per_layer_bytes, halved)
+    assert one.acts.per_layer_bytes > two.acts.per_layer_bytes
+    with pytest.raises(ConfigError, match=r"--tensor-parallel=2 must divide the micro-batch's batch\*seq_len = 15"):
+        LlamaModel(plan.local_config(), be, batch_size=1, seq_len=15,
+                   tensor_parallel=TensorParallelRank(plan, 0, Communicator()))
 
 
 def test_placement_counts_whole_tensor_parallel_groups_per_node_and_refuses_split_groups():

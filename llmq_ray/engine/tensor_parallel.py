@@ -22,6 +22,16 @@ The split (Megatron-style, written for this project's fused layouts; see llmq_ra
   gathering the full logits, and the head's input gradient is summed over the group.
 * norms (and Qwen3's QK-norm weights, per head and shared by all heads) are replicated.
 
+Sequence parallelism (always on in a group of T > 1): outside the column- and row-parallel GEMMs every rank
+holds only its rows of the [N, C] token matrix (N = B*T_seq flattened, rank r rows [r*N/T, (r+1)*N/T)): the
+residual stream, the norms and their saved inputs and rstd. A norm writes its rows of the next GEMM input and
+the group all-gathers them (``all_gather_rows``); a row-parallel GEMM's partial [N, C] output is summed and
+split by rows in one reduce-scatter (``reduce_scatter_rows``) instead of an all-reduce -- the same bytes on the
+wire as the all-reduce alone, with the residual stream and the norms' work divided by T. The backward mirrors
+it: the residual gradient's rows are all-gathered before the GEMMs that read it, their input gradients
+reduce-scattered. The norm weights' gradients are then partial sums over each rank's rows, summed over the
+group with the other shared gradients (``LlamaModel.reduce_tensor_parallel_grads``).
+
 Why our own: the split depends on this project's fused flat layout (q|k|v rows, up|gate rows).
 """
 
@@ -170,6 +180,28 @@ class TensorParallelRank:
         local = plan.local_config()
         q, kv = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
         self.kv_rows = [slice(q, q + 2 * kv)] if plan.kv_replicas > 1 else []
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """True in a group of more than one rank: the token rows are split (module docstring)."""
+        return self.plan.size > 1
+
+    def row_range(self, n: int) -> tuple[int, int]:
+        """This rank's rows [start, end) of an [n, ...] token matrix split by sequence (T divides n)."""
+        rows = n // self.plan.size
+        return self.rank * rows, (self.rank + 1) * rows
+
+    def all_gather_rows(self, full: torch.Tensor, mine: torch.Tensor | None = None) -> None:
+        """full [n, ...] (contiguous) = every rank's rows, in rank order, on every rank: each rank's ``mine``
+        [n/T, ...], or (None) the rows it already wrote into its own ``row_range`` of ``full``."""
+        if mine is None:
+            start, end = self.row_range(full.shape[0])
+            mine = full[start:end]
+        self.comm.all_gather(full.view(-1), mine.reshape(-1))
+
+    def reduce_scatter_rows(self, rows_out: torch.Tensor, full: torch.Tensor) -> None:
+        """rows_out [n/T, ...] = this rank's rows of the sum over the group of ``full`` [n, ...] (contiguous)."""
+        self.comm.reduce_scatter_sum(rows_out.view(-1), full.view(-1))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.comm.all_reduce_sum(tensor)

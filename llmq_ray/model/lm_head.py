@@ -189,7 +189,8 @@ class LMHead:
         is this rank's vocabulary shard (``tp.vocab_valid`` real rows from token id ``tp.vocab_start``), the
         logits [rows, Vs] go through ``vocab_parallel_cross_entropy`` over ``tp.comm`` (two collectives of [rows]
         vectors per chunk, never the full logits), losses[N] are the whole vocabulary's on every rank, dw [Vs, C]
-        += this shard's gradient, and dx -- the sum over the shards of dlogits W -- is summed over the group.
+        += this shard's gradient, and dx [N, C] is this shard's part of the input gradient (dlogits W over its columns):
+        the caller sums it over the group (a reduce-scatter by rows under sequence parallelism).
         Model dtype only (the FP8 head's classifier has no cross-rank softmax). The logit gradient is made in
         fp32 by torch ops (a few passes over [rows, Vs]), then rounded to the model dtype for the two GEMMs, as
         the fused classifier does."""
@@ -210,5 +211,3 @@ class LMHead:
                 self.logits.copy_(self._dlogits32)
                 be.matmul(dx[sl], self.logits, w)
                 be.matmul(dw, self.logits, xc, transpose_a=True, accumulate=True)
-        if backward:
-            tp.all_reduce_sum(dx)

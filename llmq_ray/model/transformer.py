@@ -195,16 +195,20 @@ class Activations:
     buffer each, like a recomputed kind, but nothing refills them.
     GPT-2: ``fc`` [N, I] (c_fc's output) and ``gelu`` [N, I] in place of ``up_gate`` and ``swiglu``, and the fp32
     row means ``mean1`` / ``mean2`` of its LayerNorms beside the rstd.
+    ``rows``: the token rows this rank keeps of the residual stream, ``residual_mid`` and the rstd (sequence
+    parallelism, llmq_ray/engine/tensor_parallel.py: N / T; default all N). The norm outputs ``ln1`` / ``ln2``
+    stay [N, C]: they are the gathered inputs of the column-parallel GEMMs.
     """
 
     def __init__(self, cfg: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
                  recompute: RecomputeOptions, offload_residual: bool = False,
-                 unread_by_backward: frozenset = frozenset(), residual_stream=None):
+                 unread_by_backward: frozenset = frozenset(), residual_stream=None, rows: int | None = None):
         n, c, L = batch * seq, cfg.hidden_size, cfg.num_layers
+        r = n if rows is None else rows
         shapes = {
             "ln1": (n, c), "qkv": (batch, seq, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim),
             "att": (batch, seq, cfg.num_heads, cfg.head_dim), "lse": (batch, cfg.num_heads, seq),
-            "residual_mid": (n, c), "ln2": (n, c), "up_gate": (n, 2 * cfg.intermediate_size),
+            "residual_mid": (r, c), "ln2": (n, c), "up_gate": (n, 2 * cfg.intermediate_size),
             "swiglu": (n, cfg.intermediate_size),
         }
         if cfg.is_gpt2:  # one MLP input matrix, GELU
@@ -228,15 +232,15 @@ class Activations:
                 self.shared_bytes += nbytes
             else:
                 self.per_layer_bytes += nbytes
-        self.residual = ResidualStream(L, n, c, dtype, device, offload_residual, residual_stream)
-        self.rstd1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
-        self.rstd2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
-        self.per_layer_bytes += 2 * n * 4  # two rstd
+        self.residual = ResidualStream(L, r, c, dtype, device, offload_residual, residual_stream)
+        self.rstd1 = [torch.empty(r, dtype=torch.float32, device=device) for _ in range(L)]
+        self.rstd2 = [torch.empty(r, dtype=torch.float32, device=device) for _ in range(L)]
+        self.per_layer_bytes += 2 * r * 4  # two rstd
         if cfg.is_gpt2:  # LayerNorm: the row means too
             self.mean1 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
             self.mean2 = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(L)]
             self.per_layer_bytes += 2 * n * 4
-        res_bytes = n * c * dtype.itemsize
+        res_bytes = r * c * dtype.itemsize
         if offload_residual:  # two device slots + the final residual; x_0..x_{L-1} on the host
             self.shared_bytes += 3 * res_bytes
             self.host_bytes = L * res_bytes
@@ -383,6 +387,14 @@ class LlamaModel:
         if seq_len > cfg.max_position_embeddings:
             raise ConfigError(f"--seq-len={seq_len} exceeds the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}).")
+        # sequence parallelism (llmq_ray/engine/tensor_parallel.py): this rank keeps rows [row0, row0 + rows) of the
+        # residual stream, the norms and their gradients; everything else is [N, ...] as without it
+        self.sequence_parallel = self.vocab_parallel
+        if self.sequence_parallel and n % tensor_parallel.plan.size:
+            raise ConfigError(f"--tensor-parallel={tensor_parallel.plan.size} must divide the micro-batch's "
+                              f"batch*seq_len = {n} tokens (sequence parallelism splits them by rows).")
+        row0, row1 = tensor_parallel.row_range(n) if self.sequence_parallel else (0, n)
+        self.rows, self._my_rows = row1 - row0, slice(row0, row1)
         if attn_bwd_chunks < 1 or batch_size % attn_bwd_chunks:
             raise ConfigError(f"--attn-bwd-chunks={attn_bwd_chunks} must be >= 1 and divide --batch-size={batch_size}.")
         self.lmhead_chunks = lmhead_chunks
@@ -424,12 +436,15 @@ class LlamaModel:
         unread = frozenset({"ln1", "ln2", mlp_out}) if matmul_dtype == "e4m3" and store_xt else frozenset()
         self.acts = Activations(cfg, batch_size, seq_len, dtype, dev, self.recompute, offload_residual,
                                 unread_by_backward=unread,
-                                residual_stream=self.schedule.stream("residual") if offload_residual else None)
+                                residual_stream=self.schedule.stream("residual") if offload_residual else None,
+                                rows=self.rows)
         empty = lambda *shape, dt=dtype: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
-        self.final_ln = empty(n, c)
-        self.final_rstd = empty(n, dt=torch.float32)
+        self.final_ln = empty(n, c)  # the head's input: gathered [N, C] under sequence parallelism
+        self.final_rstd = empty(self.rows, dt=torch.float32)
         self.final_mean = empty(n, dt=torch.float32) if self.gpt2 else None
         self.scratch_nc = empty(n, c)  # attention-out / MLP-out projection before the residual add
+        # sequence parallelism: the projection summed over the group, this rank's rows (its reduce-scatter)
+        self.scratch_rows = empty(self.rows, c) if self.sequence_parallel else self.scratch_nc
         if lmhead_dtype not in (None, "e4m3"):
             raise ValueError(f"lmhead_dtype={lmhead_dtype!r} must be None (the model dtype) or 'e4m3'")
         self.head = LMHead(backend, cfg.vocab_size, c, n // lmhead_chunks, lmhead_chunks, dtype,
@@ -437,8 +452,11 @@ class LlamaModel:
         self.logits = self.head.logits
         self.losses = empty(n, dt=torch.float32)
         # backward buffers, shared by all layers
-        self.d_residual = empty(n, c)
-        self.d_ln = empty(n, c)
+        self.d_residual = empty(self.rows, c)  # this rank's rows under sequence parallelism
+        self.d_ln = empty(n, c)  # a column-parallel GEMM's input gradient (this rank's part of the sum)
+        # sequence parallelism: d_residual gathered for the GEMMs that read all rows; d_ln's sum, this rank's rows
+        self.d_residual_full = empty(n, c) if self.sequence_parallel else self.d_residual
+        self.d_ln_rows = empty(self.rows, c) if self.sequence_parallel else self.d_ln
         self.d_swiglu = empty(n, cfg.intermediate_size)
         self.d_up_gate = empty(n, (1 if self.gpt2 else 2) * cfg.intermediate_size)  # GPT-2: d of c_fc's output
         self.d_att = empty(batch_size, seq_len, cfg.num_heads, cfg.head_dim)
@@ -493,6 +511,39 @@ class LlamaModel:
         outside FP8, so the bf16 path spends nothing on it."""
         return self.amax[layer, which] if self.lin.fp8 else None
 
+    # ------------------------------------------------------------------ sequence parallelism
+    def _mine(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of an [N, ...] tensor (all of it without sequence parallelism)."""
+        return full[self._my_rows] if self.sequence_parallel else full
+
+    def _gather_rows(self, full: torch.Tensor, amax: torch.Tensor | None = None) -> None:
+        """Sequence parallelism: every rank's rows of ``full`` [N, C] (each wrote its own through ``_mine``);
+        under FP8, ``amax`` = max |x| over the gathered whole (the kernel that wrote the rows measured only
+        them). Nothing without sequence parallelism."""
+        if self.sequence_parallel:
+            self.tp.all_gather_rows(full)
+            if amax is not None:
+                self.backend.absmax(amax, full)
+
+    def _sum_rows(self, full: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A row-parallel GEMM's partial output, or a column-parallel GEMM's input gradient, [N, C] summed over
+        the group: returns this rank's rows of the sum, in ``out`` [N/T, C] (reduce-scatter) under sequence
+        parallelism, ``full`` itself otherwise (a group of one holds the whole sum)."""
+        if not self.sequence_parallel:
+            return full
+        self.tp.reduce_scatter_rows(out, full)
+        return out
+
+    def _residual_grad_rows_all(self) -> torch.Tensor:
+        """d_residual as the backward's GEMMs read it, all N rows: gathered under sequence parallelism (and
+        under FP8 max |dy| of the whole in ``lin.dy_amax``, where the norm backward wrote its own rows')."""
+        if not self.sequence_parallel:
+            return self.d_residual
+        self.tp.all_gather_rows(self.d_residual_full, self.d_residual)
+        if self.lin.fp8:
+            self.backend.absmax(self.lin.dy_amax, self.d_residual_full)
+        return self.d_residual_full
+
     def _dy_amax(self) -> torch.Tensor | None:
         """FP8: where the kernel producing a block GEMM's output gradient writes max|dy| (read by the GEMM's
         backward right after, ``BlockLinears.backward(dy_amax_ready=True)``); None outside FP8."""
@@ -526,11 +577,11 @@ class LlamaModel:
         be.rope_forward(qkv, self.rope_cos, self.rope_sin, cfg.num_heads, cfg.num_kv_heads)
         self._attention_forward(layer, qkv)
         lin.forward(self.scratch_nc, att.view(n, -1), w.key("out_w"), self._amax(layer, 1))
-        if self.tp is not None:  # row-parallel: every rank's partial out-projection, summed
-            self.tp.all_reduce_sum(self.scratch_nc)
+        out = self._sum_rows(self.scratch_nc, self.scratch_rows)  # row-parallel: the partial outputs, summed
         mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
-        be.fused_residual_rmsnorm_forward(mid, ln2, a.rstd2[layer], a.residual[layer], self.scratch_nc,
+        be.fused_residual_rmsnorm_forward(mid, self._mine(ln2), a.rstd2[layer], a.residual[layer], out,
                                           w.ln2_w, cfg.rms_norm_eps, absmax=self._amax(layer, 2))
+        self._gather_rows(ln2, self._amax(layer, 2))
         up_gate, swiglu = a.get("up_gate", layer), a.get("swiglu", layer)
         lin.forward(up_gate, ln2, w.key("up_gate_w"), self._amax(layer, 2))
         hist = self.swiglu_out_amax
@@ -541,15 +592,15 @@ class LlamaModel:
         else:
             be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
             lin.forward(self.scratch_nc, swiglu, w.key("down_w"), self._amax(layer, 3))
-        if self.tp is not None:  # row-parallel down projection, summed
-            self.tp.all_reduce_sum(self.scratch_nc)
+        out = self._sum_rows(self.scratch_nc, self.scratch_rows)  # row-parallel down projection, summed
         last = layer + 1 == cfg.num_layers
         next_ln = self.final_ln if last else a.get("ln1", layer + 1)
         next_rstd = self.final_rstd if last else a.rstd1[layer + 1]
         next_w = self.w.final_norm if last else self.w.blocks[layer + 1].ln1_w
-        be.fused_residual_rmsnorm_forward(a.residual[layer + 1], next_ln, next_rstd, mid, self.scratch_nc,
-                                          next_w, cfg.rms_norm_eps,
-                                          absmax=self.head.x_amax if last else self._amax(layer + 1, 0))
+        next_amax = self.head.x_amax if last else self._amax(layer + 1, 0)
+        be.fused_residual_rmsnorm_forward(a.residual[layer + 1], self._mine(next_ln), next_rstd, mid, out,
+                                          next_w, cfg.rms_norm_eps, absmax=next_amax)
+        self._gather_rows(next_ln, next_amax)
 
     def _forward_trunk(self, tokens: torch.Tensor) -> None:
         """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
@@ -566,12 +617,12 @@ class LlamaModel:
                 start = torch.where(starts_here, t, torch.zeros_like(t)).cummax(dim=1).values
                 torch.sub(t, start, out=self.positions)
         hooks.before(EMBED)
-        if self.vocab_parallel:  # this rank's rows, zeros for other tokens, summed over the group
-            self._tp_tokens = self._vocab_local(tokens)
+        if self.vocab_parallel:  # this rank's vocabulary rows, zeros for other tokens, summed over the group
+            self._tp_tokens = self._vocab_local(tokens)  # (into this rank's token rows: sequence parallelism)
             local, mine = self._tp_tokens
-            be.embedding_forward(a.residual[0], local, self.w.embed)
-            a.residual[0].view(-1, self.cfg.hidden_size).mul_(mine[:, None].to(a.residual[0].dtype))
-            self.tp.all_reduce_sum(a.residual[0])
+            be.embedding_forward(self.scratch_nc, local, self.w.embed)
+            self.scratch_nc.mul_(mine[:, None].to(self.scratch_nc.dtype))
+            self.tp.reduce_scatter_rows(a.residual[0], self.scratch_nc)
         else:
             be.embedding_forward(a.residual[0], tokens, self.w.embed)
         if self.gpt2:
@@ -582,8 +633,9 @@ class LlamaModel:
             be.layernorm_forward(a.get("ln1", 0), a.mean1[0], a.rstd1[0], a.residual[0], w0.ln1_w, w0.ln1_b,
                                  self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
         else:
-            be.rmsnorm_forward(a.get("ln1", 0), a.rstd1[0], a.residual[0], w0.ln1_w, self.cfg.rms_norm_eps,
-                               absmax=self._amax(0, 0))
+            be.rmsnorm_forward(self._mine(a.get("ln1", 0)), a.rstd1[0], a.residual[0], w0.ln1_w,
+                               self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
+            self._gather_rows(a.get("ln1", 0), self._amax(0, 0))
         block_forward = self._gpt2_block_forward if self.gpt2 else self._block_forward
         for layer in range(self.cfg.num_layers):
             hooks.before(layer)
@@ -617,8 +669,9 @@ class LlamaModel:
         n = self.batch_size * self.seq_len
         eps = cfg.rms_norm_eps
         if rc.norm:
-            be.rmsnorm_forward(a.get("ln1", layer), a.rstd1[layer], a.residual[layer], w.ln1_w, eps,
+            be.rmsnorm_forward(self._mine(a.get("ln1", layer)), a.rstd1[layer], a.residual[layer], w.ln1_w, eps,
                                absmax=self._amax(layer, 0))
+            self._gather_rows(a.get("ln1", layer), self._amax(layer, 0))
         qkv, lin = a.get("qkv", layer), self.lin
         if rc.qkv:
             lin.forward(qkv.view(n, -1), a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0),
@@ -629,14 +682,15 @@ class LlamaModel:
             self._attention_forward(layer, qkv)
         if rc.block:
             lin.forward(self.scratch_nc, a.get("att", layer).view(n, -1), w.key("out_w"), self._amax(layer, 1))
-            if self.tp is not None:
-                self.tp.all_reduce_sum(self.scratch_nc)
-            be.fused_residual_rmsnorm_forward(a.get("residual_mid", layer), a.get("ln2", layer), a.rstd2[layer],
-                                              a.residual[layer], self.scratch_nc, w.ln2_w, eps,
+            out = self._sum_rows(self.scratch_nc, self.scratch_rows)
+            be.fused_residual_rmsnorm_forward(a.get("residual_mid", layer), self._mine(a.get("ln2", layer)),
+                                              a.rstd2[layer], a.residual[layer], out, w.ln2_w, eps,
                                               absmax=self._amax(layer, 2))
+            self._gather_rows(a.get("ln2", layer), self._amax(layer, 2))
         elif rc.norm:
-            be.rmsnorm_forward(a.get("ln2", layer), a.rstd2[layer], a.get("residual_mid", layer),
+            be.rmsnorm_forward(self._mine(a.get("ln2", layer)), a.rstd2[layer], a.get("residual_mid", layer),
                                w.ln2_w, eps, absmax=self._amax(layer, 2))
+            self._gather_rows(a.get("ln2", layer), self._amax(layer, 2))
         if rc.ffn:
             lin.forward(a.get("up_gate", layer), a.get("ln2", layer), w.key("up_gate_w"), self._amax(layer, 2))
         if rc.swiglu:
@@ -683,7 +737,8 @@ class LlamaModel:
         # MLP: x_{l+1} = x_mid + swiglu(ln2 Wug^T) Wd^T
         lin, acc = self.lin, not (self._block_grads_zero or self.store.layer_grads_fresh)
         # dres and max|dres| (in lin.dy_amax under FP8) come from the RMSNorm backward above this block
-        lin.backward(self.d_swiglu, g.down_w, dres, a.get("swiglu", layer), w.key("down_w"), self._amax(layer, 3),
+        dy = self._residual_grad_rows_all()  # all rows (gathered under sequence parallelism)
+        lin.backward(self.d_swiglu, g.down_w, dy, a.get("swiglu", layer), w.key("down_w"), self._amax(layer, 3),
                      acc, dy_amax_ready=True)
         if lin.fp8:  # the up+gate GEMM's FP8 gradient (both layouts) straight out of the SwiGLU backward
             q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
@@ -699,14 +754,14 @@ class LlamaModel:
             be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
         lin.backward(self.d_ln, g.up_gate_w, self.d_up_gate, a.get("ln2", layer), w.key("up_gate_w"),
                      self._amax(layer, 2), acc, dy_quantized=lin.fp8)
-        if self.tp is not None:  # column-parallel up+gate: the input gradient's parts, summed
-            self.tp.all_reduce_sum(self.d_ln)
+        d_ln = self._sum_rows(self.d_ln, self.d_ln_rows)  # column-parallel up+gate: the input gradient's parts
         self._wait_wgrad("down_w")
-        be.rmsnorm_backward(dres, g.ln2_w, self.d_ln, a.get("residual_mid", layer), w.ln2_w,
+        be.rmsnorm_backward(dres, g.ln2_w, d_ln, a.get("residual_mid", layer), w.ln2_w,
                             a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
         att = a.get("att", layer)
-        lin.backward(self.d_att.view(n, -1), g.out_w, dres, att.view(n, -1), w.key("out_w"), self._amax(layer, 1),
+        dy = self._residual_grad_rows_all()
+        lin.backward(self.d_att.view(n, -1), g.out_w, dy, att.view(n, -1), w.key("out_w"), self._amax(layer, 1),
                      acc, dy_amax_ready=True)
         self._wait_wgrad("qkv_w")
         self._attention_backward(att, a.get("lse", layer), a.get("qkv", layer))  # d_qkv before RoPE
@@ -718,10 +773,9 @@ class LlamaModel:
             be.bias_backward(g.qkv_b, d_qkv, absmax=self._dy_amax())
         lin.backward(self.d_ln, g.qkv_w, d_qkv, a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), acc,
                      dy_amax_ready=cfg.qkv_bias)
-        if self.tp is not None:  # column-parallel QKV, summed
-            self.tp.all_reduce_sum(self.d_ln)
+        d_ln = self._sum_rows(self.d_ln, self.d_ln_rows)  # column-parallel QKV, summed
         self._wait_wgrad("out_w")
-        be.rmsnorm_backward(dres, g.ln1_w, self.d_ln, a.residual[layer], w.ln1_w,
+        be.rmsnorm_backward(dres, g.ln1_w, d_ln, a.residual[layer], w.ln1_w,
                             a.rstd1[layer], dresidual=dres,
                             absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
 
@@ -746,6 +800,9 @@ class LlamaModel:
         for layer in layers:
             g = self.g.blocks[layer]
             if unit is None or unit == "plain":
+                if self.sequence_parallel:  # each rank's norms saw only its rows
+                    self.tp.all_reduce_sum(g.ln1_w)
+                    self.tp.all_reduce_sum(g.ln2_w)
                 if self.cfg.qk_norm:
                     self.tp.all_reduce_sum(g.q_norm_w)
                     self.tp.all_reduce_sum(g.k_norm_w)
@@ -755,6 +812,8 @@ class LlamaModel:
             if unit is None or isinstance(unit, int):
                 for rows in self.tp.kv_rows:
                     self.tp.kv_replica_sum(g.qkv_w[rows])
+        if self.sequence_parallel and unit in (None, "plain"):
+            self.tp.all_reduce_sum(self.g.final_norm)
 
     def _attention_backward(self, att: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor) -> None:
         """d_qkv (the gradient of the pre-RoPE qkv) from d_att, in ``attn_bwd_chunks`` slices of the batch (rows
@@ -883,8 +942,9 @@ class LlamaModel:
             self.backend.layernorm_backward(self.d_residual, self.g.final_norm, self.g.final_norm_b, self.d_ln,
                                             a.residual[-1], self.w.final_norm, self.final_mean, self.final_rstd,
                                             absmax=self._dy_amax())
-        else:
-            self.backend.rmsnorm_backward(self.d_residual, self.g.final_norm, self.d_ln, a.residual[-1],
+        else:  # the head's input gradient: this rank's vocabulary part, summed over the group (its rows)
+            d_ln = self._sum_rows(self.d_ln, self.d_ln_rows)
+            self.backend.rmsnorm_backward(self.d_residual, self.g.final_norm, d_ln, a.residual[-1],
                                           self.w.final_norm, self.final_rstd, absmax=self._dy_amax())
         block_backward = self._gpt2_block_backward if self.gpt2 else self._block_backward
         for layer in reversed(range(self.cfg.num_layers)):
@@ -892,10 +952,11 @@ class LlamaModel:
             block_backward(layer)
             hooks.after(layer, backward=True)
         hooks.before(EMBED, backward=True)
-        if self.vocab_parallel:  # only this rank's rows: the other tokens' gradients zeroed (d_residual is spent)
+        if self.vocab_parallel:  # every token's gradient (gathered), zeroed where the token is not in this shard
             local, mine = self._tp_tokens
-            self.d_residual.mul_(mine[:, None].to(self.d_residual.dtype))
-            self.backend.embedding_backward(self.g.embed, local, self.d_residual)
+            self.tp.all_gather_rows(self.d_residual_full, self.d_residual)
+            self.d_residual_full.mul_(mine[:, None].to(self.d_residual_full.dtype))
+            self.backend.embedding_backward(self.g.embed, local, self.d_residual_full)
         else:
             self.backend.embedding_backward(self.g.embed, tokens, self.d_residual)
         if self.gpt2:
