@@ -204,6 +204,15 @@ class TorchDistCommunicator(Communicator):
         else:
             _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM, group=self.group)
 
+    def reduce_scatter_start(self, shard_out: torch.Tensor, full: torch.Tensor):
+        """``reduce_scatter_sum`` started asynchronously, returning its handle (tensor parallelism: the input
+        gradient's reduce-scatter beside the weight-gradient GEMM). NCCL: queued on NCCL's stream, ``wait()``
+        orders the current stream after it; ``shard_out`` must not alias ``full``. gloo (CPU tests): done at
+        once, in the rank-ordered sum of ``reduce_scatter_sum``."""
+        if self.world_size == 1 or self.backend == "gloo":
+            return super().reduce_scatter_start(shard_out, full)
+        return _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """full[W*S] = concatenation of every rank's shard[S]; shard may alias full's own slice."""
         if self.world_size == 1:

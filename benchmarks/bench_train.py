@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
     p.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                    help="one GPU: the update before the next forward, not beside it")
+    p.add_argument("--no-overlap-tensor-parallel", dest="overlap_tensor_parallel", action="store_false",
+                   help="--tensor-parallel > 1: the input-gradient reduce-scatters after the wgrads, not beside them")
     p.add_argument("--overlap-comm", action="store_true",
                    help="several GPUs, ZeRO-1: per-layer gradient reduces in the last backward, weight gathers "
                         "beside the next forward")
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
                   opt_resident_gib=a.opt_resident_gib,
                   fp8_delayed_swiglu_scale=a.fp8_delayed_swiglu_scale, use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
-                  overlap_comm=a.overlap_comm,
+                  overlap_comm=a.overlap_comm, overlap_tensor_parallel=a.overlap_tensor_parallel,
                   overlap_wgrad_sms=a.overlap_wgrad_sms, document_masking=a.document_masking,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})

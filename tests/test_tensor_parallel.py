@@ -253,9 +253,10 @@ STEPS = 10
 
 # the engine variants each rank runs: ZeRO-1, 2, 3, and ZeRO-1 recomputing the whole block (norms and the
 # out-projection's reduce-scatter included: sequence parallelism's gathers run again in the backward) with the
-# residual stream offloaded
+# residual stream offloaded, and the input-gradient reduce-scatters after the wgrads (--no-overlap-tensor-parallel)
 ENGINE_VARIANTS = {1: dict(zero_level=1), 2: dict(zero_level=2), 3: dict(zero_level=3),
-                   "recompute": dict(zero_level=1, recompute_block=True, offload_residual=True)}
+                   "recompute": dict(zero_level=1, recompute_block=True, offload_residual=True,
+                                     overlap_tensor_parallel=False)}
 
 
 def _engine_opts(accumulation: int, zero=1):

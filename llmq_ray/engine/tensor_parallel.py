@@ -171,10 +171,13 @@ class TensorParallelRank:
     the real rows of its [Vs, C] embedding / head tables). ``comm`` / ``kv_replica_comm``: the engine's
     Communicator over the group and over this rank's replica set (None when the KV heads are not replicated)."""
 
-    def __init__(self, plan: TensorParallelPlan, rank: int, comm, kv_replica_comm=None):
+    def __init__(self, plan: TensorParallelPlan, rank: int, comm, kv_replica_comm=None, overlap: bool = True):
         if plan.kv_replicas > 1 and kv_replica_comm is None:
             raise ValueError("replicated KV heads need the communicator over their replicas")
         self.plan, self.rank, self.comm, self.kv_replica_comm = plan, rank, comm, kv_replica_comm
+        # the column-parallel GEMMs' input-gradient reduce-scatter beside their wgrad (--no-overlap-tensor-parallel
+        # turns it off; the engine sets it from its options)
+        self.overlap = overlap
         start, end = plan.vocab_range(rank)
         self.vocab_start, self.vocab_valid = start, end - start  # this rank's token ids: [start, start + valid)
         local = plan.local_config()
@@ -202,6 +205,11 @@ class TensorParallelRank:
     def reduce_scatter_rows(self, rows_out: torch.Tensor, full: torch.Tensor) -> None:
         """rows_out [n/T, ...] = this rank's rows of the sum over the group of ``full`` [n, ...] (contiguous)."""
         self.comm.reduce_scatter_sum(rows_out.view(-1), full.view(-1))
+
+    def reduce_scatter_rows_start(self, rows_out: torch.Tensor, full: torch.Tensor):
+        """``reduce_scatter_rows`` started asynchronously where the backend allows (NCCL); returns the handle.
+        ``full`` must stay unwritten and ``rows_out`` unread until ``wait()``."""
+        return self.comm.reduce_scatter_start(rows_out.view(-1), full.view(-1))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.comm.all_reduce_sum(tensor)

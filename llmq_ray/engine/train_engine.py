@@ -100,6 +100,12 @@ class Communicator:
         if shard_out.data_ptr() != full[self.rank * size:].data_ptr():
             shard_out.copy_(full[self.rank * size:(self.rank + 1) * size])
 
+    def reduce_scatter_start(self, shard_out: torch.Tensor, full: torch.Tensor):
+        """``reduce_scatter_sum`` returning a handle whose ``wait()`` orders later work after it (asynchronous
+        where the backend allows; here done at once). ``shard_out`` must not alias ``full``."""
+        self.reduce_scatter_sum(shard_out, full)
+        return DONE
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """full[W*S] = concatenation of the shard group's shards[S] (shard may alias full's own slice)."""
         size = shard.numel()
@@ -196,6 +202,8 @@ class TrainEngine:
                  *, init_weights: bool = True, tensor_parallel=None):
         opts.validate()
         self.tp = tensor_parallel
+        if tensor_parallel is not None:
+            tensor_parallel.overlap = opts.overlap_tensor_parallel
         full_cfg = cfg
         if tensor_parallel is not None:
             _check_tensor_parallel(opts, tensor_parallel)

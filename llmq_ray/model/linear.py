@@ -355,16 +355,19 @@ class BlockLinears(Policy):
 
     def backward(self, dx: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
                  x_amax: torch.Tensor | None, accumulate: bool = True, dy_amax_ready: bool = False,
-                 dy_quantized: bool = False) -> None:
+                 dy_quantized: bool = False, after_dgrad=None) -> None:
         """dx[N, K] = dy[N, OC] W (overwritten); dw[OC, K] += dy^T x (accumulate), or dw = dy^T x when
         ``accumulate`` is False (the caller knows dw is still zero: 0 + v == v, so the result is the same bits
         while the GEMM skips reading dw, and the FP8 GEMM writes straight into it without a temporary).
         ``dy_amax_ready``: the kernel that produced dy already wrote max|dy| into ``self.dy_amax``.
         ``dy_quantized`` (FP8): that kernel wrote q(dy) and q(dy^T) into ``dy_quant_buffers`` itself; dy is then
-        only read for its shape."""
+        only read for its shape. ``after_dgrad``: called once dx's GEMM is queued, before the wgrad's (tensor
+        parallelism starts dx's reduce-scatter there, to run beside the wgrad)."""
         be = self.be
         if not self.fp8:
             be.matmul(dx, dy, self.w[key])
+            if after_dgrad is not None:
+                after_dgrad()
             if self.overlap is None:
                 be.matmul(dw, dy, x, transpose_a=True, accumulate=accumulate)
             else:  # tagged by the weight's name: the model waits for it before overwriting dy or x
@@ -383,6 +386,8 @@ class BlockLinears(Policy):
                 be.absmax(self.dy_amax, dy)
             be.quantize_with_transpose(dyq, dyt, dy_descale, dy, self.dy_amax)  # one read of dy, both layouts
         be.matmul_fp8(dx, dyq, wt_q, self.scales[2], w_descale)
+        if after_dgrad is not None:
+            after_dgrad()
         if self.store_xt:
             xt, x_descale = self.xt_store[key], self.x_descale[key]
         else:

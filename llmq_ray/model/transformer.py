@@ -534,6 +534,22 @@ class LlamaModel:
         self.tp.reduce_scatter_rows(out, full)
         return out
 
+    def _column_backward(self, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
+                         x_amax: torch.Tensor | None, accumulate: bool, **kw) -> torch.Tensor:
+        """A column-parallel GEMM's backward (``lin.backward`` into d_ln) and its input gradient summed over the
+        group: returns the rows of the sum this rank keeps (``_sum_rows``). With ``tp.overlap`` the
+        reduce-scatter starts as soon as the dgrad GEMM is queued and runs beside the wgrad GEMM (on NCCL's
+        stream; the same sums either way)."""
+        if not (self.sequence_parallel and self.tp.overlap):
+            self.lin.backward(self.d_ln, dw, dy, x, key, x_amax, accumulate, **kw)
+            return self._sum_rows(self.d_ln, self.d_ln_rows)
+        started = []
+        self.lin.backward(self.d_ln, dw, dy, x, key, x_amax, accumulate, **kw,
+                          after_dgrad=lambda: started.append(self.tp.reduce_scatter_rows_start(self.d_ln_rows,
+                                                                                               self.d_ln)))
+        started[0].wait()
+        return self.d_ln_rows
+
     def _residual_grad_rows_all(self) -> torch.Tensor:
         """d_residual as the backward's GEMMs read it, all N rows: gathered under sequence parallelism (and
         under FP8 max |dy| of the whole in ``lin.dy_amax``, where the norm backward wrote its own rows')."""
@@ -752,9 +768,8 @@ class LlamaModel:
         else:
             self._wait_wgrad("up_gate_w")
             be.swiglu_backward(self.d_up_gate, self.d_swiglu, a.get("up_gate", layer))
-        lin.backward(self.d_ln, g.up_gate_w, self.d_up_gate, a.get("ln2", layer), w.key("up_gate_w"),
-                     self._amax(layer, 2), acc, dy_quantized=lin.fp8)
-        d_ln = self._sum_rows(self.d_ln, self.d_ln_rows)  # column-parallel up+gate: the input gradient's parts
+        d_ln = self._column_backward(g.up_gate_w, self.d_up_gate, a.get("ln2", layer), w.key("up_gate_w"),
+                                     self._amax(layer, 2), acc, dy_quantized=lin.fp8)
         self._wait_wgrad("down_w")
         be.rmsnorm_backward(dres, g.ln2_w, d_ln, a.get("residual_mid", layer), w.ln2_w,
                             a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
@@ -771,9 +786,8 @@ class LlamaModel:
         d_qkv = self.d_qkv.view(n, -1)
         if cfg.qkv_bias:  # FP8: the same read of d_qkv gives the QKV GEMM's dy scale
             be.bias_backward(g.qkv_b, d_qkv, absmax=self._dy_amax())
-        lin.backward(self.d_ln, g.qkv_w, d_qkv, a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0), acc,
-                     dy_amax_ready=cfg.qkv_bias)
-        d_ln = self._sum_rows(self.d_ln, self.d_ln_rows)  # column-parallel QKV, summed
+        d_ln = self._column_backward(g.qkv_w, d_qkv, a.get("ln1", layer), w.key("qkv_w"), self._amax(layer, 0),
+                                     acc, dy_amax_ready=cfg.qkv_bias)
         self._wait_wgrad("out_w")
         be.rmsnorm_backward(dres, g.ln1_w, d_ln, a.residual[layer], w.ln1_w,
                             a.rstd1[layer], dresidual=dres,
