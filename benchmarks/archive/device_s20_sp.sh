@@ -2,7 +2,8 @@
 # Issue 28, session 20, on nvidia-h100-x2 (carry .whl): sequence parallelism and the overlapped input-gradient
 # reduce-scatters. `bash benchmarks/archive/device_s20_sp.sh 1`: the tensor-parallel GPU tests, then Qwen2.5-7B
 # bf16 at 1k -- ZeRO-3, --tensor-parallel 2, and --tensor-parallel 2 --no-overlap-tensor-parallel side by side.
-# `... 2`: 7B bf16 at 8k and e4m3 at 1k, ZeRO-3 vs --tensor-parallel 2 (device_s19_tp.sh's recipe throughout).
+# `... 2`: 7B bf16 at 1k and 8k and e4m3 at 1k, ZeRO-3 vs --tensor-parallel 2 at the same global batch
+# (device_s19_tp.sh's recipe throughout).
 source benchmarks/device_lib.sh sp$1.log smi_sp$1.csv
 S7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 2 --backend triton --warmup-steps 3 --steps 8
  --lmhead-chunks 4 --model-dtype bf16 --master-dtype bf16 --opt-m-dtype e4m3 --opt-v-dtype bf16 --recompute-ffn
@@ -15,12 +16,17 @@ if [ "$1" = 1 ]; then
   run 7b_zero3_t1024 150 $S7 $K --zero-level 3 --json "$OUT/7b_zero3_t1024.json"
   run 7b_tp2serial_t1024 150 $S7 $K --tensor-parallel 2 --no-overlap-tensor-parallel --json "$OUT/7b_tp2serial_t1024.json"
 else
+  # the same global batch as ZeRO-3 on 2 GPUs (32k tokens per update at 1k, 64k at 8k): one data-parallel rank of
+  # T=2 takes twice the micro-steps
+  K="--seq-len 1024 --batch-size 4"
+  run 7b_zero3_t1024 110 $S7 $K --zero-level 3 --json "$OUT/7b_zero3_t1024.json"
+  run 7b_tp2ga8_t1024 110 $S7 $K --tensor-parallel 2 --grad-accumulation 8 --json "$OUT/7b_tp2ga8_t1024.json"
   K="--seq-len 8192 --batch-size 1"
-  run 7b_tp2_t8192 150 $S7 $K --tensor-parallel 2 --json "$OUT/7b_tp2_t8192.json"
-  run 7b_zero3_t8192 150 $S7 $K --zero-level 3 --json "$OUT/7b_zero3_t8192.json"
+  run 7b_tp2ga8_t8192 110 $S7 $K --tensor-parallel 2 --grad-accumulation 8 --json "$OUT/7b_tp2ga8_t8192.json"
+  run 7b_zero3_t8192 110 $S7 $K --zero-level 3 --json "$OUT/7b_zero3_t8192.json"
   K="--seq-len 1024 --batch-size 4 --matmul-dtype e4m3"
-  run 7b_tp2_e4m3_t1024 150 $S7 $K --tensor-parallel 2 --json "$OUT/7b_tp2_e4m3_t1024.json"
-  run 7b_zero3_e4m3_t1024 150 $S7 $K --zero-level 3 --json "$OUT/7b_zero3_e4m3_t1024.json"
+  run 7b_tp2ga8_e4m3_t1024 110 $S7 $K --tensor-parallel 2 --grad-accumulation 8 --json "$OUT/7b_tp2ga8_e4m3_t1024.json"
+  run 7b_zero3_e4m3_t1024 110 $S7 $K --zero-level 3 --json "$OUT/7b_zero3_e4m3_t1024.json"
 fi
 stop_smi 10
 grep -E "^== |tokens/s|Error|error:|passed|failed" "$L" | cut -c1-260
