@@ -3,12 +3,18 @@
 # reduce-scatters. `bash benchmarks/archive/device_s20_sp.sh 1`: the tensor-parallel GPU tests, then Qwen2.5-7B
 # bf16 at 1k -- ZeRO-3, --tensor-parallel 2, and --tensor-parallel 2 --no-overlap-tensor-parallel side by side.
 # `... 2`: 7B bf16 at 1k and 8k and e4m3 at 1k, ZeRO-3 vs --tensor-parallel 2 at the same global batch
-# (device_s19_tp.sh's recipe throughout).
+# (device_s19_tp.sh's recipe throughout). `... 3` (nvidia-h200-x2): Qwen2.5-14B bf16 at 1k, the same pair.
 source benchmarks/device_lib.sh sp$1.log smi_sp$1.csv
 S7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 2 --backend triton --warmup-steps 3 --steps 8
  --lmhead-chunks 4 --model-dtype bf16 --master-dtype bf16 --opt-m-dtype e4m3 --opt-v-dtype bf16 --recompute-ffn
  --grad-accumulation 4"
-if [ "$1" = 1 ]; then
+if [ "$1" = 3 ]; then  # on nvidia-h200-x2 (14B at T=2 did not fit an H100 before): 14B bf16 1k, same global batch
+  S14="benchmarks/bench_train.py --model Qwen2.5-14B --gpus 2 --backend triton --warmup-steps 2 --steps 6
+   --lmhead-chunks 8 --model-dtype bf16 --master-dtype bf16 --opt-m-dtype e4m3 --opt-v-dtype bf16 --recompute-ffn
+   --grad-accumulation 4 --seq-len 1024 --batch-size 4"
+  run 14b_zero3_t1024 230 $S14 --zero-level 3 --json "$OUT/14b_zero3_t1024.json"
+  run 14b_tp2ga8_t1024 230 $S14 --tensor-parallel 2 --grad-accumulation 8 --json "$OUT/14b_tp2ga8_t1024.json"
+elif [ "$1" = 1 ]; then
   PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -s \
     tests/test_tensor_parallel_gpu.py 2>&1 | tail -15 | tee -a "$L"
   K="--seq-len 1024 --batch-size 4"
