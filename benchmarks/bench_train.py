@@ -63,8 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
     p.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                    help="one GPU: the update before the next forward, not beside it")
-    p.add_argument("--no-overlap-tensor-parallel", dest="overlap_tensor_parallel", action="store_false",
-                   help="--tensor-parallel > 1: the input-gradient reduce-scatters after the wgrads, not beside them")
+    p.add_argument("--overlap-tensor-parallel", action="store_true",
+                   help="--tensor-parallel > 1: the input-gradient reduce-scatters beside the wgrads")
     p.add_argument("--overlap-comm", action="store_true",
                    help="several GPUs, ZeRO-1: per-layer gradient reduces in the last backward, weight gathers "
                         "beside the next forward")

@@ -192,6 +192,9 @@ class _TrainOptionsBase:
                               (self.overlap_comm, "--overlap-comm"), (bool(self.overlap_wgrad_sms), "--overlap-wgrad-sms"),
                               (self.zero_scope == "node", "--zero-scope node")):
                 need(not bad, f"--tensor-parallel={t} does not run with {what} yet; drop one of them.")
+            need((self.batch_size * self.seq_len) % t == 0,
+                 f"--tensor-parallel={t} must divide --batch-size x --seq-len = {self.batch_size * self.seq_len} "
+                 "(sequence parallelism splits a micro-batch's tokens over the group).")
         need(not self.overlap_wgrad_sms or not self.offload_residual,
              "--overlap-wgrad-sms is not verified with --offload-residual (whose fetches run on their own side "
              "stream); drop one of them.")

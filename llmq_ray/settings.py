@@ -227,10 +227,10 @@ class SpeedSettings:
         "and gather each layer's updated weights beside the next forward, instead of one reduce-scatter and one "
         "all-gather between the steps (same results; 2-3% slower at Qwen2.5-0.5B on 2 x H100, so off by default)")
     overlap_tensor_parallel: bool = setting(
-        True,
+        False,
         "--tensor-parallel > 1: start each column-parallel GEMM's input-gradient reduce-scatter as soon as its "
-        "dgrad is queued, beside its weight-gradient GEMM (same results; --no-overlap-tensor-parallel runs them "
-        "one after the other, for comparisons)")
+        "dgrad is queued, beside its weight-gradient GEMM (same results; 0.8% slower at Qwen2.5-7B on 2 x H200, "
+        "so off by default)")
     overlap_wgrad_sms: int = setting(
         0,
         "model-dtype GEMMs: run each block's weight-gradient GEMMs on a side stream sized for SMS SMs, "

@@ -253,10 +253,10 @@ STEPS = 10
 
 # the engine variants each rank runs: ZeRO-1, 2, 3, and ZeRO-1 recomputing the whole block (norms and the
 # out-projection's reduce-scatter included: sequence parallelism's gathers run again in the backward) with the
-# residual stream offloaded, and the input-gradient reduce-scatters after the wgrads (--no-overlap-tensor-parallel)
+# residual stream offloaded, and the input-gradient reduce-scatters started beside the wgrads (--overlap-tensor-parallel)
 ENGINE_VARIANTS = {1: dict(zero_level=1), 2: dict(zero_level=2), 3: dict(zero_level=3),
                    "recompute": dict(zero_level=1, recompute_block=True, offload_residual=True,
-                                     overlap_tensor_parallel=False)}
+                                     overlap_tensor_parallel=True)}
 
 
 def _engine_opts(accumulation: int, zero=1):
@@ -529,6 +529,10 @@ def test_sequence_parallelism_keeps_a_ranks_rows_of_the_residual_stream_and_refu
     with pytest.raises(ConfigError, match=r"--tensor-parallel=2 must divide the micro-batch's batch\*seq_len = 15"):
         LlamaModel(plan.local_config(), be, batch_size=1, seq_len=15,
                    tensor_parallel=TensorParallelRank(plan, 0, Communicator()))
+    from llmq_ray.options import TrainOptions  # and before any actor starts, by the options
+
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel=2 must divide --batch-size x --seq-len = 15 "):
+        TrainOptions(model="tiny", batch_size=1, seq_len=15, tensor_parallel=2).validate()
 
 
 def test_placement_counts_whole_tensor_parallel_groups_per_node_and_refuses_split_groups():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 28, session 20, on nvidia-h100-x2 (carry .whl): sequence parallelism and the overlapped input-gradient
 # reduce-scatters. `bash benchmarks/archive/device_s20_sp.sh 1`: the tensor-parallel GPU tests, then Qwen2.5-7B
-# bf16 at 1k -- ZeRO-3, --tensor-parallel 2, and --tensor-parallel 2 --no-overlap-tensor-parallel side by side.
+# bf16 at 1k -- ZeRO-3, --tensor-parallel 2, and --tensor-parallel 2 --no-overlap-tensor-parallel side by side
+# (as it ran: the overlap was on by default then; after these runs it became opt-in, --overlap-tensor-parallel).
 # `... 2`: 7B bf16 at 1k and 8k and e4m3 at 1k, ZeRO-3 vs --tensor-parallel 2 at the same global batch
 # (device_s19_tp.sh's recipe throughout). `... 3` (nvidia-h200-x2): Qwen2.5-14B bf16 at 1k, the same pair.
 source benchmarks/device_lib.sh sp$1.log smi_sp$1.csv

@@ -171,12 +171,12 @@ class TensorParallelRank:
     the real rows of its [Vs, C] embedding / head tables). ``comm`` / ``kv_replica_comm``: the engine's
     Communicator over the group and over this rank's replica set (None when the KV heads are not replicated)."""
 
-    def __init__(self, plan: TensorParallelPlan, rank: int, comm, kv_replica_comm=None, overlap: bool = True):
+    def __init__(self, plan: TensorParallelPlan, rank: int, comm, kv_replica_comm=None, overlap: bool = False):
         if plan.kv_replicas > 1 and kv_replica_comm is None:
             raise ValueError("replicated KV heads need the communicator over their replicas")
         self.plan, self.rank, self.comm, self.kv_replica_comm = plan, rank, comm, kv_replica_comm
-        # the column-parallel GEMMs' input-gradient reduce-scatter beside their wgrad (--no-overlap-tensor-parallel
-        # turns it off; the engine sets it from its options)
+        # the column-parallel GEMMs' input-gradient reduce-scatter beside their wgrad (--overlap-tensor-parallel;
+        # the engine sets it from its options)
         self.overlap = overlap
         start, end = plan.vocab_range(rank)
         self.vocab_start, self.vocab_valid = start, end - start  # this rank's token ids: [start, start + valid)

@@ -87,7 +87,6 @@ def api_defaults() -> dict:
 _FLAG_TO_KWARG = {"continue": "resume", "lr": "learning_rate", "ckpt-keep": "ckpt_keep_n",
                   "no-ray-data": "use_ray_data=False", "no-export": "export=False",
                   "no-checkpoint-on-exit": "checkpoint_on_exit=False", "no-overlap-update": "overlap_update=False",
-                  "no-overlap-tensor-parallel": "overlap_tensor_parallel=False",
                   "no-progress": "progress=False", "shard-weights": "shard_weights",
                   "elastic": "elastic=True"}
 _FLAG = re.compile(r"--([a-z][a-z0-9]*(?:-[a-z0-9]+)*)")
