@@ -188,7 +188,6 @@ class _TrainOptionsBase:
         if t > 1:
             for bad, what in ((self.use_cuda_graphs, "--use-cuda-graphs"),
                               (self.offload_gradients, "--offload-gradients"),
-                              (self.lmhead_dtype == "e4m3", "--lmhead-dtype e4m3"),
                               (self.overlap_comm, "--overlap-comm"), (bool(self.overlap_wgrad_sms), "--overlap-wgrad-sms"),
                               (self.zero_scope == "node", "--zero-scope node")):
                 need(not bad, f"--tensor-parallel={t} does not run with {what} yet; drop one of them.")

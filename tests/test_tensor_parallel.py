@@ -340,7 +340,8 @@ def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, tp_size):
 
 FP8 = {"bf16": dict(model_dtype="bf16", master_dtype="fp32"),
        "e4m3": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3"),
-       "e4m3-recompute": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", recompute_ffn=True)}
+       "e4m3-recompute": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", recompute_ffn=True),
+       "e4m3-head": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", lmhead_dtype="e4m3")}
 
 
 FP8_STEPS = 3  # later steps amplify the rounding differences (lr 3e-3 on two memorized batches is chaotic)
@@ -369,15 +370,19 @@ def _fp8_rank(rank: int, world: int, port: int, out: str) -> None:
 
 
 def test_fp8_under_tensor_parallelism_stays_within_fp8s_own_noise(tmp_path):
-    """FP8 (e4m3 block GEMMs; and with --recompute-ffn) on a T=2 group of gloo ranks (torch
+    """FP8 (e4m3 block GEMMs; and with --recompute-ffn; and with the FP8 LM head, whose vocabulary-parallel form
+    quantizes each rank's weight shard at its own scale and the fp32 logit gradient at the classifier's static
+    e5m2 scale) on a T=2 group of gloo ranks (torch
     reference: exact e4m3 emulation on the CPU) against one process with the same options. Not equal: each rank
     quantizes its row-parallel GEMM input (its heads' attention output, its slice of the SwiGLU output) with the
     scale of its own part, where one process takes one scale for the whole tensor; bf16 rounds each rank's
     row-parallel partial output (and its share of the LM head's input gradient) before the sum. Bars, written
-    here, over 3 steps: losses within 0.3% (bf16: 0.03%) and gradient norms within 5% (bf16: 3%) of one process's.
-    Measured on this CPU 2026-11-27 over those 3 steps: e4m3 losses up to 0.1%, norms up to 2.0%; bf16 up to
-    0.006% and 1.4%. Over 6 steps the differences grow (e4m3 norms up to 10%, bf16 up to 7%) as any rounding
-    difference does in this fast-moving toy run; one process's e4m3 against its own bf16 differs by as much."""
+    here, over 3 steps: losses within 0.3% (bf16: 0.03%) and gradient norms within 5% (bf16: 3%; FP8 head: 8%) of
+    one process's, the first step's norm within 1%. Measured on this CPU 2026-11-27 over those 3 steps: e4m3 losses
+    up to 0.1%, norms up to 2.0%; bf16 up to 0.006% and 1.4%; the FP8 head's norms 0.1% and 0.2% at steps 1-2 and
+    5.7% at step 3 -- in one process the FP8 head against the bf16 head already differs by 4.2% at step 3. Over 6
+    steps the differences grow (e4m3 norms up to 10%, bf16 up to 7%) as any rounding difference does in this
+    fast-moving toy run; one process's e4m3 against its own bf16 differs by as much."""
     import dataclasses
 
     from llmq_ray.backends import get_backend
@@ -391,9 +396,11 @@ def test_fp8_under_tensor_parallelism_stays_within_fp8s_own_noise(tmp_path):
             one = TrainEngine(cfg, dataclasses.replace(_engine_opts(2), **change), get_backend("torch"))
             want = np.array(_engine_steps(one, cfg, [0, 1], last=FP8_STEPS))
             have = np.array(got[name, what])
-            loss_bar, norm_bar = (3e-4, 3e-2) if what == "bf16" else (3e-3, 5e-2)
+            loss_bar, norm_bar = {"bf16": (3e-4, 3e-2), "e4m3-head": (3e-3, 8e-2)}.get(what, (3e-3, 5e-2))
             np.testing.assert_allclose(have[:, 0], want[:, 0], rtol=loss_bar, err_msg=f"{name} {what} loss")
             np.testing.assert_allclose(have[:, 1], want[:, 1], rtol=norm_bar, err_msg=f"{name} {what} norm")
+            # the first update's gradient, before rounding differences compound: within 1%
+            np.testing.assert_allclose(have[0, 1], want[0, 1], rtol=1e-2, err_msg=f"{name} {what} first norm")
             assert want[-1, 0] < want[0, 0] - 0.05, (name, what, want)  # it trained
 
 

@@ -113,6 +113,7 @@ class LMHead:
         dev = backend.device
         self.be, self.chunks, self.fp8, self.vocab = backend, chunks, fp8, vocab
         self._dlogits32 = None  # run_vocab_parallel's fp32 logit gradient [rows, V], made on first use
+        self._d_absmax = None   # run_vocab_parallel with fp8: the absmax that gives the classifier's static scale
         padded = vocab if fp8 or not pad or vocab % VOCAB_ALIGN == 0 else -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
         self.logits = torch.empty(rows, padded, dtype=dtype, device=dev)
         # [Vp, C]: the weight's rows, then zeros (written once; ``run`` copies the weight in per call)
@@ -143,6 +144,21 @@ class LMHead:
         return [self.w_q, self.wt_q, self.x_q, self.xt_q, self.d_q, self.dt_q, self.x_amax, self.w_amax,
                 self.x_descale, self.w_descale, self.d_descale]
 
+    def _quantize_weight(self, w: torch.Tensor, backward: bool) -> None:
+        """FP8: q(W) at max|W| (and q(W^T) for the dgrad when ``backward``)."""
+        self.be.absmax(self.w_amax, w)
+        if backward:
+            self.be.quantize_with_transpose(self.w_q, self.wt_q, self.w_descale, w, self.w_amax)
+        else:
+            self.be.quantize(self.w_q, self.w_descale, w, self.w_amax)
+
+    def _quantize_x(self, xc: torch.Tensor, backward: bool) -> None:
+        """FP8: q(x) of one chunk at ``x_amax`` (and q(x^T), which waits for the wgrad, when ``backward``)."""
+        if backward:
+            self.be.quantize_with_transpose(self.x_q, self.xt_q, self.x_descale, xc, self.x_amax)
+        else:
+            self.be.quantize(self.x_q, self.x_descale, xc, self.x_amax)
+
     def run(self, x: torch.Tensor, w: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
             dx: torch.Tensor | None = None, dw: torch.Tensor | None = None) -> None:
         """losses[N] (fp32) = cross-entropy of x[N, C] W[V, C]^T against targets[N] (-100 = masked); with dx
@@ -154,11 +170,7 @@ class LMHead:
             self.w_padded[:vocab].copy_(w)
             w_head = self.w_padded
         if self.fp8:
-            be.absmax(self.w_amax, w)
-            if backward:
-                be.quantize_with_transpose(self.w_q, self.wt_q, self.w_descale, w, self.w_amax)
-            else:
-                be.quantize(self.w_q, self.w_descale, w, self.w_amax)
+            self._quantize_weight(w, backward)
         for chunk in range(self.chunks):
             sl = slice(chunk * rows, (chunk + 1) * rows)
             xc = x[sl]
@@ -171,10 +183,7 @@ class LMHead:
                     be.matmul(dx[sl], self.logits, w_head)
                     be.matmul(dw, self.logits[:, :vocab], xc, transpose_a=True, accumulate=True)
                 continue
-            if backward:  # x^T waits for the wgrad
-                be.quantize_with_transpose(self.x_q, self.xt_q, self.x_descale, xc, self.x_amax)
-            else:
-                be.quantize(self.x_q, self.x_descale, xc, self.x_amax)
+            self._quantize_x(xc, backward)
             be.matmul_fp8(self.logits, self.x_q, self.w_q, self.x_descale, self.w_descale)
             if not backward:
                 be.fused_classifier(self.logits, losses[sl], targets[sl], 1.0, write_dlogits=False)
@@ -191,23 +200,37 @@ class LMHead:
         vectors per chunk, never the full logits), losses[N] are the whole vocabulary's on every rank, dw [Vs, C]
         += this shard's gradient, and dx [N, C] is this shard's part of the input gradient (dlogits W over its columns):
         the caller sums it over the group (a reduce-scatter by rows under sequence parallelism).
-        Model dtype only (the FP8 head's classifier has no cross-rank softmax). The logit gradient is made in
-        fp32 by torch ops (a few passes over [rows, Vs]), then rounded to the model dtype for the two GEMMs, as
-        the fused classifier does."""
-        if self.fp8:
-            raise ConfigError("--lmhead-dtype e4m3 does not run with --tensor-parallel yet.")
+        The logit gradient is made in fp32 by torch ops (a few passes over [rows, Vs]), then rounded to the model
+        dtype for the two GEMMs, as the fused classifier does. With ``fp8`` the three GEMMs are ``run``'s FP8
+        ones on this rank's shard (W's scale is its own shard's max; x's is the whole gathered input's, as the
+        model measures it), and the fp32 logit gradient is quantized to e5m2 in both layouts at the static scale
+        of ``fused_classifier_fp8`` (|d| <= 1: ``dlogits_fp8_scale``), which has no cross-rank softmax itself."""
         be, backward = self.be, dw is not None
         rows = self.logits.shape[0]
         if backward and self._dlogits32 is None:
             self._dlogits32 = torch.empty(self.logits.shape, dtype=torch.float32, device=self.logits.device)
+        if self.fp8:
+            self._quantize_weight(w, backward)
+            if backward and self._d_absmax is None:  # quantize's s = fp8_max / 1 = dlogits_fp8_scale(e5m2, 1.0)
+                self._d_absmax = torch.ones((), dtype=torch.float32, device=self.logits.device)
         for chunk in range(self.chunks):
             sl = slice(chunk * rows, (chunk + 1) * rows)
             xc = x[sl]
-            be.matmul(self.logits, xc, w, transpose_b=True)
+            if self.fp8:
+                self._quantize_x(xc, backward)
+                be.matmul_fp8(self.logits, self.x_q, self.w_q, self.x_descale, self.w_descale)
+            else:
+                be.matmul(self.logits, xc, w, transpose_b=True)
             losses[sl] = vocab_parallel_cross_entropy(self.logits, targets[sl], tp.vocab_start, tp.comm,
                                                       dlogits=self._dlogits32 if backward else None,
                                                       valid=tp.vocab_valid)
-            if backward:
-                self.logits.copy_(self._dlogits32)
-                be.matmul(dx[sl], self.logits, w)
-                be.matmul(dw, self.logits, xc, transpose_a=True, accumulate=True)
+            if not backward:
+                continue
+            if self.fp8:
+                be.quantize_with_transpose(self.d_q, self.dt_q, self.d_descale, self._dlogits32, self._d_absmax)
+                be.matmul_fp8(dx[sl], self.d_q, self.wt_q, self.d_descale, self.w_descale)
+                be.matmul_fp8(dw, self.dt_q, self.xt_q, self.d_descale, self.x_descale, accumulate=True)
+                continue
+            self.logits.copy_(self._dlogits32)
+            be.matmul(dx[sl], self.logits, w)
+            be.matmul(dw, self.logits, xc, transpose_a=True, accumulate=True)
