@@ -8,8 +8,9 @@
   group, where one GPU rounds the full sum once. Tolerances, with margin over what 2 x H200 gave on 2026-11-27
   (loss 3e-5, norm 4e-4, weights 1.55e-3): per-step losses within 2e-4 relative, gradient norms within 3e-3,
   final weights within 5e-3 relative (norm of the difference over the norm), for ZeRO-1 and ZeRO-3. FP8 (e4m3
-  block GEMMs, ZeRO-1): each rank quantizes its row-parallel GEMM input with its own part's scale, so
-  the bars are FP8's (the CPU test's, tests/test_tensor_parallel.py): losses 3e-3, norms 1e-1, weights 1e-2.
+  block GEMMs, ZeRO-1; and with the FP8 LM head, added 2026-11-27 and not yet run on GPUs): each rank quantizes
+  its row-parallel GEMM input and its head shard with its own part's scale, so the bars are FP8's (the CPU
+  test's, tests/test_tensor_parallel.py): losses 3e-3, norms 1e-1, weights 1e-2.
 """
 
 from __future__ import annotations
@@ -27,18 +28,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 CFG = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
 STEPS, MICRO = 3, 2
-RUNS = [(1, False), (3, False), (1, True)]  # (ZeRO level, FP8 block GEMMs)
+# (ZeRO level, FP8: None = bf16, "e4m3" = FP8 block GEMMs, "e4m3-head" = and the FP8 LM head)
+RUNS = [(1, None), (3, None), (1, "e4m3"), (1, "e4m3-head")]
 
 
-FP8 = dict(matmul_dtype="e4m3")  # the FP8 LM head does not run under tensor parallelism yet
+FP8 = {"e4m3": dict(matmul_dtype="e4m3"), "e4m3-head": dict(matmul_dtype="e4m3", lmhead_dtype="e4m3")}
 
 
-def _opts(zero: int, fp8: bool = False):
+def _opts(zero: int, fp8: str | None = None):
     from llmq_ray.options import TrainOptions
 
     return TrainOptions(model="tiny", batch_size=2, seq_len=256, grad_accumulation=MICRO, model_dtype="bf16",
                         master_dtype="fp32", zero_level=zero, learning_rate=3e-4, warmup=0, seed=5,
-                        **(FP8 if fp8 else {}))
+                        **(FP8[fp8] if fp8 else {}))
 
 
 def _batch(step: int, micro: int, device):
@@ -57,14 +59,14 @@ def _train(engine, device) -> list[tuple[float, float]]:
     return out
 
 
-def _engine(zero: int, device, comm=None, tensor_parallel=None, fp8: bool = False):
+def _engine(zero: int, device, comm=None, tensor_parallel=None, fp8: str | None = None):
     from llmq_ray.engine.train_engine import TrainEngine, make_backend
 
     opts = _opts(zero, fp8)
     return TrainEngine(CFG, opts, make_backend("triton", opts, device), comm, tensor_parallel=tensor_parallel)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("fp8", [None, "e4m3"], ids=["bf16", "e4m3"])
 @pytest.mark.parametrize("zero", [1, 3])
 def test_a_tensor_parallel_group_of_one_trains_bit_for_bit_as_the_plain_engine(zero, fp8):
     from llmq_ray.engine.tensor_parallel import TensorParallelPlan, TensorParallelRank
@@ -119,7 +121,7 @@ def test_tensor_parallel_on_two_gpus_trains_as_one_gpu(tmp_path):
             if abs(tl - ol) > loss_bar * abs(ol) or abs(tn - on) > norm_bar * abs(on):
                 failed.append((zero, fp8, tp_stats, one_stats))
         err = float((tp_w - one_w).norm() / one_w.norm())
-        print(f"ZeRO-{zero}{' e4m3' if fp8 else ''}: losses {[round(s[0], 5) for s in tp_stats]} vs {[round(s[0], 5) for s in one_stats]}, "
+        print(f"ZeRO-{zero} {fp8 or 'bf16'}: losses {[round(s[0], 5) for s in tp_stats]} vs {[round(s[0], 5) for s in one_stats]}, "
               f"norms {[round(s[1], 4) for s in tp_stats]} vs {[round(s[1], 4) for s in one_stats]}, weights {err:.2e}")
         if err > weight_bar:
             failed.append((zero, fp8, err))
