@@ -48,7 +48,7 @@ from llmq_ray.observe.runlog import atomic_write_json, atomic_write_text  # noqa
 # model -> shapes: triton (batch, micro-steps, steps, warm-up steps), torch (the same), hf (batch, steps)
 ROW_SHAPES = {
     "Qwen2.5-0.5B": {"triton": (32, 1, 25, 5), "torch": (16, 1, 12, 4), "hf": (16, 10)},
-    "Qwen2.5-1.5B": {"triton": (16, 16, 6, 2), "torch": (8, 1, 10, 3), "hf": (8, 10)},
+    "Qwen2.5-1.5B": {"triton": (16, 16, 7, 2), "torch": (8, 1, 10, 3), "hf": (8, 10)},
     "Qwen3-1.7B": {"triton": (16, 4, 6, 2), "torch": (8, 1, 8, 3), "hf": (8, 8)},
     # GPT-2 as llm.c trains it: 124M at large batches (its runs use B=64), 1558M at B=16
     "gpt2": {"triton": (64, 2, 10, 3), "torch": (16, 1, 10, 3), "hf": (32, 10)},
@@ -72,10 +72,11 @@ class Row:
 
 
 def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_baseline, device="cuda",
-              llmq_bin=None, fp8_head=False, gpus=(1,), zero_levels=(1,), triton_shape=None):
+              llmq_bin=None, fp8_head=False, gpus=(1,), zero_levels=(1,), triton_shape=None, fp8_delayed=False):
     """The rows of the grid, in the order they run (each model's rows together, then llm.q's, its baseline
     last). ``triton_shape`` (batch, micro-steps, steps, warm-up steps) replaces ``ROW_SHAPES``' triton shape of
-    every model, for the triton/cupy rows and llm.q's beside them (e.g. a larger global batch per step)."""
+    every model, for the triton/cupy rows and llm.q's beside them (e.g. a larger global batch per step).
+    ``fp8_delayed``: the e4m3 rows take --fp8-delayed-swiglu-scale."""
     rows = []
     for model in models:
         shapes = dict(ROW_SHAPES.get(model, DEFAULT_SHAPES))
@@ -90,7 +91,7 @@ def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_ba
                         if n_gpus == 1 and zero != 1 and 1 in zero_levels:
                             continue  # one GPU shards nothing: its ZeRO-1 row is the baseline of the others
                         rows += _our_rows(model, backend, dtype, b, g, steps, warm, seq_len, device, fp8_head,
-                                          n_gpus, zero, overlap_wgrad_sms)
+                                          n_gpus, zero, overlap_wgrad_sms, fp8_delayed)
         if llmq_bin:
             b, g, steps, warm = shapes["triton"]
             for dtype in matmul_dtypes:
@@ -112,7 +113,7 @@ def plan_rows(models, backends, matmul_dtypes, seq_len, overlap_wgrad_sms, hf_ba
 
 
 def _our_rows(model, backend, dtype, b, g, steps, warm, seq_len, device, fp8_head, n_gpus, zero,
-              overlap_wgrad_sms) -> list[Row]:
+              overlap_wgrad_sms, fp8_delayed=False) -> list[Row]:
     """bench_train.py rows of one model, backend, dtype, GPU count and ZeRO level: the plain row and, for
     triton bf16 at ZeRO-1 with ``overlap_wgrad_sms``, the one with the wgrads on a side stream. CUDA graphs for
     triton on CUDA at ZeRO-1 (ZeRO-2/3 reduce per layer during the backward and cannot be captured)."""
@@ -131,6 +132,9 @@ def _our_rows(model, backend, dtype, b, g, steps, warm, seq_len, device, fp8_hea
             if fp8_head:
                 argv += ["--lmhead-dtype", "e4m3"]
                 setup += " (LM head too)"
+            if fp8_delayed:
+                argv += ["--fp8-delayed-swiglu-scale"]
+                setup += " (delayed SwiGLU scale)"
         if zero != 1:
             argv += ["--zero-level", str(zero)]
             setup += f", ZeRO-{zero}"
@@ -246,6 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpus", nargs="+", type=int, default=[1], help="GPU counts (CPU: worker counts) of our and llm.q's rows")
     p.add_argument("--zero-levels", nargs="+", type=int, default=[1], choices=[1, 2, 3], help="ZeRO levels of our rows")
     p.add_argument("--fp8-head", action="store_true", help="the e4m3 rows run the LM head in FP8 too (--lmhead-dtype e4m3)")
+    p.add_argument("--fp8-delayed-swiglu-scale", dest="fp8_delayed", action="store_true",
+                   help="the e4m3 rows quantize the SwiGLU input/gradient at the previous pass's scale")
     p.add_argument("--triton-shape", nargs=4, type=int, default=None, metavar=("BATCH", "MICRO", "STEPS", "WARMUP"),
                    help="batch, micro-steps per step, timed steps and warm-up steps of the triton/cupy and llm.q "
                         "rows, instead of each model's default shape")
@@ -267,7 +273,8 @@ def main(argv=None) -> int:
         seq_len = a.seq_len
         rows = plan_rows(a.models, a.backends, a.matmul_dtypes, seq_len, a.overlap_wgrad_sms,
                          a.hf_baseline and a.device == "cuda", a.device, a.llmq_bin, fp8_head=a.fp8_head,
-                         gpus=a.gpus, zero_levels=a.zero_levels, triton_shape=a.triton_shape)
+                         gpus=a.gpus, zero_levels=a.zero_levels, triton_shape=a.triton_shape,
+                         fp8_delayed=a.fp8_delayed)
         path = [os.path.dirname(HERE), os.environ.get("PYTHONPATH")]  # the rows import this checkout
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
         for i, row in enumerate(rows, 1):

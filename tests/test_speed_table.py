@@ -41,6 +41,15 @@ def test_plan_rows_is_the_issue_grid():
     # the triton rows run at the shapes of issue 6's bars
     r05 = by[("Qwen2.5-0.5B", "llmq-ray triton, e4m3, CUDA graphs, through Ray")]
     assert [arg(r05, f) for f in ("--batch-size", "--grad-accumulation", "--matmul-dtype")] == ["32", "1", "e4m3"]
+    assert "--fp8-delayed-swiglu-scale" not in r05.argv
+    # issue 25 times at least 5 steps after the warm-up: 1.5B runs 7 steps, 2 of them warm-up
+    r15e = by[("Qwen2.5-1.5B", "llmq-ray triton, e4m3, CUDA graphs, through Ray")]
+    assert int(arg(r15e, "--steps")) - int(arg(r15e, "--warmup-steps")) >= 5
+    delayed = speed_table.plan_rows(["Qwen2.5-0.5B"], ["triton"], ["e4m3"], 1024, 0, False, fp8_head=True,
+                                    fp8_delayed=True)
+    assert [r.setup for r in delayed] == ["llmq-ray triton, e4m3 (LM head too) (delayed SwiGLU scale), CUDA graphs, "
+                                          "through Ray"]
+    assert "--fp8-delayed-swiglu-scale" in delayed[0].argv and arg(delayed[0], "--lmhead-dtype") == "e4m3"
     r15 = by[("Qwen2.5-1.5B", "llmq-ray triton, bf16, CUDA graphs, wgrads on a side stream (100 SMs), through Ray")]
     assert [arg(r15, f) for f in ("--batch-size", "--grad-accumulation", "--overlap-wgrad-sms")] == ["16", "16", "100"]
     assert "--matmul-dtype" not in r15.argv and r15.matmul_dtype == "bf16"
