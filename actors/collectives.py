@@ -211,6 +211,9 @@ class TorchDistCommunicator(Communicator):
         once, in the rank-ordered sum of ``reduce_scatter_sum``."""
         if self.world_size == 1 or self.backend == "gloo":
             return super().reduce_scatter_start(shard_out, full)
+        if full.numel() != shard_out.numel() * self.world_size:
+            raise ValueError(f"reduce_scatter_start: full has {full.numel()} elements, expected "
+                             f"{self.world_size} x {shard_out.numel()}")
         return _reduce_scatter(shard_out, full, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:

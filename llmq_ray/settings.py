@@ -229,8 +229,8 @@ class SpeedSettings:
     overlap_tensor_parallel: bool = setting(
         False,
         "--tensor-parallel > 1: start each column-parallel GEMM's input-gradient reduce-scatter as soon as its "
-        "dgrad is queued, beside its weight-gradient GEMM (same results; 0.8% slower at Qwen2.5-7B on 2 x H200, "
-        "so off by default)")
+        "dgrad is queued, beside its weight-gradient GEMM (same results; 0.8% slower at Qwen2.5-7B on 2 x H200 in "
+        "the one pair measured, so off by default)")
     overlap_wgrad_sms: int = setting(
         0,
         "model-dtype GEMMs: run each block's weight-gradient GEMMs on a side stream sized for SMS SMs, "

@@ -492,8 +492,8 @@ class TrainEngine:
         model, comm = self.model, self.comm
         totals = torch.stack([model.loss_sum.double(), model.target_count.double()])
         comm.all_reduce_sum(totals)  # over the data-parallel ranks (a tensor-parallel group shares one loss)
-        if self.tp is not None and self.store is None:  # ZeRO-1: the parts of the QK-norm weights and replicated
-            model.reduce_tensor_parallel_grads()          # KV rows, summed (ZeRO-2/3: before each reduce)
+        if self.tp is not None and self.store is None:  # ZeRO-1: the parts of the norm / QK-norm weights and
+            model.reduce_tensor_parallel_grads()          # replicated KV rows, summed (ZeRO-2/3: before each reduce)
         if self.grad_shard is not None:  # ZeRO-2/3: reduced during every backward already
             shard = self.grad_shard
         else:  # ZeRO-1: reduce once, at the end of the step (unless the last backward did, layer by layer)

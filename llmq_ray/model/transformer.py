@@ -70,7 +70,8 @@ _RECOMPUTED_BY = {"ln1": "norm", "qkv": "qkv", "att": "att", "lse": "att", "resi
 
 
 class ResidualStream(Policy):
-    """The residual stream x_0 .. x_L [N, C] (model dtype) that the forward saves for the backward; ``res[l]``.
+    """The residual stream x_0 .. x_L [N, C] (model dtype; [N/T, C], this rank's token rows, under sequence
+    parallelism) that the forward saves for the backward; ``res[l]``.
 
     Resident: L+1 device buffers. Offloaded (``--offload-residual``): x_0 .. x_{L-1} live in host memory
     (pinned on CUDA), the device holds two slots (x_l in slot l % 2) and the final x_L. The model announces
@@ -189,7 +190,7 @@ class Activations:
     """The forward's saved tensors: per layer where kept, one shared buffer where recomputed.
 
     Always per layer: ``residual`` (L+1 entries: the input of each block and the final residual; see
-    ``ResidualStream`` for where they live) and the fp32 ``rstd1``/``rstd2`` of both norms (N floats each).
+    ``ResidualStream`` for where they live) and the fp32 ``rstd1``/``rstd2`` of both norms (``rows`` floats each).
     ``unread_by_backward``: kinds the backward never reads (FP8 with stored q(x^T): ln1, ln2 and swiglu are
     read only by their forward GEMM, which keeps its own FP8 transposed copy for the wgrad); one shared
     buffer each, like a recomputed kind, but nothing refills them.
@@ -330,16 +331,19 @@ class LlamaModel:
     positions do need one: ``reset_positions`` (--reset-positions) makes each document's positions start at 0.
     The target at a separator position (the next document's first token) stays a target, as without masking.
     ``tensor_parallel`` (the training engine's, ``--tensor-parallel``): this rank's part of a
-    tensor-parallel group (llmq_ray/engine/tensor_parallel.py), an object with ``all_reduce_sum(t)`` over the
-    group, ``kv_replica_sum(t)`` over the ranks holding the same replicated KV heads (identity when none are) and
-    ``kv_rows`` (the row slices of the local qkv_w / qkv_b that are K and V). ``cfg`` is then the rank's local
-    config (its heads, intermediate slice and vocabulary shard) and the weights its shards. The residual stream
-    stays whole on every rank: the embedding lookup (each rank its vocabulary rows) and the row-parallel outputs
-    (attention out-projection, down projection) are summed over the group before the residual add, and the
-    input gradients of the column-parallel GEMMs (QKV, up+gate, the LM head) before their norm's backward; the
-    loss is the vocabulary-parallel cross-entropy of the rank's logits (llmq_ray/model/lm_head.py);
-    ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (QK-norm weights,
-    replicated KV rows): once per optimizer step under ZeRO-1, per unit and micro-step under ZeRO-2/3.
+    tensor-parallel group (llmq_ray/engine/tensor_parallel.py's ``TensorParallelRank``: ``all_reduce_sum``,
+    ``kv_replica_sum`` and ``kv_rows`` for the replicated KV heads, ``row_range`` / ``all_gather_rows`` /
+    ``reduce_scatter_rows(_start)`` and ``overlap`` for sequence parallelism). ``cfg`` is then the rank's local
+    config (its heads, intermediate slice and vocabulary shard) and the weights its shards. In a group of more
+    than one rank the residual stream is split by token rows (sequence parallelism): this rank keeps rows
+    ``_my_rows`` of the residual stream, residual_mid, the rstd and d_residual; a norm writes its rows of the next
+    GEMM input (ln1 / ln2 / final_ln stay [N, C]) and the group all-gathers them; the embedding lookup (each rank
+    its vocabulary rows) and the row-parallel outputs (attention out-projection, down projection) are
+    reduce-scattered by rows before the residual add, the input gradients of the column-parallel GEMMs (QKV,
+    up+gate, the LM head) before their norm's backward, and d_residual is all-gathered before the GEMMs that read
+    it; the loss is the vocabulary-parallel cross-entropy of the rank's logits (llmq_ray/model/lm_head.py);
+    ``reduce_tensor_parallel_grads()`` sums the gradients every rank holds a part of (the norm weights, QK-norm
+    weights, replicated KV rows): once per optimizer step under ZeRO-1, per unit and micro-step under ZeRO-2/3.
     ``quants`` (FP8 only): where the FP8 weight copies live -- "persistent" (all layers, device), "host" (all
     layers, host memory, streamed one layer ahead) or "layer" (made per layer from the gathered weights); see
     llmq_ray/model/linear.py. The results are the same bits in every case.
@@ -802,12 +806,13 @@ class LlamaModel:
         return (tokens - start).clamp(0, max(valid - 1, 0)), mine
 
     def reduce_tensor_parallel_grads(self, unit=None) -> None:
-        """Tensor parallelism: sum the gradients each rank holds only a part of -- the QK-norm weights (shared by
-        all heads, each rank saw its own heads) over the group, the K and V rows of replicated KV heads (each
-        replica saw its own query heads) over the replicas. Everything else is either this rank's own shard or
-        already equal on every rank. ``unit``: None = all of them (ZeRO-1: once per step, after the last
-        micro-step); under ZeRO-2/3, before each gradient reduce of every micro-step (sums are linear), a layer
-        index = that layer's qkv_w rows, ``"plain"`` = the norm-and-bias tail (QK-norm weights, qkv_b rows)."""
+        """Tensor parallelism: sum the gradients each rank holds only a part of -- the norm weights ln1_w, ln2_w
+        and final_norm (sequence parallelism: each rank's norms saw only its token rows) and the QK-norm weights
+        (shared by all heads, each rank saw its own heads) over the group, the K and V rows of replicated KV heads
+        (each replica saw its own query heads) over the replicas. Everything else is this rank's own shard.
+        ``unit``: None = all of them (ZeRO-1: once per step, after the last micro-step); under ZeRO-2/3, before
+        each gradient reduce of every micro-step (sums are linear), a layer index = that layer's qkv_w rows,
+        ``"plain"`` = the norm-and-bias tail (norm and QK-norm weights, qkv_b rows)."""
         if self.tp is None:
             return
         layers = [unit] if isinstance(unit, int) else range(self.cfg.num_layers)
