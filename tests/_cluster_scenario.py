@@ -4,7 +4,7 @@
 
 ``ray.cluster_utils.Cluster`` starts one raylet per "node" on this machine: a head node with no CPUs (the driver
 and the coordinator, which takes none) and ``spec["nodes"]`` worker nodes of one CPU each, so each holds exactly
-one CPU worker. Every worker node has a disk of its own: its raylet (and so every process it starts: the
+one CPU worker (``spec["cpus_per_node"]``, default 1: that many, e.g. 2 for a tensor-parallel group of 2 per node). Every worker node has a disk of its own: its raylet (and so every process it starts: the
 workers, Ray's agents) runs in a mount namespace of its own (``unshare --mount``) with a fresh tmpfs mounted on
 ``ROOT/disks``, where its cache (``LLMQ_RAY_CACHE``: fetched shards, staged checkpoints) and ``TMPDIR`` live;
 no other node, the driver included, sees that tmpfs. The run reads its shards from and writes its checkpoints
@@ -133,7 +133,7 @@ def main(spec_path: str, out_path: str) -> None:
         else:
             os.makedirs(env["LLMQ_RAY_CACHE"], exist_ok=True)
             os.makedirs(env["TMPDIR"], exist_ok=True)
-        nodes[i] = cluster.add_node(num_cpus=1, env_vars=env)
+        nodes[i] = cluster.add_node(num_cpus=spec.get("cpus_per_node", 1), env_vars=env)
         return nodes[i]
 
     for i in range(spec["nodes"]):
@@ -141,7 +141,8 @@ def main(spec_path: str, out_path: str) -> None:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     deadline = time.monotonic() + 60  # the driver's view of the cluster's resources lags the nodes' start by a moment
-    while ray.cluster_resources().get("CPU", 0) < spec["nodes"] and time.monotonic() < deadline:
+    while ray.cluster_resources().get("CPU", 0) < spec["nodes"] * spec.get("cpus_per_node", 1) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     out = {"history": [], "log": [], "error": None, "removed_at": None, "private_disks": private}
     t0 = time.monotonic()

@@ -116,6 +116,24 @@ def test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch(bucket
     assert [r["tokens"] for r in out["history"]] == [2 * 2 * 16] * STEPS
 
 
+def test_elastic_tensor_parallel_goes_on_with_the_whole_groups_left(bucket, reference, tmp_path):
+    """--tensor-parallel 2 on 2 nodes of 2 CPU workers (one group per node, 2 data-parallel ranks): losing a node
+    loses one whole group, and --elastic goes on with the group left (1 data-parallel rank, twice the micro-steps):
+    the same global batch, so the losses stay those of the uninterrupted 2-worker run (T=1) within 1e-5."""
+    out = _scenario(tmp_path, "elastic-tp", nodes=2, cpus_per_node=2, train_file=bucket, remove_after_step=4,
+                    kwargs=dict(workers=4, tensor_parallel=2, elastic=True, restart_wait_s=60.0))
+    assert out["error"] is None, _story(out)
+    assert [r["step"] for r in out["history"]] == list(range(STEPS))
+    (shrink,) = _kinds(out["log"], "elastic")
+    assert (shrink["from_world_size"], shrink["world_size"]) == (4, 2)
+    assert (shrink["from_grad_accumulation"], shrink["grad_accumulation"]) == (1, 2)
+    resumed = _kinds(out["log"], "resume")[-1]
+    # a T=2 x DP=2 checkpoint holds one shard file per data-parallel rank: it looks like a 2-worker one
+    assert (resumed["saved_world_size"], resumed["world_size"]) == (2, 2)
+    np.testing.assert_allclose([r["loss"] for r in out["history"]], reference, rtol=1e-5, atol=0)
+    assert [r["tokens"] for r in out["history"]] == [2 * 2 * 16] * STEPS
+
+
 def test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up(bucket, tmp_path):
     out = _scenario(tmp_path, "waiting", nodes=2, train_file=bucket, remove_after_step=4,
                     kwargs=dict(restart_wait_s=7.0))
