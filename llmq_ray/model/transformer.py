@@ -529,6 +529,12 @@ class LlamaModel:
             if amax is not None:
                 self.backend.absmax(amax, full)
 
+    def _rows_amax(self, slot: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a norm kernel working on this rank's rows writes its FP8 absmax: ``slot``, or None under
+        sequence parallelism, where the absmax of the gathered whole is taken after the gather instead
+        (``_gather_rows``, ``_residual_grad_rows_all``) and the rows' own would only be overwritten."""
+        return None if self.sequence_parallel else slot
+
     def _sum_rows(self, full: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """A row-parallel GEMM's partial output, or a column-parallel GEMM's input gradient, [N, C] summed over
         the group: returns this rank's rows of the sum, in ``out`` [N/T, C] (reduce-scatter) under sequence
@@ -600,7 +606,7 @@ class LlamaModel:
         out = self._sum_rows(self.scratch_nc, self.scratch_rows)  # row-parallel: the partial outputs, summed
         mid, ln2 = a.get("residual_mid", layer), a.get("ln2", layer)
         be.fused_residual_rmsnorm_forward(mid, self._mine(ln2), a.rstd2[layer], a.residual[layer], out,
-                                          w.ln2_w, cfg.rms_norm_eps, absmax=self._amax(layer, 2))
+                                          w.ln2_w, cfg.rms_norm_eps, absmax=self._rows_amax(self._amax(layer, 2)))
         self._gather_rows(ln2, self._amax(layer, 2))
         up_gate, swiglu = a.get("up_gate", layer), a.get("swiglu", layer)
         lin.forward(up_gate, ln2, w.key("up_gate_w"), self._amax(layer, 2))
@@ -619,7 +625,7 @@ class LlamaModel:
         next_w = self.w.final_norm if last else self.w.blocks[layer + 1].ln1_w
         next_amax = self.head.x_amax if last else self._amax(layer + 1, 0)
         be.fused_residual_rmsnorm_forward(a.residual[layer + 1], self._mine(next_ln), next_rstd, mid, out,
-                                          next_w, cfg.rms_norm_eps, absmax=next_amax)
+                                          next_w, cfg.rms_norm_eps, absmax=self._rows_amax(next_amax))
         self._gather_rows(next_ln, next_amax)
 
     def _forward_trunk(self, tokens: torch.Tensor) -> None:
@@ -654,7 +660,7 @@ class LlamaModel:
                                  self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
         else:
             be.rmsnorm_forward(self._mine(a.get("ln1", 0)), a.rstd1[0], a.residual[0], w0.ln1_w,
-                               self.cfg.rms_norm_eps, absmax=self._amax(0, 0))
+                               self.cfg.rms_norm_eps, absmax=self._rows_amax(self._amax(0, 0)))
             self._gather_rows(a.get("ln1", 0), self._amax(0, 0))
         block_forward = self._gpt2_block_forward if self.gpt2 else self._block_forward
         for layer in range(self.cfg.num_layers):
@@ -690,7 +696,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         if rc.norm:
             be.rmsnorm_forward(self._mine(a.get("ln1", layer)), a.rstd1[layer], a.residual[layer], w.ln1_w, eps,
-                               absmax=self._amax(layer, 0))
+                               absmax=self._rows_amax(self._amax(layer, 0)))
             self._gather_rows(a.get("ln1", layer), self._amax(layer, 0))
         qkv, lin = a.get("qkv", layer), self.lin
         if rc.qkv:
@@ -705,11 +711,11 @@ class LlamaModel:
             out = self._sum_rows(self.scratch_nc, self.scratch_rows)
             be.fused_residual_rmsnorm_forward(a.get("residual_mid", layer), self._mine(a.get("ln2", layer)),
                                               a.rstd2[layer], a.residual[layer], out, w.ln2_w, eps,
-                                              absmax=self._amax(layer, 2))
+                                              absmax=self._rows_amax(self._amax(layer, 2)))
             self._gather_rows(a.get("ln2", layer), self._amax(layer, 2))
         elif rc.norm:
             be.rmsnorm_forward(self._mine(a.get("ln2", layer)), a.rstd2[layer], a.get("residual_mid", layer),
-                               w.ln2_w, eps, absmax=self._amax(layer, 2))
+                               w.ln2_w, eps, absmax=self._rows_amax(self._amax(layer, 2)))
             self._gather_rows(a.get("ln2", layer), self._amax(layer, 2))
         if rc.ffn:
             lin.forward(a.get("up_gate", layer), a.get("ln2", layer), w.key("up_gate_w"), self._amax(layer, 2))
@@ -776,7 +782,7 @@ class LlamaModel:
                                      self._amax(layer, 2), acc, dy_quantized=lin.fp8)
         self._wait_wgrad("down_w")
         be.rmsnorm_backward(dres, g.ln2_w, d_ln, a.get("residual_mid", layer), w.ln2_w,
-                            a.rstd2[layer], dresidual=dres, absmax=self._dy_amax())  # FP8: out-proj dy scale
+                            a.rstd2[layer], dresidual=dres, absmax=self._rows_amax(self._dy_amax()))  # FP8: out-proj dy scale
         # attention: x_mid = x_l + attention(rope(ln1 Wqkv^T + b)) Wo^T
         att = a.get("att", layer)
         dy = self._residual_grad_rows_all()
@@ -795,7 +801,7 @@ class LlamaModel:
         self._wait_wgrad("out_w")
         be.rmsnorm_backward(dres, g.ln1_w, d_ln, a.residual[layer], w.ln1_w,
                             a.rstd1[layer], dresidual=dres,
-                            absmax=self._dy_amax() if layer > 0 else None)  # FP8: the down-proj dy below
+                            absmax=self._rows_amax(self._dy_amax()) if layer > 0 else None)  # FP8: the down-proj dy below
 
     def _vocab_local(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tensor parallelism: (row of each token in this rank's vocabulary shard, clamped into it; whether the
@@ -964,7 +970,7 @@ class LlamaModel:
         else:  # the head's input gradient: this rank's vocabulary part, summed over the group (its rows)
             d_ln = self._sum_rows(self.d_ln, self.d_ln_rows)
             self.backend.rmsnorm_backward(self.d_residual, self.g.final_norm, d_ln, a.residual[-1],
-                                          self.w.final_norm, self.final_rstd, absmax=self._dy_amax())
+                                          self.w.final_norm, self.final_rstd, absmax=self._rows_amax(self._dy_amax()))
         block_backward = self._gpt2_block_backward if self.gpt2 else self._block_backward
         for layer in reversed(range(self.cfg.num_layers)):
             hooks.before(layer, backward=True)
