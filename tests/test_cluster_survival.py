@@ -101,19 +101,25 @@ def test_a_lost_node_is_replaced_by_a_spare_and_the_losses_stay_those_of_the_uni
         assert any(f.startswith("cache/remote/") and f.endswith("train.bin") for f in files), files
 
 
-def test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch(bucket, reference, tmp_path):
-    out = _scenario(tmp_path, "elastic", nodes=2, train_file=bucket, remove_after_step=4,
-                    kwargs=dict(elastic=True, restart_wait_s=60.0))
+def _assert_elastic_run(out: dict, reference, worlds: tuple[int, int], saved_world: int) -> None:
+    """An --elastic run that lost a node after step 4: all steps done, one elastic record shrinking ``worlds``
+    (from, to) at twice the micro-steps, resumed from a checkpoint of ``saved_world`` shards, and -- the same global
+    batch -- the losses of the uninterrupted run ``reference`` up to the summation order (1e-5)."""
     assert out["error"] is None, _story(out)
     assert [r["step"] for r in out["history"]] == list(range(STEPS))
     (shrink,) = _kinds(out["log"], "elastic")
-    assert (shrink["from_world_size"], shrink["world_size"]) == (2, 1)
+    assert (shrink["from_world_size"], shrink["world_size"]) == worlds
     assert (shrink["from_grad_accumulation"], shrink["grad_accumulation"]) == (1, 2)
     resumed = _kinds(out["log"], "resume")[-1]
-    assert (resumed["saved_world_size"], resumed["world_size"]) == (2, 1)
-    # the same global batch on 1 worker: the losses differ from the 2-worker run's only by the summation order
+    assert (resumed["saved_world_size"], resumed["world_size"]) == (saved_world, worlds[1])
     np.testing.assert_allclose([r["loss"] for r in out["history"]], reference, rtol=1e-5, atol=0)
     assert [r["tokens"] for r in out["history"]] == [2 * 2 * 16] * STEPS
+
+
+def test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch(bucket, reference, tmp_path):
+    out = _scenario(tmp_path, "elastic", nodes=2, train_file=bucket, remove_after_step=4,
+                    kwargs=dict(elastic=True, restart_wait_s=60.0))
+    _assert_elastic_run(out, reference, worlds=(2, 1), saved_world=2)
 
 
 def test_elastic_tensor_parallel_goes_on_with_the_whole_groups_left(bucket, reference, tmp_path):
@@ -122,16 +128,8 @@ def test_elastic_tensor_parallel_goes_on_with_the_whole_groups_left(bucket, refe
     the same global batch, so the losses stay those of the uninterrupted 2-worker run (T=1) within 1e-5."""
     out = _scenario(tmp_path, "elastic-tp", nodes=2, cpus_per_node=2, train_file=bucket, remove_after_step=4,
                     kwargs=dict(workers=4, tensor_parallel=2, elastic=True, restart_wait_s=60.0))
-    assert out["error"] is None, _story(out)
-    assert [r["step"] for r in out["history"]] == list(range(STEPS))
-    (shrink,) = _kinds(out["log"], "elastic")
-    assert (shrink["from_world_size"], shrink["world_size"]) == (4, 2)
-    assert (shrink["from_grad_accumulation"], shrink["grad_accumulation"]) == (1, 2)
-    resumed = _kinds(out["log"], "resume")[-1]
     # a T=2 x DP=2 checkpoint holds one shard file per data-parallel rank: it looks like a 2-worker one
-    assert (resumed["saved_world_size"], resumed["world_size"]) == (2, 2)
-    np.testing.assert_allclose([r["loss"] for r in out["history"]], reference, rtol=1e-5, atol=0)
-    assert [r["tokens"] for r in out["history"]] == [2 * 2 * 16] * STEPS
+    _assert_elastic_run(out, reference, worlds=(4, 2), saved_world=2)
 
 
 def test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up(bucket, tmp_path):
