@@ -202,11 +202,10 @@ class TrainEngine:
                  *, init_weights: bool = True, tensor_parallel=None):
         opts.validate()
         self.tp = tensor_parallel
-        if tensor_parallel is not None:
-            tensor_parallel.overlap = opts.overlap_tensor_parallel
         full_cfg = cfg
         if tensor_parallel is not None:
             _check_tensor_parallel(opts, tensor_parallel)
+            tensor_parallel.overlap = opts.overlap_tensor_parallel
             cfg = tensor_parallel.plan.local_config()
         self.cfg, self.opts, self.backend = cfg, opts, backend
         self.full_cfg = full_cfg  # the whole model's (``cfg`` is this rank's part under tensor parallelism)
