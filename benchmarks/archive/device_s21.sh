@@ -10,6 +10,8 @@
 #   bash benchmarks/archive/device_s21.sh 2   # issue 28: the tensor-parallel GPU tests (the overlap and FP8-head
 #       variants were never run on GPUs), then Qwen2.5-14B e4m3 at 1k, ZeRO-3 vs T=2 (device_s20_sp.sh 3's recipe)
 source benchmarks/device_lib.sh s21_$1.log smi_s21_$1.csv
+# a cluster left running by a cut call would capture every later ray.init()
+PYTHONPATH=/tmp/site python3 -m ray.scripts.scripts stop --force >> "$L" 2>&1
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
 S7="benchmarks/bench_train.py --model Qwen2.5-7B --gpus 2 --backend triton --warmup-steps 3 --steps 8
  --lmhead-chunks 4 --model-dtype bf16 --master-dtype bf16 --opt-m-dtype e4m3 --opt-v-dtype bf16 --recompute-ffn
@@ -24,7 +26,7 @@ pair4k() {  # issue 28: Qwen2.5-7B bf16 at 4k, ZeRO-3 vs T=2 at the same global 
 if [ "$1" = 1 ]; then
   PYTHONPATH=/tmp/site python3 -m ray.scripts.scripts start --head --num-gpus 2 --num-cpus 16 \
     --include-dashboard=false --disable-usage-stats >> "$L" 2>&1
-  C="examples/train.py --model Qwen2.5-0.5B --from-scratch --train-file runs/shake/train-*.bin --eval-file runs/shake/eval.bin --batch-size 4 --seq-len 1024 --steps 300 --gpus 1 --backend triton --learning-rate 6e-4 --lr-schedule cosine --warmup 30 --eval-every-n-steps 50 --no-export --sample-tokens 0 --no-progress"
+  C="examples/train.py --model Qwen2.5-0.5B --from-scratch --train-file runs/shake/train-*.bin --eval-file runs/shake/eval.bin --batch-size 4 --seq-len 1024 --steps 300 --gpus 1 --backend triton --learning-rate 6e-4 --lr-schedule cosine --warmup 30 --eval-every-n-steps 50 --no-export --sample-tokens 0 --no-progress --cpus-per-worker 4"
   lane() {  # lane KIND FLAGS...: seeds 42-45 one after another, each run on one of the cluster's GPUs
     kind=$1; shift; L="$OUT/lane_$kind.log"
     for seed in 42 43 44 45; do
@@ -40,7 +42,7 @@ if [ "$1" = 1 ]; then
 elif [ "$1" = 3 ]; then
   pair4k
 else
-  PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -s \
+  [ -z "$NO_TESTS" ] && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -s \
     tests/test_tensor_parallel_gpu.py 2>&1 | tail -15 | tee -a "$L"
   S14="benchmarks/bench_train.py --model Qwen2.5-14B --gpus 2 --backend triton --warmup-steps 2 --steps 6
    --lmhead-chunks 8 --model-dtype bf16 --master-dtype bf16 --opt-m-dtype e4m3 --opt-v-dtype bf16 --recompute-ffn
