@@ -7,6 +7,8 @@
 #       each run asks one GPU); then issue 28's 7B bf16 pair at 4k (ZeRO-3 vs T=2 at the same global batch) if
 #       both runs fit the call
 #   bash benchmarks/archive/device_s21.sh 3   # the 7B 4k pair alone
+# As they ran, but for `wait $A $B` (call 5 ran a bare `wait`, which waited for the nvidia-smi logger too, until
+# the call's limit) -- and call 1 ran without --cpus-per-worker 4 and hung (see benchmarks/LOG.md).
 #   bash benchmarks/archive/device_s21.sh 2   # issue 28: the tensor-parallel GPU tests (the overlap and FP8-head
 #       variants were never run on GPUs), then Qwen2.5-14B e4m3 at 1k, ZeRO-3 vs T=2 (device_s20_sp.sh 3's recipe)
 source benchmarks/device_lib.sh s21_$1.log smi_s21_$1.csv
@@ -35,7 +37,8 @@ if [ "$1" = 1 ]; then
         --log-file $OUT/conv_${kind}_$seed.json
     done
   }
-  lane bf16 & lane dly --matmul-dtype e4m3 --lmhead-dtype e4m3 --fp8-delayed-swiglu-scale & wait
+  # wait for the two lanes only (a bare `wait` also waits for the nvidia-smi logger: call 5 hung there)
+  lane bf16 & A=$!; lane dly --matmul-dtype e4m3 --lmhead-dtype e4m3 --fp8-delayed-swiglu-scale & B=$!; wait $A $B
   PYTHONPATH=/tmp/site python3 -m ray.scripts.scripts stop >> "$L" 2>&1
   python3 benchmarks/conv_summary.py $OUT bf16 dly | tee -a "$L"
   [ $(left 585) -gt 210 ] && pair4k || echo "== the 7B 4k pair skipped for time (mode 3 runs it)" | tee -a "$L"
