@@ -34,7 +34,8 @@ def check_tensor_parallel_placement(node_of_rank: list[str], tp: int) -> None:
 
 
 def check_resources(spec: RuntimeSpec) -> None:
-    """Raise ConfigError when the cluster cannot hold ``spec.world_size`` workers at all."""
+    """Raise ConfigError when the cluster cannot hold ``spec.world_size`` workers at all, or holds them only by
+    giving them every CPU while the train batches are read by Ray Data tasks (which need one more)."""
     import ray
 
     total = ray.cluster_resources()
@@ -47,10 +48,16 @@ def check_resources(spec: RuntimeSpec) -> None:
             raise ConfigError(f"--gpus={n} asks for more GPUs than the Ray cluster has ({gpus}); use --gpus={gpus} or fewer.")
     cpus = float(total.get("CPU", 0))
     need = n * spec.cpus_per_worker
+    flag = "--gpus" if spec.device == "cuda" else "--workers"
     if need > cpus:
-        flag = "--gpus" if spec.device == "cuda" else "--workers"
         raise ConfigError(f"{flag}={n} with {spec.cpus_per_worker} CPU(s) per worker needs {need} CPUs but the Ray "
                           f"cluster has {cpus:g}; use fewer workers or --cpus-per-worker.")
+    if spec.reads_with_ray_data and need >= cpus:
+        # the Ray Data read tasks are scheduled outside the workers' bundles: with every CPU reserved they would
+        # wait forever and the run would hang at its first batch
+        raise ConfigError(f"{flag}={n} with --cpus-per-worker={spec.cpus_per_worker} takes all {cpus:g} CPUs of the "
+                          f"Ray cluster and leaves none for the Ray Data tasks that read the train file; use "
+                          f"fewer CPUs per worker or --no-ray-data.")
 
 
 def _max_gpus_per_node() -> int:

@@ -87,6 +87,12 @@ class RuntimeSpec:
         return self.world_size // self.tensor_parallel
 
     @property
+    def reads_with_ray_data(self) -> bool:
+        """The train batches come from Ray Data tasks (a file is read, --no-ray-data not given): those tasks need
+        CPUs of the cluster besides the workers' own."""
+        return self.use_ray_data and not self.synthetic_data
+
+    @property
     def tokens_per_step(self) -> int:
         o = self.opts
         return o.batch_size * o.seq_len * o.grad_accumulation * self.data_parallel_size

@@ -264,7 +264,9 @@ class ParallelSettings:
         choices=('auto', 'torch', 'triton', 'cupy'), runtime=True)
     gpus: int = setting(0, "GPUs to train on (0: all GPUs of the Ray cluster)", runtime=True)
     workers: int | None = setting(None, "worker actors (CPU runs; on GPU the same as --gpus)", runtime=True)
-    cpus_per_worker: int | None = setting(None, "CPU cores reserved per worker (auto)", runtime=True)
+    cpus_per_worker: int | None = setting(
+        None, "CPU cores reserved per worker (auto: 1 on CPU; on GPU up to 8 of the CPUs free at the start, one "
+        "per worker left for Ray Data)", runtime=True)
     zero_level: int = setting(
         1,
         "1: shard optimizer state; 2: + gradients; 3: + weights (gathered per layer, one ahead)",

@@ -6,6 +6,7 @@ fixture. Worker calls carry short timeouts, so a bug shows up as a failure, not 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
@@ -189,6 +190,37 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "CPU": 32.0})
     with pytest.raises(ConfigError, match=r"--gpus=4 asks for more GPUs than the Ray cluster has \(2\)"):
         check_resources(RuntimeSpec(opts=TrainOptions(), device="cuda", world_size=4))
+    # workers that take every CPU while Ray Data reads the train file: its read tasks would never get a CPU and
+    # the run would hang at its first batch -- refused; with --no-ray-data or random tokens, or one CPU spare, fine
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "CPU": 16.0})
+    taking_all = RuntimeSpec(opts=TrainOptions(), device="cuda", world_size=2, cpus_per_worker=8, train_file=train)
+    with pytest.raises(ConfigError, match=r"^--gpus=2 with --cpus-per-worker=8 takes all 16 CPUs of the Ray cluster "
+                                          r"and leaves none for the Ray Data tasks"):
+        check_resources(taking_all)
+    for fine in (dict(use_ray_data=False), dict(synthetic_data=True), dict(cpus_per_worker=7)):
+        check_resources(dataclasses.replace(taking_all, **fine))
+    monkeypatch.undo()
+    # the same through the trainer on the test session's cluster (4 CPUs): refused before any actor starts, in
+    # the keyword arguments' names
+    with pytest.raises(ConfigError, match=r"^workers=2 with cpus_per_worker=2 takes all 4 CPUs of the Ray cluster "
+                                          r"and leaves none for the Ray Data tasks .*use_ray_data=False\.$"):
+        LLMQTrainer(model="tiny", train_file=train, device="cpu", workers=2, cpus_per_worker=2,
+                    **{**FAST, "use_ray_data": True}).start()
+
+
+def test_gpu_workers_default_cpus_count_the_free_cpus():
+    """A GPU worker's default CPU reservation comes from the CPUs free when the run starts, not the cluster's
+    total: a second run on a cluster whose first run holds 8 of 16 CPUs takes 7 (one left for its Ray Data
+    tasks), where the total would have given it 8 and left none for either run's data tasks (both hung at
+    their first batch on 2x H200 on 2026-11-27). The cluster is faked: this machine has no GPU."""
+    class Cluster:
+        cluster_resources = staticmethod(lambda: {"GPU": 2.0, "CPU": 16.0})
+        available_resources = staticmethod(lambda: {"GPU": 1.0, "CPU": free})
+
+    trainer = LLMQTrainer(model="tiny", device="cuda", gpus=1, backend="torch", synthetic_data=True, verbose=False,
+                          ray_address="127.0.0.1:1")  # a cluster elsewhere: no local GPU needed (nothing joins)
+    for free, want in ((16.0, 8), (8.0, 7), (1.0, 1)):
+        assert trainer._build_spec(Cluster).cpus_per_worker == want, free
 
 
 def test_setup_error_in_worker_names_rank(ray_cluster, shards, tmp_path, monkeypatch):

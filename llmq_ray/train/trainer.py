@@ -536,7 +536,11 @@ class LLMQTrainer:
         cpw = r["cpus_per_worker"]
         if cpw is None:
             if device == "cuda":
-                cpw = max(1, min(8, int(total.get("CPU", 1)) // max(world, 1) - 1))
+                # from the CPUs free now, not the cluster's total: another run on the same cluster holds its
+                # workers' CPUs, and this run's Ray Data read tasks need CPUs besides its own workers' (two runs
+                # that each took 8 of 16 CPUs left none for them, and both hung at their first batch)
+                free = int(ray.available_resources().get("CPU", 0))
+                cpw = max(1, min(8, free // max(world, 1) - 1))
             else:
                 cpw = 1
         backend = fastest_backend(device) if r["backend"] == "auto" else r["backend"]
