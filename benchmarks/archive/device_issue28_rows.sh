@@ -15,7 +15,7 @@ left() { echo $(( 585 - ($(date +%s) - T0) )); }
 COMMON="--gpus 2 --backend triton --model-dtype bf16 --master-dtype bf16 --opt-m-dtype e4m3 --opt-v-dtype bf16
  --recompute-ffn"
 M7="--model Qwen2.5-7B --warmup-steps 3 --steps 8 --lmhead-chunks 4"; P7="100 120"
-M14="--model Qwen2.5-14B --warmup-steps 2 --steps 6 --lmhead-chunks 8"; P14="120 170"
+M14="--model Qwen2.5-14B --warmup-steps 2 --steps 8 --lmhead-chunks 8"; P14="110 170"  # 6 timed steps
 pair() {  # pair NAME "ZERO3_S TP2_S" ARGS...: ZeRO-3 (GA 4) then T=2 (GA 8) with ARGS, each cut after its seconds
   name=$1; z=${2% *}; t=${2#* }; shift 2
   if [ $(left) -lt $(( z + t )) ]; then echo "== $name skipped for time" | tee -a "$L"; return; fi
