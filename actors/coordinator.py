@@ -91,6 +91,16 @@ def merge_fp8_monitors(monitors: list[list[float]]) -> tuple[list[float], int]:
     top = nan_layers[0] if nan_layers else max(range(len(per_layer)), key=per_layer.__getitem__)
     return per_layer, top
 
+
+def merge_saturated_shares(monitors: list[dict]) -> list[float]:
+    """The ranks' saturated shares ({"saturated_share": [L], "saturated_elements": n} each) -> per layer the
+    share over all ranks' elements (a rank that counted none adds nothing)."""
+    total = sum(m["saturated_elements"] for m in monitors)
+    if not total:
+        return [0.0] * len(monitors[0]["saturated_share"])
+    return [sum(m["saturated_elements"] * m["saturated_share"][i] for m in monitors) / total
+            for i in range(len(monitors[0]["saturated_share"]))]
+
 class Coordinator:
     """Owns the placement group and the workers of one run (they die with it)."""
 
@@ -349,8 +359,10 @@ class Coordinator:
                 self.log.add("gpu_util", rank=r, **res["gpu_util"])
         monitors = [res["fp8_monitor"] for res in results if res.get("fp8_monitor")]
         if monitors:  # --fp8-monitor-every: per layer, the largest |SwiGLU output| of the step on any rank
-            per_layer, top = merge_fp8_monitors(monitors)
-            self.log.add("fp8_monitor", step=step, swiglu_absmax=per_layer, max=per_layer[top], max_layer=top)
+            per_layer, top = merge_fp8_monitors([m["swiglu_absmax"] for m in monitors])
+            shares = merge_saturated_shares(monitors)
+            self.log.add("fp8_monitor", step=step, swiglu_absmax=per_layer, max=per_layer[top], max_layer=top,
+                         saturated_share=shares, saturated_share_max=max(shares))
         telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
                            "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})
         rec["warnings"] = self._check_step(rec)

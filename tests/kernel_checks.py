@@ -472,3 +472,41 @@ def time_cuda(fn, reps=20):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def check_saturated_share(backend: str, device: str) -> None:
+    """The FP8 monitor's saturated share under --fp8-delayed-swiglu-scale (``TrainEngine.monitor_take``). The
+    first micro-step measures (current scales: nothing counted); the delayed scales are then halved by hand, and
+    the second micro-step's count per layer must equal the number of 448s in torch's own float8 cast of that
+    layer's SwiGLU output at the halved scale -- recomputed from the layer's kept up+gate GEMM output with the
+    torch reference (the FP8 path keeps only the last layer's SwiGLU output) -- and be above 1 (more than the
+    maximum itself went over the edge)."""
+    from llmq_ray.backends import get_backend
+    from llmq_ray.engine.train_engine import TrainEngine
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.options import TrainOptions
+
+    cfg = PRESETS["tiny"]
+    opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
+                        fp8_delayed_swiglu_scale=True, grad_accumulation=2, fp8_monitor_every=1)
+    e = TrainEngine(cfg, opts, get_backend(backend, device))
+    x = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(5))
+    e.monitor_begin()
+    e.micro_step(x[:, :-1], x[:, 1:])
+    assert e._monitor_elements == 0  # the first pass measured its own scales
+    e.model.swiglu_out_amax.mul_(0.5)
+    scales = e.model.swiglu_out_amax.clone()
+    e.micro_step(x[:, :-1], x[:, 1:])
+    want, ref = [], get_backend("torch", device)
+    for layer in range(cfg.num_layers):
+        up_gate = e.model.acts.get("up_gate", layer)
+        out = torch.empty(up_gate.shape[0], cfg.intermediate_size, dtype=up_gate.dtype, device=up_gate.device)
+        ref.swiglu_forward(out, up_gate)
+        q = (out.float() * (448.0 / scales[layer])).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+        want.append(int((q.abs() == 448.0).sum()))
+    e.update(1e-3, 1)
+    taken = e.monitor_take()
+    n = taken["saturated_elements"]
+    assert n == 2 * 32 * cfg.intermediate_size
+    assert [round(v * n) for v in taken["saturated_share"]] == want, (taken["saturated_share"], want)
+    assert all(w > 1 for w in want)

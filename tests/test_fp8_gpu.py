@@ -34,6 +34,13 @@ def test_fp8_lm_head_on_the_gpu(backend):
         assert kc.cosine(g8, g_ref) >= 0.99
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_monitor_saturated_share_at_a_delayed_scale(backend):
+    """The FP8 monitor's count of SwiGLU outputs saturated at a delayed scale equals torch's float8 cast,
+    with the triton backend's one-pass SwiGLU -> FP8 kernel (kernel_checks.check_saturated_share)."""
+    kc.check_saturated_share(backend, "cuda")
+
+
 def test_triton_fp8_gradients_follow_torch_fp8():
     _, g_torch = kc.fp8_run("torch", "e4m3")
     _, g_triton = kc.fp8_run("triton", "e4m3")

@@ -80,9 +80,13 @@ def test_record_to_wandb_maps_the_json_log_fields():
     assert record_to_wandb({"log": "summary", "steps": 3})[0] == "summary"
     assert record_to_wandb({"log": "something-new"}) is None
     what, data, step = record_to_wandb({"log": "fp8_monitor", "step": 9, "swiglu_absmax": [1.5, 40.0], "max": 40.0,
-                                        "max_layer": 1})
+                                        "max_layer": 1, "saturated_share": [0.0, 0.002],
+                                        "saturated_share_max": 0.002})
     assert (what, step) == ("log", 10) and data == {"fp8/swiglu_absmax/layer00": 1.5,
-                                                    "fp8/swiglu_absmax/layer01": 40.0, "fp8/swiglu_absmax/max": 40.0}
+                                                    "fp8/swiglu_absmax/layer01": 40.0, "fp8/swiglu_absmax/max": 40.0,
+                                                    "fp8/saturated_share/layer00": 0.0,
+                                                    "fp8/saturated_share/layer01": 0.002,
+                                                    "fp8/saturated_share/max": 0.002}
 
 
 def test_wandb_logger_offline_writes_a_local_run(tmp_path, monkeypatch):
@@ -517,12 +521,25 @@ def test_fp8_monitor_is_each_layers_largest_swiglu_output_over_the_step():
         last = e.model.acts.get("swiglu", PRESETS["tiny"].num_layers - 1).float().abs().max()
         assert per_micro[-1][-1] == last
     e.update(1e-3, 1)
-    got = e.monitor_take()
+    taken = e.monitor_take()
+    got = taken["swiglu_absmax"]
     assert got == torch.maximum(*per_micro).tolist() and len(got) == PRESETS["tiny"].num_layers
     assert all(v > 0 for v in got) and e.monitor_take() is None  # taken once
+    # current scaling: each tensor's own maximum is its scale, nothing is clipped and nothing is counted
+    assert taken["saturated_share"] == [0.0] * len(got) and taken["saturated_elements"] == 0
     bf16 = TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=32), get_backend("torch"))
     with pytest.raises(ConfigError, match="--fp8-monitor-every needs --matmul-dtype e4m3"):
         bf16.monitor_begin()
+
+
+def test_fp8_monitor_counts_the_values_saturated_at_a_delayed_scale():
+    """--fp8-delayed-swiglu-scale: values beyond the earlier maximum saturate at the FP8 maximum, and the monitor
+    reports per layer the share of the down projection's FP8 inputs that sit there -- equal, layer by layer, to
+    torch's own float8 cast at the (halved by hand) delayed scale (kernel_checks.check_saturated_share; the GPU
+    run with the triton backend is tests/test_fp8_gpu.py)."""
+    import kernel_checks
+
+    kernel_checks.check_saturated_share("torch", "cpu")
 
 
 def test_fp8_monitors_of_the_ranks_merge_with_nan_winning():
@@ -532,3 +549,10 @@ def test_fp8_monitors_of_the_ranks_merge_with_nan_winning():
     for monitors in ([[1.0, 5.0], [float("nan"), 9.0]], [[float("nan"), 9.0], [1.0, 5.0]]):
         per_layer, top = merge_fp8_monitors(monitors)  # whatever the rank order
         assert math.isnan(per_layer[0]) and per_layer[1] == 9.0 and top == 0
+    from llmq_ray.actors.coordinator import merge_saturated_shares
+
+    # the share over all ranks' elements; a rank that counted nothing (a pass at current scales) adds nothing
+    assert merge_saturated_shares([{"saturated_share": [0.5, 0.0], "saturated_elements": 100},
+                                   {"saturated_share": [0.25, 0.1], "saturated_elements": 300},
+                                   {"saturated_share": [0.0, 0.0], "saturated_elements": 0}]) == [0.3125, 0.075]
+    assert merge_saturated_shares([{"saturated_share": [0.0], "saturated_elements": 0}]) == [0.0]

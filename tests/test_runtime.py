@@ -262,6 +262,7 @@ def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, sh
     layers = len(monitor["swiglu_absmax"])
     assert monitor["step"] == 1 and layers > 1 and all(v > 0 for v in monitor["swiglu_absmax"])
     assert monitor["max"] == max(monitor["swiglu_absmax"]) == monitor["swiglu_absmax"][monitor["max_layer"]]
+    assert monitor["saturated_share"] == [0.0] * layers and monitor["saturated_share_max"] == 0.0  # current scales
     allocators = [rec for rec in read_log(result.log_file) if rec["log"] == "allocator"]
     assert sorted(r["rank"] for r in allocators) == [0, 1]
     assert all(r["weights"] > 0 and r["activations"] > 0 for r in allocators)

@@ -278,6 +278,8 @@ class TrainEngine:
         self.optimizer = self._make_optimizer()
         self.micro_steps_done = 0
         self._monitor: torch.Tensor | None = None  # [L] fp32: this step's FP8 monitor, while one is collected
+        self._monitor_saturated: torch.Tensor | None = None  # [L] int64: its FP8 inputs at the FP8 maximum
+        self._monitor_elements = 0  # per layer, the elements counted into _monitor_saturated
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
         if opts.overlap_update and opts.effective_zero_level == 1 and (world == 1 or opts.overlap_comm):
             self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule, self.comm,
@@ -456,6 +458,7 @@ class TrainEngine:
             self.store.finish_micro_step()
         if self._monitor is not None:  # the forward wrote each layer's max|SwiGLU out| (the FP8 scale's absmax)
             torch.maximum(self._monitor, self.model.amax[:, 3], out=self._monitor)
+            self._monitor_elements += self.model.count_saturated_swiglu_fp8(self._monitor_saturated)
         self.micro_steps_done += 1
 
     def monitor_begin(self) -> None:
@@ -468,13 +471,21 @@ class TrainEngine:
             raise ConfigError("--fp8-monitor-every needs --matmul-dtype e4m3: it reports the scales of the FP8 "
                               "down projection.")
         self._monitor = torch.zeros(self.cfg.num_layers, dtype=torch.float32, device=self.model.amax.device)
+        self._monitor_saturated = torch.zeros(self.cfg.num_layers, dtype=torch.int64, device=self.model.amax.device)
+        self._monitor_elements = 0
 
-    def monitor_take(self) -> list[float] | None:
-        """The collected monitor as host floats [L] (a device sync; call it after the update's), or None."""
+    def monitor_take(self) -> dict | None:
+        """The collected monitor (a device sync; call it after the update's), or None: {"swiglu_absmax": [L]
+        floats, the largest |SwiGLU output| per layer over the step's micro-steps; "saturated_share": [L] floats,
+        the share of those outputs' FP8 values at the FP8 maximum (``LlamaModel.count_saturated_swiglu_fp8``:
+        0 at current scales, where nothing is clipped), and "saturated_elements", what that share is over}."""
         if self._monitor is None:
             return None
-        values, self._monitor = self._monitor.tolist(), None
-        return values
+        n = self._monitor_elements
+        share = (self._monitor_saturated.double() / n).tolist() if n else [0.0] * self.cfg.num_layers
+        out = {"swiglu_absmax": self._monitor.tolist(), "saturated_share": share, "saturated_elements": n}
+        self._monitor = self._monitor_saturated = None
+        return out
 
     def update(self, lr: float, step: int, *, max_loss: float | None = None,
                max_norm: float | None = None) -> StepStats:

@@ -491,11 +491,31 @@ class LlamaModel:
         self.swiglu_out_amax = (torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev)
                                 if delayed and self.lin.store_xt else None)
         self._swiglu_dy_amax_filled = self._swiglu_out_amax_filled = False
+        self._swiglu_out_delayed = False  # whether the last forward quantized the SwiGLU outputs at delayed scales
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
 
     # ------------------------------------------------------------------ bookkeeping
+    def count_saturated_swiglu_fp8(self, counts: torch.Tensor) -> int:
+        """The FP8 monitor's saturation count (--fp8-delayed-swiglu-scale): add to ``counts`` [L] (int64, on the
+        model's device) how many of each layer's down-projection FP8 inputs of the last forward sit at the FP8
+        maximum, read from the q(x^T) [I, N] each layer keeps for its wgrad; returns the elements counted per
+        layer. At a delayed scale every value beyond the earlier maximum saturates there (with those that round
+        to it: values within half an FP8 step of it), so the share is an upper bound on the clipped share. A
+        forward at current scales (the flag off, or its first pass) clips nothing by construction -- the
+        tensor's own maximum is the scale -- and counts nothing: returns 0."""
+        if not self._swiglu_out_delayed:
+            return 0
+        lin = self.lin
+        top = torch.tensor(torch.finfo(lin.fwd_dtype).max, dtype=lin.fwd_dtype).view(torch.uint8).item()
+        elements = 0
+        for layer in range(self.cfg.num_layers):
+            qt = lin.xt_store[self.w.blocks[layer].key("down_w")].view(torch.uint8)  # [I, N], sign in bit 7
+            counts[layer] += ((qt & 0x7F) == top).sum()
+            elements = qt.numel()
+        return elements
+
     def zero_grads(self) -> None:
         """Start a new optimizer step: zero gradients, the loss sum and the target count."""
         self.store.zero_grads()
@@ -663,6 +683,7 @@ class LlamaModel:
                                self.cfg.rms_norm_eps, absmax=self._rows_amax(self._amax(0, 0)))
             self._gather_rows(a.get("ln1", 0), self._amax(0, 0))
         block_forward = self._gpt2_block_forward if self.gpt2 else self._block_forward
+        self._swiglu_out_delayed = self.swiglu_out_amax is not None and self._swiglu_out_amax_filled
         for layer in range(self.cfg.num_layers):
             hooks.before(layer)
             block_forward(layer)

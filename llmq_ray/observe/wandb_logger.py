@@ -17,7 +17,8 @@ Record -> W&B (``record_to_wandb``), with the W&B step = optimizer steps done (t
     eval       eval/loss (a "full" eval: eval/final_loss too), eval/seconds
     gpu_util   gpu{rank}/<key> for every numeric key of ``llmq_ray.observe.gpu_stats`` (clocks, power, temperature,
                utilization, memory), at its "step"
-    fp8_monitor  fp8/swiglu_absmax/layerNN per layer and fp8/swiglu_absmax/max, at the step record's W&B step
+    fp8_monitor  fp8/swiglu_absmax/layerNN per layer and fp8/swiglu_absmax/max, fp8/saturated_share/layerNN and
+               fp8/saturated_share/max (where the record has them), at the step record's W&B step
     options, sol, dataset, gpu, allocator   merged into the run config (under "sol/", "dataset/", "gpu{rank}/",
                "memory/")
     summary    the run summary (``run.summary``)
@@ -86,6 +87,9 @@ def record_to_wandb(record: dict) -> Optional[tuple[str, dict, Optional[int]]]:
     if kind == "fp8_monitor":  # at the step record's W&B step
         data = {f"fp8/swiglu_absmax/layer{i:02d}": _number(v) for i, v in enumerate(record.get("swiglu_absmax", []))}
         data["fp8/swiglu_absmax/max"] = _number(record.get("max"))
+        data.update({f"fp8/saturated_share/layer{i:02d}": _number(v)
+                     for i, v in enumerate(record.get("saturated_share") or [])})
+        data["fp8/saturated_share/max"] = _number(record.get("saturated_share_max"))
         return "log", {k: v for k, v in data.items() if v is not None}, int(record["step"]) + 1
     if kind == "options":
         return "config", {k: v for k, v in record.items() if k != "log"}, None
