@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8 monitor: {len(e['monitor'])} records, largest |SwiGLU out| {top['max']:.1f} at layer "
               f"{top['max_layer']} step {top['step']} (e4m3 max {E4M3_MAX:g}; per-tensor scaling maps each "
               f"tensor's max onto it)")
+        shares = [r for r in e["monitor"] if r.get("saturated_share_max") is not None]
+        if shares:
+            worst = max(shares, key=lambda r: r["saturated_share_max"])
+            print(f"fp8 monitor: largest share of SwiGLU FP8 inputs at the FP8 maximum (delayed scale) "
+                  f"{worst['saturated_share_max']:.2e} at step {worst['step']}")
     else:
         print("fp8 monitor: no records in the e4m3 log (run it with --fp8-monitor-every N)")
     if a.plot:
