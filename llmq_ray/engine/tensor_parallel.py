@@ -214,6 +214,19 @@ class TensorParallelRank:
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         self.comm.all_reduce_sum(tensor)
 
+    def all_reduce_sum_packed(self, tensors: list[torch.Tensor]) -> None:
+        """Sum every tensor of ``tensors`` (one dtype) over the group with one collective: packed into one flat
+        buffer, reduced, copied back. The norm weights' gradients are 2L+1 small tensors (a few KB each) whose
+        separate all-reduces would each pay a launch and a round trip."""
+        if len(tensors) <= 1:
+            for t in tensors:
+                self.comm.all_reduce_sum(t)
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.comm.all_reduce_sum(flat)
+        parts = flat.split([t.numel() for t in tensors])
+        torch._foreach_copy_(tensors, [p.view_as(t) for p, t in zip(parts, tensors)])
+
     def kv_replica_sum(self, tensor: torch.Tensor) -> None:
         if self.kv_replica_comm is not None:
             self.kv_replica_comm.all_reduce_sum(tensor)

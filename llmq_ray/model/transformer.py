@@ -843,15 +843,14 @@ class LlamaModel:
         if self.tp is None:
             return
         layers = [unit] if isinstance(unit, int) else range(self.cfg.num_layers)
+        group_sums = []  # summed over the whole group in one packed collective below
         for layer in layers:
             g = self.g.blocks[layer]
             if unit is None or unit == "plain":
                 if self.sequence_parallel:  # each rank's norms saw only its rows
-                    self.tp.all_reduce_sum(g.ln1_w)
-                    self.tp.all_reduce_sum(g.ln2_w)
+                    group_sums += [g.ln1_w, g.ln2_w]
                 if self.cfg.qk_norm:
-                    self.tp.all_reduce_sum(g.q_norm_w)
-                    self.tp.all_reduce_sum(g.k_norm_w)
+                    group_sums += [g.q_norm_w, g.k_norm_w]
                 if g.qkv_b is not None:
                     for rows in self.tp.kv_rows:
                         self.tp.kv_replica_sum(g.qkv_b[rows])
@@ -859,7 +858,8 @@ class LlamaModel:
                 for rows in self.tp.kv_rows:
                     self.tp.kv_replica_sum(g.qkv_w[rows])
         if self.sequence_parallel and unit in (None, "plain"):
-            self.tp.all_reduce_sum(self.g.final_norm)
+            group_sums.append(self.g.final_norm)
+        self.tp.all_reduce_sum_packed(group_sums)
 
     def _attention_backward(self, att: torch.Tensor, lse: torch.Tensor, qkv: torch.Tensor) -> None:
         """d_qkv (the gradient of the pre-RoPE qkv) from d_att, in ``attn_bwd_chunks`` slices of the batch (rows
