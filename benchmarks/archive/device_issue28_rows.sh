@@ -7,6 +7,8 @@
 #       (the one dip, 0.955, was a single pair)
 #   bash benchmarks/archive/device_issue28_rows.sh b   # 14B bf16 4k and 8k
 #   bash benchmarks/archive/device_issue28_rows.sh c   # 14B e4m3 4k and 8k
+#   bash benchmarks/archive/device_issue28_rows.sh d   # 7B bf16 1k and e4m3 1k again: the rows of sessions 20-21
+#       ran with 2L+1 separate all-reduces of the norm weights' gradients, packed into one since (commit 8c25c29)
 # Each run's limit is a little above what session 21 saw (7B: ZeRO-3 66 s, T=2 90 s; 14B: 94 s and 149 s, set-up
 # included); a pair starts only when both of its runs fit the call: a cut pair is worth nothing.
 source benchmarks/device_lib.sh rows_$1.log smi_rows_$1.csv
@@ -33,7 +35,9 @@ case "$1" in
      pair 14b_bf16_t8192 "$P14" $M14 $K8 ;;
   c) pair 14b_e4m3_t4096 "$P14" $M14 $K4 --matmul-dtype e4m3
      pair 14b_e4m3_t8192 "$P14" $M14 $K8 --matmul-dtype e4m3 ;;
-  *) echo "usage: $0 a | b | c"; exit 2 ;;
+  d) pair 7b_bf16_t1024 "$P7" $M7 --seq-len 1024 --batch-size 4
+     pair 7b_e4m3_t1024 "$P7" $M7 --seq-len 1024 --batch-size 4 --matmul-dtype e4m3 ;;
+  *) echo "usage: $0 a | b | c | d"; exit 2 ;;
 esac
 stop_smi 10
 grep -hE "^== |tokens/s|Error|error:|out of memory" "$L" | cut -c1-260
