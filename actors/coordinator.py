@@ -92,14 +92,16 @@ def merge_fp8_monitors(monitors: list[list[float]]) -> tuple[list[float], int]:
     return per_layer, top
 
 
-def merge_saturated_shares(monitors: list[dict]) -> list[float]:
-    """The ranks' saturated shares ({"saturated_share": [L], "saturated_elements": n} each) -> per layer the
-    share over all ranks' elements (a rank that counted none adds nothing)."""
-    total = sum(m["saturated_elements"] for m in monitors)
-    if not total:
-        return [0.0] * len(monitors[0]["saturated_share"])
-    return [sum(m["saturated_elements"] * m["saturated_share"][i] for m in monitors) / total
-            for i in range(len(monitors[0]["saturated_share"]))]
+def merge_saturated_shares(monitors: list[dict]) -> list[float] | None:
+    """The ranks' saturated shares ({"saturated_share": [L] or None, "saturated_elements": n} each) -> per layer
+    the share over all ranks' elements (a rank that counted none adds nothing); None when no rank counted any
+    (no pass at delayed scales: not measured, rather than zero)."""
+    counted = [m for m in monitors if m["saturated_elements"]]
+    if not counted:
+        return None
+    total = sum(m["saturated_elements"] for m in counted)
+    return [sum(m["saturated_elements"] * m["saturated_share"][i] for m in counted) / total
+            for i in range(len(counted[0]["saturated_share"]))]
 
 class Coordinator:
     """Owns the placement group and the workers of one run (they die with it)."""
@@ -360,9 +362,10 @@ class Coordinator:
         monitors = [res["fp8_monitor"] for res in results if res.get("fp8_monitor")]
         if monitors:  # --fp8-monitor-every: per layer, the largest |SwiGLU output| of the step on any rank
             per_layer, top = merge_fp8_monitors([m["swiglu_absmax"] for m in monitors])
-            shares = merge_saturated_shares(monitors)
+            shares = merge_saturated_shares(monitors)  # None: no pass at delayed scales, nothing measured
+            extra = {} if shares is None else {"saturated_share": shares, "saturated_share_max": max(shares)}
             self.log.add("fp8_monitor", step=step, swiglu_absmax=per_layer, max=per_layer[top], max_layer=top,
-                         saturated_share=shares, saturated_share_max=max(shares))
+                         **extra)
         telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
                            "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})
         rec["warnings"] = self._check_step(rec)

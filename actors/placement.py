@@ -57,7 +57,34 @@ def check_resources(spec: RuntimeSpec) -> None:
         # wait forever and the run would hang at its first batch
         raise ConfigError(f"{flag}={n} with --cpus-per-worker={spec.cpus_per_worker} takes all {cpus:g} CPUs of the "
                           f"Ray cluster and leaves none for the Ray Data tasks that read the train file; use "
-                          f"fewer CPUs per worker or --no-ray-data.")
+                          f"fewer workers, fewer CPUs per worker or --no-ray-data.")
+
+
+def data_cpu_warning(spec: RuntimeSpec, settle_s: float = 1.5) -> str | None:
+    """A warning sentence when the run's workers would take every CPU that is free on the cluster now (other
+    jobs hold the rest) while Ray Data reads the train file: its read tasks would then wait for another job to
+    free a CPU, and the run with them. Not an error: the CPUs may free up (placement waits for room the same
+    way). Ray's view of free resources lags a removed placement group by up to about a second, so a shortfall
+    is looked at again for ``settle_s`` before it is reported."""
+    import time
+
+    import ray
+
+    if not spec.reads_with_ray_data:
+        return None
+    need = spec.world_size * spec.cpus_per_worker
+    deadline = time.monotonic() + settle_s
+    while True:
+        free = float(ray.available_resources().get("CPU", 0))
+        if need < free or time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    if need < free:
+        return None
+    total = float(ray.cluster_resources().get("CPU", 0))
+    return (f"warning: the workers take {need} CPU(s) and {free:g} of the cluster's {total:g} are free now (other "
+            f"jobs hold the rest), which leaves none for the Ray Data tasks that read the train file; the run "
+            f"waits until one frees up (--cpus-per-worker lower, or --no-ray-data to read in the workers).")
 
 
 def _max_gpus_per_node() -> int:

@@ -526,7 +526,7 @@ def test_fp8_monitor_is_each_layers_largest_swiglu_output_over_the_step():
     assert got == torch.maximum(*per_micro).tolist() and len(got) == PRESETS["tiny"].num_layers
     assert all(v > 0 for v in got) and e.monitor_take() is None  # taken once
     # current scaling: each tensor's own maximum is its scale, nothing is clipped and nothing is counted
-    assert taken["saturated_share"] == [0.0] * len(got) and taken["saturated_elements"] == 0
+    assert taken["saturated_share"] is None and taken["saturated_elements"] == 0
     bf16 = TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=32), get_backend("torch"))
     with pytest.raises(ConfigError, match="--fp8-monitor-every needs --matmul-dtype e4m3"):
         bf16.monitor_begin()
@@ -551,8 +551,9 @@ def test_fp8_monitors_of_the_ranks_merge_with_nan_winning():
         assert math.isnan(per_layer[0]) and per_layer[1] == 9.0 and top == 0
     from llmq_ray.actors.coordinator import merge_saturated_shares
 
-    # the share over all ranks' elements; a rank that counted nothing (a pass at current scales) adds nothing
+    # the share over all ranks' elements; a rank that counted nothing (a pass at current scales) adds nothing,
+    # and none counting anything is "not measured" (None), not a share of 0
     assert merge_saturated_shares([{"saturated_share": [0.5, 0.0], "saturated_elements": 100},
                                    {"saturated_share": [0.25, 0.1], "saturated_elements": 300},
-                                   {"saturated_share": [0.0, 0.0], "saturated_elements": 0}]) == [0.3125, 0.075]
-    assert merge_saturated_shares([{"saturated_share": [0.0], "saturated_elements": 0}]) == [0.0]
+                                   {"saturated_share": None, "saturated_elements": 0}]) == [0.3125, 0.075]
+    assert merge_saturated_shares([{"saturated_share": None, "saturated_elements": 0}]) is None

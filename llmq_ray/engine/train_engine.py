@@ -446,6 +446,9 @@ class TrainEngine:
         if self.micro_steps_done == 0:
             self.model.zero_grads()
         reduce = last and self.grad_reduce is not None
+        # the FP8 monitor counts saturated values only after a forward at delayed scales (read before the pass:
+        # its own forward fills them, and a CUDA graph's capture re-runs the Python of the forward)
+        count_saturated = self._monitor is not None and self.model.swiglu_out_delayed
         if reduce:
             self.grad_reduce.active = True
         try:
@@ -458,7 +461,8 @@ class TrainEngine:
             self.store.finish_micro_step()
         if self._monitor is not None:  # the forward wrote each layer's max|SwiGLU out| (the FP8 scale's absmax)
             torch.maximum(self._monitor, self.model.amax[:, 3], out=self._monitor)
-            self._monitor_elements += self.model.count_saturated_swiglu_fp8(self._monitor_saturated)
+            if count_saturated:
+                self._monitor_elements += self.model.count_saturated_swiglu_fp8(self._monitor_saturated)
         self.micro_steps_done += 1
 
     def monitor_begin(self) -> None:
@@ -477,12 +481,13 @@ class TrainEngine:
     def monitor_take(self) -> dict | None:
         """The collected monitor (a device sync; call it after the update's), or None: {"swiglu_absmax": [L]
         floats, the largest |SwiGLU output| per layer over the step's micro-steps; "saturated_share": [L] floats,
-        the share of those outputs' FP8 values at the FP8 maximum (``LlamaModel.count_saturated_swiglu_fp8``:
-        0 at current scales, where nothing is clipped), and "saturated_elements", what that share is over}."""
+        the share of those outputs' FP8 values at the FP8 maximum over the micro-steps at delayed scales
+        (``LlamaModel.count_saturated_swiglu_fp8``), or None when none was (current scales: nothing is
+        clipped); "saturated_elements", what that share is over (0 with None)}."""
         if self._monitor is None:
             return None
         n = self._monitor_elements
-        share = (self._monitor_saturated.double() / n).tolist() if n else [0.0] * self.cfg.num_layers
+        share = (self._monitor_saturated.double() / n).tolist() if n else None
         out = {"swiglu_absmax": self._monitor.tolist(), "saturated_share": share, "saturated_elements": n}
         self._monitor = self._monitor_saturated = None
         return out

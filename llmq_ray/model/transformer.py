@@ -491,28 +491,33 @@ class LlamaModel:
         self.swiglu_out_amax = (torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev)
                                 if delayed and self.lin.store_xt else None)
         self._swiglu_dy_amax_filled = self._swiglu_out_amax_filled = False
-        self._swiglu_out_delayed = False  # whether the last forward quantized the SwiGLU outputs at delayed scales
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def swiglu_out_delayed(self) -> bool:
+        """The next forward quantizes the SwiGLU outputs at delayed scales (--fp8-delayed-swiglu-scale, after its
+        first, measuring pass). Read it before a forward to know which scales that forward used."""
+        return self.swiglu_out_amax is not None and self._swiglu_out_amax_filled
+
     def count_saturated_swiglu_fp8(self, counts: torch.Tensor) -> int:
-        """The FP8 monitor's saturation count (--fp8-delayed-swiglu-scale): add to ``counts`` [L] (int64, on the
-        model's device) how many of each layer's down-projection FP8 inputs of the last forward sit at the FP8
-        maximum, read from the q(x^T) [I, N] each layer keeps for its wgrad; returns the elements counted per
-        layer. At a delayed scale every value beyond the earlier maximum saturates there (with those that round
-        to it: values within half an FP8 step of it), so the share is an upper bound on the clipped share. A
-        forward at current scales (the flag off, or its first pass) clips nothing by construction -- the
-        tensor's own maximum is the scale -- and counts nothing: returns 0."""
-        if not self._swiglu_out_delayed:
-            return 0
+        """The FP8 monitor's saturation count, after a forward at delayed scales (``swiglu_out_delayed`` was
+        True before it): add to ``counts`` [L] (int64, on the model's device) how many of each layer's
+        down-projection FP8 inputs sit at the FP8 maximum, read from the q(x^T) [I, N] each layer keeps for its
+        wgrad; returns the elements counted per layer. Every value beyond the earlier maximum saturates there
+        (with those that round to it: within half an FP8 step of it), so the share is an upper bound on the
+        clipped share. (At current scales nothing is clipped by construction -- the tensor's own maximum is
+        the scale -- and the caller counts nothing.) Read in slices of the I rows, so that the temporaries
+        stay near 32 MB."""
         lin = self.lin
         top = torch.tensor(torch.finfo(lin.fwd_dtype).max, dtype=lin.fwd_dtype).view(torch.uint8).item()
         elements = 0
         for layer in range(self.cfg.num_layers):
             qt = lin.xt_store[self.w.blocks[layer].key("down_w")].view(torch.uint8)  # [I, N], sign in bit 7
-            counts[layer] += ((qt & 0x7F) == top).sum()
+            for part in qt.split(max(1, (32 << 20) // max(qt.shape[1], 1))):
+                counts[layer] += ((part & 0x7F) == top).sum()
             elements = qt.numel()
         return elements
 
@@ -683,7 +688,6 @@ class LlamaModel:
                                self.cfg.rms_norm_eps, absmax=self._rows_amax(self._amax(0, 0)))
             self._gather_rows(a.get("ln1", 0), self._amax(0, 0))
         block_forward = self._gpt2_block_forward if self.gpt2 else self._block_forward
-        self._swiglu_out_delayed = self.swiglu_out_amax is not None and self._swiglu_out_amax_filled
         for layer in range(self.cfg.num_layers):
             hooks.before(layer)
             block_forward(layer)

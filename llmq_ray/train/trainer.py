@@ -503,7 +503,9 @@ class LLMQTrainer:
             joins = os.environ.get("RAY_ADDRESS", "local") != "local"
             if self.ray_address is None and not joins:
                 # a fresh local instance: declare more CPUs than the workers take (Ray Data needs spare ones)
-                kwargs.update(num_cpus=max(os.cpu_count() or 1, (self.runtime["workers"] or 1) + 2),
+                r = self.runtime
+                workers = r["workers"] or r["gpus"] or 1
+                kwargs.update(num_cpus=max(os.cpu_count() or 1, workers * (r["cpus_per_worker"] or 1) + 2),
                               dashboard_host="127.0.0.1")
             ray.init(**{k: v for k, v in kwargs.items() if v is not None})
             self._started_ray = True
@@ -580,9 +582,12 @@ class LLMQTrainer:
     def _start(self) -> dict:
         ray = self._init_ray()
         self.spec = self._build_spec(ray)
-        from llmq_ray.actors.placement import check_resources
+        from llmq_ray.actors.placement import check_resources, data_cpu_warning
 
         check_resources(self.spec)  # --gpus above what exists: one sentence, before any actor starts
+        warning = data_cpu_warning(self.spec)
+        if warning:
+            self._say(warning, sys.stderr)
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         env.update(forwarded_env(self.runtime["forward_env"]))  # credentials, endpoints, NCCL/GLOO, W&B...
         self._coordinator_env = env
