@@ -222,6 +222,8 @@ class TensorParallelRank:
             for t in tensors:
                 self.comm.all_reduce_sum(t)
             return
+        if len({t.dtype for t in tensors}) > 1:  # torch.cat would promote them and the sums would round apart
+            raise ValueError(f"all_reduce_sum_packed: tensors of dtypes {sorted({str(t.dtype) for t in tensors})}")
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self.comm.all_reduce_sum(flat)
         parts = flat.split([t.numel() for t in tensors])
