@@ -4,8 +4,9 @@
 
 ``ray.cluster_utils.Cluster`` starts one raylet per "node" on this machine: a head node with no CPUs (the driver
 and the coordinator, which takes none) and ``spec["nodes"]`` worker nodes of one CPU each, so each holds exactly
-one CPU worker (``spec["cpus_per_node"]``, default 1: that many, e.g. 2 for a tensor-parallel group of 2 per node). Every worker node has a disk of its own: its raylet (and so every process it starts: the
-workers, Ray's agents) runs in a mount namespace of its own (``unshare --mount``) with a fresh tmpfs mounted on
+one CPU worker (``spec["cpus_per_node"]`` CPUs and workers instead, e.g. 2 for a tensor-parallel group of 2 per
+node). Every worker node has a disk of its own: its raylet (and so every process it starts: the workers, Ray's
+agents) runs in a mount namespace of its own (``unshare --mount``) with a fresh tmpfs mounted on
 ``ROOT/disks``, where its cache (``LLMQ_RAY_CACHE``: fetched shards, staged checkpoints) and ``TMPDIR`` live;
 no other node, the driver included, sees that tmpfs. The run reads its shards from and writes its checkpoints
 and log to s3:// (the S3 server's address comes in the environment), so a file one node wrote and another read

@@ -18,27 +18,4 @@ for seed in $SEEDS; do
   done
 done
 stop_smi 10
-PYTHONPATH=$PWD python3 - "$OUT" $KIND $SEEDS <<'PY' | tee -a "$L"
-import statistics as S, sys
-from llmq_ray.observe.runlog import read_log
-out, other, seeds = sys.argv[1], sys.argv[2], [int(x) for x in sys.argv[3:]]
-res = {}
-for kind in ("bf16", other):
-    for seed in seeds:
-        try:
-            log = read_log(f"{out}/conv_{kind}_{seed}.json")
-        except Exception as exc:
-            print(f"CONV {kind} {seed}: no log ({exc})"); continue
-        steps = [r["loss"] for r in log if r.get("log") == "step"]
-        evals = [r["loss"] for r in log if r.get("log") == "eval"]
-        if len(steps) < 300 or not evals:
-            print(f"CONV {kind} {seed}: incomplete ({len(steps)} steps)"); continue
-        res[kind, seed] = (sum(steps[-20:]) / 20, evals)
-        print(f"CONV {kind} {seed}: train (last 20) {res[kind, seed][0]:.4f}, eval " + " / ".join(f"{e:.4f}" for e in evals))
-for kind in ("bf16", other):
-    got = [res[kind, s] for s in seeds if (kind, s) in res]
-    if len(got) >= 2:
-        tr, ev = [g[0] for g in got], [g[1][-1] for g in got]
-        print(f"MEAN {kind} ({len(got)} seeds): train {S.mean(tr):.4f} (sd {S.stdev(tr):.3f}), final eval {S.mean(ev):.4f} "
-              f"(sd {S.stdev(ev):.3f}, range {min(ev):.4f}-{max(ev):.4f})")
-PY
+python3 benchmarks/conv_summary.py "$OUT" bf16 $KIND --seeds $SEEDS | tee -a "$L"  # per seed, then each kind's spread
