@@ -7,6 +7,9 @@
 #       (the one dip, 0.955, was a single pair)
 #   bash benchmarks/archive/device_issue28_rows.sh b   # 14B bf16 4k and 8k
 #   bash benchmarks/archive/device_issue28_rows.sh c   # 14B e4m3 4k and 8k
+#   TESTS=1 bash benchmarks/archive/device_issue28_rows.sh a   # first the GPU tests of the tensor-parallel
+#       engine (tests/test_tensor_parallel_gpu.py: the packed all-reduce of commit 8c25c29 never ran on GPUs) and
+#       the FP8 monitor's saturated-share test (tests/test_fp8_gpu.py -k saturated), then the pairs that still fit
 #   bash benchmarks/archive/device_issue28_rows.sh d   # 7B bf16 1k and e4m3 1k again: the rows of sessions 20-21
 #       ran with 2L+1 separate all-reduces of the norm weights' gradients, packed into one since (commit 8c25c29)
 # Each run's limit is a little above what session 21 saw (7B: ZeRO-3 66 s, T=2 90 s; 14B: 94 s and 149 s, set-up
@@ -26,6 +29,12 @@ pair() {  # pair NAME "ZERO3_S TP2_S" ARGS...: ZeRO-3 (GA 4) then T=2 (GA 8) wit
   run ${name}_tp2ga8 $t benchmarks/bench_train.py $COMMON "$@" --tensor-parallel 2 --grad-accumulation 8 \
     --json "$OUT/${name}_tp2ga8.json"
 }
+if [ -n "$TESTS" ]; then
+  PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -s \
+    tests/test_tensor_parallel_gpu.py 2>&1 | tail -15 | tee -a "$L"
+  PYTHONPATH=/tmp/site:$PWD timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+    tests/test_fp8_gpu.py -k saturated 2>&1 | tail -8 | tee -a "$L"
+fi
 K4="--seq-len 4096 --batch-size 1"; K8="--seq-len 8192 --batch-size 1"
 case "$1" in
   a) pair 7b_e4m3_t4096 "$P7" $M7 $K4 --matmul-dtype e4m3
@@ -40,4 +49,4 @@ case "$1" in
   *) echo "usage: $0 a | b | c | d"; exit 2 ;;
 esac
 stop_smi 10
-grep -hE "^== |tokens/s|Error|error:|out of memory" "$L" | cut -c1-260
+grep -hE "^== |tokens/s|Error|error:|out of memory|passed|failed" "$L" | cut -c1-260
