@@ -46,6 +46,7 @@ case "$1" in
      pair 14b_e4m3_t8192 "140 180" $M14 $K8 --matmul-dtype e4m3 --steps 5 ;;  # 8k: 3 timed steps
   d) pair 7b_bf16_t1024 "$P7" $M7 --seq-len 1024 --batch-size 4
      pair 7b_e4m3_t1024 "$P7" $M7 --seq-len 1024 --batch-size 4 --matmul-dtype e4m3 ;;
+  d1) pair 7b_bf16_t1024 "$P7" $M7 --seq-len 1024 --batch-size 4 ;;  # d's first pair alone
   *) echo "usage: $0 a | b | c | d"; exit 2 ;;
 esac
 stop_smi 10
