@@ -105,6 +105,13 @@ class _TrainOptionsBase:
         need(self.fp8_monitor_every >= 0, f"--fp8-monitor-every={self.fp8_monitor_every} must be >= 0 (0: off).")
         need(not self.fp8_delayed_swiglu_scale or self.matmul_dtype == "e4m3",
              "--fp8-delayed-swiglu-scale needs --matmul-dtype e4m3: it sets the scale of an FP8 gradient.")
+        need(not self.fp8_smooth_swiglu or self.matmul_dtype == "e4m3",
+             "--fp8-smooth-swiglu needs --matmul-dtype e4m3: it rescales the down projection's FP8 input.")
+        need(not (self.fp8_smooth_swiglu and self.fp8_delayed_swiglu_scale),
+             "--fp8-smooth-swiglu and --fp8-delayed-swiglu-scale both set how the down projection's FP8 input is "
+             "scaled; use one of them.")
+        need(not (self.fp8_smooth_swiglu and self.use_cuda_graphs),
+             "--fp8-smooth-swiglu does not run under --use-cuda-graphs yet (the pair has not been run on a GPU).")
         need(self.fp8_monitor_every == 0 or self.matmul_dtype == "e4m3",
              "--fp8-monitor-every needs --matmul-dtype e4m3: it reports the scales of the FP8 down projection.")
         need(not (self.opt_m_dtype == "e4m3" and self.offload_opt_m),

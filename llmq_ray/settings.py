@@ -154,6 +154,13 @@ class NumericsSettings:
         "backward (values beyond it saturate), instead of a separate quantization or a measuring pass (the "
         "forward part needs no recomputation flag); a resumed run measures afresh in its first step, so it is "
         "not bit-exact with the uninterrupted one there")
+    fp8_smooth_swiglu: bool = setting(
+        False,
+        "e4m3 (opt-in, for long runs; not yet checked on a GPU): Smooth-SwiGLU -- divide each channel of the "
+        "SwiGLU output by a power of two from its own maximum before the FP8 quantization and fold the factors "
+        "back into the down projection exactly, so channels far below a few outliers keep their precision (and "
+        "their columns of the weight gradient); costs extra passes over the SwiGLU output and an FP8 copy of the "
+        "down projection per micro-step; docs/architecture.md)")
 
 
 @dataclass

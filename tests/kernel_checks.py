@@ -427,15 +427,17 @@ def fp8_model_config():
 FP8_B, FP8_T = 4, 512
 
 
-def fp8_run(backend, matmul_dtype=None, gradient_dtype=None, lmhead_dtype=None):
-    """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8."""
+def fp8_run(backend, matmul_dtype=None, gradient_dtype=None, lmhead_dtype=None, smooth_swiglu=False):
+    """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8
+    (``smooth_swiglu``: --fp8-smooth-swiglu)."""
     from llmq_ray.backends import get_backend
     from llmq_ray.model.transformer import LlamaModel
     from llmq_ray.model.params import init_params
 
     cfg = fp8_model_config()
     model = LlamaModel(cfg, get_backend(backend, "cuda"), batch_size=FP8_B, seq_len=FP8_T, dtype=torch.bfloat16,
-                       matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype, lmhead_dtype=lmhead_dtype)
+                       matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype, lmhead_dtype=lmhead_dtype,
+                       smooth_swiglu=smooth_swiglu)
     init_params(model.layout, model.params, seed=11)
     perturb_norms_and_biases(model)
     gen = torch.Generator().manual_seed(5)

@@ -341,7 +341,10 @@ def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, tp_size):
 FP8 = {"bf16": dict(model_dtype="bf16", master_dtype="fp32"),
        "e4m3": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3"),
        "e4m3-recompute": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", recompute_ffn=True),
-       "e4m3-head": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", lmhead_dtype="e4m3")}
+       "e4m3-head": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", lmhead_dtype="e4m3"),
+       # Smooth-SwiGLU: each rank's channel factors are one process's for the same channels (every rank sees
+       # all N rows of its slice of the SwiGLU output); only the per-tensor scale of h / c is per rank
+       "e4m3-smooth": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", fp8_smooth_swiglu=True)}
 
 
 FP8_STEPS = 3  # later steps amplify the rounding differences (lr 3e-3 on two memorized batches is chaotic)

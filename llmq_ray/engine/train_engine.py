@@ -238,7 +238,7 @@ class TrainEngine:
                         gradient_dtype=opts.gradient_dtype, offload_residual=opts.offload_residual,
                         attn_bwd_chunks=opts.attn_bwd_chunks, quants=opts.quants_placement,
                         lmhead_dtype="e4m3" if opts.lmhead_dtype == "e4m3" else None,
-                        delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale,
+                        delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale, smooth_swiglu=opts.fp8_smooth_swiglu,
                         document_separator=_document_separator(opts, cfg), reset_positions=opts.reset_positions,
                         tensor_parallel=tensor_parallel)
         if self.zero3:  # only this rank's shard of the weights (llmq_ray/engine/zero3.py)
@@ -460,7 +460,7 @@ class TrainEngine:
         if self.store is not None:  # ZeRO-2/3: the layers' gradients were reduced into grad_shard during the backward
             self.store.finish_micro_step()
         if self._monitor is not None:  # the forward wrote each layer's max|SwiGLU out| (the FP8 scale's absmax)
-            torch.maximum(self._monitor, self.model.amax[:, 3], out=self._monitor)
+            torch.maximum(self._monitor, self.model.swiglu_out_absmax, out=self._monitor)
             if count_saturated:
                 self._monitor_elements += self.model.count_saturated_swiglu_fp8(self._monitor_saturated)
         self.micro_steps_done += 1

@@ -327,13 +327,18 @@ class BlockLinears(Policy):
         return self.x_q[:n * k].view(n, k), self.xt_store[key], self.x_descale[key]
 
     def forward(self, out: torch.Tensor, x: torch.Tensor, key: str, x_amax: torch.Tensor | None,
-                bias: torch.Tensor | None = None, x_quantized: bool = False) -> None:
+                bias: torch.Tensor | None = None, x_quantized: bool = False,
+                weight_fp8: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """out[N, OC] = x[N, K] W^T (+ bias). FP8 needs x_amax = max|x| (fp32 0-d device tensor), or
-        ``x_quantized``: the producer of x wrote ``x_quant_buffers`` itself (x is then only read for its shape)."""
+        ``x_quantized``: the producer of x wrote ``x_quant_buffers`` itself (x is then only read for its shape).
+        ``weight_fp8`` (FP8): (an FP8 copy [OC, K], its descale) the caller made, used instead of W's own
+        (Smooth-SwiGLU's W diag(c), llmq_ray/model/smooth_swiglu.py)."""
         if not self.fp8:
             self.be.matmul(out, x, self.w[key], transpose_b=True, bias=bias)
             return
-        if self.quants == "layer":
+        if weight_fp8 is not None:
+            w_q, w_descale = weight_fp8
+        elif self.quants == "layer":
             w_q, w_descale = self._copy(key, transposed=False)
         else:
             w_q, _, w_descale = self._copies(key)
@@ -355,14 +360,17 @@ class BlockLinears(Policy):
 
     def backward(self, dx: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
                  x_amax: torch.Tensor | None, accumulate: bool = True, dy_amax_ready: bool = False,
-                 dy_quantized: bool = False, after_dgrad=None) -> None:
+                 dy_quantized: bool = False, after_dgrad=None, wgrad_columns: torch.Tensor | None = None) -> None:
         """dx[N, K] = dy[N, OC] W (overwritten); dw[OC, K] += dy^T x (accumulate), or dw = dy^T x when
         ``accumulate`` is False (the caller knows dw is still zero: 0 + v == v, so the result is the same bits
         while the GEMM skips reading dw, and the FP8 GEMM writes straight into it without a temporary).
         ``dy_amax_ready``: the kernel that produced dy already wrote max|dy| into ``self.dy_amax``.
         ``dy_quantized`` (FP8): that kernel wrote q(dy) and q(dy^T) into ``dy_quant_buffers`` itself; dy is then
         only read for its shape. ``after_dgrad``: called once dx's GEMM is queued, before the wgrad's (tensor
-        parallelism starts dx's reduce-scatter there, to run beside the wgrad)."""
+        parallelism starts dx's reduce-scatter there, to run beside the wgrad).
+        ``wgrad_columns`` (FP8; [K] powers of two in dw's dtype): x is stored divided by them column by column
+        (Smooth-SwiGLU), so dw += (dy^T x) diag(wgrad_columns): dw is divided by them before the accumulating
+        GEMM and multiplied after it -- exact, as only exponents change."""
         be = self.be
         if not self.fp8:
             be.matmul(dx, dy, self.w[key])
@@ -393,4 +401,8 @@ class BlockLinears(Policy):
         else:
             xt, x_descale = self.xt_q[:x.numel()].view(k, n), self.scales[1]
             be.quantize_transpose(xt, x_descale, x, x_amax)
+        if wgrad_columns is not None and accumulate:
+            dw.div_(wgrad_columns)
         be.matmul_fp8(dw, dyt, xt, self.scales[2], x_descale, accumulate=accumulate)
+        if wgrad_columns is not None:
+            dw.mul_(wgrad_columns)

@@ -56,6 +56,7 @@ import torch
 from llmq_ray.backends.base import Backend
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
+from llmq_ray.model.smooth_swiglu import SmoothSwiGLU
 from llmq_ray.model.linear import BlockLinears, block_weights
 from llmq_ray.model.lm_head import LMHead
 from llmq_ray.options import RecomputeOptions  # noqa: F401 - defined with the other options, used here
@@ -356,7 +357,7 @@ class LlamaModel:
                  weights=None, offload_residual: bool = False, attn_bwd_chunks: int = 1,
                  quants: str = "persistent", schedule: UnitHooks | None = None, lmhead_dtype: str | None = None,
                  delayed_swiglu_scale: bool = False, document_separator: int | None = None,
-                 reset_positions: bool = False, tensor_parallel=None):
+                 reset_positions: bool = False, tensor_parallel=None, smooth_swiglu: bool = False):
         self.cfg, self.backend = cfg, backend
         if tensor_parallel is not None and cfg.is_gpt2:
             raise ConfigError("--tensor-parallel does not take GPT-2 yet.")
@@ -423,6 +424,8 @@ class LlamaModel:
         if self.gpt2:
             if delayed_swiglu_scale:
                 raise ConfigError("--fp8-delayed-swiglu-scale is for the SwiGLU MLP; GPT-2's GELU MLP does not take it.")
+            if smooth_swiglu:
+                raise ConfigError("--fp8-smooth-swiglu is for the SwiGLU MLP; GPT-2's GELU MLP does not take it.")
             self.rope_cos = self.rope_sin = None  # learned absolute positions instead
         else:
             positions = torch.arange(seq_len, dtype=torch.float32)
@@ -491,11 +494,29 @@ class LlamaModel:
         self.swiglu_out_amax = (torch.zeros(cfg.num_layers, dtype=torch.float32, device=dev)
                                 if delayed and self.lin.store_xt else None)
         self._swiglu_dy_amax_filled = self._swiglu_out_amax_filled = False
+        # --fp8-smooth-swiglu (llmq_ray/model/smooth_swiglu.py): per-channel factors of the SwiGLU output, folded
+        # into the down projection; its forward copy is made from the bf16 weight every micro-step, so ZeRO-3
+        # gathers every layer's weights in every pass
+        self.smooth = None
+        if smooth_swiglu and delayed_swiglu_scale:
+            raise ConfigError("--fp8-smooth-swiglu and --fp8-delayed-swiglu-scale both set how the down "
+                              "projection's FP8 input is scaled; use one of them.")
+        if smooth_swiglu and self.lin.fp8:
+            hidden, inter = self.layout.slots[self.w.blocks[0].key("down_w")].shape
+            self.smooth = SmoothSwiGLU(backend, cfg.num_layers, hidden, inter, dtype, self.lin.fwd_dtype, dev)
+            if hasattr(weights, "layer_needed"):
+                weights.layer_needed = lambda layer: True
         self._block_grads_zero = False
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=dev)
         self.target_count = torch.zeros((), dtype=torch.int64, device=dev)
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def swiglu_out_absmax(self) -> torch.Tensor:
+        """[L] fp32: each layer's max|SwiGLU output| in its last forward (FP8; the FP8 monitor reads it) -- before
+        Smooth-SwiGLU's per-channel division, which leaves every channel's maximum in [1, 2)."""
+        return self.smooth.raw_amax if self.smooth is not None else self.amax[:, 3]
+
     @property
     def swiglu_out_delayed(self) -> bool:
         """The next forward quantizes the SwiGLU outputs at delayed scales (--fp8-delayed-swiglu-scale, after its
@@ -640,6 +661,12 @@ class LlamaModel:
             xq, xt, descale = lin.x_quant_buffers(w.key("down_w"), n, cfg.intermediate_size)
             be.swiglu_forward_fp8(xq, xt, descale, up_gate, self.amax[layer, 3], swiglu, hist[layer])
             lin.forward(self.scratch_nc, swiglu, w.key("down_w"), None, x_quantized=True)
+        elif self.smooth is not None:  # h / c into the FP8 GEMM with W diag(c)
+            be.swiglu_forward(swiglu, up_gate)
+            self.smooth.smooth_(layer, swiglu, self.amax[layer, 3])
+            key = w.key("down_w")
+            lin.forward(self.scratch_nc, swiglu, key, self.amax[layer, 3],
+                        weight_fp8=self.smooth.weight_copy(layer, lin.w[key]))
         else:
             be.swiglu_forward(swiglu, up_gate, absmax=self._amax(layer, 3))
             lin.forward(self.scratch_nc, swiglu, w.key("down_w"), self._amax(layer, 3))
@@ -746,6 +773,8 @@ class LlamaModel:
             lin.forward(a.get("up_gate", layer), a.get("ln2", layer), w.key("up_gate_w"), self._amax(layer, 2))
         if rc.swiglu:
             be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer), absmax=self._amax(layer, 3))
+            if self.smooth is not None and not self.gpt2:  # the same h: the forward's factors again
+                self.smooth.reapply_(layer, a.get("swiglu", layer), self.amax[layer, 3])
 
     def use_wgrad_overlap(self, overlap) -> None:
         """Run the block wgrads through ``overlap`` (a WgradOverlap, llmq_ray/engine/wgrad_overlap.py, which makes
@@ -790,7 +819,8 @@ class LlamaModel:
         # dres and max|dres| (in lin.dy_amax under FP8) come from the RMSNorm backward above this block
         dy = self._residual_grad_rows_all()  # all rows (gathered under sequence parallelism)
         lin.backward(self.d_swiglu, g.down_w, dy, a.get("swiglu", layer), w.key("down_w"), self._amax(layer, 3),
-                     acc, dy_amax_ready=True)
+                     acc, dy_amax_ready=True, wgrad_columns=None if self.smooth is None
+                     else self.smooth.wgrad_factors(layer, g.down_w.dtype))
         if lin.fp8:  # the up+gate GEMM's FP8 gradient (both layouts) straight out of the SwiGLU backward
             q, q_t, descale, amax = lin.dy_quant_buffers(*self.d_up_gate.shape)
             hist = self.swiglu_dy_amax

@@ -11,7 +11,8 @@ storages:
     adam_m/adam_v the AdamW moments of this rank's shard
     grads         ZeRO-1: the flat gradient buffer; ZeRO-2/3: the shard accumulator and the per-layer scratch
     activations   the saved forward activations (``model.acts``: per-layer and recomputed scratch buffers)
-    fp8           FP8 copies of the block weights and FP8 operand scratch (``model.lin``; 0 without FP8), and
+    fp8           FP8 copies of the block weights and FP8 operand scratch (``model.lin``; 0 without FP8;
+                  with --fp8-smooth-swiglu also its factors and down-projection copy, ``model.smooth``), and
                   the FP8 LM head's (``model.head``, --lmhead-dtype e4m3)
     scratch       the model's other buffers: logits chunk, losses, final norm, backward buffers, RoPE tables...
     other         anything else reachable from the engine (e.g. backend workspaces); usually 0
@@ -140,7 +141,8 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
         ("grads", c.claim(engine.grad_tensors() if hasattr(engine, "grad_tensors") else
                           [engine.grads, getattr(engine, "grad_shard", None)])),
         ("activations", c.claim(iter_tensors(model.acts))),
-        ("fp8", c.claim([*iter_tensors(model.lin), *model.head.fp8_tensors()])),
+        ("fp8", c.claim([*iter_tensors(model.lin), *model.head.fp8_tensors(),
+                         *(model.smooth.tensors() if getattr(model, "smooth", None) is not None else ())])),
         ("scratch", c.claim(iter_tensors(model))),
         ("other", c.claim(iter_tensors(engine))),
     ]
