@@ -213,3 +213,31 @@ def test_delayed_swiglu_scale_through_the_engine():
     cur, dly = losses(False), losses(True)
     assert cur != dly and cur[0] != cur[-1]
     assert dly == pytest.approx(cur, rel=1e-2)
+
+
+def test_delayed_swiglu_scale_is_not_replaced_by_an_evaluation_forward():
+    """An eval forward (forward_loss) under --fp8-delayed-swiglu-scale quantizes at the kept scales but keeps
+    them: the training forward after a periodic eval gives the same bits as with no eval in between."""
+    def model():
+        m = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
+                       matmul_dtype="e4m3", delayed_swiglu_scale=True)
+        init_params(m.layout, m.params, seed=7)
+        perturb_norms_and_biases(m)
+        return m
+
+    gen = torch.Generator().manual_seed(4)
+    train, other = (torch.randint(0, CFG.vocab_size, (B, T + 1), generator=gen) for _ in range(2))
+    plain, evaluated = model(), model()
+    for m in (plain, evaluated):
+        m.zero_grads()
+        m.forward_backward(train[:, :-1], train[:, 1:])
+    kept = evaluated.swiglu_out_amax.clone()
+    evaluated.loss_sum.zero_()
+    evaluated.forward_loss(other[:, :-1], other[:, 1:])
+    assert not torch.equal(evaluated.amax[:, 3], kept), "the eval batch should have other maxima"
+    assert torch.equal(evaluated.swiglu_out_amax, kept)
+    for m in (plain, evaluated):
+        m.zero_grads()
+        m.loss_sum.zero_()
+        m.forward_backward(train[:, :-1], train[:, 1:])
+    assert torch.equal(plain.grads, evaluated.grads) and torch.equal(plain.loss_sum, evaluated.loss_sum)

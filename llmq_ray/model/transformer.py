@@ -680,8 +680,11 @@ class LlamaModel:
                                           next_w, cfg.rms_norm_eps, absmax=self._rows_amax(next_amax))
         self._gather_rows(next_ln, next_amax)
 
-    def _forward_trunk(self, tokens: torch.Tensor) -> None:
-        """Embedding, all blocks and the final norm; leaves the result in ``final_ln``."""
+    def _forward_trunk(self, tokens: torch.Tensor, training: bool = True) -> None:
+        """Embedding, all blocks and the final norm; leaves the result in ``final_ln``. ``training``: a forward
+        of a training micro-step, whose SwiGLU maxima become the next forward's delayed scales
+        (--fp8-delayed-swiglu-scale); an evaluation's or generation's forward uses the kept scales but does not
+        replace them, so the training forward after a periodic eval quantizes as if the eval had not run."""
         be, a, hooks = self.backend, self.acts, self.schedule
         if self.segments is not None:  # document index = separators strictly before each token
             is_sep = (tokens.view(self.batch_size, self.seq_len) == self.document_separator).to(torch.int32)
@@ -719,7 +722,7 @@ class LlamaModel:
             hooks.before(layer)
             block_forward(layer)
             hooks.after(layer)
-        if self.swiglu_out_amax is not None:  # this forward's maxima: the scales of the next one
+        if self.swiglu_out_amax is not None and training:  # this forward's maxima: the scales of the next one
             self.swiglu_out_amax.copy_(self.amax[:, 3])
             self._swiglu_out_amax_filled = True
 
@@ -1055,7 +1058,7 @@ class LlamaModel:
         (call zero_grads() or reset them first); gradients untouched."""
         tokens, targets = self._check_batch(inputs, targets)
         self.lin.invalidate_weights()  # eval may follow an update without a zero_grads() in between
-        self._forward_trunk(tokens)
+        self._forward_trunk(tokens, training=False)
         self._lm_head_loss(targets, backward=False)
 
     @torch.no_grad()
@@ -1066,7 +1069,7 @@ class LlamaModel:
                               "shard): export the model and load it in one process.")
         tokens, _ = self._check_batch(inputs, None)
         self.lin.invalidate_weights()
-        self._forward_trunk(tokens)
+        self._forward_trunk(tokens, training=False)
         self.schedule.before(HEAD)
         w_head, _ = self._lm_head(backward=False)
         out = torch.empty(tokens.numel(), self.cfg.vocab_size, dtype=self.dtype, device=self.device)
