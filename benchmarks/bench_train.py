@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     p.add_argument("--use-zero-copy", action="store_true", help="optimizer kernel reads the offloaded host state directly")
     p.add_argument("--fp8-delayed-swiglu-scale", action="store_true",
                    help="e4m3: the SwiGLU backward's FP8 gradient in one pass at the previous backward's scale")
+    p.add_argument("--fp8-smooth-swiglu", action="store_true",
+                   help="e4m3: Smooth-SwiGLU (per-channel power-of-two factors folded into the down projection)")
     p.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer, not per step")
     p.add_argument("--opt-resident-gib", type=gib_or_auto, default=0.0,
                    help="of the offloaded Adam state, keep this many GiB on the GPU ('auto': what set-up left free)")
@@ -96,7 +98,8 @@ def main(argv=None) -> int:
                   master_dtype=a.master_dtype if dtype == "bf16" else "fp32", opt_m_dtype=a.opt_m_dtype,
                   opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
                   opt_resident_gib=a.opt_resident_gib,
-                  fp8_delayed_swiglu_scale=a.fp8_delayed_swiglu_scale, use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
+                  fp8_delayed_swiglu_scale=a.fp8_delayed_swiglu_scale, fp8_smooth_swiglu=a.fp8_smooth_swiglu,
+                  use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,
                   overlap_comm=a.overlap_comm, overlap_tensor_parallel=a.overlap_tensor_parallel,
                   overlap_wgrad_sms=a.overlap_wgrad_sms, document_masking=a.document_masking,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
