@@ -427,6 +427,9 @@ def fp8_model_config():
 FP8_B, FP8_T = 4, 512
 
 
+LAST_MODEL = {}  # fp8_run's last model, for checks of its state
+
+
 def fp8_run(backend, matmul_dtype=None, gradient_dtype=None, lmhead_dtype=None, smooth_swiglu=False):
     """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8
     (``smooth_swiglu``: --fp8-smooth-swiglu)."""
@@ -445,6 +448,7 @@ def fp8_run(backend, matmul_dtype=None, gradient_dtype=None, lmhead_dtype=None, 
     model.zero_grads()
     model.forward_backward(tokens[:, :-1], tokens[:, 1:])
     torch.cuda.synchronize()
+    LAST_MODEL["model"] = model
     return model.loss_sum.item(), model.grads.float()
 
 

@@ -42,6 +42,8 @@ def test_fp8_smooth_swiglu_on_the_gpu(backend):
         pytest.importorskip("cupy")
     loss16, g16 = kc.fp8_run(backend)
     loss8, g8 = kc.fp8_run(backend, "e4m3", smooth_swiglu=True)
+    factors = kc.LAST_MODEL["model"].smooth.factors  # powers of two on the GPU too: the fold is exact
+    assert bool((torch.frexp(factors).mantissa == 0.5).all())
     assert abs(loss8 - loss16) / loss16 < 0.01, (loss8, loss16)
     assert kc.cosine(g8, g16) >= 0.98
     if backend != "torch":

@@ -12,7 +12,7 @@ lands in [1, 2) before the per-tensor scale is taken, and the down projection's 
     y = h W^T = (h diag(1/c)) (W diag(c))^T            h [N, I], W [C, I] (the local columns under
                                                         tensor parallelism), c [I] fp32
 
-c_j = 2^floor(log2 max_n |h_nj|) is a power of two, so dividing h and multiplying W's columns by it change only
+c_j = 2^floor(log2 max_n |h_nj|) (kept within 2^-32 .. 2^32; 1 for an all-zero channel) is a power of two, so dividing h and multiplying W's columns by it change only
 exponents: h' = h / c and W diag(c) are exact in bf16, and the fold is exact -- the only difference from the
 plain FP8 path is where the FP8 roundings fall. The factors are current (this forward's maxima, kept per layer
 [L, I] for the backward), so nothing is carried from one step to the next and a resumed run stays bit-exact.
@@ -20,7 +20,8 @@ plain FP8 path is where the FP8 roundings fall. The factors are current (this fo
 Per micro-step and layer this costs, beside the plain FP8 path: one read of h for the channel maxima, one
 read-write of h to divide it (and its per-tensor absmax, read again), and an FP8 copy of W diag(c) made from the
 bf16 weight (W diag(c) written to a bf16 scratch [C, I], its absmax and the cast) -- the forward's persistent
-copy of W cannot be used, as its factors change with every micro-batch. In the backward:
+copy of W cannot be used, as its factors change with every micro-batch (so ZeRO-3 gathers every layer's bf16
+weights in every pass, even with --persistent-quants, the backward's included). In the backward:
 
 * dgrad: dh = dy W reads the ordinary transposed copy of W (unsmoothed), so it is unchanged;
 * wgrad: the kept q(h'^T) gives dy^T h' = (dy^T h) diag(1/c); the true gradient is that times diag(c). The
@@ -37,6 +38,8 @@ Written here, not taken from a library: it is the model's own FP8 data path. The
 from __future__ import annotations
 
 import torch
+
+MAX_EXPONENT = 32  # the factors stay within 2^-32 .. 2^32 (SmoothSwiGLU.smooth_)
 
 
 class SmoothSwiGLU:
@@ -62,8 +65,12 @@ class SmoothSwiGLU:
         chan = torch.linalg.vector_norm(h, ord=float("inf"), dim=0, dtype=torch.float32)  # [I]
         torch.amax(chan, dim=0, out=self.raw_amax[layer])
         exponent = torch.frexp(chan).exponent  # chan = m * 2^e with m in [0.5, 1): floor(log2 chan) = e - 1
+        # 2^(e-1) built from its exponent bits (exact on every device), kept within 2^-32 .. 2^32 so that
+        # neither 1/c nor the gradient buffer's dw / c and dw * c can overflow or underflow (a channel beyond
+        # that range is only partly smoothed; the fold stays exact)
+        bits = ((exponent - 1).clamp_(-MAX_EXPONENT, MAX_EXPONENT) + 127).to(torch.int32) << 23
         c = self.factors[layer]
-        torch.ldexp(torch.ones_like(chan), exponent - 1, out=c)
+        c.copy_(bits.view(torch.float32))
         c.masked_fill_(chan == 0, 1.0)
         self.reapply_(layer, h, h_amax)
 
