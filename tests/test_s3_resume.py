@@ -268,3 +268,59 @@ def test_a_host_snapshot_keeps_the_state_of_its_step_and_reuses_its_buffers():
     second = snap.take(state)
     assert all(second[k].data_ptr() == first[k].data_ptr() for k in state)
     assert torch.equal(second["master"], torch.arange(6, dtype=torch.float32) + 100.0)
+
+
+def test_workers_of_one_node_fetching_the_same_checkpoint_do_not_pull_it_from_under_each_other(tmp_path,
+                                                                                                monkeypatch):
+    """Every rank of a node restores from the same checkpoint, each calling ``remote.fetch`` into the node's
+    mirror. The first copies it; one that comes while a copy is under way waits for it (a file lock per step), and
+    one that finds a current copy returns it untouched -- an earlier version removed the local manifest to
+    refetch, and a rank already loading found "has no manifest.json" (seen in the elastic tensor-parallel
+    cluster test under load). Without a server: the store's download is replaced by a slow local write."""
+    import threading
+
+    from llmq_ray.checkpoints import remote
+
+    monkeypatch.setenv("LLMQ_RAY_CACHE", str(tmp_path / "cache"))
+    files = [{"name": f"rank_{r:05d}.safetensors", "size": 64 + r} for r in range(2)]
+    manifest = {"step": 4, "files": files}
+    sizes = {f["name"]: f["size"] for f in files}  # what the store holds
+    downloads = []
+
+    def slow_download(uri, local):  # the bytes of the right size, slowly, through a temporary name
+        downloads.append(uri)
+        time.sleep(0.2)
+        size = sizes[uri.rsplit("/", 1)[1]]
+        with open(local + ".part", "wb") as f:
+            f.write(b"x" * size)
+        os.replace(local + ".part", local)
+
+    monkeypatch.setattr(storage, "download", slow_download)
+    uri = "s3://bucket/run/ckpt/step_00000004"
+    folders, manifests_seen, errors = [], [], []
+
+    def rank():
+        try:
+            folder = remote.fetch(uri, manifest)
+            folders.append(folder)
+            for _ in range(40):  # "loading": the manifest must stay there
+                with open(os.path.join(folder, "manifest.json")) as f:
+                    manifests_seen.append(json.load(f)["step"])
+                time.sleep(0.01)
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank) for _ in range(3)]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.15 * i)  # the second comes during the first's copy, the third after it
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(set(folders)) == 1 and len(manifests_seen) == 3 * 40 and set(manifests_seen) == {4}
+    assert len(downloads) == 2  # each file once: the later ranks found the copy current
+    # a stale copy of the same step (the store's manifest changed) is fetched again
+    manifest2 = {"step": 4, "files": [dict(files[0], size=80), files[1]]}
+    sizes[files[0]["name"]] = 80
+    assert remote.fetch(uri, manifest2) == folders[0]
+    assert len(downloads) == 3 and os.path.getsize(os.path.join(folders[0], files[0]["name"])) == 80

@@ -13,7 +13,8 @@ A ``step_*`` prefix without a manifest, or whose files do not have the recorded 
 killed during the upload) and is skipped with a warning by every reader, exactly like a local tmp folder; a
 failed upload leaves the previous checkpoint valid. Reading downloads the manifest and the shard files into this
 node's mirror (``$LLMQ_RAY_CACHE/checkpoints/<hash of the URI>/step_*``, files through a temporary name and a
-rename, the manifest last) and loads from there with the local code; ``--continue`` hashes that copy against the
+rename, the manifest last; one worker of a node at a time per step, under a file lock, and a current copy is left
+as it is: ``fetch``) and loads from there with the local code; ``--continue`` hashes that copy against the
 manifest before it picks the checkpoint, so a worker on the same node reuses it without reading the store again.
 Keep-N and major-checkpoint retention (``store.apply_retention``) delete whole prefixes through ``clear_step``.
 
@@ -257,22 +258,48 @@ def validate_remote(step_uri: str, *, verify_checksums: bool = False) -> dict:
 
 def fetch(step_uri: str, manifest: Mapping | None = None) -> str:
     """A local copy of the checkpoint ``step_uri`` in this node's mirror (files whose local size already matches
-    are kept; the manifest is written last). Returns the local folder, which the local loader reads."""
+    are kept; the manifest is written last). Returns the local folder, which the local loader reads.
+
+    Several workers of one node fetch the same checkpoint at once (every rank restores from it): a file lock per
+    step (``<mirror>/.locks/step_*.lock``, through ``filelock``) lets the first copy it while the others wait,
+    and a copy whose manifest and file sizes already match the store's is returned untouched -- so a worker
+    that is already reading it never sees its manifest removed by the next one (which an earlier version did:
+    "has no manifest.json", seen with two ranks on one node under load)."""
+    from filelock import FileLock
+
     manifest = manifest or store.read_manifest(step_uri)
     parent, name = _bare(step_uri).rsplit("/", 1)
-    folder = os.path.join(mirror_root(parent), name)
-    os.makedirs(folder, exist_ok=True)
+    root = mirror_root(parent)
+    folder = os.path.join(root, name)
+    os.makedirs(os.path.join(root, ".locks"), exist_ok=True)
     local_manifest = os.path.join(folder, store.MANIFEST)
-    if os.path.exists(local_manifest):  # an older copy of this step: its files may be stale
-        os.remove(local_manifest)
     try:
-        for entry in manifest["files"]:
-            local = os.path.join(folder, entry["name"])
-            if not (os.path.isfile(local) and os.path.getsize(local) == int(entry["size"])):
-                storage.download(storage.join(step_uri, entry["name"]), local)
-        with open(local_manifest + ".partial", "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(local_manifest + ".partial", local_manifest)
+        with FileLock(os.path.join(root, ".locks", f"{name}.lock")):
+            if _is_current_copy(folder, manifest):
+                return folder
+            os.makedirs(folder, exist_ok=True)
+            if os.path.exists(local_manifest):  # an older copy of this step: its files may be stale
+                os.remove(local_manifest)
+            for entry in manifest["files"]:
+                local = os.path.join(folder, entry["name"])
+                if not (os.path.isfile(local) and os.path.getsize(local) == int(entry["size"])):
+                    storage.download(storage.join(step_uri, entry["name"]), local)
+            with open(local_manifest + ".partial", "w") as f:
+                json.dump(manifest, f, indent=1)
+            os.replace(local_manifest + ".partial", local_manifest)
     except OSError as exc:
         raise CheckpointError(f"checkpoint {step_uri} could not be downloaded ({str(exc).splitlines()[0]}).") from None
     return folder
+
+
+def _is_current_copy(folder: str, manifest: Mapping) -> bool:
+    """Whether ``folder`` holds a complete copy of the checkpoint ``manifest`` describes: the same manifest
+    (compared as JSON) and every file at its recorded size. (The loader still checks sizes and hashes.)"""
+    try:
+        with open(os.path.join(folder, store.MANIFEST)) as f:
+            if json.load(f) != json.loads(json.dumps(manifest)):
+                return False
+    except (OSError, ValueError):
+        return False
+    return all(os.path.isfile(p := os.path.join(folder, e["name"])) and os.path.getsize(p) == int(e["size"])
+               for e in manifest["files"])
