@@ -4,13 +4,25 @@
 #   bash benchmarks/archive/device_s23.sh 1   # the GPU test of --fp8-smooth-swiglu (tests/test_fp8_gpu.py -k
 #       smooth: torch, triton, cupy), then issue 28's last row: Qwen2.5-14B e4m3 at 8k, ZeRO-3 vs T=2
 #       (device_issue28_rows.sh c's pair: 3 timed steps, limits sized for 8k)
+#   bash benchmarks/archive/device_s23.sh 3   # issue 28's two partial rows of session 22 again, whole: 14B bf16
+#       8k (ZeRO-3 and T=2, 3 timed steps) and 14B e4m3 4k at T=2 (6 timed steps; its ZeRO-3 run is whole)
 #   bash benchmarks/archive/device_s23.sh 2   # issue 25: the 4-seed loss check of --fp8-smooth-swiglu beside
 #       bf16 (300 steps of Qwen2.5-0.5B on tiny-shakespeare, device_s21.sh 1's two lanes on one `ray start`
 #       cluster, --cpus-per-worker 4), then 0.5B e4m3 timed with and without the flag (bench_train, one GPU)
 source benchmarks/device_lib.sh s23_$1.log smi_s23_$1.csv
 PYTHONPATH=/tmp/site python3 -m ray.scripts.scripts stop --force >> "$L" 2>&1  # a cluster left by a cut call
 left() { echo $(( $1 - ($(date +%s) - T0) )); }
-if [ "$1" = 1 ]; then
+row14() {  # row14 NAME LIMIT ARGS...: one Qwen2.5-14B run (bench_train) cut after LIMIT seconds, if it fits
+  n=$1; tmo=$2; shift 2
+  [ $(left 585) -gt $tmo ] && run $n $tmo benchmarks/bench_train.py --model Qwen2.5-14B --gpus 2 --backend triton \
+    --warmup-steps 2 --lmhead-chunks 8 --model-dtype bf16 --master-dtype bf16 --opt-m-dtype e4m3 --opt-v-dtype bf16 \
+    --recompute-ffn --batch-size 1 "$@" --json "$OUT/$n.json" || echo "== $n skipped for time" | tee -a "$L"
+}
+if [ "$1" = 3 ]; then
+  row14 14b_bf16_t8192_zero3 150 --seq-len 8192 --steps 5 --zero-level 3 --grad-accumulation 4
+  row14 14b_bf16_t8192_tp2ga8 210 --seq-len 8192 --steps 5 --tensor-parallel 2 --grad-accumulation 8
+  row14 14b_e4m3_t4096_tp2ga8 200 --seq-len 4096 --steps 8 --matmul-dtype e4m3 --tensor-parallel 2 --grad-accumulation 8
+elif [ "$1" = 1 ]; then
   PYTHONPATH=/tmp/site:$PWD timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
     tests/test_fp8_gpu.py -k smooth 2>&1 | tail -8 | tee -a "$L"
   S14="benchmarks/bench_train.py --model Qwen2.5-14B --gpus 2 --backend triton --warmup-steps 2 --steps 5
