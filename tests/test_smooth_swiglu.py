@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _helpers import perturb_norms_and_biases
+from kernel_checks import cosine as _cos
 from llmq_ray.backends import get_backend
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.config import ModelConfig
@@ -23,11 +24,6 @@ from llmq_ray.options import TrainOptions
 
 CFG = ModelConfig("qwen2", 128, 352, 2, 4, 2, 1000, tie_word_embeddings=False, qkv_bias=True, name="smooth-test")
 B, T = 2, 32
-
-
-def _cos(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 def _model(matmul_dtype=None, smooth=False, recompute=None):

@@ -776,7 +776,7 @@ class LlamaModel:
             lin.forward(a.get("up_gate", layer), a.get("ln2", layer), w.key("up_gate_w"), self._amax(layer, 2))
         if rc.swiglu:
             be.swiglu_forward(a.get("swiglu", layer), a.get("up_gate", layer), absmax=self._amax(layer, 3))
-            if self.smooth is not None and not self.gpt2:  # the same h: the forward's factors again
+            if self.smooth is not None:  # the same h: the forward's factors again (GPT-2 never has them)
                 self.smooth.reapply_(layer, a.get("swiglu", layer), self.amax[layer, 3])
 
     def use_wgrad_overlap(self, overlap) -> None:
