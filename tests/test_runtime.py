@@ -38,8 +38,15 @@ def _export_tensors(path: str) -> dict:
     return load_file(os.path.join(path, "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def one_worker_reference(ray_cluster, shards, tmp_path_factory) -> Result:
+    """The one-worker ZeRO-1 run (grad_accumulation 4) that every ZeRO level's two-worker run is compared with:
+    run once for the module, not once per level."""
+    return _run(shards, tmp_path_factory.mktemp("ref"), workers=1, grad_accumulation=4, zero_level=1)
+
+
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_two_workers_match_one_worker(ray_cluster, shards, tmp_path, zero):
+def test_two_workers_match_one_worker(one_worker_reference, shards, tmp_path, zero):
     """2 gloo workers x grad_accumulation 2 == 1 worker x grad_accumulation 4, same B: per-step losses and
     final weights within 1e-5 relative, for ZeRO-1, ZeRO-2 and ZeRO-3 (ZeRO-3: every layer's weights are
     broadcast from their owner(s) before use and its gradients reduced onto them during the backward; the
@@ -55,7 +62,7 @@ def test_two_workers_match_one_worker(ray_cluster, shards, tmp_path, zero):
     The reference always runs ZeRO-1 on one worker, so ZeRO-2's per-micro-step reduce-scatter into a
     shard accumulator is checked against the plain path.
     """
-    ref = _run(shards, tmp_path / "ref", workers=1, grad_accumulation=4, zero_level=1)
+    ref = one_worker_reference
     dist = _run(shards, tmp_path / f"z{zero}", workers=2, grad_accumulation=2, zero_level=zero)
     ref_losses = np.array([r["loss"] for r in ref.history])
     dist_losses = np.array([r["loss"] for r in dist.history])
