@@ -18,7 +18,7 @@ source benchmarks/device_lib.sh long_$1.log smi_long_$1.csv
 PYTHONPATH=/tmp/site python3 -m ray.scripts.scripts stop --force >> "$L" 2>&1
 STOP_AT=535  # seconds after the start: SIGINT to both runs, then up to 45 s for their last checkpoints
 D=runs/pycorpus
-if [ "$1" = start ]; then
+if [ "$1" = start ] && [ ! -f $D/meta.json ]; then
   SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
   python3 benchmarks/make_corpus.py --roots /usr/lib/python3.12 "$SITE" /tmp/site --out /tmp/corpus.jsonl \
     --max-chars 600000000 2>&1 | tee -a "$L"
@@ -26,6 +26,8 @@ if [ "$1" = start ]; then
     --eval-tokens 2097152 --workers 16 --no-progress 2>&1 | tail -3 | tee -a "$L"
   rm -f /tmp/corpus.jsonl
   RESUME=""
+elif [ "$1" = start ]; then
+  RESUME=""  # the shards are still there from an earlier call on this warm machine
 elif [ "$1" = go ]; then
   RESUME="--continue"
 else
@@ -50,6 +52,7 @@ lane() {  # lane NAME FLAGS...: one run on one of the cluster's GPUs until step 
   echo "== $name rc $? $(( $(date +%s) - T0 ))s" | tee -a "$L"
 }
 mkdir -p runs/long
+set -f  # $C holds the shard glob: train.py expands it, the shell must not
 lane bf16 & A=$!
 lane e4m3 --matmul-dtype e4m3 --lmhead-dtype e4m3 --fp8-delayed-swiglu-scale --fp8-monitor-every 25 & B=$!
 wait $A $B  # the two lanes only: a bare `wait` would also wait for the nvidia-smi logger
