@@ -35,7 +35,7 @@ import hashlib
 
 import torch
 
-from llmq_ray.backends import fp8_moment
+from llmq_ray.backends import fp8_moment, fp8_second_moment
 
 CHUNK = 1 << 24  # elements per chunk of the elementwise passes on CUDA (fp32 temporaries of 64 MiB each)
 # On CPU, 4 MiB temporaries stay under glibc's mmap threshold and are reused from the heap; 64 MiB ones are
@@ -94,37 +94,39 @@ class _Rounder:
 
 
 class _Fp8Rounder:
-    """Writes fp32 first-moment values into e4m3 ``q`` and its block scales (backends/fp8_moment.py), with
-    stochastic rounding from one generator; chunks start at multiples of the block size."""
+    """Writes fp32 moment values into e4m3 ``q`` and its block scales in ``fmt``'s format (backends/fp8_moment.py:
+    the first moment; backends/fp8_second_moment.py: the second, as its square root), with stochastic rounding
+    from one generator; chunks start at multiples of the block size."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, seed: int):
-        self.q, self.scale, self.gen = q, scale, _generator(q.device, seed)
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, seed: int, fmt=fp8_moment):
+        self.q, self.scale, self.gen, self.fmt = q, scale, _generator(q.device, seed), fmt
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
         b = lo // fp8_moment.BLOCK
-        return fp8_moment.dequantize(self.q[lo:hi], self.scale[b:b + fp8_moment.num_blocks(hi - lo)])
+        return self.fmt.dequantize(self.q[lo:hi], self.scale[b:b + fp8_moment.num_blocks(hi - lo)])
 
     def write(self, lo: int, hi: int, value32: torch.Tensor) -> None:
         r16 = torch.randint(0, 1 << 16, value32.shape, generator=self.gen, device=value32.device, dtype=torch.int32)
-        q, scale = fp8_moment.quantize(value32, r16)
+        q, scale = self.fmt.quantize(value32, r16)
         b = lo // fp8_moment.BLOCK
         self.q[lo:hi].copy_(q)
         self.scale[b:b + scale.numel()].copy_(scale)
 
 
-def check_m_scale(m: torch.Tensor, m_scale: torch.Tensor | None) -> None:
-    """An e4m3 m needs its fp32 block scales [num_blocks(n)]; fp32/bf16 m takes none. TypeError/ValueError."""
+def check_m_scale(m: torch.Tensor, m_scale: torch.Tensor | None, name: str = "m") -> None:
+    """An e4m3 moment (``name``: m, or v) needs its fp32 block scales [num_blocks(n)]; an fp32/bf16 one takes
+    none. ValueError."""
     if m.dtype == fp8_moment.DTYPE:
         if m_scale is None or m_scale.dtype != torch.float32 or m_scale.shape != (fp8_moment.num_blocks(m.numel()),):
             got = "None" if m_scale is None else f"{m_scale.dtype} {tuple(m_scale.shape)}"
-            raise ValueError(f"adamw_update: an e4m3 m of {m.numel()} elements needs m_scale, fp32 "
+            raise ValueError(f"adamw_update: an e4m3 {name} of {m.numel()} elements needs {name}_scale, fp32 "
                              f"[{fp8_moment.num_blocks(m.numel())}], got {got}")
     elif m_scale is not None:
-        raise ValueError(f"adamw_update: m_scale is only for an e4m3 m, got m in {m.dtype}")
+        raise ValueError(f"adamw_update: {name}_scale is only for an e4m3 {name}, got {name} in {m.dtype}")
 
 
 def _check_state_dtype(name: str, t: torch.Tensor) -> None:
-    if t.dtype not in (torch.float32, torch.bfloat16) and not (name == "m" and t.dtype == fp8_moment.DTYPE):
+    if t.dtype not in (torch.float32, torch.bfloat16) and not (name in ("m", "v") and t.dtype == fp8_moment.DTYPE):
         raise TypeError(f"adamw_update: {name} must be fp32 or bf16, got {t.dtype}")
 
 
@@ -164,11 +166,12 @@ def global_norm_squared(out: torch.Tensor, tensor: torch.Tensor) -> None:
 def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
                  master: torch.Tensor | None, lr: float, beta1: float, beta2: float, eps: float,
                  weight_decay: float, step: int, grad_scale: torch.Tensor | float, seed: int,
-                 m_scale: torch.Tensor | None = None) -> None:
+                 m_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """One AdamW step, in place, over flat 1-D shards of equal length (the ``Backend.adamw_update`` contract).
 
     Shapes/dtypes: param [n] fp32|bf16 (model dtype), grad [n] fp32|bf16, m [n] fp32|bf16|e4m3 (e4m3 with
-    ``m_scale`` [ceil(n/256)] fp32 block scales, backends/fp8_moment.py), v [n] fp32|bf16,
+    ``m_scale`` [ceil(n/256)] fp32 block scales, backends/fp8_moment.py), v [n] fp32|bf16|e4m3 (e4m3: sqrt(v),
+    with ``v_scale`` [ceil(n/256)] fp32, backends/fp8_second_moment.py),
     master None or [n] fp32|bf16. ``grad_scale``: Python float or 0-d fp32 tensor (on the device or CPU; it is
     never read on the host). ``step`` is 1-based (the bias corrections use ``beta^step``).
 
@@ -181,7 +184,7 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
         p = p - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
     p is ``master`` when given, else ``param``. The update uses this step's fp32 m and v; only their stored
-    copies are rounded when m/v are bf16 or m is e4m3 (at fresh per-block scales). Storage of record written
+    copies are rounded when m/v are bf16 or e4m3 (at fresh per-block scales). Storage of record written
     in bf16 or e4m3 (m, v, master, or param without master) gets stochastic rounding with seeds derived from
     ``seed`` (one per tensor, so m, v and p draw unrelated bits); fp32 storage is written exactly. With a master, ``param`` becomes master rounded to
     nearest in param's dtype (what the forward uses; the master keeps the small updates).
@@ -195,6 +198,7 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
     for name, t in (("param", param), ("m", m), ("v", v)) + ((("master", master),) if master is not None else ()):
         _check_state_dtype(name, t)
     check_m_scale(m, m_scale)
+    check_m_scale(v, v_scale, "v")
     if step < 1:
         raise ValueError(f"adamw_update: step is 1-based, got {step}")
     if n == 0:
@@ -211,7 +215,10 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
         m_out = _Fp8Rounder(m, m_scale, derive_seed(seed, "m"))
     else:
         m_out = _Rounder(m, derive_seed(seed, "m"))
-    v_out = _Rounder(v, derive_seed(seed, "v"))
+    if v.dtype == fp8_moment.DTYPE:
+        v_out = _Fp8Rounder(v, v_scale, derive_seed(seed, "v"), fp8_second_moment)
+    else:
+        v_out = _Rounder(v, derive_seed(seed, "v"))
     p_out = _Rounder(record, derive_seed(seed, "p"))
     chunk = _chunk(param)
     for lo in range(0, n, chunk):
@@ -221,7 +228,7 @@ def adamw_update(param: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
         # exactly for fp32 storage and with stochastic rounding for bf16.
         p32 = record[lo:hi].to(torch.float32, copy=True)
         m32 = m_out.read(lo, hi) if m_scale is not None else m[lo:hi].to(torch.float32, copy=True)
-        v32 = v[lo:hi].to(torch.float32, copy=True)
+        v32 = v_out.read(lo, hi) if v_scale is not None else v[lo:hi].to(torch.float32, copy=True)
 
         p32.mul_(decay_factor)
         m32.lerp_(g, 1.0 - beta1)
