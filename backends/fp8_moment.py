@@ -49,12 +49,12 @@ def block_scales(absmax: torch.Tensor, k_min: int = K_MIN) -> torch.Tensor:
     """[B] fp32 block maxima (>= 0, finite) -> [B] fp32 scales 2^k, k the smallest with absmax / 2^k <= 448.
 
     Exact integer arithmetic on the fp32 bits: absmax = f * 2^E with f in [1, 2); k = E - 8 when f <= 1.75, else
-    E - 7, so absmax / 2^k is in (224, 448]. k is clamped at ``k_min`` (default ``K_MIN`` = -117), so that the smallest nonzero
-    stored value, e4m3's smallest subnormal 2^-9 times the scale, is 2^-126: a normal fp32, exact in bf16 (a
-    checkpoint holds m as bf16) and never flushed to zero by a GPU's flush-to-zero mode. A block whose maximum
-    is below ~2^-109 (e.g. the embedding rows of tokens not seen for ~700 steps) gets that scale, and its
-    values round to multiples of 2^-126 or to 0. (The second moment's format, fp8_second_moment.py, stores
-    square roots and passes its own, higher ``k_min``.)"""
+    E - 7, so absmax / 2^k is in (224, 448]. k is clamped at ``k_min`` (default ``K_MIN`` = -117), so that the
+    smallest nonzero stored value, e4m3's smallest subnormal 2^-9 times the scale, is 2^-126: a normal fp32,
+    exact in bf16 (a checkpoint holds m as bf16) and never flushed to zero by a GPU's flush-to-zero mode. A block
+    whose maximum is below ~2^-109 (e.g. the embedding rows of tokens not seen for ~700 steps) gets that scale,
+    and its values round to multiples of 2^-126 or to 0. (The second moment's format, fp8_second_moment.py,
+    stores square roots and passes its own, higher ``k_min``.)"""
     bits = absmax.contiguous().view(torch.int32)
     exp = ((bits >> 23) & 0xFF) - 127
     k = torch.where((bits & 0x7FFFFF) <= _MANT_175, exp - 8, exp - 7).clamp_(min=k_min)

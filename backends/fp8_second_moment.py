@@ -29,8 +29,8 @@ exceeds u^2 by the rounding's variance, at most (1/16)^2 / 4 of it relative (0.4
 The cost, measured against fp32 v (tests/test_fp8_second_moment.py: beta2 0.95, 30 steps of noise gradients):
 the stored v is 15% off on average. Each step re-rounds the whole stored value (~3% of u, ~6% of v, on average),
 and the EMA carries those errors on, adding up to about 1 / sqrt(1 - beta2^2) times one step's: 3.2x at beta2
-0.95, but 22x at 0.999, where this format would be mostly noise. bf16 v (the default) has the same effect at
-1/16 of the size.
+0.95, but 22x at 0.999, where this format would be mostly noise. bf16 v has the same effect at about 1/32 of the
+size (its relative step in v is 2^-8..2^-7; e4m3's in u is 2^-4..2^-3, so 2^-3..2^-2 in v).
 
 State: the format and the torch reference's AdamW with it (torch_ref_optim.adamw_update's ``v_scale``). Not yet
 selectable (no --opt-v-dtype e4m3: no Triton or CuPy kernel, no optimizer wiring). A CPU screen of its effect
@@ -67,7 +67,7 @@ def round_u(y: torch.Tensor, r16: torch.Tensor | None) -> torch.Tensor:
 def quantize(v32: torch.Tensor, r16: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 v [n] (>= 0, finite) -> (q [n] e4m3 holding sqrt(v) / scale, scale [num_blocks(n)] fp32). ``r16``
     ([n] int32 in [0, 2^16)) gives stochastic rounding; None rounds to nearest (``requantize``)."""
-    u = v32.float().reshape(-1).sqrt()  # IEEE square root, correctly rounded (the kernels use the same)
+    u = v32.float().reshape(-1).sqrt()  # IEEE square root, correctly rounded (a kernel must match: tl.sqrt_rn)
     n = u.numel()
     pad = num_blocks(n) * BLOCK - n
     blocks = (torch.nn.functional.pad(u, (0, pad)) if pad else u).view(-1, BLOCK)
