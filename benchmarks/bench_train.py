@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -111,9 +112,12 @@ def main(argv=None) -> int:
     else:
         runtime["workers"] = a.workers or 1
     records = []
+    t_setup = time.perf_counter()
     try:
         with LLMQTrainer(**kwargs, **runtime) as t:
             info = t.start()
+            setup_s = time.perf_counter() - t_setup  # Ray's start, the workers, the model's init and allocations
+            print(f"set-up {setup_s:.1f} s (from the trainer's construction to its first step)", flush=True)
             if a.memory_table:
                 from llmq_ray.observe.memory_table import format_memory_table
 
@@ -141,7 +145,7 @@ def main(argv=None) -> int:
            "worker_step_ms": 1000 * worker_s, "ray_overhead_ms": 1000 * overhead,
            "ray_overhead_fraction": overhead / step_s, "sol": med(sols) if sols else None,
            "data_wait_ms": 1000 * med([r["data_seconds"] for r in steady]),
-           "peak_memory_gib": max(max(r["memory"]) for r in steady) / 2**30}
+           "peak_memory_gib": max(max(r["memory"]) for r in steady) / 2**30, "setup_s": setup_s}
     print(f"\n{a.model} B={a.batch_size} T={a.seq_len} x{a.grad_accumulation} on {world} x {info['gpu'] or 'cpu'} "
           f"({t.spec.backend}, {dtype}, ZeRO-{a.zero_level}"
           + (f", tensor-parallel {a.tensor_parallel})" if a.tensor_parallel > 1 else ")"))

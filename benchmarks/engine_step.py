@@ -117,6 +117,10 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one step (torch profiler)")
     ap.add_argument("--master-dtype", default="fp32")
     ap.add_argument("--opt-dtype", default="bf16", help="Adam m and v dtype")
+    ap.add_argument("--opt-m-dtype", default=None, help="Adam m dtype (e4m3 too); default --opt-dtype")
+    ap.add_argument("--opt-v-dtype", default=None, help="Adam v dtype; default --opt-dtype")
+    ap.add_argument("--fp8-delayed-swiglu-scale", action="store_true",
+                    help="e4m3: the SwiGLU backward's FP8 gradient in one pass at the previous backward's scale")
     ap.add_argument("--recompute", default="", help="comma list: swiglu,norm,ffn,qkv,att,block")
     ap.add_argument("--lmhead-chunks", type=int, default=1)
     ap.add_argument("--cuda-graphs", action="store_true", help="replay the micro-step from a CUDA graph")
@@ -145,7 +149,9 @@ def main():
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
     opts = TrainOptions(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                         grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,
-                        master_dtype=args.master_dtype, opt_m_dtype=args.opt_dtype, opt_v_dtype=args.opt_dtype,
+                        master_dtype=args.master_dtype, opt_m_dtype=args.opt_m_dtype or args.opt_dtype,
+                        opt_v_dtype=args.opt_v_dtype or args.opt_dtype,
+                        fp8_delayed_swiglu_scale=args.fp8_delayed_swiglu_scale,
                         lmhead_chunks=args.lmhead_chunks, matmul_dtype=args.matmul_dtype,
                         lmhead_dtype=args.lmhead_dtype,
                         gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs,
