@@ -144,8 +144,19 @@ def main():
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="replace the preset's vocabulary size (e.g. GPT-2's 50257 by 50304, a multiple of 64) to "
                          "measure what an unaligned vocabulary costs")
+    ap.add_argument("--fp8-tiles", action="append", default=[], metavar="KIND=BM,BK,WARPS",
+                    help="triton: replace a tile shape of the FP8 transposing kernels (a key of "
+                         "llmq_ray.backends.triton.fp8.TILES; benchmarks/fp8_tiles.py times them)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
+    for spec in args.fp8_tiles:
+        from llmq_ray.backends.triton import fp8 as triton_fp8
+
+        kind, _, dims = spec.partition("=")
+        if kind not in triton_fp8.TILES or len(dims.split(",")) != 3:
+            ap.error(f"--fp8-tiles {spec!r}: expected KIND=BM,BK,WARPS with KIND one of {sorted(triton_fp8.TILES)}")
+        triton_fp8.TILES[kind] = tuple(int(d) for d in dims.split(","))
+        print(f"fp8 tiles: {kind} = {triton_fp8.TILES[kind]}", flush=True)
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
     opts = TrainOptions(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
                         grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,

@@ -92,14 +92,28 @@ def quantize_transpose(out_t, descale, inp, absmax) -> None:
     _launch_tiles(None, out_t, descale, inp, absmax)
 
 
+# (BLOCK_M, BLOCK_K, num_warps) of the tile kernels that write an FP8 tensor transposed (and row-major) in one
+# pass: "quantize" (quantize_with_transpose, quantize_transpose), "swiglu_fwd" / "swiglu_bwd" (the SwiGLU's FP8
+# kernels, llmq_ray/backends/triton/swiglu.py). Element-wise, so the tile never changes a byte written (the
+# absmax is a max); only the speed: benchmarks/fp8_tiles.py times the candidates. The interpreter takes larger
+# tiles (fewer programs to step through on a CPU).
+TILES = {"quantize": (64, 64, 4), "swiglu_fwd": (64, 64, 4), "swiglu_bwd": (64, 64, 4)}
+INTERPRET_TILES = (128, 128, 4)
+
+
+def tile_config(kind: str) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, num_warps) of tile kernel ``kind`` (a key of TILES)."""
+    return INTERPRET_TILES if INTERPRET else TILES[kind]
+
+
 def _launch_tiles(out, out_t, descale, inp, absmax) -> None:
     m, k = inp.shape
-    block_m, block_k = (128, 128) if INTERPRET else (64, 64)
+    block_m, block_k, warps = tile_config("quantize")
     grid = (max(1, triton.cdiv(m, block_m)), max(1, triton.cdiv(k, block_k)))
     out_t_view = fp8_store_view(out_t)
     _quantize_tiles_kernel[grid](out_t_view if out is None else fp8_store_view(out), out_t_view, descale, inp,
                                  absmax, m, k, BLOCK_M=block_m, BLOCK_K=block_k, WRITE_ROWMAJOR=out is not None,
-                                 num_warps=4, **_fp8_args(out_t.dtype))
+                                 num_warps=warps, **_fp8_args(out_t.dtype))
 
 
 def quantize_with_transpose(out, out_t, descale, inp, absmax) -> None:

@@ -15,7 +15,7 @@ import triton.language as tl
 from llmq_ray.backends.triton import reduce as _reduce
 from llmq_ray.backends.triton.reduce import atomic_amax
 from llmq_ray.backends.triton._common import INTERPRET, cast_to, fp8_store_view, next_pow2, num_warps_for
-from llmq_ray.backends.triton.fp8 import _fp8_args, _scale_and_descale, _to_fp8
+from llmq_ray.backends.triton.fp8 import _fp8_args, _scale_and_descale, _to_fp8, tile_config
 
 
 @triton.jit
@@ -154,10 +154,10 @@ def swiglu_forward_fp8(q, qt, descale, inp, absmax, scale_absmax, out_dtype: tor
         raise ValueError(f"swiglu_forward_fp8: q is {q.dtype} but qt is {qt.dtype}")
     _reduce.start_amax(absmax)
     n, i = q.shape
-    block_m, block_k = (128, 128) if INTERPRET else (64, 64)
+    block_m, block_k, warps = tile_config("swiglu_fwd")
     grid = (triton.cdiv(n, block_m), triton.cdiv(i, block_k))
     _swiglu_fwd_fp8_kernel[grid](fp8_store_view(q), fp8_store_view(qt), descale, inp, scale_absmax, absmax, n, i,
-                                 OUT_DTYPE=_tl_dtype(out_dtype), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+                                 OUT_DTYPE=_tl_dtype(out_dtype), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
                                  **_fp8_args(q.dtype))
 
 
@@ -196,11 +196,11 @@ def swiglu_backward_fp8(q, qt, descale, dout, inp, absmax, out_dtype: torch.dtyp
     else:
         _reduce.start_amax(absmax)
     n, i = dout.shape
-    block_m, block_k = (128, 128) if INTERPRET else (64, 64)
+    block_m, block_k, warps = tile_config("swiglu_bwd")
     grid = (triton.cdiv(n, block_m), triton.cdiv(i, block_k))
     _swiglu_bwd_fp8_kernel[grid](fp8_store_view(q), fp8_store_view(qt), descale, dout, inp,
                                  absmax if scale_absmax is None else scale_absmax, absmax, n, i,
-                                 OUT_DTYPE=_tl_dtype(out_dtype), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+                                 OUT_DTYPE=_tl_dtype(out_dtype), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=warps,
                                  MEASURE=scale_absmax is not None, **_fp8_args(q.dtype))
 
 
