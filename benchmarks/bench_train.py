@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-smooth-swiglu", action="store_true",
                    help="e4m3: Smooth-SwiGLU (per-channel power-of-two factors folded into the down projection)")
     p.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer, not per step")
+    p.add_argument("--kept-quants-gib", type=gib_or_auto, default=0.0,
+                   help="with per-layer copies: keep this many GiB of them for the whole step ('auto': free less 2 GiB)")
     p.add_argument("--opt-resident-gib", type=gib_or_auto, default=0.0,
                    help="of the offloaded Adam state, keep this many GiB on the GPU ('auto': what set-up left free)")
     p.add_argument("--use-cuda-graphs", action="store_true", help="replay each micro-step from a CUDA graph")
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
                   lmhead_dtype=a.lmhead_dtype if a.lmhead_dtype != dtype else None,
                   zero_level=a.zero_level, tensor_parallel=a.tensor_parallel, lmhead_chunks=a.lmhead_chunks, attn_bwd_chunks=a.attn_bwd_chunks,
                   master_dtype=a.master_dtype if dtype == "bf16" else "fp32", opt_m_dtype=a.opt_m_dtype,
-                  opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants,
+                  opt_v_dtype=a.opt_v_dtype, use_zero_copy=a.use_zero_copy, transient_quants=a.transient_quants, kept_quants_gib=a.kept_quants_gib,
                   opt_resident_gib=a.opt_resident_gib,
                   fp8_delayed_swiglu_scale=a.fp8_delayed_swiglu_scale, fp8_smooth_swiglu=a.fp8_smooth_swiglu,
                   use_cuda_graphs=a.use_cuda_graphs, overlap_update=a.overlap_update,

@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--opt-resident-gib", type=gib_or_auto, default=0.0,
                     help="of the offloaded Adam state, keep this many GiB on the GPU ('auto': what set-up left free)")
     ap.add_argument("--transient-quants", action="store_true", help="e4m3: FP8 weight copies per layer and pass")
+    ap.add_argument("--kept-quants-gib", type=gib_or_auto, default=0.0,
+                    help="with per-layer copies: keep this many GiB of them for the whole step ('auto': free less 2 GiB)")
     ap.add_argument("--no-overlap-update", dest="overlap_update", action="store_false",
                     help="the update before the next forward, not beside it")
     ap.add_argument("--unfused-attn-rope-bwd", action="store_true",
@@ -167,7 +169,7 @@ def main():
                         lmhead_dtype=args.lmhead_dtype,
                         gradient_dtype=args.gradient_dtype, use_cuda_graphs=args.cuda_graphs,
                         offload_opt_m=args.offload_opt, offload_opt_v=args.offload_opt,
-                        transient_quants=args.transient_quants,
+                        transient_quants=args.transient_quants, kept_quants_gib=args.kept_quants_gib,
                         opt_resident_gib=args.opt_resident_gib, overlap_update=args.overlap_update,
                         deterministic_attention=args.deterministic_attention, **rec)
     cfg = PRESETS[args.model]

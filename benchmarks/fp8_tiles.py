@@ -12,7 +12,7 @@ anything else is reported as WRONG and never picked), and timed: median of ``--r
 after warm-up. GB/s counts the bytes the kernel must move (read once, write once). Memory-bound kernels run
 near 3.0 TB/s on an H100 when their stores coalesce; the transposed FP8 store is what the tile shape changes.
 Last line per kind: the candidate with the least summed time over the shapes (the table in fp8.py is edited
-by hand from it).
+by hand from it). Each shape's bytes are compared with those of the table's entry at the start.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from llmq_ray.backends.triton import swiglu as tswiglu  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 CANDIDATES = [(64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (64, 128, 4), (64, 128, 8), (128, 128, 4),
-              (128, 128, 8), (32, 128, 4), (128, 32, 4), (256, 64, 8), (64, 256, 8), (256, 128, 8), (32, 64, 2)]
+              (128, 128, 8), (32, 128, 4), (128, 32, 4), (256, 64, 8), (64, 256, 8), (256, 128, 8), (32, 64, 2),
+              (32, 64, 4), (32, 128, 8), (64, 32, 4), (64, 64, 16), (16, 128, 4), (32, 64, 8), (32, 256, 8)]
 # (name, N tokens per micro-step, hidden C, intermediate I, qkv width, a weight [OC, K] to quantize transposed)
 MODELS = [("0.5B B=32", 32768, 896, 4864, 1152), ("1.5B B=16", 16384, 1536, 8960, 2048),
           ("7B B=6", 6144, 3584, 18944, 4608)]

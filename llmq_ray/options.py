@@ -155,6 +155,12 @@ class _TrainOptionsBase:
         need(not self.use_zero_copy or self.offloads_optimizer or self.offload_gradients,
              "--use-zero-copy only applies with --offload-master, --offload-opt-m, --offload-opt-v or "
              "--offload-gradients (it lets the optimizer kernel read that host memory directly).")
+        k = self.kept_quants_gib
+        need(k == "auto" or (isinstance(k, (int, float)) and not isinstance(k, bool) and math.isfinite(k) and k >= 0),
+             f"--kept-quants-gib={k!r} must be a number >= 0 or 'auto'.")
+        need(not k or (self.matmul_dtype == "e4m3" and self.quants_placement == "layer"),
+             "--kept-quants-gib only applies to per-layer FP8 weight copies (--matmul-dtype e4m3 with "
+             "--transient-quants, or ZeRO-3 without --persistent-quants).")
         g = self.opt_resident_gib
         need(g == "auto" or (isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) and g >= 0),
              f"--opt-resident-gib={g!r} must be a number >= 0 or 'auto'.")

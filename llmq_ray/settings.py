@@ -203,6 +203,12 @@ class MemorySettings:
         "with --matmul-dtype e4m3: make each layer's FP8 weight copies when the layer runs and keep only "
         "two layers' worth (the ZeRO-3 default), also under ZeRO-1/2: saves as many bytes as the bf16 "
         "block weights (13 GiB at 7B) for one weight quantization per layer and pass")
+    kept_quants_gib: float | str = setting(
+        0.0,
+        "with the per-layer FP8 weight copies (--transient-quants, or ZeRO-3's default): keep the copies of the "
+        "first block matrices that fit in this many GiB for the whole optimizer step instead of re-making them "
+        "every micro-step (the same bytes, less traffic); 'auto': what set-up left free, less 2 GiB",
+        metavar='G|auto', parse="gib_or_auto")
     opt_resident_gib: float | str = setting(
         0.0,
         "with --offload-master/--offload-opt-m/--offload-opt-v: keep this many GiB of that state on the "

@@ -80,9 +80,13 @@ def test_offload_flag_is_bit_identical(reference, flags):
             assert torch.equal(res.host[layer], ref_res[layer]), layer
 
 
+# --kept-quants-gib for 1.5 of tiny's 2 layers of FP8 copies (a layer: 43,008 elements per layout, both layouts
+# one byte each): layer 0 whole, of layer 1 all but up+gate and down's transposed copy (BlockLinears.keep_copies)
+KEEP_1_5_LAYERS = 1.5 * 2 * 43008 / 2**30
 QUANT_FLAGS = [dict(persistent_quants=True, offload_quants=True),
                dict(transient_quants=True), dict(transient_quants=True, recompute_block=True),
-               dict(zero_level=3),
+               dict(transient_quants=True, kept_quants_gib=KEEP_1_5_LAYERS),
+               dict(zero_level=3), dict(zero_level=3, kept_quants_gib=KEEP_1_5_LAYERS),
                dict(zero_level=3, persistent_quants=True, offload_quants=True, offload_residual=True,
                     offload_gradients=True, offload_master=True)]
 
@@ -105,6 +109,14 @@ def test_fp8_weight_copies_placement_is_bit_identical(e4m3_reference, flags):
     lin, ref_lin = e.model.lin, ref.model.lin
     if flags.get("transient_quants"):  # two device slots, no per-layer copies
         assert lin.quants == "layer" and not lin.w_q and len(lin.slots) == 2
+    if flags.get("kept_quants_gib"):  # the kept copies hold what the persistent ones hold, made in the last step
+        assert sorted(lin.kept) == sorted([(f"layers.0.{n}", t) for n in lin.names for t in (False, True)]
+                                          + [("layers.1.qkv_w", False), ("layers.1.qkv_w", True),
+                                             ("layers.1.out_w", False), ("layers.1.out_w", True),
+                                             ("layers.1.down_w", False)])
+        for (key, transposed), copy in lin.kept.items():
+            want = ref_lin.wt_q[key] if transposed else ref_lin.w_q[key]
+            assert torch.equal(copy.view(torch.uint8), want.view(torch.uint8)), (key, transposed)
     if flags.get("offload_quants"):  # the host copies are the real ones (made in the last step, like ref's)
         assert lin.quants == "host" and len(lin.host_tensors()) == 2 * len(ref_lin.w_q)
         for key in ref_lin.w_q:
@@ -230,6 +242,9 @@ def test_memory_table_moves_fp8_weight_copies():
     transient = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(**z1, transient_quants=True),
                                                      get_backend("torch"))))
     assert default["fp8"] - transient["fp8"] == (L - 2) * layer_bytes
+    kept = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(
+        **z1, transient_quants=True, kept_quants_gib=KEEP_1_5_LAYERS), get_backend("torch"))))
+    assert kept["fp8"] - transient["fp8"] == 2 * 43008 + 8192 * 2 + 4096 * 2 + 10240  # keep_copies' choice
 
 
 BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-master"),
@@ -247,6 +262,13 @@ BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-m
         "--transient-quants contradicts --persistent-quants"),
        (dict(use_cuda_graphs=True, transient_quants=True, model_dtype="bf16", matmul_dtype="e4m3"),
         "--use-cuda-graphs cannot capture --transient-quants"),
+       (dict(kept_quants_gib=1.0), "--kept-quants-gib only applies to per-layer FP8 weight copies"),
+       (dict(kept_quants_gib=1.0, model_dtype="bf16", matmul_dtype="e4m3", zero_level=1),
+        "--kept-quants-gib only applies to per-layer FP8 weight copies"),
+       (dict(kept_quants_gib="auto", model_dtype="bf16", matmul_dtype="e4m3", zero_level=3, persistent_quants=True),
+        "--kept-quants-gib only applies to per-layer FP8 weight copies"),
+       (dict(kept_quants_gib=-2.0, model_dtype="bf16", matmul_dtype="e4m3", transient_quants=True),
+        "--kept-quants-gib=-2.0 must be a number >= 0 or 'auto'"),
        (dict(opt_resident_gib=1.0), "--opt-resident-gib only applies with --offload-master"),
        (dict(opt_resident_gib=-1.0, offload_opt_m=True), "--opt-resident-gib=-1.0 must be a number >= 0"),
        (dict(opt_resident_gib=float("inf"), offload_opt_m=True), "--opt-resident-gib=inf must be a number >= 0"),
@@ -311,14 +333,17 @@ def test_fp8_weight_copies_on_cuda_are_bit_identical(backend):
         assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
 
 
-def test_transient_copies_quantize_each_layout_once_per_pass_and_absmax_once_per_step():
+@pytest.mark.parametrize("kept_layers", [0, 1])
+def test_transient_copies_quantize_each_layout_once_per_pass_and_absmax_once_per_step(kept_layers):
     """--transient-quants: the forward GEMM makes only W_q, the dgrad only W^T_q (no both-layout pass over
     the weights), and each weight's absmax is taken once per optimizer step, not at every pass. Four layers,
-    so that the two slots are refilled in every pass (with two, each layer would keep its slot all step)."""
+    so that the two slots are refilled in every pass (with two, each layer would keep its slot all step).
+    With --kept-quants-gib for one layer, that layer's copies are made once per step instead."""
     import dataclasses
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=4)
-    opts = TrainOptions(**{**BASE, "zero_level": 1, "matmul_dtype": "e4m3", "transient_quants": True})
+    opts = TrainOptions(**{**BASE, "zero_level": 1, "matmul_dtype": "e4m3", "transient_quants": True,
+                           "kept_quants_gib": kept_layers * 2 * 43008 / 2**30})
     engine = TrainEngine(cfg, opts, get_backend("torch"))
     be, lin = engine.backend, engine.model.lin
     weights = {lin.w[key].data_ptr(): key for key in lin.layer_of}
@@ -341,8 +366,15 @@ def test_transient_copies_quantize_each_layout_once_per_pass_and_absmax_once_per
             engine.micro_step(x[:, :-1], x[:, 1:])
         engine.update(1e-3, step + 1)
     keys = sorted(lin.layer_of)
+    kept = [key for key in keys if lin.layer_of[key][0] < kept_layers]
+    assert sorted({key for key, _ in lin.kept}) == kept
     passes = 2 * opts.grad_accumulation  # steps x micro-steps
+    # once per step: the kept layers, and a layer left alone in its slot (layer 2 once layer 0, its slot's other
+    # layer, is kept: the slot still holds its copies at the next pass); every pass: the others
+    once = {0: [], 1: [0, 2]}[kept_layers]
+    made = sorted([key for key in keys if lin.layer_of[key][0] not in once] * passes
+                  + [key for key in keys if lin.layer_of[key][0] in once] * 2)
     assert sorted(calls["absmax"]) == sorted(keys * 2)  # once per weight per step
-    assert sorted(calls["quantize"]) == sorted(keys * passes)  # forward: W_q only
-    assert sorted(calls["quantize_transpose"]) == sorted(keys * passes)  # dgrad: W^T_q only
+    assert sorted(calls["quantize"]) == made  # forward: W_q only
+    assert sorted(calls["quantize_transpose"]) == made  # dgrad: W^T_q only
     assert calls["quantize_with_transpose"] == []

@@ -94,10 +94,12 @@ def quantize_transpose(out_t, descale, inp, absmax) -> None:
 
 # (BLOCK_M, BLOCK_K, num_warps) of the tile kernels that write an FP8 tensor transposed (and row-major) in one
 # pass: "quantize" (quantize_with_transpose, quantize_transpose), "swiglu_fwd" / "swiglu_bwd" (the SwiGLU's FP8
-# kernels, llmq_ray/backends/triton/swiglu.py). Element-wise, so the tile never changes a byte written (the
-# absmax is a max); only the speed: benchmarks/fp8_tiles.py times the candidates. The interpreter takes larger
-# tiles (fewer programs to step through on a CPU).
-TILES = {"quantize": (64, 64, 4), "swiglu_fwd": (64, 64, 4), "swiglu_bwd": (64, 64, 4)}
+# kernels, backends/triton/swiglu.py). Element-wise, so the tile never changes a byte written (the
+# absmax is a max); only the speed: benchmarks/fp8_tiles.py times the candidates. Picked on an H100 at the 0.5B,
+# 1.5B and 7B shapes (benchmarks/LOG.md, 2026-11-28): against 64 x 64 with 4 warps, the SwiGLU backward 1.13-1.15x,
+# its forward 1.05-1.07x, the quantization 1.00-1.10x. The interpreter takes larger tiles (fewer programs to step
+# through on a CPU).
+TILES = {"quantize": (64, 128, 8), "swiglu_fwd": (32, 128, 4), "swiglu_bwd": (64, 64, 8)}
 INTERPRET_TILES = (128, 128, 4)
 
 

@@ -308,7 +308,17 @@ class TrainEngine:
         if opts.use_cuda_graphs:
             from llmq_ray.engine.cuda_graphs import MicroStepGraphs
             self._forward_backward = MicroStepGraphs(self.model, self.overlap, self.grad_reduce).forward_backward
+        self._keep_quants()
         self._keep_opt_resident()  # last: "auto" sizes it from what set-up left free
+
+    def _keep_quants(self) -> None:
+        """--kept-quants-gib: FP8 weight copies kept for the step beside the per-layer slots
+        (BlockLinears.keep_copies); "auto": what the device has free now less ``AUTO_RESIDENT_MARGIN``."""
+        g = self.opts.kept_quants_gib
+        if not g:
+            return
+        budget = max(0, available_device_bytes(self.device) - AUTO_RESIDENT_MARGIN) if g == "auto" else int(g * 2**30)
+        self.model.lin.keep_copies(budget)
 
     def _make_optimizer(self) -> ShardedAdamW:
         o = self.opts

@@ -42,7 +42,11 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
   quantization, and kept (``w_amax``): the weights change only at the update. Costs two layers of FP8 bytes
   and, per layer and pass, one read of the bf16 weights and one FP8 write. The forward, the recomputation and
   the backward of a micro-step all read copies made from the same bf16 weights with the same scale, so they
-  see the same bytes as the persistent copies.
+  see the same bytes as the persistent copies. ``keep_copies(budget)`` (--kept-quants-gib) spends spare
+  device memory on persistent copies of the first matrices that fit (layer 0 first, each layout on its own):
+  those are quantized once per step, at their first use, like the persistent ones; the rest still use the
+  slots. At 7B e4m3 (B=6) the two weight quantizations per layer and micro-step took ~12.8 ms of a ~297 ms
+  micro-step on an H100 (benchmarks/LOG.md, 2026-11-28), so every GiB kept saves ~0.3%.
 
 The model announces each layer with ``begin_layer(layer, backward)`` after the weight store's ``begin``.
 
@@ -73,8 +77,9 @@ class BlockLinears(Policy):
     weights: the model's named views (``layers.{l}.{name}``, read only when quantizing or in the model dtype);
     shapes: {key: (OC, K)} of every block weight (known without touching the weights, which ZeRO-3 has not
     gathered yet); rows = N tokens of a micro-batch.
-    FP8 scratch (allocated once): x / dy quantized [N, maxK], x^T / dy^T quantized [maxK, N]; the weight
-    copies W_q [OC, K] and W^T_q [K, OC] (e4m3) and a descale (fp32 0-d, on the device) per block weight,
+    FP8 scratch (allocated once): x quantized [N, max K], x^T [max K, N] (without ``store_xt``), dy and dy^T
+    quantized [N, max OC] / [max OC, N]; the weight copies W_q [OC, K] and W^T_q [K, OC] (e4m3) and a
+    descale (fp32 0-d, on the device) per block weight,
     held as ``quants`` says (module docstring): all layers on the device ("persistent"), all layers in host
     memory plus two device slots ("host"), or two device slots only ("layer").
     ``names``: the block's four matrices (``block_weights(cfg)``; GPT-2's ``up_w`` for ``up_gate_w``).
@@ -93,6 +98,9 @@ class BlockLinears(Policy):
         if quants not in self.QUANTS:
             raise ValueError(f"quants={quants!r} must be one of {self.QUANTS}")
         self.be, self.w, self.num_layers = backend, weights, num_layers
+        self.shapes = shapes
+        # quants="layer" + keep_copies: {(key, transposed): W_q [OC, K] or W^T_q [K, OC]} kept for the step
+        self.kept: dict[tuple[str, bool], torch.Tensor] = {}
         self.names = names
         self.fp8 = matmul_dtype == "e4m3"
         self.store_xt = self.fp8 and store_xt
@@ -103,11 +111,14 @@ class BlockLinears(Policy):
         dev = backend.device
         self.fwd_dtype = FP8_DTYPES["e4m3"]
         self.grad_dtype = FP8_DTYPES[gradient_dtype or "e4m3"]
-        widest = max(max(shapes[f"layers.0.{name}"]) for name in self.names)
-        self.x_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
-        self.xt_q = torch.empty(rows * widest, dtype=self.fwd_dtype, device=dev)
-        self.dy_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
-        self.dyt_q = torch.empty(rows * widest, dtype=self.grad_dtype, device=dev)
+        # the widest GEMM input (K: x, q(x^T)) and output (OC: dy, q(dy^T)) of the block; q(x^T) needs scratch
+        # only without store_xt (it is otherwise the stored copy): 0.33 GiB less at 7B, B=6
+        widest_in = max(shapes[f"layers.0.{name}"][1] for name in self.names)
+        widest_out = max(shapes[f"layers.0.{name}"][0] for name in self.names)
+        self.x_q = torch.empty(rows * widest_in, dtype=self.fwd_dtype, device=dev)
+        self.xt_q = torch.empty(0 if self.store_xt else rows * widest_in, dtype=self.fwd_dtype, device=dev)
+        self.dy_q = torch.empty(rows * widest_out, dtype=self.grad_dtype, device=dev)
+        self.dyt_q = torch.empty(rows * widest_out, dtype=self.grad_dtype, device=dev)
         # Descales of x, x^T, dy (and dy^T, same scale): separate 0-d tensors, not views of one [4] tensor, because cuBLASLt
         # rejects scale pointers that are not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED, seen on H100).
         self.scales = [torch.ones((), dtype=torch.float32, device=dev) for _ in range(3)]
@@ -163,6 +174,7 @@ class BlockLinears(Policy):
             # quants="layer": {(name, transposed): layer} whose copy each slot holds; keys with a current w_amax
             self.slot_has: list[dict] = [{}, {}]
             self.amax_valid: set[str] = set()
+            self.kept_valid: set[tuple[str, bool]] = set()  # kept copies made from the current weights
 
     def ensure_quantized(self) -> None:
         """Resident persistent copies: quantize every stale layer now (before a CUDA-graph replay that only reads
@@ -238,6 +250,16 @@ class BlockLinears(Policy):
     def _copy(self, key: str, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """quants="layer": (W_q [OC, K] or, ``transposed``, W^T_q [K, OC]; descale) of ``key`` in its layer's
         slot, quantized now unless the slot already holds that layout of that layer from earlier in the step."""
+        kept = self.kept.get((key, transposed))
+        if kept is not None:  # keep_copies: made once per step
+            if (key, transposed) not in self.kept_valid:
+                w, amax = self.w[key], self._weight_amax(key)
+                if transposed:
+                    self.be.quantize_transpose(kept, self.w_descale[key], w, amax)
+                else:
+                    self.be.quantize(kept, self.w_descale[key], w, amax)
+                self.kept_valid.add((key, transposed))
+            return kept, self.w_descale[key]
         layer, name = self.layer_of[key]
         slot = layer % 2
         dst = self.slots[slot][name][1 if transposed else 0]
@@ -249,6 +271,27 @@ class BlockLinears(Policy):
                 self.be.quantize(dst, self.w_descale[key], w, amax)
             self.slot_has[slot][(name, transposed)] = layer
         return dst, self.w_descale[key]
+
+    def keep_copies(self, budget_bytes: int) -> int:
+        """quants="layer": keep the FP8 copies of the first block matrices that fit in ``budget_bytes`` on the
+        device for the whole step (layer by layer; within a layer the four matrices in order, forward layout
+        then transposed; one that does not fit is skipped and smaller ones after it may still fit). Returns the
+        bytes allocated. Calling it again replaces the earlier choice."""
+        self.kept, self.kept_valid = {}, set()
+        if not self.fp8 or self.quants != "layer":
+            return 0
+        used = 0
+        for layer in range(self.num_layers):
+            for name in self.names:
+                key = self.key_of[layer, name]
+                oc, k = self.shapes[key]
+                for transposed in (False, True):
+                    if used + oc * k > budget_bytes:
+                        continue
+                    shape = (k, oc) if transposed else (oc, k)
+                    self.kept[key, transposed] = torch.empty(shape, dtype=self.fwd_dtype, device=self.be.device)
+                    used += oc * k
+        return used
 
     def _claim(self, slot: int) -> None:
         """Before the compute stream overwrites device slot ``slot``: copies into or out of it have finished."""
@@ -313,7 +356,7 @@ class BlockLinears(Policy):
         if not self.fp8:
             return 0
         slots = [t for s in self.slots for pair in s.values() for t in pair]
-        copies = [] if self.quants == "host" else [*self.w_q.values(), *self.wt_q.values()]
+        copies = [] if self.quants == "host" else [*self.w_q.values(), *self.wt_q.values(), *self.kept.values()]
         tensors = [self.x_q, self.xt_q, self.dy_q, self.dyt_q, *copies, *slots, *self.xt_store.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
