@@ -432,6 +432,12 @@ class Backend:
         self.swiglu_backward(dinp, dout, inp, absmax=absmax)
         self.quantize_with_transpose(q, q_t, descale, dinp, absmax if scale_absmax is None else scale_absmax)
 
+    def swiglu_backward_fp8_writes_dinp(self, dtype: torch.dtype) -> bool:
+        """Whether ``swiglu_backward_fp8`` writes its ``dinp`` [N, 2I] for a model in ``dtype`` (as this
+        default does). A backend that never touches it returns False, and the model then passes a shape
+        without storage (2 bytes per element of the up+gate output less: 0.43 GiB at 7B, B=6)."""
+        return True
+
     # ------------------------------------------------------------------ attention
     def attention_document_mask(self, segments: torch.Tensor, dtype: torch.dtype):
         """The DocumentMask (backends/attention.py) the attention ops below take as ``documents``, over

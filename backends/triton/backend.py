@@ -146,6 +146,9 @@ class TritonBackend(Backend):
         _swiglu.swiglu_backward_fp8(q, q_t, descale, dout, inp, absmax, dinp.dtype,  # dinp itself is not written
                                     scale_absmax=scale_absmax)
 
+    def swiglu_backward_fp8_writes_dinp(self, dtype):
+        return dtype == torch.float32  # only the fallback above writes it
+
     def bias_backward(self, dbias, dout, absmax=None):
         _contiguous(dbias, dout)
         _bias.bias_backward(dbias, dout, absmax)

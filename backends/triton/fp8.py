@@ -99,7 +99,7 @@ def quantize_transpose(out_t, descale, inp, absmax) -> None:
 # 1.5B and 7B shapes (benchmarks/LOG.md, 2026-11-28): against 64 x 64 with 4 warps, the SwiGLU backward 1.13-1.15x,
 # its forward 1.05-1.07x, the quantization 1.00-1.10x. The interpreter takes larger tiles (fewer programs to step
 # through on a CPU).
-TILES = {"quantize": (64, 128, 8), "swiglu_fwd": (32, 128, 4), "swiglu_bwd": (64, 64, 8)}
+TILES = {"quantize": (64, 128, 8), "swiglu_fwd": (32, 128, 8), "swiglu_bwd": (32, 128, 8)}
 INTERPRET_TILES = (128, 128, 4)
 
 

@@ -465,7 +465,13 @@ class LlamaModel:
         self.d_residual_full = empty(n, c) if self.sequence_parallel else self.d_residual
         self.d_ln_rows = empty(self.rows, c) if self.sequence_parallel else self.d_ln
         self.d_swiglu = empty(n, cfg.intermediate_size)
-        self.d_up_gate = empty(n, (1 if self.gpt2 else 2) * cfg.intermediate_size)  # GPT-2: d of c_fc's output
+        width = (1 if self.gpt2 else 2) * cfg.intermediate_size  # GPT-2: d of c_fc's output
+        if matmul_dtype == "e4m3" and not self.gpt2 and not backend.swiglu_backward_fp8_writes_dinp(dtype):
+            # FP8: the SwiGLU backward writes only the up+gate GEMM's FP8 gradient, which then reads d_up_gate
+            # for its shape alone: a [N, 2I] view of one element instead of the buffer
+            self.d_up_gate = torch.empty((), dtype=dtype, device=backend.device).expand(n, width)
+        else:
+            self.d_up_gate = empty(n, width)
         self.d_att = empty(batch_size, seq_len, cfg.num_heads, cfg.head_dim)
         self.d_qkv = empty(batch_size, seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         # FP8 (matmul_dtype="e4m3"): absmax of the four GEMM inputs of each layer [L, 4] = (ln1, att, ln2,
