@@ -96,8 +96,8 @@ def quantize_transpose(out_t, descale, inp, absmax) -> None:
 # pass: "quantize" (quantize_with_transpose, quantize_transpose), "swiglu_fwd" / "swiglu_bwd" (the SwiGLU's FP8
 # kernels, backends/triton/swiglu.py). Element-wise, so the tile never changes a byte written (the
 # absmax is a max); only the speed: benchmarks/fp8_tiles.py times the candidates. Picked on an H100 at the 0.5B,
-# 1.5B and 7B shapes (benchmarks/LOG.md, 2026-11-28): against 64 x 64 with 4 warps, the SwiGLU backward 1.13-1.15x,
-# its forward 1.05-1.07x, the quantization 1.00-1.10x. The interpreter takes larger tiles (fewer programs to step
+# 1.5B and 7B shapes (benchmarks/LOG.md, 2026-11-28): against 64 x 64 with 4 warps, the SwiGLU backward 1.18-1.19x,
+# its forward 1.07-1.09x, the quantization 1.00-1.10x. The interpreter takes larger tiles (fewer programs to step
 # through on a CPU).
 TILES = {"quantize": (64, 128, 8), "swiglu_fwd": (32, 128, 8), "swiglu_bwd": (32, 128, 8)}
 INTERPRET_TILES = (128, 128, 4)
