@@ -18,16 +18,17 @@ by hand from it). Each shape's bytes are compared with those of the table's entr
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llmq_ray.backends.triton import fp8 as tfp8  # noqa: E402
 from llmq_ray.backends.triton import swiglu as tswiglu  # noqa: E402
+from kernel_timing import median_ms  # noqa: E402  (benchmarks/kernel_timing.py: CUDA-event median)
 
 E4M3 = torch.float8_e4m3fn
 CANDIDATES = [(64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (64, 128, 4), (64, 128, 8), (128, 128, 4),
@@ -36,19 +37,6 @@ CANDIDATES = [(64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (64, 128, 4)
 # (name, N tokens per micro-step, hidden C, intermediate I, qkv width, a weight [OC, K] to quantize transposed)
 MODELS = [("0.5B B=32", 32768, 896, 4864, 1152), ("1.5B B=16", 16384, 1536, 8960, 2048),
           ("7B B=6", 6144, 3584, 18944, 4608)]
-
-
-def median_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def cases(kind: str):
