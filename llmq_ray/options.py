@@ -21,6 +21,13 @@ if TYPE_CHECKING:  # torch is imported only when a property needs it: the CLI va
 DTYPE_NAMES = ("fp32", "bf16")
 
 
+def _gib_or_auto(value) -> bool:
+    """Whether a --kept-quants-gib / --opt-resident-gib value is valid: a finite number >= 0 (GiB) or "auto"."""
+    if value == "auto":
+        return True
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 @dataclasses.dataclass(frozen=True)
 class RecomputeOptions:
     """llm.q's recompute flags, as the model reads them. ``resolved()`` applies their implications."""
@@ -156,14 +163,15 @@ class _TrainOptionsBase:
              "--use-zero-copy only applies with --offload-master, --offload-opt-m, --offload-opt-v or "
              "--offload-gradients (it lets the optimizer kernel read that host memory directly).")
         k = self.kept_quants_gib
-        need(k == "auto" or (isinstance(k, (int, float)) and not isinstance(k, bool) and math.isfinite(k) and k >= 0),
-             f"--kept-quants-gib={k!r} must be a number >= 0 or 'auto'.")
+        need(_gib_or_auto(k), f"--kept-quants-gib={k!r} must be a number >= 0 or 'auto'.")
         need(not k or (self.matmul_dtype == "e4m3" and self.quants_placement == "layer"),
              "--kept-quants-gib only applies to per-layer FP8 weight copies (--matmul-dtype e4m3 with "
              "--transient-quants, or ZeRO-3 without --persistent-quants).")
         g = self.opt_resident_gib
-        need(g == "auto" or (isinstance(g, (int, float)) and not isinstance(g, bool) and math.isfinite(g) and g >= 0),
-             f"--opt-resident-gib={g!r} must be a number >= 0 or 'auto'.")
+        need(_gib_or_auto(g), f"--opt-resident-gib={g!r} must be a number >= 0 or 'auto'.")
+        need(not (k == "auto" and g == "auto"),
+             "--kept-quants-gib auto and --opt-resident-gib auto both ask for the memory set-up leaves free (the "
+             "first would take it all); give one of them a number of GiB.")
         need(not self.opt_resident_gib or self.offloads_optimizer,
              "--opt-resident-gib only applies with --offload-master, --offload-opt-m or --offload-opt-v (it keeps "
              "part of the offloaded state on the device).")

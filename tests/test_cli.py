@@ -95,14 +95,18 @@ def test_api_errors_name_keyword_arguments(tmp_path):
         _trainer(["--device", "cpu", "--synthetic-data", "--steps", "10", "--warmup", "50"], tmp_path)
 
 
-def test_opt_resident_gib_takes_a_number_or_auto(capsys):
-    base = ["--device", "cpu", "--synthetic-data", "--offload-opt-m"]
+@pytest.mark.parametrize("flag,base", [
+    ("--opt-resident-gib", ["--offload-opt-m"]),
+    ("--kept-quants-gib", ["--model-dtype", "bf16", "--matmul-dtype", "e4m3", "--transient-quants"])])
+def test_gib_flags_take_a_number_or_auto(capsys, flag, base):
+    base = ["--device", "cpu", "--synthetic-data", *base]
+    key = flag[2:].replace("-", "_")
     for text, want in (("2.5", 2.5), ("auto", "auto"), ("AUTO", "auto")):
-        kw = cli.trainer_kwargs(cli.build_parser().parse_args(base + ["--opt-resident-gib", text]))
-        assert kw["opt_resident_gib"] == want
+        kw = cli.trainer_kwargs(cli.build_parser().parse_args(base + [flag, text]))
+        assert kw[key] == want
     with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(base + ["--opt-resident-gib", "lots"])
-    assert "--opt-resident-gib" in capsys.readouterr().err
+        cli.build_parser().parse_args(base + [flag, "lots"])
+    assert flag in capsys.readouterr().err
 
 
 def test_checkpoint_flags_reach_the_trainer(tmp_path):

@@ -269,6 +269,9 @@ BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-m
         "--kept-quants-gib only applies to per-layer FP8 weight copies"),
        (dict(kept_quants_gib=-2.0, model_dtype="bf16", matmul_dtype="e4m3", transient_quants=True),
         "--kept-quants-gib=-2.0 must be a number >= 0 or 'auto'"),
+       (dict(kept_quants_gib="auto", opt_resident_gib="auto", model_dtype="bf16", matmul_dtype="e4m3",
+             transient_quants=True, offload_opt_m=True),
+        "--kept-quants-gib auto and --opt-resident-gib auto both ask for the memory set-up leaves free"),
        (dict(opt_resident_gib=1.0), "--opt-resident-gib only applies with --offload-master"),
        (dict(opt_resident_gib=-1.0, offload_opt_m=True), "--opt-resident-gib=-1.0 must be a number >= 0"),
        (dict(opt_resident_gib=float("inf"), offload_opt_m=True), "--opt-resident-gib=inf must be a number >= 0"),
@@ -331,6 +334,24 @@ def test_fp8_weight_copies_on_cuda_are_bit_identical(backend):
             assert all(t.is_pinned() for t in e.model.lin.host_tensors()), flags
         assert losses == ref_losses, flags
         assert torch.equal(e.full_params().cpu(), ref.full_params().cpu()), flags
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kept_copies_that_do_not_fit_are_refused_in_one_sentence(monkeypatch):
+    """--kept-quants-gib G on a GPU: copies larger than what set-up left free end in a ConfigError naming the flag,
+    the GiB asked for and the GiB free (here 1,000 bytes free, a stand-in for the CUDA query), not in an
+    out-of-memory error from inside the allocation; 'auto' never asks for more than is free."""
+    import llmq_ray.engine.train_engine as engine_module
+
+    monkeypatch.setattr(engine_module, "available_device_bytes", lambda device: 1000)
+    flags = dict(matmul_dtype="e4m3", zero_level=1, transient_quants=True)
+    with pytest.raises(ConfigError, match=r"^--kept-quants-gib=1\.0: its 0\.00 GiB of FP8 weight copies do not fit "
+                                          r"in the 0\.00 GiB of device memory set-up left free; pass a smaller "
+                                          r"number or 'auto'\.$"):
+        _train("torch", "cuda", kept_quants_gib=1.0, **flags)
+    _, e = _train("torch", "cuda", kept_quants_gib="auto", **flags)
+    assert e.model.lin.kept == {}  # less than the margin free: nothing kept
 
 
 @pytest.mark.parametrize("kept_layers", [0, 1])

@@ -601,6 +601,52 @@ def test_quantize_with_transpose_equals_the_two_kernels(fp8):
     assert torch.equal(d, d_ref)
 
 
+@pytest.mark.parametrize("tile", [(32, 128, 4), (64, 32, 4)], ids=["32x128", "64x32"])
+def test_fp8_tile_kernels_write_the_same_bytes_in_other_tiles(tri, monkeypatch, tile):
+    """The FP8 transposing tile kernels (fp8.TILES: the dual-layout quantization, the SwiGLU's FP8 forward and
+    backward; the forward at a delayed scale, the backward at the current one) write the same bytes, scale and
+    absmax in non-square tiles as in the default ones (the tile is only a speed choice; engine_step --fp8-tiles
+    swaps it). 130 x 136 (SwiGLU: 130 x 272 in) leaves ragged last tiles on both axes for both shapes; under the
+    interpreter INTERPRET_TILES is replaced, on a GPU TILES."""
+    from llmq_ray.backends.triton import fp8 as triton_fp8
+
+    n, i, fp8 = 130, 136, torch.float8_e4m3fn
+    x = randn(n, i, seed=70, dtype=torch.bfloat16, scale=3.0)
+    inp = randn(n, 2 * i, seed=71, dtype=torch.bfloat16, scale=2.0)
+    dout = randn(n, i, seed=72, dtype=torch.bfloat16)
+
+    def run():
+        out = {}
+        amax = torch.zeros((), device=DEVICE)
+        tri.absmax(amax, x)
+        q, qt, d = torch.empty(n, i, dtype=fp8, device=DEVICE), torch.empty(i, n, dtype=fp8, device=DEVICE), \
+            torch.zeros((), device=DEVICE)
+        tri.quantize_with_transpose(q, qt, d, x, amax)
+        out["quantize"] = (q.view(torch.uint8).clone(), qt.view(torch.uint8).clone(), d.clone())
+        for kind, cols, call in (
+                ("swiglu_fwd", i, lambda q, qt, d, a: tri.swiglu_forward_fp8(  # at a delayed scale (saturates some)
+                    q, qt, d, inp, a, torch.empty(n, i, dtype=torch.bfloat16, device=DEVICE),
+                    torch.full((), 2.0, device=DEVICE))),
+                ("swiglu_bwd", 2 * i, lambda q, qt, d, a: tri.swiglu_backward_fp8(
+                    q, qt, d, dout, inp, a, torch.empty(n, 2 * i, dtype=torch.bfloat16, device=DEVICE)))):
+            q, qt = torch.empty(n, cols, dtype=fp8, device=DEVICE), torch.empty(cols, n, dtype=fp8, device=DEVICE)
+            d, a = torch.zeros((), device=DEVICE), torch.zeros((), device=DEVICE)
+            call(q, qt, d, a)
+            out[kind] = (q.view(torch.uint8).clone(), qt.view(torch.uint8).clone(), d.clone(), a.clone())
+        return out
+
+    default = run()
+    monkeypatch.setattr(triton_fp8, "INTERPRET_TILES", tile)
+    for kind in triton_fp8.TILES:
+        monkeypatch.setitem(triton_fp8.TILES, kind, tile)
+    assert all(triton_fp8.tile_config(kind) == tile for kind in triton_fp8.TILES)
+    other = run()
+    for kind, tensors in default.items():
+        assert tensors[0].shape[0] == n and bool(tensors[-1] > 0), kind
+        for want, got in zip(tensors, other[kind]):
+            assert torch.equal(got, want), (kind, tile)
+
+
 def test_deterministic_attention_option_in_the_engine():
     """--deterministic-attention switches the attention backward in a whole training run (fp32: same losses and
     weights as the reference math within 1e-5), for the triton backend and the torch reference alike.

@@ -35,6 +35,13 @@ def _contiguous(*tensors: torch.Tensor | None) -> None:
                              f"strides {t.stride()}")
 
 
+def _fp8_tiles_fall_back(dtype: torch.dtype) -> bool:
+    """Whether the SwiGLU FP8 kernels for inputs of ``dtype`` go through Backend's generic two-pass path: the
+    dual-store FP8 tile kernels miscompile fp32 tiles (see fp8.py), so fp32 does (and then the backward writes
+    its bf16/fp32 ``dinp`` too)."""
+    return dtype == torch.float32
+
+
 class TritonBackend(Backend):
     """Triton kernels (CUDA, or CPU under the Triton interpreter) for every kernel op; GEMMs from the cuBLASLt
     provider by default, attention from the sdpa (or, --deterministic-attention, the deterministic) provider."""
@@ -130,7 +137,7 @@ class TritonBackend(Backend):
         _swiglu.swiglu_forward(out, inp, absmax)
 
     def swiglu_forward_fp8(self, q, q_t, descale, inp, absmax, out, scale_absmax):
-        if inp.dtype == torch.float32:  # the dual-store FP8 tile kernels miscompile fp32 tiles (see fp8.py)
+        if _fp8_tiles_fall_back(inp.dtype):
             return Backend.swiglu_forward_fp8(self, q, q_t, descale, inp, absmax, out, scale_absmax)
         _contiguous(q, q_t, inp)
         _swiglu.swiglu_forward_fp8(q, q_t, descale, inp, absmax, scale_absmax, out.dtype)  # out is not written
@@ -140,14 +147,14 @@ class TritonBackend(Backend):
         _swiglu.swiglu_backward(dinp, dout, inp, absmax)
 
     def swiglu_backward_fp8(self, q, q_t, descale, dout, inp, absmax, dinp, scale_absmax=None):
-        if inp.dtype == torch.float32:  # the dual-store FP8 tile kernels miscompile fp32 tiles (see fp8.py)
+        if _fp8_tiles_fall_back(inp.dtype):
             return Backend.swiglu_backward_fp8(self, q, q_t, descale, dout, inp, absmax, dinp, scale_absmax)
         _contiguous(q, q_t, dout, inp)
         _swiglu.swiglu_backward_fp8(q, q_t, descale, dout, inp, absmax, dinp.dtype,  # dinp itself is not written
                                     scale_absmax=scale_absmax)
 
     def swiglu_backward_fp8_writes_dinp(self, dtype):
-        return dtype == torch.float32  # only the fallback above writes it
+        return _fp8_tiles_fall_back(dtype)  # only the fallback above writes it
 
     def bias_backward(self, dbias, dout, absmax=None):
         _contiguous(dbias, dout)

@@ -98,7 +98,7 @@ def quantize_transpose(out_t, descale, inp, absmax) -> None:
 # absmax is a max); only the speed: benchmarks/fp8_tiles.py times the candidates. Picked on an H100 at the 0.5B,
 # 1.5B and 7B shapes (benchmarks/LOG.md, 2026-11-28): against 64 x 64 with 4 warps, the SwiGLU backward 1.18-1.19x,
 # its forward 1.07-1.09x, the quantization 1.00-1.10x. The interpreter takes larger tiles (fewer programs to step
-# through on a CPU).
+# through on a CPU). ``transpose`` (a byte copy of an FP8 tensor, no quantization) keeps its own 64 x 64 tiles.
 TILES = {"quantize": (64, 128, 8), "swiglu_fwd": (32, 128, 8), "swiglu_bwd": (32, 128, 8)}
 INTERPRET_TILES = (128, 128, 4)
 

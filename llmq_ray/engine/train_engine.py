@@ -311,13 +311,28 @@ class TrainEngine:
         self._keep_quants()
         self._keep_opt_resident()  # last: "auto" sizes it from what set-up left free
 
+    def _device_budget(self, gib) -> int:
+        """Bytes of a --kept-quants-gib / --opt-resident-gib value: G GiB, or for "auto" what the device has free
+        now less ``AUTO_RESIDENT_MARGIN`` (for what a step allocates on the fly)."""
+        if gib == "auto":
+            return max(0, available_device_bytes(self.device) - AUTO_RESIDENT_MARGIN)
+        return int(gib * 2**30)
+
     def _keep_quants(self) -> None:
         """--kept-quants-gib: FP8 weight copies kept for the step beside the per-layer slots
-        (BlockLinears.keep_copies); "auto": what the device has free now less ``AUTO_RESIDENT_MARGIN``."""
+        (BlockLinears.keep_copies). A number whose copies do not fit in what set-up left free on the GPU is refused
+        in one sentence (instead of an out-of-memory error from inside the allocation)."""
         g = self.opts.kept_quants_gib
         if not g:
             return
-        budget = max(0, available_device_bytes(self.device) - AUTO_RESIDENT_MARGIN) if g == "auto" else int(g * 2**30)
+        budget = self._device_budget(g)
+        if g != "auto" and torch.device(self.device).type == "cuda":
+            planned = sum(s[0] * s[1] for _, _, s in self.model.lin.kept_copies_plan(budget))
+            free = available_device_bytes(self.device)
+            if planned > free:
+                raise ConfigError(f"--kept-quants-gib={g}: its {planned / 2**30:.2f} GiB of FP8 weight copies do not "
+                                  f"fit in the {free / 2**30:.2f} GiB of device memory set-up left free; pass a "
+                                  f"smaller number or 'auto'.")
         self.model.lin.keep_copies(budget)
 
     def _make_optimizer(self) -> ShardedAdamW:
@@ -437,7 +452,7 @@ class TrainEngine:
         g = self.opts.opt_resident_gib
         if not g:
             return
-        budget = max(0, available_device_bytes(self.device) - AUTO_RESIDENT_MARGIN) if g == "auto" else int(g * 2**30)
+        budget = self._device_budget(g)
         order = self.overlap.order if self.overlap is not None else range(len(self.optimizer.chunks))
         self.optimizer.keep_resident(order, budget)
 

@@ -46,7 +46,9 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
   device memory on persistent copies of the first matrices that fit (layer 0 first, each layout on its own):
   those are quantized once per step, at their first use, like the persistent ones; the rest still use the
   slots. At 7B e4m3 (B=6) the two weight quantizations per layer and micro-step took ~12.8 ms of a ~297 ms
-  micro-step on an H100 (benchmarks/LOG.md, 2026-11-28), so every GiB kept saves ~0.3%.
+  micro-step on an H100 (benchmarks/LOG.md, 2026-11-28): ~0.3% per GiB kept by that count; measured beside a
+  run without, 1.4 GiB gave +1.0% (one lease; fewer memory-bound passes may also leave more of the power cap to
+  the GEMMs).
 
 The model announces each layer with ``begin_layer(layer, backward)`` after the weight store's ``begin``.
 
@@ -81,7 +83,8 @@ class BlockLinears(Policy):
     quantized [N, max OC] / [max OC, N]; the weight copies W_q [OC, K] and W^T_q [K, OC] (e4m3) and a
     descale (fp32 0-d, on the device) per block weight,
     held as ``quants`` says (module docstring): all layers on the device ("persistent"), all layers in host
-    memory plus two device slots ("host"), or two device slots only ("layer").
+    memory plus two device slots ("host"), or two device slots ("layer"; plus the copies ``keep_copies`` keeps
+    for the step).
     ``names``: the block's four matrices (``block_weights(cfg)``; GPT-2's ``up_w`` for ``up_gate_w``).
     ``sharded``: the weights are not all resident (ZeRO-3's gathers), so persistent copies are made one layer at a time
     in ``begin_layer`` rather than all at once. ``stream``: the schedule's side stream for the host copies.
@@ -272,26 +275,32 @@ class BlockLinears(Policy):
             self.slot_has[slot][(name, transposed)] = layer
         return dst, self.w_descale[key]
 
-    def keep_copies(self, budget_bytes: int) -> int:
-        """quants="layer": keep the FP8 copies of the first block matrices that fit in ``budget_bytes`` on the
-        device for the whole step (layer by layer; within a layer the four matrices in order, forward layout
-        then transposed; one that does not fit is skipped and smaller ones after it may still fit). Returns the
-        bytes allocated. Calling it again replaces the earlier choice."""
-        self.kept, self.kept_valid = {}, set()
+    def kept_copies_plan(self, budget_bytes: int) -> list[tuple[str, bool, tuple[int, int]]]:
+        """quants="layer": the (key, transposed, shape) of the FP8 copies ``keep_copies(budget_bytes)`` keeps:
+        the first block matrices that fit, layer by layer; within a layer the four matrices in order, forward
+        layout then transposed; one that does not fit is skipped and smaller ones after it may still fit.
+        Empty for the other placements. One FP8 byte per element."""
         if not self.fp8 or self.quants != "layer":
-            return 0
-        used = 0
+            return []
+        plan, used = [], 0
         for layer in range(self.num_layers):
             for name in self.names:
                 key = self.key_of[layer, name]
                 oc, k = self.shapes[key]
                 for transposed in (False, True):
-                    if used + oc * k > budget_bytes:
-                        continue
-                    shape = (k, oc) if transposed else (oc, k)
-                    self.kept[key, transposed] = torch.empty(shape, dtype=self.fwd_dtype, device=self.be.device)
-                    used += oc * k
-        return used
+                    if used + oc * k <= budget_bytes:
+                        plan.append((key, transposed, (k, oc) if transposed else (oc, k)))
+                        used += oc * k
+        return plan
+
+    def keep_copies(self, budget_bytes: int) -> int:
+        """Allocate the copies of ``kept_copies_plan(budget_bytes)`` on the device, kept for the whole step
+        (quantized at their first use in a step). Returns the bytes allocated (the memory table counts them under
+        "FP8 copies + scratch"). Calling it again replaces the earlier choice."""
+        self.kept, self.kept_valid = {}, set()
+        for key, transposed, shape in self.kept_copies_plan(budget_bytes):
+            self.kept[key, transposed] = torch.empty(shape, dtype=self.fwd_dtype, device=self.be.device)
+        return sum(t.numel() for t in self.kept.values())
 
     def _claim(self, slot: int) -> None:
         """Before the compute stream overwrites device slot ``slot``: copies into or out of it have finished."""

@@ -253,7 +253,9 @@ def init_params(layout: ParamLayout, flat: "torch.Tensor", seed: int, start: int
     The draws run in a thread pool (torch's CPU ``normal_`` is serial and releases the GIL): at 7B one thread
     draws ~7.6G values for ~40 s. Each tensor keeps its own generator, so the values are the same for any number
     of threads. Threads: ``torch.get_num_threads()`` (the CPUs Ray gave this worker), at most 8; each holds one
-    fp32 tensor at a time (the largest: the embedding, V x C).
+    whole fp32 tensor at a time, so the host memory in flight is that of up to 8 tensors (at 7B: the embedding
+    and the untied head, 2.2 GB each, beside six block matrices of up to 0.54 GB: up to ~7.6 GB, where one thread
+    held at most 2.2 GB).
     """
     from concurrent.futures import ThreadPoolExecutor
 

@@ -48,7 +48,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def gib_or_auto(text: str) -> float | str:
-    """argparse type of --opt-resident-gib: a number of GiB, or "auto"."""
+    """argparse type of --opt-resident-gib and --kept-quants-gib: a number of GiB, or "auto"."""
     if text.strip().lower() == AUTO:
         return AUTO
     try:
