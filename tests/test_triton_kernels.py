@@ -624,7 +624,7 @@ def test_fp8_tile_kernels_write_the_same_bytes_in_other_tiles(tri, monkeypatch, 
         tri.quantize_with_transpose(q, qt, d, x, amax)
         out["quantize"] = (q.view(torch.uint8).clone(), qt.view(torch.uint8).clone(), d.clone())
         for kind, cols, call in (
-                ("swiglu_fwd", i, lambda q, qt, d, a: tri.swiglu_forward_fp8(  # at a delayed scale (saturates some)
+                ("swiglu_fwd", i, lambda q, qt, d, a: tri.swiglu_forward_fp8(  # delayed scale: |out| > 2 saturates
                     q, qt, d, inp, a, torch.empty(n, i, dtype=torch.bfloat16, device=DEVICE),
                     torch.full((), 2.0, device=DEVICE))),
                 ("swiglu_bwd", 2 * i, lambda q, qt, d, a: tri.swiglu_backward_fp8(
