@@ -81,7 +81,7 @@ def test_offload_flag_is_bit_identical(reference, flags):
 
 
 # --kept-quants-gib for 1.5 of tiny's 2 layers of FP8 copies (a layer: 43,008 elements per layout, both layouts
-# one byte each): layer 0 whole, of layer 1 all but up+gate and down's transposed copy (BlockLinears.keep_copies)
+# one byte each): layer 0 whole, of layer 1 all but up+gate and down's transposed copy (BlockLinears.kept_copies_plan)
 KEEP_1_5_LAYERS = 1.5 * 2 * 43008 / 2**30
 QUANT_FLAGS = [dict(persistent_quants=True, offload_quants=True),
                dict(transient_quants=True), dict(transient_quants=True, recompute_block=True),
@@ -244,7 +244,7 @@ def test_memory_table_moves_fp8_weight_copies():
     assert default["fp8"] - transient["fp8"] == (L - 2) * layer_bytes
     kept = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(
         **z1, transient_quants=True, kept_quants_gib=KEEP_1_5_LAYERS), get_backend("torch"))))
-    assert kept["fp8"] - transient["fp8"] == 2 * 43008 + 8192 * 2 + 4096 * 2 + 10240  # keep_copies' choice
+    assert kept["fp8"] - transient["fp8"] == 2 * 43008 + 8192 * 2 + 4096 * 2 + 10240  # kept_copies_plan's choice
 
 
 BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-master"),

@@ -325,15 +325,15 @@ class TrainEngine:
         g = self.opts.kept_quants_gib
         if not g:
             return
-        budget = self._device_budget(g)
-        if g != "auto" and torch.device(self.device).type == "cuda":
-            planned = sum(s[0] * s[1] for _, _, s in self.model.lin.kept_copies_plan(budget))
+        plan = self.model.lin.kept_copies_plan(self._device_budget(g))
+        if g != "auto" and self.device.type == "cuda":
+            planned = sum(rows * cols for _, _, (rows, cols) in plan)
             free = available_device_bytes(self.device)
             if planned > free:
                 raise ConfigError(f"--kept-quants-gib={g}: its {planned / 2**30:.2f} GiB of FP8 weight copies do not "
                                   f"fit in the {free / 2**30:.2f} GiB of device memory set-up left free; pass a "
                                   f"smaller number or 'auto'.")
-        self.model.lin.keep_copies(budget)
+        self.model.lin.keep_copies(plan)
 
     def _make_optimizer(self) -> ShardedAdamW:
         o = self.opts

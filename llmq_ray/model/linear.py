@@ -42,7 +42,7 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
   quantization, and kept (``w_amax``): the weights change only at the update. Costs two layers of FP8 bytes
   and, per layer and pass, one read of the bf16 weights and one FP8 write. The forward, the recomputation and
   the backward of a micro-step all read copies made from the same bf16 weights with the same scale, so they
-  see the same bytes as the persistent copies. ``keep_copies(budget)`` (--kept-quants-gib) spends spare
+  see the same bytes as the persistent copies. ``keep_copies`` (--kept-quants-gib) spends spare
   device memory on persistent copies of the first matrices that fit (layer 0 first, each layout on its own):
   those are quantized once per step, at their first use, like the persistent ones; the rest still use the
   slots. At 7B e4m3 (B=6) the two weight quantizations per layer and micro-step took ~12.8 ms of a ~297 ms
@@ -276,8 +276,8 @@ class BlockLinears(Policy):
         return dst, self.w_descale[key]
 
     def kept_copies_plan(self, budget_bytes: int) -> list[tuple[str, bool, tuple[int, int]]]:
-        """quants="layer": the (key, transposed, shape) of the FP8 copies ``keep_copies(budget_bytes)`` keeps:
-        the first block matrices that fit, layer by layer; within a layer the four matrices in order, forward
+        """quants="layer": the (key, transposed, shape) of the FP8 copies to keep (``keep_copies``) in
+        ``budget_bytes``: the first block matrices that fit, layer by layer; within a layer the four matrices in order, forward
         layout then transposed; one that does not fit is skipped and smaller ones after it may still fit.
         Empty for the other placements. One FP8 byte per element."""
         if not self.fp8 or self.quants != "layer":
@@ -293,12 +293,12 @@ class BlockLinears(Policy):
                         used += oc * k
         return plan
 
-    def keep_copies(self, budget_bytes: int) -> int:
-        """Allocate the copies of ``kept_copies_plan(budget_bytes)`` on the device, kept for the whole step
+    def keep_copies(self, plan: list[tuple[str, bool, tuple[int, int]]]) -> int:
+        """Allocate the copies of ``plan`` (``kept_copies_plan``'s list) on the device, kept for the whole step
         (quantized at their first use in a step). Returns the bytes allocated (the memory table counts them under
         "FP8 copies + scratch"). Calling it again replaces the earlier choice."""
         self.kept, self.kept_valid = {}, set()
-        for key, transposed, shape in self.kept_copies_plan(budget_bytes):
+        for key, transposed, shape in plan:
             self.kept[key, transposed] = torch.empty(shape, dtype=self.fwd_dtype, device=self.be.device)
         return sum(t.numel() for t in self.kept.values())
 
