@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llmq_ray.backends.triton import fp8 as tfp8  # noqa: E402
 from llmq_ray.backends.triton import swiglu as tswiglu  # noqa: E402
-from kernel_timing import median_ms  # noqa: E402  (benchmarks/kernel_timing.py: CUDA-event median)
+from benchmarks.kernel_timing import median_ms  # noqa: E402  (CUDA-event median)
 
 E4M3 = torch.float8_e4m3fn
 CANDIDATES = [(64, 64, 4), (64, 64, 8), (128, 64, 4), (128, 64, 8), (64, 128, 4), (64, 128, 8), (128, 128, 4),
