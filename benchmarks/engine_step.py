@@ -13,7 +13,6 @@ stream with the kernels on either side (``GAPS`` lines).
 
 import argparse
 import dataclasses
-import json
 import time
 
 import torch
@@ -150,17 +149,8 @@ def main():
     ap.add_argument("--fp8-tiles", action="append", default=[], metavar="KIND=BM,BK,WARPS",
                     help="triton: replace a tile shape of the FP8 transposing kernels (a key of "
                          "llmq_ray.backends.triton.fp8.TILES; benchmarks/fp8_tiles.py times them)")
-    ap.add_argument("--classifier-launch", metavar="JSON",
-                    help='the Triton classifier\'s launch, e.g. {"programs_per_sm": 2, "block_v": 4096, "num_warps": 8, '
-                         '"evict": ["evict_last", "evict_first"]} (benchmarks/classifier_grid.py --best-out writes one)')
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    if args.classifier_launch:
-        from llmq_ray.backends.triton import classifier as triton_classifier
-
-        launch = json.loads(args.classifier_launch)
-        triton_classifier.PROGRAMS_PER_SM, triton_classifier.BLOCK_V = launch["programs_per_sm"], launch["block_v"]
-        triton_classifier.NUM_WARPS, triton_classifier.EVICT = launch["num_warps"], tuple(launch["evict"])
     for spec in args.fp8_tiles:
         from llmq_ray.backends.triton import fp8 as triton_fp8
 

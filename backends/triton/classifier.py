@@ -29,71 +29,40 @@ from llmq_ray.backends.base import dlogits_fp8_scale
 from llmq_ray.backends.triton._common import INTERPRET, cast_to, fp8_store_view, next_pow2, num_warps_for
 from llmq_ray.backends.triton.fp8 import _fp8_args, _to_fp8, transpose
 
-BLOCK_V = 4096  # logits per load on a GPU
-PROGRAMS_PER_SM = 0  # 0: one program per row (the grid of rows); > 0: a grid-stride loop over rows, this many per SM
-NUM_WARPS = None  # None: num_warps_for(BLOCK_V)
-EVICT = ("", "")  # L2 eviction hints of pass 1's and pass 2's loads ("", "evict_last", "evict_first")
-
 
 @triton.jit
-def _classifier_kernel(logits_ptr, losses_ptr, targets_ptr, q_ptr, n_rows, V, stride_row, dloss, s,
+def _classifier_kernel(logits_ptr, losses_ptr, targets_ptr, q_ptr, V, stride_row, dloss, s,
                        BLOCK_V: tl.constexpr, WRITE_DLOGITS: tl.constexpr, FP8_OUT: tl.constexpr,
-                       FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
-                       EVICT_PASS1: tl.constexpr, EVICT_PASS2: tl.constexpr):
+                       FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr):
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    target = tl.load(targets_ptr + row).to(tl.int64)
+    valid = target != -100
+    tgt = tl.where(valid, target, 0)
     cols = tl.arange(0, BLOCK_V)
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)  # (the interpreter's loop variable is a Python int)
-        base = logits_ptr + row * stride_row
-        target = tl.load(targets_ptr + row).to(tl.int64)
-        valid = target != -100
-        tgt = tl.where(valid, target, 0)
-        run_max = tl.full([], float("-inf"), tl.float32)
-        run_sum = tl.zeros([], tl.float32)
+    run_max = tl.full([], float("-inf"), tl.float32)
+    run_sum = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(x, axis=0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
+        run_max = new_max
+    lse = run_max + tl.log(run_sum)
+    picked = tl.load(base + tgt).to(tl.float32)
+    tl.store(losses_ptr + row, tl.where(valid, lse - picked, 0.0))
+    if WRITE_DLOGITS:
+        scale = tl.where(valid, dloss, 0.0)
+        q_row = q_ptr + row.to(tl.int64) * V
         for start in range(0, V, BLOCK_V):
-            x = tl.load(base + start + cols, mask=start + cols < V, other=float("-inf"),
-                        eviction_policy=EVICT_PASS1).to(tl.float32)
-            new_max = tl.maximum(run_max, tl.max(x, axis=0))
-            run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), axis=0)
-            run_max = new_max
-        lse = run_max + tl.log(run_sum)
-        picked = tl.load(base + tgt).to(tl.float32)
-        tl.store(losses_ptr + row, tl.where(valid, lse - picked, 0.0))
-        if WRITE_DLOGITS:
-            scale = tl.where(valid, dloss, 0.0)
-            q_row = q_ptr + row * V
-            for start in range(0, V, BLOCK_V):
-                idx = start + cols
-                m = idx < V
-                x = tl.load(base + idx, mask=m, other=0.0, eviction_policy=EVICT_PASS2).to(tl.float32)
-                p = tl.exp(x - lse)
-                p = tl.where(idx == tgt, p - 1.0, p)
-                if FP8_OUT:
-                    tl.store(q_row + idx, _to_fp8(p * scale, s, FP8_MAX, FP8_DTYPE, MAN, BIAS), mask=m)
-                else:
-                    tl.store(base + idx, cast_to(p * scale, logits_ptr.dtype.element_ty), mask=m)
-
-
-def _programs(n: int, device: torch.device, programs_per_sm: int) -> int:
-    """Grid size: every row at once under the interpreter; on a GPU ``programs_per_sm`` per SM, so the rows in
-    flight (each read twice) stay small enough for L2 (module docstring)."""
-    if INTERPRET or device.type != "cuda" or programs_per_sm <= 0:
-        return n
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(n, programs_per_sm * sms))
-
-
-def _launch(logits, losses, targets, q, dloss: float, s: float, write_dlogits: bool, fp8_out: bool,
-            fp8_dtype: torch.dtype, programs: int | None = None, block_v: int | None = None,
-            num_warps: int | None = None, evict: tuple[str, str] | None = None) -> None:
-    """One launch of the row kernel; ``programs`` / ``block_v`` / ``num_warps`` default to the tuned values
-    (benchmarks/classifier_grid.py sweeps them)."""
-    n, v = logits.shape
-    block_v = block_v or min(next_pow2(v), 16384 if INTERPRET else BLOCK_V)
-    programs = programs or _programs(n, logits.device, PROGRAMS_PER_SM)
-    _classifier_kernel[(programs,)](logits, losses, targets, q, n, v, logits.stride(0), float(dloss), s,
-                                    BLOCK_V=block_v, WRITE_DLOGITS=write_dlogits, FP8_OUT=fp8_out,
-                                    num_warps=num_warps or NUM_WARPS or num_warps_for(block_v), **_fp8_args(fp8_dtype),
-                                    EVICT_PASS1=(evict or EVICT)[0], EVICT_PASS2=(evict or EVICT)[1])
+            idx = start + cols
+            m = idx < V
+            x = tl.load(base + idx, mask=m, other=0.0).to(tl.float32)
+            p = tl.exp(x - lse)
+            p = tl.where(idx == tgt, p - 1.0, p)
+            if FP8_OUT:
+                tl.store(q_row + idx, _to_fp8(p * scale, s, FP8_MAX, FP8_DTYPE, MAN, BIAS), mask=m)
+            else:
+                tl.store(base + idx, cast_to(p * scale, logits_ptr.dtype.element_ty), mask=m)
 
 
 def fused_classifier(logits, losses, targets, dloss: float = 1.0, write_dlogits: bool = True) -> None:
@@ -104,7 +73,10 @@ def fused_classifier(logits, losses, targets, dloss: float = 1.0, write_dlogits:
         raise ValueError("fused_classifier: logits rows must be contiguous")
     if n == 0:
         return
-    _launch(logits, losses, targets, logits, dloss, 1.0, write_dlogits, False, torch.float8_e4m3fn)
+    block_v = min(next_pow2(v), 16384 if INTERPRET else 4096)
+    _classifier_kernel[(n,)](logits, losses, targets, logits, v, logits.stride(0), float(dloss), 1.0,
+                             BLOCK_V=block_v, WRITE_DLOGITS=write_dlogits, FP8_OUT=False,
+                             num_warps=num_warps_for(block_v), **_fp8_args(torch.float8_e4m3fn))
 
 
 def fused_classifier_fp8(logits, losses, targets, q, q_t, descale, dloss: float = 1.0) -> None:
@@ -122,5 +94,8 @@ def fused_classifier_fp8(logits, losses, targets, q, q_t, descale, dloss: float 
     descale.fill_(1.0 / s)
     if n == 0:
         return
-    _launch(logits, losses, targets, fp8_store_view(q), dloss, s, True, True, q.dtype)
+    block_v = min(next_pow2(v), 16384 if INTERPRET else 4096)
+    _classifier_kernel[(n,)](logits, losses, targets, fp8_store_view(q), v, logits.stride(0), float(dloss), s,
+                             BLOCK_V=block_v, WRITE_DLOGITS=True, FP8_OUT=True, num_warps=num_warps_for(block_v),
+                             **_fp8_args(q.dtype))
     transpose(q_t, q)
