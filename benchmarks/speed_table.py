@@ -150,6 +150,13 @@ def _our_rows(model, backend, dtype, b, g, steps, warm, seq_len, device, fp8_hea
     return rows
 
 
+def _default_sigint() -> None:
+    """In the row's process before exec: SIGINT back to its default. A process started from a background job of a
+    script (``cmd &``) or from a pytest-xdist worker inherits SIGINT ignored, and a Python child then never sees
+    the time-out's SIGINT (it would wait 30 s for SIGKILL, and Ray would not shut down its actors)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_row(row: Row, timeout_s: float, log_path: str, env: dict | None = None) -> Row:
     """Run one row's subprocess (its output appended to ``log_path``) and read back its JSON record."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -158,7 +165,8 @@ def run_row(row: Row, timeout_s: float, log_path: str, env: dict | None = None) 
         with open(log_path, "a") as log:
             log.write(f"== {' '.join(cmd)}\n")
             log.flush()
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_default_sigint)
             try:
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

@@ -4,6 +4,7 @@ kept), the time limit of a row, and one real row through Ray on the CPU."""
 import importlib.util
 import json
 import pathlib
+import signal
 import sys
 import time
 
@@ -120,11 +121,19 @@ def test_merge_refuses_mixed_sequence_lengths(tmp_path):
         speed_table.rows_from_json([str(a), str(b)])
 
 
-def test_a_hanging_row_is_stopped_and_reported(tmp_path):
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_a_hanging_row_is_stopped_and_reported(tmp_path, sigint):
+    """The row gets SIGINT at its time-out and stops at once, also when the caller runs with SIGINT ignored (a
+    background job of a script, a pytest-xdist worker), which a child would otherwise inherit."""
     row = speed_table.Row("tiny", "sleeps", "ours", "bf16", 1, 1, ["-c", "import time; time.sleep(120)"])
-    t0 = time.monotonic()
-    speed_table.run_row(row, timeout_s=1.0, log_path=str(tmp_path / "log"))
-    assert time.monotonic() - t0 < 30
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler)
+    try:
+        t0 = time.monotonic()
+        speed_table.run_row(row, timeout_s=1.0, log_path=str(tmp_path / "log"))
+        seconds = time.monotonic() - t0
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seconds < 15, seconds  # SIGKILL would only come after 30 s more
     assert row.record is None and row.error == "timed out after 1 s"
 
 
