@@ -207,8 +207,10 @@ class MemorySettings:
         0.0,
         "with the per-layer FP8 weight copies (--transient-quants, or ZeRO-3's default): keep the copies of the "
         "first block matrices that fit in this many GiB for the whole optimizer step instead of re-making them "
-        "in every pass (forward, recomputation, backward) of every micro-step (the same bytes, less traffic); "
-        "'auto': what set-up left free, less 2 GiB (not together with --opt-resident-gib auto)",
+        "in every pass (forward, recomputation, backward) of every micro-step (the same bytes, less traffic; "
+        "under ZeRO-3 a layer whose copies are all kept is gathered only until they are made); "
+        "'auto': what set-up left free, less 2 GiB, on the rank with the least under ZeRO-3 (not together with "
+        "--opt-resident-gib auto)",
         metavar='G|auto', parse="gib_or_auto")
     opt_resident_gib: float | str = setting(
         0.0,

@@ -11,6 +11,7 @@ each layer's gradient added into the shard accumulator as soon as its backward i
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
@@ -85,31 +86,55 @@ def test_zero3_checkpoint_resumes_bit_exact_and_loads_into_zero2(tmp_path):
         assert torch.equal(e.full_params(), full.full_params())
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_zero3_e4m3_gathers_per_pass_or_once_per_step(persistent):
+def _layer_copy_gib(engine, layers: int) -> float:
+    """GiB of the FP8 copies (both layouts, one byte per element) of the first ``layers`` layers' matrices."""
+    lin = engine.model.lin
+    return sum(2 * lin.shapes[key][0] * lin.shapes[key][1] for key, (layer, _) in lin.layer_of.items()
+               if layer < layers) / 2**30
+
+
+@pytest.mark.parametrize("copies", ["per-pass", "persistent", "kept-all", "kept-1"])
+def test_zero3_e4m3_gathers_per_pass_or_once_per_step(copies):
     """Per-layer FP8 copies need each layer's bf16 weights in every pass: L gathers in the first forward, then
     L - 2 per pass (the two layers in the buffers carry over between forward and backward), so
-    L + 3 (L - 2) for 2 micro-steps; --persistent-quants needs them once per step (L)."""
+    L + 3 (L - 2) for 2 micro-steps; --persistent-quants needs them once per step (L). With --kept-quants-gib
+    (per-layer copies, some kept for the step) a layer whose copies are all kept is gathered only until both its
+    layouts are made: in the first forward and backward (L + (L - 2) with every layer kept); keeping layer 0
+    only saves its gathers in the second micro-step's forward (the backward's last layer, 0, is always in a
+    buffer already). Losses and weights equal the run without kept copies bit for bit."""
     import dataclasses
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=4, name="tiny4")
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=3, **E4M3,
-                        persistent_quants=persistent)
-    e = TrainEngine(cfg, opts, get_backend("torch"))
+
+    def engine(**kw):
+        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=3, **E4M3, **kw)
+        return TrainEngine(cfg, opts, get_backend("torch"))
+    plain = engine()
+    kw = {"per-pass": {}, "persistent": dict(persistent_quants=True),
+          "kept-all": dict(kept_quants_gib=_layer_copy_gib(plain, cfg.num_layers)),
+          "kept-1": dict(kept_quants_gib=_layer_copy_gib(plain, 1))}[copies]
+    e = engine(**kw)
     L = cfg.num_layers
-    layers = {e.store.units[layer] for layer in range(L)}
+    kept_layers = {e.model.lin.layer_of[key][0] for key, _ in e.model.lin.kept}
+    assert kept_layers == {"kept-all": set(range(L)), "kept-1": {0}}.get(copies, set())
+    layers = {e.store.units[layer]: layer for layer in range(L)}
     gathered = []
     real_gather = e.store._gather
     e.store._gather = lambda lo, hi, buf: (gathered.append((lo, hi)), real_gather(lo, hi, buf))[1]
+    want = {"per-pass": L + 3 * (L - 2), "persistent": L, "kept-all": L + (L - 2), "kept-1": L + 3 * (L - 2) - 1}
     for step in range(2):
         gathered.clear()
         for micro in range(2):
             e.micro_step(*_batch(step, micro, e.opts))
         e.update(2e-3, step + 1)
         per_step = sum(1 for r in gathered if r in layers)
-        assert per_step == (L if persistent else L + 3 * (L - 2)), (step, per_step)
-    if persistent:  # the skipped layers' buffers are the gradients' only: reading their weights is refused
-        e.micro_step(*_batch(5, 0, e.opts))
+        assert per_step == want[copies], (step, per_step)
+    if copies != "per-pass":
+        assert _steps(e, 2, 3) == (_steps(plain, 0, 2), _steps(plain, 2, 3))[1]
+        assert torch.equal(e.full_params(), plain.full_params())
+    if copies in ("persistent", "kept-all"):  # the skipped layers' buffers are the gradients' only: reading
+        e.micro_step(*_batch(5, 0, e.opts))   # their weights is refused
+        e.micro_step(*_batch(5, 1, e.opts))
         with pytest.raises(RuntimeError, match="layer 1 is not gathered"):
             e.store.view("layers.1.qkv_w", grads=False)
 
@@ -190,6 +215,49 @@ def test_zero3_e4m3_two_gloo_ranks_match_one(tmp_path):
         losses = _steps(one, 0, 3)
         assert dist[persistent][0] == losses, persistent
         assert torch.equal(dist[persistent][1], one.full_params()), persistent
+
+
+def _kept_rank(rank: int, port: int, out_dir: str) -> None:
+    """One of 2 gloo ranks, ZeRO-3 e4m3 with 2 micro-steps, 4 layers: 2 steps without kept FP8 copies, then 2 with a
+    --kept-quants-gib that differs between the ranks (as "auto" does when their free memory differs: rank 0 has
+    room for layer 0's copies, rank 1 for every layer's). Saves its losses, weights, kept layers and gathers."""
+    cfg = dataclasses.replace(PRESETS["tiny"], num_layers=4, name="tiny4")  # 2 layers would stay in the buffers
+    with gloo_group(rank, 2, port) as comm:
+        out = {}
+        for kept in (False, True):
+            opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=3,
+                                grad_clip=0.0, **E4M3)
+            if kept:
+                probe = TrainEngine(cfg, opts, get_backend("torch"), comm)
+                gib = _layer_copy_gib(probe, 1 if rank == 0 else cfg.num_layers)
+                opts = dataclasses.replace(opts, kept_quants_gib=gib)
+            e = TrainEngine(cfg, opts, get_backend("torch"), comm)
+            gathered = []
+            real_gather = e.store._gather
+            e.store._gather = lambda lo, hi, buf: (gathered.append((lo, hi)), real_gather(lo, hi, buf))[1]
+            losses = []
+            for step in range(2):
+                for micro in range(2):
+                    e.micro_step(*_batch(step, 2 * micro + rank, opts))
+                losses.append(e.update(2e-3, step + 1).loss)
+            kept_layers = sorted({e.model.lin.layer_of[key][0] for key, _ in e.model.lin.kept})
+            out[kept] = (losses, e.full_params(), kept_layers, len(gathered))
+        torch.save(out, f"{out_dir}/rank{rank}.pt")
+
+
+def test_zero3_kept_copies_are_the_same_on_every_rank_and_skip_the_same_gathers(tmp_path):
+    """ZeRO-3 skips gathering a layer whose FP8 copies are all kept, so the ranks must keep the same copies: with
+    a different --kept-quants-gib per rank both keep what fits on the one with the least (layer 0), skip the
+    same gathers (else the collectives would not match up and the ranks would hang), and train bit for bit as
+    the same two ranks without kept copies."""
+    spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _kept_rank, 2)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert r[True][2] == [0] and r[False][2] == []
+        assert r[True][0] == r[False][0]
+        assert torch.equal(r[True][1], r[False][1])
+        assert r[True][3] == r[False][3] - 2  # layer 0 in each step's second forward
+    assert ranks[0][True][3] == ranks[1][True][3]
 
 
 def _zero12_rank(rank: int, world: int, port: int, out_dir: str) -> None:

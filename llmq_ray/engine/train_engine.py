@@ -325,7 +325,16 @@ class TrainEngine:
         g = self.opts.kept_quants_gib
         if not g:
             return
-        plan = self.model.lin.kept_copies_plan(self._device_budget(g))
+        budget = self._device_budget(g)
+        if self.zero3 and self.comm.world_size > 1:
+            # ZeRO-3 skips gathering a layer whose copies are all kept (BlockLinears.needs_weights): every rank of
+            # the shard group must keep the same copies, or their gathers would not match up. "auto" measures
+            # each rank's own free memory, so the group keeps what fits on the rank with the least.
+            budgets = torch.zeros(self.comm.world_size, dtype=torch.float64, device=self.device)
+            budgets[self.comm.rank] = budget
+            self.comm.all_reduce_over_shards(budgets)
+            budget = int(budgets.min().item())
+        plan = self.model.lin.kept_copies_plan(budget)
         if g != "auto" and self.device.type == "cuda":
             planned = sum(rows * cols for _, _, (rows, cols) in plan)
             free = available_device_bytes(self.device)

@@ -21,6 +21,8 @@ ZeRO-3 all of it:
   gather, serve every later pass, and ``layer_needed`` tells the store to skip the gather. Trade-off against
   gathering FP8 bytes every pass (each rank quantizing its own slice with an all-reduced MAX scale): half
   the bytes per gather but 2 x grad_accumulation gathers per step instead of one, and more collectives.
+  The per-layer copies with --kept-quants-gib skip the same way for the layers whose copies are all kept,
+  from the micro-step after the one that made them.
 * **embedding / LM head** share one [V, C] buffer, gathered for the embedding lookup and for the loss phase
   (a tied head reuses the gathered embedding).
 * **norm weights and biases** (the layout's non-decayed tail, ~0.01% of the weights) are replicated on every

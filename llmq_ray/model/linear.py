@@ -45,7 +45,9 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
   see the same bytes as the persistent copies. ``keep_copies`` (--kept-quants-gib) spends spare
   device memory on persistent copies of the first matrices that fit (layer 0 first, each layout on its own):
   those are quantized once per step, at their first use, like the persistent ones; the rest still use the
-  slots. At 7B e4m3 (B=6) the two weight quantizations per layer and micro-step took ~12.8 ms of a ~297 ms
+  slots. Under ZeRO-3 a layer whose eight copies (four matrices, both layouts) are all kept and made is not
+  gathered again in that step (``needs_weights``); the engine makes every rank of the shard group keep the
+  same copies (the least any rank has room for), since the skipped gathers must match up. At 7B e4m3 (B=6) the two weight quantizations per layer and micro-step took ~12.8 ms of a ~297 ms
   micro-step on an H100 (benchmarks/LOG.md, 2026-11-28): ~0.3% per GiB kept by that count; measured beside a
   run without, 1.4 GiB gave +1.0% (one lease; fewer memory-bound passes may also leave more of the power cap to
   the GEMMs).
@@ -195,8 +197,16 @@ class BlockLinears(Policy):
 
     def needs_weights(self, layer: int) -> bool:
         """Whether the bf16 weights of ``layer`` will be read (ZeRO-3 skips gathering them when not): False
-        only when a persistent FP8 copy of the layer is current, as the block GEMMs then read nothing else."""
-        return not self.fp8 or self.quants == "layer" or not self.valid[layer]
+        only when the layer's FP8 copies are current -- its persistent copy, or (quants="layer") kept copies of
+        all its matrices in both layouts (``keep_copies``) -- as the block GEMMs then read nothing else. The
+        answer must be the same on every rank of a shard group (it decides whether a collective is issued): it
+        depends only on the step's call order and on the kept plan, which the engine makes the same on all."""
+        if not self.fp8:
+            return True
+        if self.quants == "layer":
+            return not all((self.key_of[layer, name], transposed) in self.kept_valid
+                           for name in self.names for transposed in (False, True))
+        return not self.valid[layer]
 
     def begin(self, unit, backward: bool = False) -> None:
         if isinstance(unit, int):
