@@ -66,6 +66,14 @@ def e4m3_stochastic_neighbours(q, scale, want_fp32, rel: float = 1e-6):
     return bad
 
 
+def fp8_layer_copy_gib(engine, layers: int) -> float:
+    """GiB of the FP8 weight copies (both layouts, one byte per element) of the first ``layers`` layers' block
+    matrices of ``engine`` (a TrainEngine): a --kept-quants-gib that keeps exactly those layers."""
+    lin = engine.model.lin
+    return sum(2 * lin.shapes[key][0] * lin.shapes[key][1] for key, (layer, _) in lin.layer_of.items()
+               if layer < layers) / 2**30
+
+
 def spawn_gloo_ranks(args_of, target, world: int, timeout_s: float = 180) -> None:
     """Run ``target(*args_of(rank, port))`` in ``world`` spawned processes that form one process group at
     ``port`` (gloo; or NCCL when the target joins one on a GPU); all must exit 0. A hang (mismatched collectives)

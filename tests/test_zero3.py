@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from _helpers import gloo_group, spawn_gloo_ranks
+from _helpers import fp8_layer_copy_gib, gloo_group, spawn_gloo_ranks
 
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
@@ -86,13 +86,6 @@ def test_zero3_checkpoint_resumes_bit_exact_and_loads_into_zero2(tmp_path):
         assert torch.equal(e.full_params(), full.full_params())
 
 
-def _layer_copy_gib(engine, layers: int) -> float:
-    """GiB of the FP8 copies (both layouts, one byte per element) of the first ``layers`` layers' matrices."""
-    lin = engine.model.lin
-    return sum(2 * lin.shapes[key][0] * lin.shapes[key][1] for key, (layer, _) in lin.layer_of.items()
-               if layer < layers) / 2**30
-
-
 @pytest.mark.parametrize("copies", ["per-pass", "persistent", "kept-all", "kept-1"])
 def test_zero3_e4m3_gathers_per_pass_or_once_per_step(copies):
     """Per-layer FP8 copies need each layer's bf16 weights in every pass: L gathers in the first forward, then
@@ -111,8 +104,8 @@ def test_zero3_e4m3_gathers_per_pass_or_once_per_step(copies):
         return TrainEngine(cfg, opts, get_backend("torch"))
     plain = engine()
     kw = {"per-pass": {}, "persistent": dict(persistent_quants=True),
-          "kept-all": dict(kept_quants_gib=_layer_copy_gib(plain, cfg.num_layers)),
-          "kept-1": dict(kept_quants_gib=_layer_copy_gib(plain, 1))}[copies]
+          "kept-all": dict(kept_quants_gib=fp8_layer_copy_gib(plain, cfg.num_layers)),
+          "kept-1": dict(kept_quants_gib=fp8_layer_copy_gib(plain, 1))}[copies]
     e = engine(**kw)
     L = cfg.num_layers
     kept_layers = {e.model.lin.layer_of[key][0] for key, _ in e.model.lin.kept}
@@ -229,7 +222,7 @@ def _kept_rank(rank: int, port: int, out_dir: str) -> None:
                                 grad_clip=0.0, **E4M3)
             if kept:
                 probe = TrainEngine(cfg, opts, get_backend("torch"), comm)
-                gib = _layer_copy_gib(probe, 1 if rank == 0 else cfg.num_layers)
+                gib = fp8_layer_copy_gib(probe, 1 if rank == 0 else cfg.num_layers)
                 opts = dataclasses.replace(opts, kept_quants_gib=gib)
             e = TrainEngine(cfg, opts, get_backend("torch"), comm)
             gathered = []
