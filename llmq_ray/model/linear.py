@@ -48,11 +48,12 @@ the same bytes, so *when* W_q / W^T_q are made never changes the results -- only
   slots. Under ZeRO-3 a layer whose eight copies (four matrices, both layouts) are all kept and made is not
   gathered again in that step (``needs_weights``); the engine makes every rank of the shard group keep the
   same copies (the least any rank has room for), since the skipped gathers must match up. On two NVLink H200s
-  (1.5B) that changed no speed -- the gathers were hidden behind compute -- while keeping every layer's copies
-  gave +2.5% (benchmarks/results/h200x2-2026-11-28.md); it saves interconnect traffic where gathers are not hidden. At 7B e4m3 (B=6) the two weight quantizations per layer and micro-step took ~12.8 ms of a ~297 ms
-  micro-step on an H100 (benchmarks/LOG.md, 2026-11-28): ~0.3% per GiB kept by that count; measured beside a
-  run without, 1.4 GiB gave +1.0% (one lease; fewer memory-bound passes may also leave more of the power cap to
-  the GEMMs).
+  (1.5B) skipping them changed no speed -- the gathers were hidden behind compute -- while keeping every
+  layer's copies gave +2.5% (benchmarks/results/h200x2-2026-11-28.md); the skip saves interconnect traffic,
+  which shows where gathers are not hidden. At 7B e4m3 (B=6) the two weight quantizations per layer and
+  micro-step took ~12.8 ms of a ~297 ms micro-step on an H100 (benchmarks/LOG.md, 2026-11-28): ~0.3% per GiB
+  kept by that count; measured beside a run without, 1.4 GiB gave +1.0% (one lease; fewer memory-bound passes
+  may also leave more of the power cap to the GEMMs).
 
 The model announces each layer with ``begin_layer(layer, backward)`` after the weight store's ``begin``.
 
