@@ -9,7 +9,10 @@ def test_freeze_moves_live_objects_to_the_permanent_generation():
     keep = [[i] for i in range(1000)]  # tracked containers, alive across the freeze
     try:
         frozen = freeze_long_lived()
-        assert frozen == gc.get_freeze_count() and frozen >= len(keep)
+        now = gc.get_freeze_count()
+        # ==, but another thread of the process (pytest-xdist's I/O thread) may free a few frozen objects between
+        # the two counts (seen once: 680,144 returned, 680,142 a moment later)
+        assert now <= frozen < now + 100 and frozen >= len(keep)
         assert gc.get_count()[0] < 100  # the collection ran: generation 0 starts nearly empty
         assert all(len(x) == 1 for x in keep)
     finally:
