@@ -71,6 +71,9 @@ def _runtime_env(slow: bool) -> str:
     keep = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "LLMQ_RAY_CACHE",
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_USAGE_STATS_ENABLED", "RAY_AUTH_MODE")
     env = {k: os.environ[k] for k in keep if k in os.environ}
+    # as docs/running-on-ray.md says: Ray's job supervisor gives a stopped job 3 s before SIGKILL unless told
+    # otherwise, too little for the stop's checkpoint on a loaded machine
+    env["RAY_JOB_STOP_WAIT_TIME_S"] = "120"
     if slow:
         env["LLMQ_RAY_TEST_FAULT"] = json.dumps({"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3})
     return json.dumps({"env_vars": env})
