@@ -249,3 +249,30 @@ def test_a_flag_that_needs_an_optional_package_names_the_extra(monkeypatch, tmp_
                         lambda p: real_listdir(listing) if p == "/proc/driver/nvidia/gpus" else real_listdir(p))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert preflight.local_gpu_count() == 2
+
+
+def test_a_ray_job_without_a_stop_grace_is_warned(monkeypatch, tmp_path):
+    """As a Ray job's entrypoint (``ray job submit`` sets RAY_JOB_CONFIG_JSON_ENV_VAR), a RAY_JOB_STOP_WAIT_TIME_S
+    left at Ray's 3 s or set below a minute gets one warning naming the variable and where to set it; a minute or
+    more, no checkpoint on exit, or not a job: none."""
+    from llmq_ray.train.preflight import check_ray_job_stop_grace
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    job = {"RAY_JOB_CONFIG_JSON_ENV_VAR": "{}"}
+    assert check_ray_job_stop_grace({}) == []
+    assert check_ray_job_stop_grace({"RAY_JOB_STOP_WAIT_TIME_S": "1"}) == []  # not a job: Ray never reads it
+    (unset,) = check_ray_job_stop_grace(job)
+    assert "RAY_JOB_STOP_WAIT_TIME_S is unset, so Ray's default of 3 s" in unset and "env_vars" in unset
+    (short,) = check_ray_job_stop_grace({**job, "RAY_JOB_STOP_WAIT_TIME_S": "30"})
+    assert "RAY_JOB_STOP_WAIT_TIME_S is 30 s" in short and "SIGKILL" in short
+    (bad,) = check_ray_job_stop_grace({**job, "RAY_JOB_STOP_WAIT_TIME_S": "ten"})
+    assert "RAY_JOB_STOP_WAIT_TIME_S='ten' is not a whole number" in bad
+    assert check_ray_job_stop_grace({**job, "RAY_JOB_STOP_WAIT_TIME_S": "60"}) == []
+
+    kw = dict(device="cpu", synthetic_data=True, out_dir=str(tmp_path), verbose=False)
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")
+    monkeypatch.delenv("RAY_JOB_STOP_WAIT_TIME_S", raising=False)
+    assert [n for n in LLMQTrainer(**kw).notes if "RAY_JOB_STOP_WAIT_TIME_S" in n] == [unset]
+    assert not [n for n in LLMQTrainer(checkpoint_on_exit=False, **kw).notes if "RAY_JOB_STOP_WAIT_TIME_S" in n]
+    monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "600")
+    assert not [n for n in LLMQTrainer(**kw).notes if "RAY_JOB_STOP_WAIT_TIME_S" in n]

@@ -17,7 +17,9 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
 * ``--log-file`` naming an existing log is refused unless the run continues it; a fresh run whose
   checkpoint folder already holds checkpoints is refused (its retention would delete them);
 * ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined);
-* the optional packages a flag needs (``--wandb-project``: wandb; ``--log-gpu-util``: nvidia-ml-py).
+* the optional packages a flag needs (``--wandb-project``: wandb; ``--log-gpu-util``: nvidia-ml-py);
+* run as a Ray job's entrypoint: the grace ``ray job stop`` gives before SIGKILL, against the stop's checkpoint
+  (a warning, ``check_ray_job_stop_grace``).
 
 The ``--continue`` target (present, every file's sha256, the model) is checked by ``llmq_ray.checkpoints.store``;
 ``keep_global_batch`` reconciles a resumed run's batch with the checkpoint's.
@@ -366,6 +368,36 @@ def check_optional_packages(wandb_project: Optional[str], log_gpu_util: int) -> 
     if log_gpu_util and importlib.util.find_spec("pynvml") is None:
         raise ConfigError(f"--log-gpu-util={log_gpu_util} needs NVML's Python binding (nvidia-ml-py): pip install "
                           f"'llmq-ray[gpu]'.")
+
+
+RAY_JOB_STOP_DEFAULT_S = 3   # Ray 2.60's job supervisor: SIGKILL this long after the stop's SIGTERM, unless set
+JOB_STOP_GRACE_S = 60        # warn below a minute: a real model's checkpoint (to an object store) can take longer
+
+
+def check_ray_job_stop_grace(env) -> list[str]:
+    """Warnings for a run that is a Ray job's entrypoint (``ray job submit`` sets ``RAY_JOB_CONFIG_JSON_ENV_VAR``
+    in its environment) whose ``ray job stop`` would SIGKILL it before the stop's checkpoint is written.
+
+    Ray's job supervisor sends SIGTERM, waits ``RAY_JOB_STOP_WAIT_TIME_S`` seconds (3 unless the job's
+    ``runtime_env`` ``env_vars`` set it; the supervisor runs with those variables, and the entrypoint inherits
+    them, so ``env`` shows what the supervisor will use), then SIGKILLs the driver and its children: a stop's
+    checkpoint still being written is lost and the run resumes from the one before. ``env``: a mapping such as
+    ``os.environ``. Returns [] outside a Ray job or with a grace of ``JOB_STOP_GRACE_S`` or more."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in env:
+        return []
+    raw = env.get("RAY_JOB_STOP_WAIT_TIME_S")
+    try:
+        grace = RAY_JOB_STOP_DEFAULT_S if raw is None else int(raw)
+    except ValueError:
+        return [f"RAY_JOB_STOP_WAIT_TIME_S={raw!r} is not a whole number of seconds, so `ray job stop` may fail to "
+                f"stop this job cleanly; set it to the seconds a checkpoint takes to write, e.g. 600, in the job's "
+                f"runtime_env env_vars (docs/running-on-ray.md)."]
+    if grace >= JOB_STOP_GRACE_S:
+        return []
+    told = "unset, so Ray's default of 3 s" if raw is None else f"{grace} s"
+    return [f"this run is a Ray job and RAY_JOB_STOP_WAIT_TIME_S is {told}: `ray job stop` will SIGKILL it that "
+            f"long after its SIGTERM, likely before the stop's checkpoint is written; set it to the seconds a "
+            f"checkpoint takes to write, e.g. 600, in the job's runtime_env env_vars (docs/running-on-ray.md)."]
 
 
 # ---------------------------------------------------------------------------------------------------- resume

@@ -230,7 +230,8 @@ class LLMQTrainer:
                    allow_batch_change) -> None:
         """Resolve the defaults and run every check that needs no Ray (``llmq_ray/train/preflight.py``); nothing is
         written until all of them passed."""
-        from llmq_ray.train.preflight import check_locations, check_local_resources, local_gpu_count
+        from llmq_ray.train.preflight import (check_locations, check_local_resources, check_ray_job_stop_grace,
+                                              local_gpu_count)
         from llmq_ray.train.run_defaults import AUTO, resolve_eval, resolve_option_fields
 
         unknown = set(option_fields) - _OPTION_FIELDS
@@ -272,6 +273,8 @@ class LLMQTrainer:
         if local:
             self.notes += check_local_resources(machine, r["workers"] or (1 if machine == "cpu" else None),
                                                 r["gpus"], r["cpus_per_worker"])
+        if checkpoint_on_exit:
+            self.notes += check_ray_job_stop_grace(os.environ)
         self.resume_from = None
         self._check_outputs()
         default_data = not r["synthetic_data"] and not r["train_file"]
