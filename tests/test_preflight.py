@@ -118,6 +118,10 @@ CASES = {
     "token id >= vocab": (["--train-file", "{d}/bigid.bin"], "token id 600 at token index 1234"),
     "empty glob": (["--train-file", "{d}/nothing-*.bin"], "nothing-*.bin' matched no token files"),
     "eval file bad": (["--eval-file", "{d}/magic.bin"], "magic.bin: not a token shard"),
+    "eval file bad, synthetic training data": (["--synthetic-data", "--eval-file", "{d}/nothing-*.bin"],
+                                               "--eval-file: '{d}/nothing-*.bin' matched no token files"),
+    "synthetic data and a train file": (["--synthetic-data", "--train-file", "{d}/good.bin"],
+                                        "--synthetic-data and --train-file={d}/good.bin both say what to train on"),
     "checkpoint dir is a file": (["--checkpoint-dir", "{d}/afile"], "--checkpoint-dir={d}/afile is a file"),
     "out dir is a file": (["--out-dir", "{d}/afile"], "--out-dir={d}/afile is a file"),
     "read-only checkpoint dir": (["--checkpoint-dir", "{ro}/ckpt"], "cannot be created in {ro}"),
@@ -144,7 +148,7 @@ def test_bad_input_ends_before_ray_in_one_sentence(case, bad_files, tmp_path):
     fill = dict(d=str(bad_files), ro=str(ro), many=str((os.cpu_count() or 1) + 1))
     base = ["--device", "cpu", "--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--no-progress",
             "--out-dir", str(tmp_path / "out")]
-    if "--train-file" not in args:
+    if "--train-file" not in args and "--synthetic-data" not in args:
         base += ["--train-file", f"{bad_files}/good.bin"]
     argv = base + [a.format(**fill) for a in args]
     before_bad, before_tmp = _snapshot(bad_files), _snapshot(tmp_path)

@@ -365,6 +365,9 @@ class LLMQTrainer:
             raise ConfigError(f"--seq-len={o.seq_len} exceeds the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}).")
         parse_port_range(r["rendezvous_port_range"])  # one sentence now, not in rank 0 later
+        if r["synthetic_data"] and r["train_file"]:  # else the files would be ignored without a word
+            raise ConfigError(f"--synthetic-data and --train-file={r['train_file']} both say what to train on; pass "
+                              f"one of them.")
         if not isinstance(r["gpus"], int) or isinstance(r["gpus"], bool) or r["gpus"] < 0:
             raise ConfigError(f"--gpus={r['gpus']!r} must be an integer >= 0.")
         if r["workers"] is not None and (not isinstance(r["workers"], int) or r["workers"] < 1):
@@ -434,6 +437,8 @@ class LLMQTrainer:
 
         r = self.runtime
         self._resolve_document_separator()
+        if r["eval_file"]:  # with --synthetic-data too: the eval still reads its files
+            check_token_files(r["eval_file"], "--eval-file", self.cfg.vocab_size)
         if r["synthetic_data"]:
             return
         _, total = check_token_files(r["train_file"], "--train-file", self.cfg.vocab_size)
@@ -441,8 +446,6 @@ class LLMQTrainer:
         if total < need:
             raise DataError(f"--train-file {r['train_file']} holds {total} tokens, fewer than one training window of "
                             f"--seq-len + 1 = {need}.")
-        if r["eval_file"]:
-            check_token_files(r["eval_file"], "--eval-file", self.cfg.vocab_size)
 
     def _resolve_document_separator(self) -> None:
         """--document-masking without --document-separator: the EOS the tokenizer appended to every document
