@@ -131,6 +131,8 @@ CASES = {
     "--log-file of another run": (["--log-file", "{d}/other-log.jsonl"], "is the log of another run"),
     "fresh run into another run's checkpoints": (["--checkpoint-dir", "{d}/ckpt"], "already holds checkpoints"),
     "bad flag value": (["--warmup", "30", "--steps", "10"], "--warmup must be an integer in [0, --steps)"),
+    "zero collective time-out": (["--collective-timeout-s", "0"], "--collective-timeout-s=0.0 must be a number of"),
+    "a value for --forward-env": (["--forward-env", "HF_HOME,FOO=bar"], "--forward-env: 'FOO=bar' is not the name"),
 }
 
 
@@ -280,3 +282,15 @@ def test_a_ray_job_without_a_stop_grace_is_warned(monkeypatch, tmp_path):
     assert not [n for n in LLMQTrainer(checkpoint_on_exit=False, **kw).notes if "RAY_JOB_STOP_WAIT_TIME_S" in n]
     monkeypatch.setenv("RAY_JOB_STOP_WAIT_TIME_S", "600")
     assert not [n for n in LLMQTrainer(**kw).notes if "RAY_JOB_STOP_WAIT_TIME_S" in n]
+
+
+def test_forward_env_naming_an_unset_variable_is_warned(monkeypatch, tmp_path):
+    """--forward-env names a variable the driver does not have: one warning naming it (nothing to forward)."""
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    monkeypatch.delenv("LLMQ_TEST_UNSET", raising=False)
+    monkeypatch.setenv("LLMQ_TEST_SET", "1")
+    kw = dict(device="cpu", synthetic_data=True, out_dir=str(tmp_path), verbose=False)
+    notes = LLMQTrainer(forward_env="LLMQ_TEST_SET, LLMQ_TEST_UNSET", **kw).notes
+    assert [n for n in notes if "--forward-env" in n] == [
+        "--forward-env names LLMQ_TEST_UNSET, which is not set here, so the workers do not get it."]

@@ -383,6 +383,18 @@ class LLMQTrainer:
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
             raise ConfigError(f"--step-timeout-s={t!r} must be a number of seconds > 0 (default 1800: a step "
                               f"that takes longer counts as a hung worker).")
+        for flag, default in (("collective_timeout_s", 300), ("call_timeout_s", 1800)):
+            t = r[flag]
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                raise ConfigError(f"--{flag.replace('_', '-')}={t!r} must be a number of seconds > 0 (default "
+                                  f"{default}).")
+        forwarded = [n.strip() for n in (r["forward_env"] or "").split(",") if n.strip()]
+        for name in forwarded:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ConfigError(f"--forward-env: {name!r} is not the name of an environment variable; the flag "
+                                  f"takes names, comma-separated (their values are the driver's).")
+        self.notes += [f"--forward-env names {name}, which is not set here, so the workers do not get it."
+                       for name in forwarded if name not in os.environ]
         for flag in ("ckpt_minutes", "restart_wait_s"):
             v = r[flag]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
