@@ -275,6 +275,25 @@ def test_nan_gradient_is_skipped_and_spike_guard_agrees_across_ranks(ray_cluster
     assert res.metrics["skipped_steps"] == len(skipped) and res.metrics["warnings"] >= len(skipped)
 
 
+def test_continuing_a_finished_run_only_exports_and_fewer_steps_are_refused(reference, shards, tmp_path, capsys):
+    """--continue from the last checkpoint of a finished run with the same --steps trains nothing, exports the
+    same weights and prints its summary (a TypeError on the missing train loss before); --steps below the
+    checkpoint's step is refused in one sentence before Ray work (it would have exported the later weights)."""
+    from llmq_ray.errors import ConfigError
+
+    ref = reference[1]
+    with pytest.raises(ConfigError, match=r"^steps=6 but the checkpoint to continue, .*step_00000012, already "
+                                          r"holds 12 steps; pass steps above 12"):
+        LLMQTrainer(**dict(BASE, train_file=shards.train, out_dir=str(tmp_path / "fewer"), **SHAPE[1], **FAST,
+                           steps=6, resume=_ckpt(ref, 12)))
+    res = _run(shards, tmp_path / "again", 1, resume=_ckpt(ref, 12), verbose=True)
+    assert res.history == [] and res.metrics["train_loss"] is None
+    assert torch.equal(_weights(res), _weights(ref))
+    out = capsys.readouterr().out
+    assert "--steps=12: the checkpoint already holds every step" in out
+    assert "last train loss - (no step trained)" in out, out
+
+
 def test_continue_skips_a_newest_checkpoint_with_a_flipped_byte(reference, shards, tmp_path):
     """A copy of the 2-worker reference's checkpoints whose newest (step 12) has one byte of rank 1's shard
     flipped (same size, so only its sha256 tells): --continue hashes the candidates before Ray starts, skips

@@ -496,6 +496,14 @@ class LLMQTrainer:
         self.notes += [str(w.message) for w in caught if issubclass(w.category, CheckpointWarning)]
         self.resume_manifest = read_manifest(folder)
         check_config(self.resume_manifest, self.cfg, folder)
+        done, steps = int(self.resume_manifest["step"]), self.opts.steps
+        if steps < done:  # else the run would train nothing and export the checkpoint's later weights as its own
+            raise ConfigError(f"--steps={steps} but the checkpoint to continue, {folder}, already holds {done} steps; "
+                              f"pass --steps above {done} to train further (or --steps={done} to run only the final "
+                              f"eval and export).")
+        if steps == done:
+            self.lines.append(f"--steps={steps}: the checkpoint already holds every step; only the final eval and "
+                              f"export run")
         return folder if storage.is_remote(folder) else os.path.abspath(folder)
 
     def _keep_global_batch(self, world: int) -> None:
@@ -1016,7 +1024,8 @@ class LLMQTrainer:
 
     def _print_summary(self, s: dict) -> None:
         tps = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "-"
-        print(f"done: {s['steps']} steps, {tps} tokens/s, last train loss {s['train_loss']:.4f}"
+        loss = f"{s['train_loss']:.4f}" if s["train_loss"] is not None else "- (no step trained)"
+        print(f"done: {s['steps']} steps, {tps} tokens/s, last train loss {loss}"
               + (f", eval loss {s['eval_loss']:.4f}" if s["eval_loss"] is not None else ""), flush=True)
 
     # ------------------------------------------------------------------ step-level API
