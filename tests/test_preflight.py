@@ -73,6 +73,8 @@ def bad_files(tmp_path_factory):
     big[1234] = 600  # >= the tiny model's vocabulary of 512
     write_shard(str(d / "bigid.bin"), big, 1024)
     (d / "afile").write_text("not a folder")
+    for name in ("short1.bin", "short2.bin"):  # 10 tokens each: 20 in all, no window of 17 inside one file
+        write_shard(str(d / name), good[:10], 512)
     # a checkpoint of the tiny model, and a copy with one byte flipped in its shard (same size)
     import torch
 
@@ -120,6 +122,12 @@ CASES = {
     "eval file bad": (["--eval-file", "{d}/magic.bin"], "magic.bin: not a token shard"),
     "eval file bad, synthetic training data": (["--synthetic-data", "--eval-file", "{d}/nothing-*.bin"],
                                                "--eval-file: '{d}/nothing-*.bin' matched no token files"),
+    "eval file shorter than a window": (["--eval-file", "{d}/short1.bin"],
+                                        "--eval-file {d}/short1.bin holds 10 tokens, fewer than one window of "
+                                        "--seq-len + 1 = 17 tokens"),
+    "train files each shorter than a window": (["--train-file", "{d}/short*.bin"],
+                                               "--train-file {d}/short*.bin is 2 files, each holding fewer, in all 20 "
+                                               "tokens, fewer than one window"),
     "synthetic data and a train file": (["--synthetic-data", "--train-file", "{d}/good.bin"],
                                         "--synthetic-data and --train-file={d}/good.bin both say what to train on"),
     "checkpoint dir is a file": (["--checkpoint-dir", "{d}/afile"], "--checkpoint-dir={d}/afile is a file"),

@@ -39,8 +39,8 @@ _TEXT_SUFFIXES = (".txt", ".json", ".jsonl", ".md", ".csv", ".tsv")
 
 
 # ---------------------------------------------------------------------------------------------------- data
-def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[str], int]:
-    """Resolve ``pattern`` and check every file it matches; returns (files, total tokens).
+def token_counts(pattern: str, flag: str, vocab_size: int) -> tuple[list[str], list[int]]:
+    """Resolve ``pattern`` and check every file it matches; returns (files, tokens of each file).
 
     DataError (one sentence naming the file and, where it applies, the token index and byte offset) for an
     empty glob, a file that is not a token shard (text, wrong magic), a truncated or over-long file, an
@@ -51,12 +51,31 @@ def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[st
         files = resolve_files(pattern)
     except DataError as exc:
         raise DataError(f"{flag}: {exc}") from None
-    total, budget = 0, [SCAN_BUDGET_TOKENS]
-    for path in files:
-        n = (_check_arrow_file(path, vocab_size) if path.endswith(ARROW_SUFFIXES)
-             else _check_bin_file(path, vocab_size, budget))
-        total += n
-    return files, total
+    budget = [SCAN_BUDGET_TOKENS]
+    counts = [_check_arrow_file(path, vocab_size) if path.endswith(ARROW_SUFFIXES)
+              else _check_bin_file(path, vocab_size, budget) for path in files]
+    return files, counts
+
+
+def check_token_files(pattern: str, flag: str, vocab_size: int) -> tuple[list[str], int]:
+    """``token_counts``' checks; returns (files, total tokens)."""
+    files, counts = token_counts(pattern, flag, vocab_size)
+    return files, sum(counts)
+
+
+def check_windows(pattern: str, flag: str, vocab_size: int, seq_len: int) -> int:
+    """``token_counts``' checks, then at least one window of ``seq_len`` + 1 tokens: windows never span two files
+    (``data_pipeline/order.py``), so files that are each shorter than a window hold none, whatever their sum.
+    Returns the number of windows; DataError naming ``flag`` when there is none."""
+    from llmq_ray.data_pipeline.order import windows_per_file
+
+    files, counts = token_counts(pattern, flag, vocab_size)
+    windows = int(windows_per_file(counts, seq_len).sum())
+    if windows == 0:
+        each = "holds" if len(files) == 1 else f"is {len(files)} files, each holding fewer, in all"
+        raise DataError(f"{flag} {pattern} {each} {sum(counts)} tokens, fewer than one window of --seq-len + 1 = "
+                        f"{seq_len + 1} tokens (a window never spans two files).")
+    return windows
 
 
 def data_eos_id(pattern: str) -> Optional[int]:

@@ -445,19 +445,14 @@ class LLMQTrainer:
 
     def _check_data(self) -> None:
         """Every train/eval file: header, size, token ids against the model's vocabulary; one window at least."""
-        from llmq_ray.train.preflight import check_token_files
+        from llmq_ray.train.preflight import check_windows
 
         r = self.runtime
         self._resolve_document_separator()
+        if not r["synthetic_data"]:
+            check_windows(r["train_file"], "--train-file", self.cfg.vocab_size, self.opts.seq_len)
         if r["eval_file"]:  # with --synthetic-data too: the eval still reads its files
-            check_token_files(r["eval_file"], "--eval-file", self.cfg.vocab_size)
-        if r["synthetic_data"]:
-            return
-        _, total = check_token_files(r["train_file"], "--train-file", self.cfg.vocab_size)
-        need = self.opts.seq_len + 1
-        if total < need:
-            raise DataError(f"--train-file {r['train_file']} holds {total} tokens, fewer than one training window of "
-                            f"--seq-len + 1 = {need}.")
+            check_windows(r["eval_file"], "--eval-file", self.cfg.vocab_size, self.opts.seq_len)
 
     def _resolve_document_separator(self) -> None:
         """--document-masking without --document-separator: the EOS the tokenizer appended to every document
