@@ -10,7 +10,7 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
 * every data file of ``--train-file`` / ``--eval-file``: the header and the file size it promises, the
   token ids (every id for files up to ``FULL_SCAN_TOKENS``, evenly spaced samples of ``SAMPLE_TOKENS`` beyond,
   ``SCAN_BUDGET_TOKENS`` over all files; the workers scan every id when they open the files), that they fit
-  the model's vocabulary, and that there is at least one training window;
+  the model's vocabulary, and that the train and the eval files hold a window each (``check_windows``);
 * ``--out-dir``, ``--checkpoint-dir`` and the folder of ``--log-file``: a folder or creatable as one, and
   writable (``os.access``, which also sees a read-only mount); on an object store: a scheme that resolves and a
   store that answers (``check_locations``);
