@@ -32,6 +32,7 @@ torch or Ray in the leaf of the package; tyro / simple-parsing / jsonargparse ea
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -467,3 +468,40 @@ def all_settings() -> list[Setting]:
 
 def by_name() -> dict[str, Setting]:
     return {s.name: s for s in all_settings()}
+
+
+_KINDS = {  # the annotation's words: a test of a value, and how a sentence names them
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
+_FILE_LISTS = ("train_file", "eval_file")  # a list of paths works there too (the data pipeline takes sequences)
+
+
+def check_types(values: dict) -> None:
+    """ConfigError (one sentence naming the flag) for a value of the wrong type or outside the setting's
+    choices, for every key of ``values`` that is a setting; other keys are ignored.
+
+    The command line's parser converts and checks its flags itself; this is for the Python API and config
+    files, where ``learning_rate="1e-3"`` or ``batch_size = 2.0`` would otherwise surface as a TypeError deep in
+    the validation, or pass (``grad_accumulation=True``). A value equal to the setting's default passes (several
+    default to None or "auto" whatever their type)."""
+    from llmq_ray.errors import ConfigError
+
+    known = by_name()
+    for name, value in values.items():
+        s = known.get(name)
+        if s is None or (value is None and s.default is None) or (type(value) is type(s.default)
+                                                                   and value == s.default):
+            continue
+        kinds = [k.strip() for k in s.type.split("|")]
+        ok = any(_KINDS[k][0](value) for k in kinds if k in _KINDS) or (value is None and "None" in kinds)
+        if not ok and name in _FILE_LISTS and isinstance(value, (list, tuple)):
+            ok = bool(value) and all(isinstance(v, str) for v in value)
+        if not ok:
+            wanted = " or ".join(_KINDS[k][1] for k in kinds if k in _KINDS)
+            raise ConfigError(f"{s.dashed}={value!r} must be {wanted}, not {type(value).__name__}.")
+        choices = s.meta["choices"]
+        if choices and value is not None and value not in choices:
+            raise ConfigError(f"{s.dashed}={value!r} must be one of {', '.join(map(str, choices))}.")

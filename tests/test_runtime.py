@@ -178,9 +178,11 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
         LLMQTrainer(model="tiny", train_file=train, steps=2, warmup=2, **FAST)  # refused before any actor starts
     with pytest.raises(ConfigError, match="^lmhead_chunks=3 must divide"):
         LLMQTrainer(model="tiny", train_file=train, batch_size=2, seq_len=16, lmhead_chunks=3, **FAST)
-    for bad in (0, -5.0, float("nan"), "60"):
+    for bad in (0, -5.0, float("nan")):
         with pytest.raises(ConfigError, match=rf"^step_timeout_s={bad!r} must be a number of seconds > 0"):
             LLMQTrainer(model="tiny", train_file=train, step_timeout_s=bad, **FAST)
+    with pytest.raises(ConfigError, match=r"^step_timeout_s='60' must be a number, not str\.$"):
+        LLMQTrainer(model="tiny", train_file=train, step_timeout_s="60", **FAST)
     with pytest.raises(CheckpointError, match=r"^resume: no valid checkpoint in .*nowhere"):
         LLMQTrainer(model="tiny", train_file=train, resume=True, checkpoint_dir=str(tmp_path / "nowhere"), **FAST)
     with pytest.raises(ConfigError, match="no GPUs"):

@@ -91,3 +91,32 @@ def test_config_file_takes_section_short_names_and_refuses_unknown_keys(tmp_path
     f.write_text('[optim]\nlrr = 1e-3\n')
     with pytest.raises(ConfigError, match=r"\[optim\] 'lrr' is not a setting \(did you mean 'lr'\?\)\.$"):
         read_config(str(f), valid, short)
+
+
+def test_values_of_the_wrong_type_or_outside_the_choices_are_one_sentence(tmp_path, capsys):
+    """The Python API and config files are not type-checked by argparse: a string learning rate, a float batch
+    size, a bool where an integer goes, a None where a path goes, a backend that does not exist -- each one
+    ConfigError naming the setting (a TypeError deep in the validation, or a silent run, before)."""
+    from llmq_ray.errors import ConfigError
+    from llmq_ray.settings import check_types
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    check_types(dict(learning_rate=1, steps=3, train_file=["a.bin", "b.bin"], matmul_dtype=None, model="tiny",
+                     eval_every_n_steps="auto", resume="latest", not_a_setting=object()))
+    kw = dict(device="cpu", synthetic_data=True, out_dir=str(tmp_path), verbose=False, model="tiny")
+    for bad, sentence in [
+            (dict(learning_rate="1e-3"), "learning_rate='1e-3' must be a number, not str."),
+            (dict(batch_size=2.0), "batch_size=2.0 must be an integer, not float."),
+            (dict(grad_accumulation=True), "grad_accumulation=True must be an integer, not bool."),
+            (dict(seq_len=None), "seq_len=None must be an integer, not NoneType."),
+            (dict(out_dir=None), "out_dir=None must be a string, not NoneType."),
+            (dict(use_cuda_graphs=1), "use_cuda_graphs=1 must be True or False, not int."),
+            (dict(backend="jax"), "backend='jax' must be one of auto, torch, triton, cupy."),
+            (dict(eval_file=[]), "eval_file=[] must be a string, not list.")]:
+        with pytest.raises(ConfigError) as caught:
+            LLMQTrainer(**{**kw, **bad})
+        assert str(caught.value) == sentence
+    f = tmp_path / "run.toml"  # a config file's values reach the trainer as TOML typed them
+    f.write_text('[optim]\nlr = "1e-3"\n')
+    assert cli.main(["--device", "cpu", "--synthetic-data", "--out-dir", str(tmp_path / "o"), "--config", str(f)]) == 2
+    assert capsys.readouterr().err == f"error: --config {f}: --learning-rate='1e-3' must be a number, not str.\n"

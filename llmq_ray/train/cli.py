@@ -180,10 +180,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(args, "config", None):
             from llmq_ray.train.config_file import read_config
 
-            from llmq_ray.settings import all_settings
+            from llmq_ray.errors import ConfigError
+            from llmq_ray.settings import all_settings, check_types
 
             short = {(s.section, s.short): s.name for s in all_settings()}
-            kwargs = {**read_config(args.config, config_keys(), short), **kwargs}  # the command line wins
+            config = read_config(args.config, config_keys(), short)
+            try:  # TOML types its values itself: a quoted number is a string there
+                check_types(config)
+            except ConfigError as exc:
+                raise ConfigError(f"--config {args.config}: {exc}") from None
+            kwargs = {**config, **kwargs}  # the command line wins
         trainer = LLMQTrainer(cli=True, **kwargs)
         if getattr(args, "print_config", False):
             from llmq_ray.train.config_file import resolved_toml
