@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.prompt and not args.prompt_ids:
         ap.error("give --prompt TEXT or --prompt-ids IDS")
+    for flag, value, ok, need in (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 0, ">= 0"),
+                                  ("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0: greedy)"),
+                                  ("--top-k", args.top_k, args.top_k is None or args.top_k >= 1, ">= 1")):
+        if not ok:
+            ap.error(f"{flag}={value} must be {need}")
+    if args.device.startswith("cuda") and not _cuda():
+        ap.error(f"--device={args.device} but torch finds no CUDA GPU here; use --device cpu")
 
     from llmq_ray.model.config import resolve_model
     from llmq_ray.model.generate import load_for_generation

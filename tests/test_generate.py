@@ -220,6 +220,16 @@ def test_example_script_with_ids_and_with_tokenizer(qwen_case, tmp_path, capsys)
     # no tokenizer.json and a small vocabulary: text prompts are refused with a hint
     assert example.main(["--model", folder, "--prompt", "hello", "--device", "cpu"]) == 2
     assert "pass token ids with --prompt-ids" in capsys.readouterr().err
+    # bad flags: one line naming the flag, no traceback (a CUDA device without CUDA was an AssertionError)
+    bad = [(["--max-new-tokens", "-3"], "--max-new-tokens=-3 must be >= 0"),
+           (["--temperature", "-1"], "--temperature=-1.0 must be >= 0"), (["--top-k", "0"], "--top-k=0 must be >= 1")]
+    if not torch.cuda.is_available():
+        bad.append((["--device", "cuda"], "--device=cuda but torch finds no CUDA GPU here; use --device cpu"))
+    for args, sentence in bad:
+        with pytest.raises(SystemExit) as caught:
+            example.main(["--model", folder, "--prompt-ids", ids, "--device", "cpu"] + args)
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and f"error: {sentence}" in err and "Traceback" not in err, err
 
     # as a script, with a tokenizer.json in the folder: text in, text out
     with_tok = tmp_path / "with_tok"
