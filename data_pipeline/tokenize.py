@@ -309,6 +309,17 @@ def tokenize_chat(inputs: list[str], out: str, tokenizer: str, chat_template: Op
     return meta
 
 
+def _self_and_parents(path: str) -> list[str]:
+    """``path`` and each folder above it, nearest first (absolute)."""
+    out, path = [], os.path.abspath(path)
+    while True:
+        out.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            return out
+        path = parent
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmq_ray.data_pipeline.tokenize", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -333,6 +344,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--eos-id", type=int, default=None, help="override the EOS id put between documents")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it is off anyway when stdout is not a tty)")
     a = p.parse_args(argv)
+    for flag, value, ok in (("--workers", a.workers, a.workers >= 0), ("--chunk-chars", a.chunk_chars, a.chunk_chars >= 1),
+                            ("--eos-id", a.eos_id, a.eos_id is None or a.eos_id >= 0)):
+        if not ok:
+            p.error(f"{flag}={value} must be {'>= 0' if flag != '--chunk-chars' else '>= 1'}")
+    blocked = next((d for d in _self_and_parents(a.out) if os.path.exists(d) and not os.path.isdir(d)), None)
+    if blocked is not None:
+        p.error(f"--out={a.out} cannot be a folder: {blocked} is a file")
     progress = False if a.no_progress else None
     try:
         if a.chat:

@@ -193,3 +193,23 @@ def test_local_hf_tokenizer_folder(tmp_path):
     eos = tok.token_to_id("</s>")
     assert meta["eos_id"] == eos and meta["vocab_size"] == tok.get_vocab_size()
     assert _tokens(str(tmp_path / "o" / "train-000.bin")) == tok.encode("the cat sat").ids + [eos]
+
+
+def test_bad_cli_values_are_one_line_before_any_work(tmp_path, capsys):
+    """--out under a file (a NotADirectoryError traceback before), negative --workers / --eos-id (a negative
+    EOS id failed later, naming the staging folder): argparse's one line naming the flag, nothing written."""
+    from llmq_ray.data_pipeline.tokenize import main
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "doc.txt").write_text("hello world\n")
+    base = ["--input", str(tmp_path / "doc.txt"), "--no-progress"]
+    for args, sentence in [(["--out", str(tmp_path / "afile")], f"--out={tmp_path}/afile cannot be a folder: "
+                                                                f"{tmp_path}/afile is a file"),
+                           (["--out", str(tmp_path / "afile" / "x")], f"{tmp_path}/afile is a file"),
+                           (["--out", str(tmp_path / "o"), "--workers", "-1"], "--workers=-1 must be >= 0"),
+                           (["--out", str(tmp_path / "o"), "--eos-id", "-5"], "--eos-id=-5 must be >= 0")]:
+        with pytest.raises(SystemExit) as caught:
+            main(base + args)
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and sentence in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["afile", "doc.txt"]
