@@ -104,6 +104,20 @@ def test_offload_flags_through_the_runtime(ray_cluster, shards, tmp_path):
     assert len(mem) == 2 and all(m["host_master"] > 0 and m["master"] == 0 and m["host_grads"] > 0 for m in mem)
 
 
+def test_a_second_fit_on_the_same_trainer_is_refused(ray_cluster, shards, tmp_path):
+    """fit() twice on one LLMQTrainer trained the run again from scratch into the same folders (its checkpoints
+    replaced, its log and export set aside): now one ConfigError, and the first run's outputs stay as they were."""
+    train, _, _ = shards
+    trainer = LLMQTrainer(model="tiny", train_file=train, steps=3, batch_size=2, seq_len=16, device="cpu",
+                          out_dir=str(tmp_path), export_dtype="fp32", final_eval=False, **FAST)
+    first = trainer.fit()
+    before = sorted(os.listdir(tmp_path)), os.path.getmtime(first.log_file)
+    with pytest.raises(ConfigError, match=r"^fit\(\) already ran on this LLMQTrainer \(into out_dir=.*\); make a new "
+                                          r"LLMQTrainer for another run, with resume=True"):
+        trainer.fit()
+    assert (sorted(os.listdir(tmp_path)), os.path.getmtime(first.log_file)) == before
+
+
 def test_fit_inside_a_ray_task(ray_cluster, shards, tmp_path):
     """LLMQTrainer.fit() called from a task of another Ray program joins that cluster, returns a Result,
     and leaves the cluster running. (This run reads its shards through Ray Data, the default path.)"""

@@ -220,6 +220,7 @@ class LLMQTrainer:
         self._stop_requested = threading.Event()
         self._signals = None                     # the SignalStop of a running fit()
         self._ended = False                      # the log's "end" record is written
+        self._fit_began = False                  # a fit() got its workers: a second one would train anew
         self._steps_done = 0                     # optimizer steps completed (as far as the driver knows)
         self._stopped: Optional[dict] = None     # what stop() returned
         self._stop_reason: Optional[str] = None  # why the run stops when no signal says it (a drain notice)
@@ -740,12 +741,17 @@ class LLMQTrainer:
         In the main thread (and with ``handle_signals``), SIGTERM / SIGINT / SIGHUP stop the run cleanly
         (``llmq_ray/train/stop_signals.py``): the step under way finishes, a checkpoint of it is written and
         ``Result.stopped`` says so; ``request_stop()`` from another thread does the same. The workers are
-        released at the end (also on error), and the log's last record says why the run ended."""
+        released at the end (also on error), and the log's last record says why the run ended. One fit() per
+        trainer: a second one is refused (it would train the run again over its own outputs)."""
         from llmq_ray.train.stop_signals import StopForced
 
+        if self._fit_began:  # its log, export and checkpoints are this run's: training again would replace them
+            raise ConfigError(f"fit() already ran on this LLMQTrainer (into out_dir={self.runtime['out_dir']}); make a "
+                              f"new LLMQTrainer for another run, with resume=True to go on from its checkpoints.")
         with self._stop_signals(self.handle_signals):
             try:
                 self.start()
+                self._fit_began = True
                 if not self._stop_requested.is_set():
                     self._train_loop()
                 if self._stop_requested.is_set():
