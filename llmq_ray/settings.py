@@ -332,7 +332,7 @@ class CheckpointSettings:
         0,
         "keep the checkpoints of steps that are multiples of N forever (0: none)",
         short='major', runtime=True)
-    resume: bool | str = setting(
+    resume: bool | int | str = setting(
         False,
         "resume from the newest valid checkpoint of --checkpoint-dir (incomplete ones are skipped with a "
         "warning), from that step, or from a checkpoint folder; any number of workers",

@@ -103,6 +103,7 @@ def test_values_of_the_wrong_type_or_outside_the_choices_are_one_sentence(tmp_pa
 
     check_types(dict(learning_rate=1, steps=3, train_file=["a.bin", "b.bin"], matmul_dtype=None, model="tiny",
                      eval_every_n_steps="auto", resume="latest", not_a_setting=object()))
+    check_types(dict(resume=4))  # a step number, as the API documents
     kw = dict(device="cpu", synthetic_data=True, out_dir=str(tmp_path), verbose=False, model="tiny")
     for bad, sentence in [
             (dict(learning_rate="1e-3"), "learning_rate='1e-3' must be a number, not str."),
