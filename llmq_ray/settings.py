@@ -471,36 +471,61 @@ def by_name() -> dict[str, Setting]:
 
 
 _KINDS = {  # the annotation's words: a test of a value, and how a sentence names them
-    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
-    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "int": (lambda v: isinstance(v, numbers.Integral) and not _is_bool(v), "an integer"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not _is_bool(v), "a number"),
+    "bool": (lambda v: _is_bool(v), "True or False"),
     "str": (lambda v: isinstance(v, str), "a string"),
 }
 _FILE_LISTS = ("train_file", "eval_file")  # a list of paths works there too (the data pipeline takes sequences)
+_MAY_BE_NONE = ("resume",)  # None means False there (checkpoints/store.py's resolve_continue)
 
 
-def check_types(values: dict) -> None:
+def _is_bool(value) -> bool:
+    """True / False, and numpy's booleans (a mask's element), which are no ``bool`` subclass."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def as_plain_paths(values: dict) -> dict:
+    """``values`` with every ``os.PathLike`` (a ``pathlib.Path``), alone or in a list, turned into its string:
+    the code below takes paths as strings (and URIs: ``s3://...`` is no Path)."""
+    import os
+
+    def plain(v):
+        if isinstance(v, os.PathLike):
+            return os.fspath(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(plain(x) for x in v)
+        return v
+
+    return {k: plain(v) for k, v in values.items()}
+
+
+def check_types(values: dict, auto: frozenset = frozenset()) -> None:
     """ConfigError (one sentence naming the flag) for a value of the wrong type or outside the setting's
-    choices, for every key of ``values`` that is a setting; other keys are ignored.
+    choices, for every key of ``values`` that is a setting; other keys are ignored. Paths as strings
+    (``as_plain_paths`` first).
 
     The command line's parser converts and checks its flags itself; this is for the Python API and config
     files, where ``learning_rate="1e-3"`` or ``batch_size = 2.0`` would otherwise surface as a TypeError deep in
     the validation, or pass (``grad_accumulation=True``). A value equal to the setting's default passes (several
-    default to None or "auto" whatever their type)."""
+    default to None or "auto" whatever their type), and so does "auto" for the settings named in ``auto``
+    (those the caller resolves from it: ``warmup``, ``from_scratch``)."""
     from llmq_ray.errors import ConfigError
 
     known = by_name()
     for name, value in values.items():
         s = known.get(name)
-        if s is None or (value is None and s.default is None) or (type(value) is type(s.default)
-                                                                   and value == s.default):
+        if s is None or (value is None and (s.default is None or name in _MAY_BE_NONE)) or \
+                (type(value) is type(s.default) and value == s.default) or (name in auto and value == AUTO):
             continue
         kinds = [k.strip() for k in s.type.split("|")]
         ok = any(_KINDS[k][0](value) for k in kinds if k in _KINDS) or (value is None and "None" in kinds)
-        if not ok and name in _FILE_LISTS and isinstance(value, (list, tuple)):
-            ok = bool(value) and all(isinstance(v, str) for v in value)
+        wanted = " or ".join(_KINDS[k][1] for k in kinds if k in _KINDS)
+        if name in _FILE_LISTS:
+            wanted = "a path (a string) or a non-empty list of paths"
+            if isinstance(value, (list, tuple)):
+                ok = bool(value) and all(isinstance(v, str) for v in value)
         if not ok:
-            wanted = " or ".join(_KINDS[k][1] for k in kinds if k in _KINDS)
             raise ConfigError(f"{s.dashed}={value!r} must be {wanted}, not {type(value).__name__}.")
         choices = s.meta["choices"]
         if choices and value is not None and value not in choices:

@@ -296,6 +296,10 @@ def test_config_file_with_command_line_overrides_and_print_config(tmp_path, caps
     assert cli.main(["--config", str(again), "--print-config"]) == 0
     assert capsys.readouterr().out.split("\n")[1:] == printed.split("\n")[1:]  # the same, but the source line
     assert not os.path.exists(out)  # printing trains nothing and writes nothing
+    # without --config (an AttributeError traceback before)
+    assert cli.main(["--device", "cpu", "--synthetic-data", "--steps", "7", "--out-dir", out, "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("# resolved by llmq-ray; use it with --config\n") and "\nsteps = 7\n" in printed
 
 
 def test_unknown_names_are_refused_with_the_closest_valid_one(tmp_path, capsys):

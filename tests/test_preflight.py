@@ -126,8 +126,8 @@ CASES = {
                                         "--eval-file {d}/short1.bin holds 10 tokens, fewer than one window of "
                                         "--seq-len + 1 = 17 tokens"),
     "train files each shorter than a window": (["--train-file", "{d}/short*.bin"],
-                                               "--train-file {d}/short*.bin is 2 files, each holding fewer, in all 20 "
-                                               "tokens, fewer than one window"),
+                                               "--train-file {d}/short*.bin is 2 files of at most 10 tokens each, "
+                                               "fewer than one window of --seq-len + 1 = 17 tokens"),
     "synthetic data and a train file": (["--synthetic-data", "--train-file", "{d}/good.bin"],
                                         "--synthetic-data and --train-file={d}/good.bin both say what to train on"),
     "checkpoint dir is a file": (["--checkpoint-dir", "{d}/afile"], "--checkpoint-dir={d}/afile is a file"),

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 
 from llmq_ray.options import TrainOptions
@@ -104,6 +105,7 @@ def test_values_of_the_wrong_type_or_outside_the_choices_are_one_sentence(tmp_pa
     check_types(dict(learning_rate=1, steps=3, train_file=["a.bin", "b.bin"], matmul_dtype=None, model="tiny",
                      eval_every_n_steps="auto", resume="latest", not_a_setting=object()))
     check_types(dict(resume=4))  # a step number, as the API documents
+    check_types(dict(resume=None, export=np.False_))  # None: no resume (resolve_continue); numpy's booleans
     kw = dict(device="cpu", synthetic_data=True, out_dir=str(tmp_path), verbose=False, model="tiny")
     for bad, sentence in [
             (dict(learning_rate="1e-3"), "learning_rate='1e-3' must be a number, not str."),
@@ -113,10 +115,20 @@ def test_values_of_the_wrong_type_or_outside_the_choices_are_one_sentence(tmp_pa
             (dict(out_dir=None), "out_dir=None must be a string, not NoneType."),
             (dict(use_cuda_graphs=1), "use_cuda_graphs=1 must be True or False, not int."),
             (dict(backend="jax"), "backend='jax' must be one of auto, torch, triton, cupy."),
-            (dict(eval_file=[]), "eval_file=[] must be a string, not list.")]:
+            (dict(eval_file=[]), "eval_file=[] must be a path (a string) or a non-empty list of paths, not list."),
+            (dict(warmup="soon"), "warmup='soon' must be an integer, not str.")]:
         with pytest.raises(ConfigError) as caught:
             LLMQTrainer(**{**kw, **bad})
         assert str(caught.value) == sentence
+    # what the API took before the check and still takes: "auto" where the trainer resolves it (also a config
+    # file's `warmup = "auto"`), resume=None, and pathlib paths (turned into strings), alone or in a list
+    from llmq_ray.data_pipeline.shards import write_shard
+
+    write_shard(str(tmp_path / "t.bin"), np.arange(1000, dtype=np.int32) % 512, 512)
+    t = LLMQTrainer(**{**kw, "synthetic_data": False, "train_file": [tmp_path / "t.bin"], "out_dir": tmp_path / "p",
+                       "warmup": "auto", "from_scratch": "auto", "resume": None, "steps": 30})
+    assert t.runtime["train_file"] == [str(tmp_path / "t.bin")] and t.runtime["out_dir"] == str(tmp_path / "p")
+    assert t.opts.warmup == 3 and t.opts.from_scratch is True and t.resume is None
     f = tmp_path / "run.toml"  # a config file's values reach the trainer as TOML typed them
     f.write_text('[optim]\nlr = "1e-3"\n')
     assert cli.main(["--device", "cpu", "--synthetic-data", "--out-dir", str(tmp_path / "o"), "--config", str(f)]) == 2

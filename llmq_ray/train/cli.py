@@ -194,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(args, "print_config", False):
             from llmq_ray.train.config_file import resolved_toml
 
-            print(resolved_toml(trainer.resolved_settings(), args.config or ""), end="")
+            print(resolved_toml(trainer.resolved_settings(), getattr(args, "config", None) or ""), end="")
             return 0
         result = trainer.fit()
         if result.stopped:

@@ -72,9 +72,13 @@ def check_windows(pattern: str, flag: str, vocab_size: int, seq_len: int) -> int
     files, counts = token_counts(pattern, flag, vocab_size)
     windows = int(windows_per_file(counts, seq_len).sum())
     if windows == 0:
-        each = "holds" if len(files) == 1 else f"is {len(files)} files, each holding fewer, in all"
-        raise DataError(f"{flag} {pattern} {each} {sum(counts)} tokens, fewer than one window of --seq-len + 1 = "
-                        f"{seq_len + 1} tokens (a window never spans two files).")
+        named = pattern if isinstance(pattern, str) else ", ".join(map(str, pattern))
+        if len(files) == 1:
+            held = f"holds {counts[0]} tokens, fewer than one window of --seq-len + 1 = {seq_len + 1} tokens"
+        else:
+            held = (f"is {len(files)} files of at most {max(counts)} tokens each, fewer than one window of "
+                    f"--seq-len + 1 = {seq_len + 1} tokens (a window never spans two files)")
+        raise DataError(f"{flag} {named} {held}.")
     return windows
 
 

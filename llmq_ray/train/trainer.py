@@ -233,15 +233,18 @@ class LLMQTrainer:
         written until all of them passed."""
         from llmq_ray.train.preflight import (check_locations, check_local_resources, check_ray_job_stop_grace,
                                               local_gpu_count)
-        from llmq_ray.settings import check_types
-        from llmq_ray.train.run_defaults import AUTO, resolve_eval, resolve_option_fields
+        from llmq_ray.settings import as_plain_paths, check_types
+        from llmq_ray.train.run_defaults import AUTO, AUTO_OPTION_FIELDS, DERIVED, resolve_eval, resolve_option_fields
 
         unknown = set(option_fields) - _OPTION_FIELDS
         if unknown:
             raise ConfigError(f"LLMQTrainer got unknown argument(s) {sorted(unknown)}; run options are "
                               f"{sorted(_OPTION_FIELDS)}.")
+        option_fields, runtime = as_plain_paths(option_fields), as_plain_paths(runtime)
+        resume = as_plain_paths({"resume": resume})["resume"]
         check_types({**option_fields, **runtime, "resume": resume, "ray_address": ray_address,
-                     "checkpoint_on_exit": checkpoint_on_exit, "allow_batch_change": allow_batch_change})
+                     "checkpoint_on_exit": checkpoint_on_exit, "allow_batch_change": allow_batch_change},
+                    auto=frozenset(AUTO_OPTION_FIELDS) | frozenset(DERIVED))
         r = runtime
         if r["device"] not in (AUTO, "cpu", "cuda"):
             raise ConfigError(f"--device={r['device']!r} must be auto, cuda or cpu.")
