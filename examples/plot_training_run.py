@@ -118,8 +118,16 @@ def plot(paths: list[str], out: str, labels: list[str] | None = None, smooth_win
     fig.tight_layout()
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    # through a sibling and a rename: an interrupted save never leaves a half-written picture at `out` (nor
+    # destroys the one an earlier call wrote there)
+    tmp = f"{out}.partial-{os.getpid()}"
+    try:
+        fig.savefig(tmp, dpi=110, format=os.path.splitext(out)[1].lstrip(".").lower() or "png")
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return out
 
 

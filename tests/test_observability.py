@@ -154,7 +154,7 @@ def test_wandb_logger_calls(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- plot
-def test_plot_training_run_writes_a_png(tmp_path):
+def test_plot_training_run_writes_a_png(tmp_path, monkeypatch):
     plot = _load_example("plot_training_run")
     a = _fake_log(str(tmp_path / "bf16" / "log.jsonl"))
     b = _fake_log(str(tmp_path / "fp8" / "log.jsonl"), steps=20, lr0=2e-3, nan_at=5)
@@ -172,6 +172,17 @@ def test_plot_training_run_writes_a_png(tmp_path):
     img = matplotlib.image.imread(str(out))
     assert img.shape[0] > 600 and img.shape[1] > 1000 and img[..., :3].std() > 0.05  # a real drawing
     assert plot.main([a, b, "--labels", "only-one", "--out", str(out)]) == 2
+    # a save that fails half-way leaves the earlier picture whole and no partial file beside it
+    from matplotlib.figure import Figure
+
+    def broken_save(self, path, **kw):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Figure, "savefig", broken_save)
+    assert plot.main([a, b, "--out", str(out)]) == 2
+    assert out.read_bytes() == data and os.listdir(out.parent) == ["cmp.png"]
 
 
 # ---------------------------------------------------------------------------------------------- progress
