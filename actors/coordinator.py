@@ -670,7 +670,7 @@ class Coordinator:
         """The optimizer update after one or more micro_step(); ``lr`` defaults to the schedule's.
         Returns the step record (loss, norm, ...)."""
         if not self.micro_pending:
-            raise RuntimeError("update() before any step(): run at least one forward+backward first.")
+            raise ConfigError("update() before any step(): call step() (one forward+backward) at least once first.")
         step = self.step
         lr = self.lr_at(step) if lr is None else float(lr)
         t0 = time.perf_counter()

@@ -167,7 +167,10 @@ def test_worker_metrics_visible_while_running(ray_cluster, shards, tmp_path):
                     found = float(line.rsplit(" ", 1)[1])
             time.sleep(0.5)
         assert found is not None and found > 0, "worker metric never reached the metrics endpoint"
-        # the run goes on after the metric was read: step-level calls still work
+        # the run goes on after the metric was read: step-level calls still work; update() with no step() before
+        # it is the caller's mistake, one ConfigError (it was a WorkerError around a RuntimeError)
+        with pytest.raises(ConfigError, match=r"^update\(\) before any step\(\): call step\(\)"):
+            t.update()
         t.step()
         stats = t.update(lr=1e-3)
         assert stats["lr"] == 1e-3 and np.isfinite(stats["norm"])
