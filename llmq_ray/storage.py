@@ -105,10 +105,25 @@ def _uri(template: str, inner: str) -> str:
     return f"{scheme_of(root)}://{inner.lstrip('/')}{query}"
 
 
+PROBE_RETRY_S = 15  # how long the check before a run retries a Google Cloud Storage call (gs:// URIs)
+
+
+def _probe_uri(uri: str) -> str:
+    """``uri`` for a quick check: pyarrow's GCS filesystem retries a failing call for 15 minutes by default (e.g.
+    no credentials: it keeps asking the metadata server of a machine outside Google Cloud), which would hang the
+    check before a run; the check gives up after ``PROBE_RETRY_S`` unless the URI sets ``retry_limit_seconds``
+    itself. The run's own calls keep the default, which rides out a store's short outages."""
+    if scheme_of(uri) not in ("gs", "gcs") or "retry_limit_seconds=" in uri:
+        return uri
+    base, query = _split_query(uri)
+    return f"{base}{query or '?'}{'&' if query else ''}retry_limit_seconds={PROBE_RETRY_S}"
+
+
 def check_reachable(path: str, what: str = "path") -> None:
     """One ConfigError sentence when the filesystem behind ``path`` cannot be reached (a wrong endpoint, no
-    credentials); nothing is written."""
-    fs, inner = filesystem(path, what)
+    credentials) within a bounded time (``_probe_uri``); nothing is written. ``path`` may be a glob (the
+    literal path is looked up: a missing one is fine, an unreachable store is not)."""
+    fs, inner = filesystem(_probe_uri(path), what)
     try:
         fs.get_file_info(inner)
     except OSError as exc:

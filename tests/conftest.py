@@ -57,15 +57,22 @@ def start_session_ray() -> None:
     that shut it down to run a cluster of its own (tests/test_zero_scope.py), to leave it as it found it."""
     import ray
 
-    ray.init(
-        num_cpus=RAY_NUM_CPUS,
-        object_store_memory=RAY_OBJECT_STORE_BYTES,
-        _temp_dir=session_ray_temp_dir(),
-        include_dashboard=False,
-        _system_config={"metrics_report_interval_ms": 1000},
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    # the instance's processes must not inherit a test module's LLMQ_RAY_CACHE (the s3 fixture sets one per module):
+    # a node's own LLMQ_RAY_CACHE wins over the driver's, so a later module's runs would stage in the first one's
+    cache = os.environ.pop("LLMQ_RAY_CACHE", None)
+    try:
+        ray.init(
+            num_cpus=RAY_NUM_CPUS,
+            object_store_memory=RAY_OBJECT_STORE_BYTES,
+            _temp_dir=session_ray_temp_dir(),
+            include_dashboard=False,
+            _system_config={"metrics_report_interval_ms": 1000},
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    finally:
+        if cache is not None:
+            os.environ["LLMQ_RAY_CACHE"] = cache
 
 
 @pytest.fixture(scope="session")

@@ -302,3 +302,28 @@ def test_forward_env_naming_an_unset_variable_is_warned(monkeypatch, tmp_path):
     notes = LLMQTrainer(forward_env="LLMQ_TEST_SET, LLMQ_TEST_UNSET", **kw).notes
     assert [n for n in notes if "--forward-env" in n] == [
         "--forward-env names LLMQ_TEST_UNSET, which is not set here, so the workers do not get it."]
+
+
+def test_an_unreachable_gcs_store_is_refused_in_bounded_time(monkeypatch, tmp_path):
+    """gs:// without credentials on a machine outside Google Cloud: pyarrow's GCS client retries for 15 minutes by
+    default (the run hung that long before a word); the check before the run bounds its retries (here to 2 s) and
+    ends in one sentence naming the flag. A URI that sets retry_limit_seconds keeps its own."""
+    from llmq_ray import storage
+    from llmq_ray.errors import ConfigError
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    assert storage._probe_uri("gs://b/x") == f"gs://b/x?retry_limit_seconds={storage.PROBE_RETRY_S}"
+    assert storage._probe_uri("gs://b/x?scheme=http") == f"gs://b/x?scheme=http&retry_limit_seconds={storage.PROBE_RETRY_S}"
+    assert storage._probe_uri("gs://b/x?retry_limit_seconds=3") == "gs://b/x?retry_limit_seconds=3"
+    assert storage._probe_uri("s3://b/x") == "s3://b/x"
+    for var in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "CLOUDSDK_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no gcloud credentials of this machine's user
+    monkeypatch.setattr(storage, "PROBE_RETRY_S", 2)
+    kw = dict(device="cpu", model="tiny", synthetic_data=True, out_dir=str(tmp_path / "out"), verbose=False)
+    for over, flag in ((dict(out_dir="gs://no-such-bucket/run"), "out_dir"),
+                       (dict(synthetic_data=False, train_file="gs://no-such-bucket/data/*.bin"), "train_file")):
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"^{flag}='gs://no-such-bucket/[^']*': cannot reach it"):
+            LLMQTrainer(**{**kw, **over})
+        assert time.monotonic() - t0 < 60

@@ -102,7 +102,7 @@ def test_unknown_schemes_and_unreachable_stores_end_in_one_sentence_before_train
         LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "nosuch://x/*.bin"})
     LLMQTrainer(**{**base, "out_dir": "s3://bucket/out"})  # outputs on a store are fine (tests/test_store_outputs.py)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port('127.0.0.1')}")  # nothing listens there
-    with pytest.raises(DataError, match=r"^train_file: cannot list s3://bucket/run .*(connect|Connect)"):
+    with pytest.raises(ConfigError, match=r"^train_file='s3://bucket/run/\*.bin': cannot reach it .*(connect|Connect)"):
         LLMQTrainer(**{**base, "synthetic_data": False, "train_file": "s3://bucket/run/*.bin"})
     assert not any(n.startswith(("nosuch", "s3:")) for n in os.listdir(tmp_path))  # no folder named after a URI
     p = _cli(["--device", "cpu", "--synthetic-data", "--checkpoint-dir", "nosuch://x"], tmp_path)
