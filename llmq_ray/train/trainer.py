@@ -55,7 +55,7 @@ from llmq_ray.actors.failures import CoordinatorLost, WorkerError, wrap_error
 from llmq_ray.actors.spec import RuntimeSpec
 from llmq_ray.model.config import resolve_model
 from llmq_ray import storage
-from llmq_ray.errors import CheckpointError, ConfigError, DataError, LLMQError
+from llmq_ray.errors import CheckpointError, ConfigError, LLMQError
 from llmq_ray.options import TrainOptions
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
