@@ -73,6 +73,11 @@ def bad_files(tmp_path_factory):
     big[1234] = 600  # >= the tiny model's vocabulary of 512
     write_shard(str(d / "bigid.bin"), big, 1024)
     (d / "afile").write_text("not a folder")
+    from llmq_ray.model.config import PRESETS
+
+    noweights = d / "noweights"  # an HF folder of the tiny model with its config and no weight file
+    noweights.mkdir()
+    (noweights / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_dict()))
     for name in ("short1.bin", "short2.bin"):  # 10 tokens each: 20 in all, no window of 17 inside one file
         write_shard(str(d / name), good[:10], 512)
     # a checkpoint of the tiny model, and a copy with one byte flipped in its shard (same size)
@@ -128,6 +133,7 @@ CASES = {
     "train files each shorter than a window": (["--train-file", "{d}/short*.bin"],
                                                "--train-file {d}/short*.bin is 2 files of at most 10 tokens each, "
                                                "fewer than one window of --seq-len + 1 = 17 tokens"),
+    "model folder without weights": (["--model", "{d}/noweights"], "{d}/noweights: no safetensors file found"),
     "synthetic data and a train file": (["--synthetic-data", "--train-file", "{d}/good.bin"],
                                         "--synthetic-data and --train-file={d}/good.bin both say what to train on"),
     "checkpoint dir is a file": (["--checkpoint-dir", "{d}/afile"], "--checkpoint-dir={d}/afile is a file"),

@@ -82,9 +82,8 @@ from llmq_ray import storage
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError, ConfigError
 from llmq_ray.model.params import ParamLayout
+from llmq_ray.model.weight_files import INDEX_FILE, SINGLE_FILE, find_tensor_files
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 # Files copied from ``tokenizer_source`` into an export when present.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
@@ -212,54 +211,6 @@ def _check_flat(layout: ParamLayout, flat: torch.Tensor) -> None:
 
 # ====================================================================================== loading
 
-def _find_checkpoint(path: str) -> tuple[str, dict[str, str]]:
-    """Resolve ``path`` to (description for errors, {tensor name: safetensors file}).
-
-    ``path`` is a folder (``model.safetensors.index.json`` preferred, then ``model.safetensors``, then a
-    single other ``*.safetensors``), a ``.safetensors`` file, or an ``.index.json`` file.
-    """
-    if os.path.isdir(path):
-        index = os.path.join(path, INDEX_FILE)
-        if os.path.isfile(index):
-            return _read_index(index)
-        single = os.path.join(path, SINGLE_FILE)
-        if not os.path.isfile(single):
-            found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if len(found) != 1:
-                has_bin = any(f.endswith((".bin", ".pt", ".pth")) for f in os.listdir(path))
-                hint = (" (pickled .bin/.pt weights are never loaded; convert them to safetensors first)"
-                        if has_bin else "")
-                what = "no safetensors file" if not found else f"{len(found)} safetensors files but no index"
-                raise CheckpointError(f"{path}: {what} found; expected {SINGLE_FILE} or {INDEX_FILE}{hint}.")
-            single = os.path.join(path, found[0])
-        return single, _file_names(single)
-    if path.endswith(".json") and os.path.isfile(path):
-        return _read_index(path)
-    if path.endswith(".safetensors") and os.path.isfile(path):
-        return path, _file_names(path)
-    raise CheckpointError(f"{path}: no such safetensors file, index.json or model folder.")
-
-
-def _read_index(index: str) -> tuple[str, dict[str, str]]:
-    """Read a sharded checkpoint's index: {tensor name: absolute shard path}; every shard must exist."""
-    try:
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{index}: not a valid safetensors index (expected JSON with a 'weight_map' "
-                              f"object; {exc}).") from exc
-    folder = os.path.dirname(os.path.abspath(index))
-    out = {}
-    for name, shard in weight_map.items():
-        file = os.path.join(folder, shard)
-        if not os.path.isfile(file):
-            raise CheckpointError(f"{index}: shard file {shard!r} (holding {name!r}) does not exist in {folder}.")
-        out[name] = file
-    return index, out
-
-
 def _open(file: str):
     from safetensors import safe_open
 
@@ -267,11 +218,6 @@ def _open(file: str):
         return safe_open(file, framework="pt", device="cpu")
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for corrupt headers
         raise CheckpointError(f"{file}: cannot be read as safetensors ({exc}).") from exc
-
-
-def _file_names(file: str) -> dict[str, str]:
-    with _open(file) as f:
-        return {name: file for name in f.keys()}
 
 
 def load_hf_weights(folder_or_file: str, layout: ParamLayout, flat: torch.Tensor) -> None:
@@ -289,7 +235,7 @@ def load_hf_weights(folder_or_file: str, layout: ParamLayout, flat: torch.Tensor
     tensor, a missing shard, or a folder without safetensors.
     """
     _check_flat(layout, flat)
-    source, where = _find_checkpoint(folder_or_file)
+    source, where = find_tensor_files(folder_or_file)
     expected = hf_tensor_map(layout)
     tied = layout.cfg.tie_word_embeddings
     stored = {name: name for name in where}  # our HF name -> the name in the file

@@ -353,8 +353,13 @@ class LLMQTrainer:
     # ------------------------------------------------------------------ validation before any Ray work
     def _check_inputs(self) -> None:
         o, r = self.opts, self.runtime
-        cfg, _ = resolve_model(o.model)
+        cfg, folder = resolve_model(o.model)
         self.cfg = cfg
+        if folder and not o.from_scratch and self.resume in (False, None):
+            # the weights the workers will load (their files' headers, no torch): one sentence here, not in rank 0
+            from llmq_ray.model.weight_files import find_tensor_files
+
+            find_tensor_files(folder)
         if o.tensor_parallel > 1:  # the model's split (heads, MLP width), before any actor starts
             from llmq_ray.engine.tensor_parallel import TensorParallelPlan
 
