@@ -332,7 +332,7 @@ class CheckpointSettings:
         0,
         "keep the checkpoints of steps that are multiples of N forever (0: none)",
         short='major', runtime=True)
-    resume: bool | int | str = setting(
+    resume: bool | int | str | None = setting(
         False,
         "resume from the newest valid checkpoint of --checkpoint-dir (incomplete ones are skipped with a "
         "warning), from that step, or from a checkpoint folder; any number of workers",
@@ -477,7 +477,6 @@ _KINDS = {  # the annotation's words: a test of a value, and how a sentence name
     "str": (lambda v: isinstance(v, str), "a string"),
 }
 _FILE_LISTS = ("train_file", "eval_file")  # a list of paths works there too (the data pipeline takes sequences)
-_MAY_BE_NONE = ("resume",)  # None means False there (checkpoints/store.py's resolve_continue)
 
 
 def _is_bool(value) -> bool:
@@ -485,25 +484,22 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
 
 
-def as_plain_paths(values: dict) -> dict:
-    """``values`` with every ``os.PathLike`` (a ``pathlib.Path``), alone or in a list, turned into its string:
-    the code below takes paths as strings (and URIs: ``s3://...`` is no Path)."""
+def plain_path(value):
+    """``value`` with an ``os.PathLike`` (a ``pathlib.Path``), alone or in a list, turned into its string: the
+    code below takes paths as strings (and URIs: ``s3://...`` is no Path); any other value as it is."""
     import os
 
-    def plain(v):
-        if isinstance(v, os.PathLike):
-            return os.fspath(v)
-        if isinstance(v, (list, tuple)):
-            return type(v)(plain(x) for x in v)
-        return v
-
-    return {k: plain(v) for k, v in values.items()}
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain_path(v) for v in value)
+    return value
 
 
 def check_types(values: dict, auto: frozenset = frozenset()) -> None:
     """ConfigError (one sentence naming the flag) for a value of the wrong type or outside the setting's
     choices, for every key of ``values`` that is a setting; other keys are ignored. Paths as strings
-    (``as_plain_paths`` first).
+    (``plain_path`` first).
 
     The command line's parser converts and checks its flags itself; this is for the Python API and config
     files, where ``learning_rate="1e-3"`` or ``batch_size = 2.0`` would otherwise surface as a TypeError deep in
@@ -515,8 +511,8 @@ def check_types(values: dict, auto: frozenset = frozenset()) -> None:
     known = by_name()
     for name, value in values.items():
         s = known.get(name)
-        if s is None or (value is None and (s.default is None or name in _MAY_BE_NONE)) or \
-                (type(value) is type(s.default) and value == s.default) or (name in auto and value == AUTO):
+        default = s is not None and type(value) is type(s.default) and value == s.default
+        if s is None or default or (value is None and s.default is None) or (name in auto and value == AUTO):
             continue
         kinds = [k.strip() for k in s.type.split("|")]
         ok = any(_KINDS[k][0](value) for k in kinds if k in _KINDS) or (value is None and "None" in kinds)

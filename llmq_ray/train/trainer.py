@@ -149,13 +149,18 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
 
 
+def forward_env_names(names: Optional[str]) -> list[str]:
+    """The variable names of --forward-env (comma-separated, blanks ignored)."""
+    return [n.strip() for n in (names or "").split(",") if n.strip()]
+
+
 def forwarded_env(names: Optional[str]) -> dict:
     """{name: value} of the driver's environment that the coordinator and every worker get: the variables with
     a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated), except that
     the driver's ``LLMQ_RAY_CACHE`` travels as ``LLMQ_RAY_DRIVER_CACHE``, so a node whose own environment sets
     ``LLMQ_RAY_CACHE`` keeps its own cache folder. ``LLMQ_RAY_FORWARDED`` lists them all, so the coordinator
     passes the same set on to the workers."""
-    wanted = {n.strip() for n in (names or "").split(",") if n.strip()}
+    wanted = set(forward_env_names(names))
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in wanted}
     env.pop("LLMQ_RAY_FORWARDED", None)
     if "LLMQ_RAY_CACHE" in env:  # a default only: a node's own LLMQ_RAY_CACHE wins (storage.cache_root)
@@ -233,15 +238,16 @@ class LLMQTrainer:
         written until all of them passed."""
         from llmq_ray.train.preflight import (check_locations, check_local_resources, check_ray_job_stop_grace,
                                               local_gpu_count)
-        from llmq_ray.settings import as_plain_paths, check_types
+        from llmq_ray.settings import check_types, plain_path
         from llmq_ray.train.run_defaults import AUTO, AUTO_OPTION_FIELDS, DERIVED, resolve_eval, resolve_option_fields
 
         unknown = set(option_fields) - _OPTION_FIELDS
         if unknown:
             raise ConfigError(f"LLMQTrainer got unknown argument(s) {sorted(unknown)}; run options are "
                               f"{sorted(_OPTION_FIELDS)}.")
-        option_fields, runtime = as_plain_paths(option_fields), as_plain_paths(runtime)
-        resume = as_plain_paths({"resume": resume})["resume"]
+        option_fields = {k: plain_path(v) for k, v in option_fields.items()}
+        runtime = {k: plain_path(v) for k, v in runtime.items()}
+        resume = plain_path(resume)
         check_types({**option_fields, **runtime, "resume": resume, "ray_address": ray_address,
                      "checkpoint_on_exit": checkpoint_on_exit, "allow_batch_change": allow_batch_change},
                     auto=frozenset(AUTO_OPTION_FIELDS) | frozenset(DERIVED))
@@ -391,16 +397,13 @@ class LLMQTrainer:
             raise ConfigError(f"--ckpt-keep-n={r['ckpt_keep_n']!r} must be an integer >= 1 (default 2).")
         if not isinstance(r["spike_window"], int) or r["spike_window"] < 2:
             raise ConfigError(f"--spike-window={r['spike_window']!r} must be an integer >= 2.")
-        t = r["step_timeout_s"]
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
-            raise ConfigError(f"--step-timeout-s={t!r} must be a number of seconds > 0 (default 1800: a step "
-                              f"that takes longer counts as a hung worker).")
-        for flag, default in (("collective_timeout_s", 300), ("call_timeout_s", 1800)):
+        for flag, default in (("step_timeout_s", "1800: a step that takes longer counts as a hung worker"),
+                              ("collective_timeout_s", "300"), ("call_timeout_s", "1800")):
             t = r[flag]
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
                 raise ConfigError(f"--{flag.replace('_', '-')}={t!r} must be a number of seconds > 0 (default "
                                   f"{default}).")
-        forwarded = [n.strip() for n in (r["forward_env"] or "").split(",") if n.strip()]
+        forwarded = forward_env_names(r["forward_env"])
         for name in forwarded:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                 raise ConfigError(f"--forward-env: {name!r} is not the name of an environment variable; the flag "
