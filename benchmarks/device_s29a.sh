@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 29 call A, one H200, carry .whl: RoPE's backward folded into our Triton attention backward's dQ/dK stores.
+# Session 29 calls A-B, one H200, carry .whl: RoPE's backward folded into our Triton attention backward's dQ/dK stores.
 # 1) its GPU tests (compiled kernels: the interpreter tests of test_triton_kernels.py run compiled here, and the
 #    realistic-shape check of test_triton_gpu.py); 2) the attention alone at 0.5B and 7B heads (folded vs separate
 #    pass vs cuDNN's parts into rope_backward_from); 3) the engine, 0.5B bf16 B=32 x 4 with CUDA graphs, alternated:

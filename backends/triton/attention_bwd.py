@@ -160,8 +160,9 @@ def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, start_p
     row_lo = pid_m * BLOCK_M
     rows = row_lo + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    q, do, lse, delta, _, _ = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ, q_b, q_t,
-                                           o_b, o_t, o_h, D, DOT_F32)
+    # (named, not ``_``: the loop below rebinds ``_`` to tiles of another shape, which compiled Triton refuses)
+    q, do, lse, delta, _qmask, _row_q = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
+                                                     q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     doc_lo = 0  # the first key every query of the block sees (documents: its document's start)
     if DOCS:  # no key before the start of the first query's document is seen by these queries
