@@ -9,8 +9,6 @@ contracts, shapes and dtypes are documented on ``Backend`` in backends/base.py).
   with atomics, so its bits can differ between runs.
 * ``deterministic`` (--deterministic-attention): the same forward, and the backward through our own Triton kernel
   (backends/triton/attention_bwd.py, no atomics: the same bits on every run; under the Triton interpreter on CPU).
-  Wherever our kernel runs the backward (this provider, and document masking's tile skipping below), it also
-  un-rotates RoPE in its dQ/dK stores at power-of-two head sizes (``attention_rope_backward``: no separate pass).
 
 Document masking (``--document-masking``): every op takes an optional ``documents`` (a ``DocumentMask``: the
 document index of each token inside its window, [B, T], and each document's bounds, built on the device once per
@@ -207,13 +205,9 @@ class SdpaAttention:
     def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, documents=None):
         """The gradient of the pre-RoPE qkv: cuDNN's dq/dk/dv go straight into ``backend.rope_backward_from``
         (no copy into dqkv first); otherwise ``backward`` then ``backend.rope_backward`` in place."""
-        if self._fused(qkv.dtype):
-            if not self._tile_skipping(documents):
-                dq, dk, dv = self._aten.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
-                return backend.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
-            if self._triton[1].folds_rope(qkv.shape[-1]):  # our kernel un-rotates dQ/dK in its stores
-                return self._triton[1].attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents,
-                                                          rope=(cos, sin))
+        if self._fused(qkv.dtype) and not self._tile_skipping(documents):
+            dq, dk, dv = self._aten.backward_parts(dout, out, lse, qkv, n_q_heads, n_kv_heads, _bias(documents))
+            return backend.rope_backward_from(dqkv, dq, dk, dv, cos, sin, n_q_heads, n_kv_heads)
         self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
         backend.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
 
@@ -241,10 +235,7 @@ class DeterministicAttention(SdpaAttention):
         self._kernel.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
 
     def rope_backward(self, backend, dqkv, dout, out, lse, qkv, cos, sin, n_q_heads, n_kv_heads, documents=None):
-        # our kernel writes dqkv whole, un-rotating dQ/dK in its stores where it can; no cuDNN parts
-        if self._kernel.folds_rope(qkv.shape[-1]):
-            return self._kernel.attention_backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents,
-                                                   rope=(cos, sin))
+        # our backward writes dqkv whole: the plain order, no cuDNN parts
         self.backward(dqkv, dout, out, lse, qkv, n_q_heads, n_kv_heads, documents)
         backend.rope_backward(dqkv, cos, sin, n_q_heads, n_kv_heads)
 

@@ -2,9 +2,7 @@
 dense causal kernels (no masking), the two kernel choices under masking (backends/attention.py DOCUMENT_KERNELS:
 our tile-skipping Triton kernels, and cuDNN's with the DocumentMask's score bias), our Triton kernels on
 windows of one document each (their dense speed), and without masking cuDNN's forward with our Triton backward
-(--deterministic-attention's path). A second table times the backward with RoPE's backward (what the model
-runs, ``attention_rope_backward``): cuDNN's parts into the one-pass ``rope_backward_from``, and our Triton backward
-with RoPE folded into its dQ/dK stores against the same kernel followed by the separate in-place RoPE pass.
+(--deterministic-attention's path).
 
     python benchmarks/attention_doc_mask.py                      # Qwen2.5-0.5B heads, B=32, T=1024
     python benchmarks/attention_doc_mask.py --heads 16 8 128 --batch-size 16   # Qwen3-0.6B's
@@ -107,29 +105,6 @@ def main() -> None:
         print(f"| {name} | {fwd:.3f} | {bwd:.3f} | {fwd + bwd:.3f} | {(fwd + bwd) / base:.3f}x |")
     for name, _, documents in variants[1:3]:
         print(f"| mask rebuild, {name} (once per micro-step) | {time_ms(documents.refresh, a.reps):.3f} | | | |")
-
-    from llmq_ray.backends import get_backend
-
-    backend = get_backend("triton", dev)
-    inv = 1e6 ** (-torch.arange(0, d // 2, dtype=torch.float32, device=dev) / (d // 2))
-    ang = torch.arange(t, dtype=torch.float32, device=dev)[:, None] * inv[None, :]
-    cos, sin = ang.cos(), ang.sin()
-
-    def separate(attn, documents):  # our kernel, then RoPE's backward as its own pass over dqkv
-        attn.backward(dqkv, dout, out, lse, qkv, hq, hkv, documents)
-        backend.rope_backward(dqkv, cos, sin, hq, hkv)
-
-    print("| backward with RoPE's backward | ms |")
-    print("|---|---|")
-    for name, attn, documents, fn in (
-            ("cuDNN dense causal, parts into rope_backward_from", cudnn, None, None),
-            ("our Triton backward, no masking, RoPE folded", variants[4][1], None, None),
-            ("our Triton backward, no masking, RoPE as a separate pass", variants[4][1], None, separate),
-            ("Triton tile-skipping, RoPE folded", tri, variants[2][2], None),
-            ("Triton tile-skipping, RoPE as a separate pass", tri, variants[2][2], separate)):
-        run = ((lambda: attn.rope_backward(backend, dqkv, dout, out, lse, qkv, cos, sin, hq, hkv, documents))
-               if fn is None else (lambda: fn(attn, documents)))
-        print(f"| {name} | {time_ms(run, a.reps):.3f} |")
 
 
 if __name__ == "__main__":

@@ -143,9 +143,6 @@ def main():
     ap.add_argument("--triton-attention-backward", action="store_true",
                     help="the attention backward through our Triton kernel (--deterministic-attention's) while the "
                          "GEMMs keep their tuned algorithms: what that kernel alone changes")
-    ap.add_argument("--no-rope-fold", action="store_true",
-                    help="A/B: our Triton attention backward followed by RoPE's backward as a separate pass, instead "
-                         "of un-rotating dQ/dK in the kernel's stores")
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="replace the preset's vocabulary size (e.g. GPT-2's 50257 by 50304, a multiple of 64) to "
                          "measure what an unaligned vocabulary costs")
@@ -190,10 +187,6 @@ def main():
         from llmq_ray.backends.attention import DeterministicAttention
 
         backend.attention = DeterministicAttention(backend.device)
-    if args.no_rope_fold:
-        from llmq_ray.backends.triton import attention_bwd
-
-        attention_bwd.folds_rope = lambda d: False
     if args.overlap_wgrad:
         enable_wgrad_overlap(engine.model, args.overlap_wgrad)
     gen = torch.Generator().manual_seed(0)

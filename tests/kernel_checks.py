@@ -140,41 +140,6 @@ def check_deterministic_attention_backward(fast):
               f"repeats differ from the first")
 
 
-
-def check_attention_backward_with_rope_folded():
-    """bf16, B=16 x T=1024 at 0.5B and 7B head shapes, and fp32 at B=2: our attention backward with RoPE's
-    backward folded into its dQ/dK stores (``rope=``) against the plain math followed by the reference's in-place
-    RoPE backward (fp32 ground truth; tolerance the dtype's), dV bit-equal to the unfolded kernel's, the same bits
-    in two runs."""
-    from llmq_ray.backends.triton import attention_bwd
-
-    for b, hq, hkv, d, dtype in ((16, HQ, HKV, D, torch.bfloat16), (4, 28, 4, 128, torch.bfloat16),
-                                 (2, HQ, HKV, D, torch.float32)):
-        t = 1024
-        qkv = randn(b, t, hq + 2 * hkv, d, seed=45, dtype=dtype)
-        dout = randn(b, t, hq, d, seed=46, dtype=dtype)
-        inv = 1e6 ** (-torch.arange(0, d // 2, dtype=torch.float32, device=DEV) / (d // 2))
-        ang = torch.arange(t, dtype=torch.float32, device=DEV)[:, None] * inv[None, :]
-        cos, sin = ang.cos(), ang.sin()
-        math_ref = get_backend_plain()
-        out = torch.empty(b, t, hq, d, dtype=dtype, device=DEV)
-        lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEV)
-        math_ref.attention_forward(out, lse, qkv, hq, hkv)
-        runs = []
-        for _ in range(2):
-            got = torch.full_like(qkv, float("nan"))
-            attention_bwd.attention_backward(got, dout, out, lse, qkv, hq, hkv, rope=(cos, sin))
-            runs.append(got)
-        unfolded = torch.empty_like(qkv)
-        attention_bwd.attention_backward(unfolded, dout, out, lse, qkv, hq, hkv)
-        want = torch.empty(qkv.shape, dtype=torch.float32, device=DEV)
-        math_ref.attention_backward(want, dout.float(), out.float(), lse, qkv.float(), hq, hkv)
-        math_ref.rope_backward(want, cos, sin, hq, hkv)
-        assert not runs[0].isnan().any() and torch.equal(runs[0], runs[1]), (hq, hkv, d, dtype)
-        assert torch.equal(runs[0][:, :, hq + hkv:], unfolded[:, :, hq + hkv:])
-        assert_close(runs[0], want, TOL[dtype], f"attention backward, RoPE folded, {hq}/{hkv}/{d} {dtype}")
-
-
 def check_deterministic_attention_backward_fp32():
     """fp32 (--model-dtype fp32 --deterministic-attention): true fp32 products, not TF32 (Triton's default for
     fp32 dots on NVIDIA, ~1e-3 relative error), so within the fp32 tolerance of the plain reference math."""

@@ -181,13 +181,9 @@ class _FakeTriton:
     def attention_forward(self, out, lse, qkv, n_q, n_kv, documents):
         self.calls.append(("forward", documents))
 
-    def attention_backward(self, dqkv, dout, out, lse, qkv, n_q, n_kv, documents, rope=None):
-        self.calls.append(("backward", documents, rope))
+    def attention_backward(self, dqkv, dout, out, lse, qkv, n_q, n_kv, documents):
+        self.calls.append(("backward", documents))
         dqkv.zero_()
-
-    @staticmethod
-    def folds_rope(d):
-        return True
 
 
 def _model_on_a_faked_gpu(kernels):
@@ -207,8 +203,8 @@ def _bias_of(seg):
 
 def test_on_the_gpu_the_tile_skipping_triton_kernels_get_the_documents_and_no_bias_is_made():
     """The bf16 GPU path (faked here), by default: every layer's forward and each chunk of the backward get the
-    model's DocumentMask (its rows, per chunk) with segment ids and bounds rebuilt at every forward, the backward
-    also RoPE's cos/sin (un-rotated in its stores); cuDNN is never called and no [B, 1, T, T] bias exists."""
+    model's DocumentMask (its rows, per chunk) with segment ids and bounds rebuilt at every forward; cuDNN is
+    never called and no [B, 1, T, T] bias exists."""
     model, cudnn, triton_kernels = _model_on_a_faked_gpu("triton")
     assert model.documents.bias is None
     model._forward_trunk(torch.tensor([[3, EOS, 4, 5, EOS, 6], [3, 4, 5, 6, 8, 9]]).reshape(-1))
@@ -223,7 +219,6 @@ def test_on_the_gpu_the_tile_skipping_triton_kernels_get_the_documents_and_no_bi
     model._attention_backward(model.acts.get("att", 0), model.acts.get("lse", 0), model.acts.get("qkv", 0))
     rows = [c[1] for c in triton_kernels.calls]
     assert [c[0] for c in triton_kernels.calls] == ["backward"] * 2 and cudnn.biases == []
-    assert all(c[2] is not None for c in triton_kernels.calls)  # RoPE's backward folded into the kernel
     for name in ("segments", "starts", "ends"):
         assert torch.equal(torch.cat([getattr(r, name) for r in rows]), getattr(model.documents, name))
 

@@ -57,10 +57,6 @@ def test_deterministic_attention_backward_fp32_is_not_tf32(tri):
     kc.check_deterministic_attention_backward_fp32()
 
 
-def test_attention_backward_with_rope_folded(tri):
-    kc.check_attention_backward_with_rope_folded()
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu(tri, ref, dtype):
     kc.check_swiglu(tri, ref, dtype)

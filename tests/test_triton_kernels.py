@@ -269,55 +269,6 @@ def test_deterministic_attention_backward(tri, ref, dtype, b, t, hq, hkv, d):
         assert torch.equal(via_backend, runs[0]), name
 
 
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("documents", [False, True])
-def test_attention_backward_folds_the_rope_backward(tri, ref, dtype, documents):
-    """``rope=(cos, sin)``: our backward un-rotates dQ/dK in its stores. Against the reference's backward followed
-    by its in-place RoPE backward (the path it replaces) at an odd length, GQA 3:1 and with and without document
-    masking; dV bit-equal to the unfolded kernel's; every element written; the providers take the fold; a head
-    size that is not a power of two is refused (the provider then keeps the separate pass)."""
-    from llmq_ray.backends.attention import DocumentMask
-    from llmq_ray.backends.triton import attention_bwd
-
-    b, t, hq, hkv, d = 2, 37, 6, 2, 16
-    qkv = randn(b, t, hq + 2 * hkv, d, seed=51, dtype=dtype)
-    dout = randn(b, t, hq, d, seed=52, dtype=dtype)
-    ang = torch.arange(t + 3, dtype=torch.float32)[:, None] * (1e4 ** (-torch.arange(d // 2) / (d // 2)))[None, :]
-    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)  # more rows than T, as the model's tables
-    mask = None
-    if documents:
-        seg = torch.tensor([[0] * 10 + [1] * 20 + [2] * 7, [0] * 37], dtype=torch.int32, device=DEVICE)
-        mask = DocumentMask(seg)
-        mask.refresh()
-    plain = get_backend("torch", DEVICE)
-    plain.attention._aten = None  # the reference math on any device
-    out = torch.empty(b, t, hq, d, dtype=dtype, device=DEVICE)
-    lse = torch.empty(b, hq, t, dtype=torch.float32, device=DEVICE)
-    plain.attention_forward(out, lse, qkv, hq, hkv, mask)
-    want = torch.empty_like(qkv)
-    plain.attention_backward(want, dout, out, lse, qkv, hq, hkv, mask)
-    unfolded = torch.full_like(qkv, float("nan"))
-    attention_bwd.attention_backward(unfolded, dout, out, lse, qkv, hq, hkv, mask)
-    plain.rope_backward(want, cos[:t], sin[:t], hq, hkv)
-    got = torch.full_like(qkv, float("nan"))
-    attention_bwd.attention_backward(got, dout, out, lse, qkv, hq, hkv, mask, rope=(cos, sin))
-    assert not got.isnan().any()
-    assert_close(got, want, TOL[dtype], "attention backward with RoPE folded in")
-    assert torch.equal(got[:, :, hq + hkv:], unfolded[:, :, hq + hkv:])  # dV untouched by the fold
-    assert not torch.equal(got[:, 1:, :hq + hkv], unfolded[:, 1:, :hq + hkv])  # dQ/dK were rotated
-    if dtype == torch.float32:  # position 0 has angle 0: no rotation (in bf16 the unfolded kernel rounds once more)
-        assert torch.equal(got[:, 0], unfolded[:, 0])
-    det = get_backend("triton", DEVICE, attention="deterministic")
-    via_provider = torch.empty_like(qkv)
-    det.attention_rope_backward(via_provider, dout, out, lse, qkv, cos, sin, hq, hkv, mask)
-    assert torch.equal(via_provider, got)
-    with pytest.raises(ValueError, match="powers of two, not 20"):
-        x = randn(1, 4, 3, 20, seed=53, dtype=dtype)
-        attention_bwd.attention_backward(torch.empty_like(x), x[:, :, :1].contiguous(), x[:, :, :1].contiguous(),
-                                         torch.zeros(1, 1, 4, device=DEVICE), x, 1, 1, rope=(cos[:, :10], sin[:, :10]))
-
-
 # ---------------------------------------------------------------------------------------------- SwiGLU
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swiglu_forward_backward(tri, ref, dtype):

@@ -80,36 +80,10 @@ def _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ, q_
 
 
 @triton.jit
-def _store_qk_grad(dqkv_ptr, row_base, rows, row_ok, g, cos_ptr, sin_ptr, stride_cos, BLOCK_R: tl.constexpr,
-                   BLOCK_D: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
-    """Store the fp32 gradient tile g [BLOCK_R, BLOCK_D] of one q or k head in the model dtype at
-    ``dqkv_ptr + row_base`` (row_base [BLOCK_R] int64: each row's head start; rows [BLOCK_R]: their positions,
-    row_ok: the rows inside T). With ROPE it is un-rotated first (the transpose of the forward's half-split
-    rotation at each row's position: (g1 c + g2 s, g2 c - g1 s), fp32) so that the gradient of the pre-RoPE
-    tensor lands with one rounding and no second pass over dqkv; ROPE needs BLOCK_D == D (even), the two halves
-    of a row being the tile's two column halves."""
-    if ROPE:
-        HALF: tl.constexpr = D // 2
-        g1, g2 = tl.split(tl.permute(tl.reshape(g, [BLOCK_R, 2, HALF]), (0, 2, 1)))  # columns [0, HALF), [HALF, D)
-        j = tl.arange(0, HALF)
-        mask = row_ok[:, None] & (j < HALF)[None, :]
-        trig = rows.to(tl.int64)[:, None] * stride_cos + j[None, :]
-        c = tl.load(cos_ptr + trig, mask=mask, other=0.0)
-        s = tl.load(sin_ptr + trig, mask=mask, other=0.0)
-        out = dqkv_ptr + row_base[:, None] + j[None, :]
-        tl.store(out, cast_to(g1 * c + g2 * s, dqkv_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + HALF, cast_to(g2 * c - g1 * s, dqkv_ptr.dtype.element_ty), mask=mask)
-    else:
-        d = tl.arange(0, BLOCK_D)
-        tl.store(dqkv_ptr + row_base[:, None] + d[None, :], cast_to(g, dqkv_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (d < D)[None, :])
-
-
-@triton.jit
-def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_ptr, cos_ptr, sin_ptr, stride_cos, T,
-                 HQ, HKV, scale, scale_log2, q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr,
-                 PREC: tl.constexpr, DOCS: tl.constexpr, ROPE: tl.constexpr):
+def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_ptr, T, HQ, HKV, scale, scale_log2,
+                 q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+                 DOCS: tl.constexpr):
     pid_n, b, hk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     key_lo = pid_n * BLOCK_N
     keys = key_lo + tl.arange(0, BLOCK_N)
@@ -144,25 +118,24 @@ def _dkdv_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, end_p
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
             ds = p * (dp - delta[:, None])
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC)
-    tl.store(dqkv_ptr + row_k + (HQ + HKV + hk) * D, cast_to(dv, dqkv_ptr.dtype.element_ty), mask=kmask)
-    row_base = b.to(tl.int64) * q_b + keys.to(tl.int64) * q_t + (HQ + hk) * D
-    _store_qk_grad(dqkv_ptr, row_base, keys, keys < T, dk * scale, cos_ptr, sin_ptr, stride_cos, BLOCK_N, BLOCK_D, D,
-                   ROPE)
+    dk = dk * scale
+    out_k = dqkv_ptr + row_k + (HQ + hk) * D
+    tl.store(out_k, cast_to(dk, dqkv_ptr.dtype.element_ty), mask=kmask)
+    tl.store(out_k + HKV * D, cast_to(dv, dqkv_ptr.dtype.element_ty), mask=kmask)
 
 
 @triton.jit
-def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, start_ptr, cos_ptr, sin_ptr, stride_cos, T,
-               HQ, HKV, scale, scale_log2, q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr,
-               PREC: tl.constexpr, DOCS: tl.constexpr, ROPE: tl.constexpr):
+def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, start_ptr, T, HQ, HKV, scale, scale_log2,
+               q_b, q_t, o_b, o_t, o_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               D: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+               DOCS: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     hk = h // GROUP
     row_lo = pid_m * BLOCK_M
     rows = row_lo + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    # (named, not ``_``: the loop below rebinds ``_`` to tiles of another shape, which compiled Triton refuses)
-    q, do, lse, delta, _qmask, _row_q = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
-                                                     q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
+    q, do, lse, delta, qmask, row_q = _query_block(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, b, h, rows, d, T, HQ,
+                                                   q_b, q_t, o_b, o_t, o_h, D, DOT_F32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     doc_lo = 0  # the first key every query of the block sees (documents: its document's start)
     if DOCS:  # no key before the start of the first query's document is seen by these queries
@@ -188,9 +161,7 @@ def _dq_kernel(qkv_ptr, dout_ptr, lse_ptr, delta_ptr, dqkv_ptr, seg_ptr, start_p
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    row_base = b.to(tl.int64) * q_b + rows.to(tl.int64) * q_t + h * D
-    _store_qk_grad(dqkv_ptr, row_base, rows, rows < T, dq * scale, cos_ptr, sin_ptr, stride_cos, BLOCK_M, BLOCK_D, D,
-                   ROPE)
+    tl.store(dqkv_ptr + row_q + h * D, cast_to(dq * scale, dqkv_ptr.dtype.element_ty), mask=qmask)
 
 
 LOG2E = 1.4426950408889634
@@ -206,21 +177,10 @@ def _tiles(d: int):
     return _INTERPRETER_TILES if INTERPRET else TILES[64 if d <= 64 else 128]
 
 
-def folds_rope(d: int) -> bool:
-    """Whether ``attention_backward`` can un-rotate RoPE in its dQ/dK stores at head size ``d`` (a power of two:
-    the two halves of a row are then the register tile's two column halves)."""
-    return d % 2 == 0 and next_pow2(d) == d
-
-
 def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: int, documents=None,
-                       tiles=None, rope=None) -> None:
+                       tiles=None) -> None:
     """dqkv[B, T, Hq + 2 Hkv, D] (overwritten) from dout/out[B, T, Hq, D], lse[B, Hq, T] fp32 and the post-RoPE
     qkv; the same contract as Backend.attention_backward, bit-reproducible. All tensors contiguous.
-
-    ``rope`` (cos, sin [>=T, D/2] fp32, row t for position t; only where ``folds_rope(D)``): dqkv's q and k parts
-    are written as the gradient of the *pre-RoPE* qkv instead (Backend.attention_rope_backward's contract): each
-    dQ / dK tile is un-rotated in fp32 in the registers before its one store, which saves the separate in-place
-    RoPE backward pass (one read and one write of the q/k part of dqkv) and one bf16 rounding.
 
     ``documents`` (document masking; backends/attention.py's DocumentMask, or its rows): a query sees only keys of
     its own document, and whole tiles outside the document are skipped: the dK/dV program of a key block stops at
@@ -240,14 +200,6 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: in
                              f"{tuple(x.shape)} strides {x.stride()}")
     if tuple(lse.shape) != (b, n_q_heads, t) or lse.dtype != torch.float32 or not lse.is_contiguous():
         raise ValueError(f"attention_backward: lse must be contiguous fp32 [{b}, {n_q_heads}, {t}]")
-    if rope is not None:
-        cos, sin = rope
-        if not folds_rope(d):
-            raise ValueError(f"attention_backward: RoPE can be folded in at head sizes that are powers of two, not {d}")
-        if (cos.dtype != torch.float32 or cos.shape[0] < t or tuple(cos.shape[1:]) != (d // 2,) or cos.stride(1) != 1
-                or sin.shape != cos.shape or sin.stride() != cos.stride() or sin.dtype != cos.dtype):
-            raise ValueError(f"attention_backward: cos/sin must be fp32 [>={t}, {d // 2}] with contiguous rows, got "
-                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     block_d = next_pow2(d)
     dkdv_tiles, dq_tiles = tiles or _tiles(d)
     delta = torch.empty(b, n_q_heads, t, dtype=torch.float32, device=qkv.device)
@@ -256,11 +208,9 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: in
     common = dict(BLOCK_D=block_d, D=d, GROUP=n_q_heads // n_kv_heads, DOT_F32=INTERPRET or qkv.dtype == torch.float32,
                   # fp32 tiles: true fp32 products ("ieee"); Triton's default for fp32 dots on NVIDIA is TF32
                   # (10-bit mantissa). bf16 tiles: the default (None), the same kernels as measured on the H100.
-                  PREC="ieee" if qkv.dtype == torch.float32 else None, DOCS=documents is not None,
-                  ROPE=rope is not None)
+                  PREC="ieee" if qkv.dtype == torch.float32 else None)
     scale = 1.0 / math.sqrt(d)
-    trig = (delta, delta, 0) if rope is None else (rope[0], rope[1], rope[0].stride(0))  # (not read without ROPE)
-    tail = (*trig, t, n_q_heads, n_kv_heads, scale, scale * LOG2E, qkv.stride(0), qkv.stride(1), dout.stride(0),
+    tail = (t, n_q_heads, n_kv_heads, scale, scale * LOG2E, qkv.stride(0), qkv.stride(1), dout.stride(0),
             dout.stride(1), dout.stride(2))
     if documents is None:
         seg = starts = ends = delta  # not read (DOCS=False)
@@ -270,6 +220,7 @@ def attention_backward(dqkv, dout, out, lse, qkv, n_q_heads: int, n_kv_heads: in
             if tuple(x.shape) != (b, t) or x.dtype != torch.int32 or not x.is_contiguous():
                 raise ValueError(f"attention_backward: documents.{name} must be contiguous int32 [{b}, {t}]")
     head = (qkv, dout, lse, delta, dqkv, seg)
+    common["DOCS"] = documents is not None
     bm, bn, warps, stages = dkdv_tiles
     _dkdv_kernel[(triton.cdiv(t, bn), b, n_kv_heads)](*head, ends, *tail, **common, BLOCK_M=bm, BLOCK_N=bn,
                                                       num_warps=warps, num_stages=stages)

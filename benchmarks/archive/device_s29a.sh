@@ -4,6 +4,8 @@
 #    realistic-shape check of test_triton_gpu.py); 2) the attention alone at 0.5B and 7B heads (folded vs separate
 #    pass vs cuDNN's parts into rope_backward_from); 3) the engine, 0.5B bf16 B=32 x 4 with CUDA graphs, alternated:
 #    cuDNN (the default) / our backward with the fold / our backward without it / cuDNN again.
+# Ran at 25b0978 + the compile fix (calls A and B; A failed to compile in Triton, B measured). The fold was reverted
+# after call B: it saved nothing measurable at 0.5B heads and was slower at 7B heads (benchmarks/LOG.md, 2026-11-29).
 source benchmarks/device_lib.sh s29a.log smi_s29a.csv
 git log --oneline -1 2>/dev/null | tee -a "$L"
 PYTHONPATH=/tmp/site:$PWD timeout -s INT 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
