@@ -314,3 +314,13 @@ def test_unknown_names_are_refused_with_the_closest_valid_one(tmp_path, capsys):
     (tmp_path / "twice.toml").write_text("steps = 3\n[optim]\nsteps = 4\n")
     err = _cli_error(["--config", str(tmp_path / "twice.toml")], capsys)
     assert "'steps' is given twice" in err
+
+
+def test_a_periodic_eval_of_no_batches_is_refused(tmp_path, capsys):
+    """--eval-num-steps 0 evaluated nothing and logged an eval loss of 0.0 at every --eval-every-n-steps."""
+    base = ["--device", "cpu", "--model", "tiny", "--synthetic-data", "--out-dir", str(tmp_path)]
+    err = _cli_error(base + ["--eval-num-steps", "0", "--eval-every-n-steps", "1"], capsys)
+    assert err == ("error: --eval-num-steps=0 must be an integer >= 1 (batches per periodic eval; "
+                   "--eval-every-n-steps 0 turns periodic evals off).")
+    err = _cli_error(base + ["--eval-every-n-steps", "-1"], capsys)
+    assert err == "error: --eval-every-n-steps=-1 must be an integer >= 0 (0: only the final eval)."

@@ -311,3 +311,28 @@ def test_document_masking_under_zero3_on_two_gloo_ranks_equals_one_process(tmp_p
     assert ((dist_params - params).norm() / params.norm()).item() < 1e-5
     unmasked, _ = one_process(False)
     assert abs(unmasked[0] - losses[0]) > 1e-4 * losses[0]
+
+
+def test_a_separator_that_masks_nothing_is_refused_before_ray(tmp_path):
+    """--document-separator outside the model's vocabulary, or absent from the train data, would run as if masking
+    were off; the data's meta.json naming a token outside the vocabulary means data of another tokenizer. Each is
+    one ConfigError from the trainer's constructor (before Ray; the API's names, the CLI says --document-separator
+    and --train-file); a separator that occurs is taken."""
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    write_shard(str(tmp_path / "train-000.bin"), np.array([5, 6, 9, 5] * 64, dtype=np.int32), 512)
+    kw = dict(model="tiny", device="cpu", train_file=str(tmp_path / "train-*.bin"), batch_size=2, seq_len=16,
+              steps=2, out_dir=str(tmp_path / "out"), document_masking=True)
+    with pytest.raises(ConfigError, match=r"^document_separator=999999 is not a token id of model tiny \(its "
+                                          r"vocabulary has 512 tokens\), so nothing would be masked\.$"):
+        LLMQTrainer(document_separator=999999, **kw)
+    with pytest.raises(ConfigError, match=r"^document_separator=7 never occurs in the first tokens of "
+                                          r"train_file .*train-\*\.bin, so nothing would be masked"):
+        LLMQTrainer(document_separator=7, **kw)
+    assert LLMQTrainer(document_separator=9, **kw).opts.document_separator == 9
+    (tmp_path / "meta.json").write_text(json.dumps({"eos_id": 151643}))
+    with pytest.raises(ConfigError, match=r"^document_masking: the end-of-document token 151643 named by the "
+                                          r"meta\.json .* was the data tokenized for another model\?$"):
+        LLMQTrainer(**kw)
+    (tmp_path / "meta.json").write_text(json.dumps({"eos_id": 6}))
+    assert LLMQTrainer(**kw).opts.document_separator == 6

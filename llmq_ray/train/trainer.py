@@ -302,9 +302,11 @@ class LLMQTrainer:
             self.lines.append(f"data: {desc}")
         r["eval_every_n_steps"], r["eval_num_steps"] = resolve_eval(
             r["eval_every_n_steps"], r["eval_num_steps"], bool(r["eval_file"]), machine)
-        for flag in ("eval_every_n_steps", "eval_num_steps"):
-            if isinstance(r[flag], bool) or not isinstance(r[flag], int) or r[flag] < 0:
-                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= 0.")
+        for flag, least, why in (("eval_every_n_steps", 0, "0: only the final eval"),
+                                 ("eval_num_steps", 1, "batches per periodic eval; --eval-every-n-steps 0 turns "
+                                                       "periodic evals off")):
+            if isinstance(r[flag], bool) or not isinstance(r[flag], int) or r[flag] < least:
+                raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= {least} ({why}).")
         self._check_data()
         self.resume_from = self._resolve_resume()  # last: it hashes the whole checkpoint (a minute at 7B, cold)
         known_world = (r["workers"] or 1) if machine == "cpu" and local else (r["gpus"] or r["workers"] or None)
@@ -470,16 +472,30 @@ class LLMQTrainer:
             check_windows(r["eval_file"], "--eval-file", self.cfg.vocab_size, self.opts.seq_len)
 
     def _resolve_document_separator(self) -> None:
-        """--document-masking without --document-separator: the EOS the tokenizer appended to every document
-        (meta.json beside the first train shard), else the model's eos_token_id."""
-        if not self.opts.document_masking or self.opts.document_separator is not None:
+        """--document-masking: a given --document-separator must be a token of the model that occurs in the first
+        train shard (else the run would silently mask nothing); without one, the EOS the tokenizer appended to
+        every document (meta.json beside the first train shard), else the model's eos_token_id (which must occur)."""
+        if not self.opts.document_masking:
             return
-        from llmq_ray.train.preflight import data_eos_id
-
-        from llmq_ray.train.preflight import separator_seen
+        from llmq_ray.train.preflight import data_eos_id, separator_seen
 
         r = self.runtime
+        vocab = self.cfg.vocab_size
+        if self.opts.document_separator is not None:  # given: a token of this model that occurs in the data
+            sep = self.opts.document_separator
+            if sep >= vocab:
+                raise ConfigError(f"--document-separator={sep} is not a token id of model {self.opts.model} (its "
+                                  f"vocabulary has {vocab} tokens), so nothing would be masked.")
+            if not r["synthetic_data"] and separator_seen(r["train_file"], sep) is False:
+                raise ConfigError(f"--document-separator={sep} never occurs in the first tokens of --train-file "
+                                  f"{r['train_file']}, so nothing would be masked; pass the token that ends its "
+                                  f"documents.")
+            return
         sep = None if r["synthetic_data"] else data_eos_id(r["train_file"])
+        if sep is not None and not 0 <= sep < vocab:
+            raise ConfigError(f"--document-masking: the end-of-document token {sep} named by the meta.json beside "
+                              f"--train-file {r['train_file']} is not a token id of model {self.opts.model} (its "
+                              f"vocabulary has {vocab} tokens): was the data tokenized for another model?")
         if sep is None:
             sep = self.cfg.eos_token_id
             if sep is None:
