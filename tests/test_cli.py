@@ -316,7 +316,7 @@ def test_unknown_names_are_refused_with_the_closest_valid_one(tmp_path, capsys):
     assert "'steps' is given twice" in err
 
 
-def test_a_periodic_eval_of_no_batches_is_refused(tmp_path, capsys):
+def test_a_periodic_eval_of_no_batches_and_a_negative_sample_are_refused(tmp_path, capsys):
     """--eval-num-steps 0 evaluated nothing and logged an eval loss of 0.0 at every --eval-every-n-steps."""
     base = ["--device", "cpu", "--model", "tiny", "--synthetic-data", "--out-dir", str(tmp_path)]
     err = _cli_error(base + ["--eval-num-steps", "0", "--eval-every-n-steps", "1"], capsys)
@@ -324,3 +324,6 @@ def test_a_periodic_eval_of_no_batches_is_refused(tmp_path, capsys):
                    "--eval-every-n-steps 0 turns periodic evals off).")
     err = _cli_error(base + ["--eval-every-n-steps", "-1"], capsys)
     assert err == "error: --eval-every-n-steps=-1 must be an integer >= 0 (0: only the final eval)."
+    # the command's own sample: a negative length printed nothing, silently
+    err = _cli_error(base + ["--sample-tokens", "-1"], capsys)
+    assert err == "error: --sample-tokens=-1 must be an integer >= 0 (0: no sample)."

@@ -177,6 +177,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from llmq_ray.train.trainer import LLMQTrainer
 
         kwargs = trainer_kwargs(args)
+        if args.sample_tokens < 0:  # a setting of the command, not of the trainer: checked here
+            from llmq_ray.errors import ConfigError
+
+            raise ConfigError(f"--sample-tokens={args.sample_tokens} must be an integer >= 0 (0: no sample).")
         if getattr(args, "config", None):
             from llmq_ray.train.config_file import read_config
 
