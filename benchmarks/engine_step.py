@@ -101,6 +101,35 @@ def print_stream_gaps(prof, top: int = 12) -> None:
         print(f"GAPS {g / 1e3:8.2f} ms after {before[:50]} before {after[:50]}")
 
 
+class _TritonAttention:
+    """--triton-attention: our Triton forward (given one document per window: plain causal) and backward."""
+
+    name = "triton"
+    deterministic = True
+
+    def __init__(self, device):
+        from llmq_ray.backends.attention import DeterministicAttention
+
+        self._inner = DeterministicAttention(device)
+        self._one_doc = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def forward(self, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
+        from llmq_ray.backends.attention import DocumentMask
+        from llmq_ray.backends.triton import attention_fwd
+
+        if documents is None:
+            b, t = qkv.shape[:2]
+            if (b, t) not in self._one_doc:
+                mask = DocumentMask(torch.zeros(b, t, dtype=torch.int32, device=qkv.device))
+                mask.refresh()
+                self._one_doc[(b, t)] = mask
+            documents = self._one_doc[(b, t)]
+        attention_fwd.attention_forward(out, lse, qkv, n_q_heads, n_kv_heads, documents)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="Qwen2.5-0.5B")
@@ -143,6 +172,9 @@ def main():
     ap.add_argument("--triton-attention-backward", action="store_true",
                     help="the attention backward through our Triton kernel (--deterministic-attention's) while the "
                          "GEMMs keep their tuned algorithms: what that kernel alone changes")
+    ap.add_argument("--triton-attention", action="store_true",
+                    help="forward and backward through our Triton kernels (the forward with one document per "
+                         "window, i.e. plain causal): what replacing cuDNN's attention altogether changes")
     ap.add_argument("--vocab-size", type=int, default=None,
                     help="replace the preset's vocabulary size (e.g. GPT-2's 50257 by 50304, a multiple of 64) to "
                          "measure what an unaligned vocabulary costs")
@@ -187,6 +219,8 @@ def main():
         from llmq_ray.backends.attention import DeterministicAttention
 
         backend.attention = DeterministicAttention(backend.device)
+    if args.triton_attention:
+        backend.attention = _TritonAttention(backend.device)
     if args.overlap_wgrad:
         enable_wgrad_overlap(engine.model, args.overlap_wgrad)
     gen = torch.Generator().manual_seed(0)
