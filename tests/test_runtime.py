@@ -115,7 +115,31 @@ def test_a_second_fit_on_the_same_trainer_is_refused(ray_cluster, shards, tmp_pa
     with pytest.raises(ConfigError, match=r"^fit\(\) already ran on this LLMQTrainer \(into out_dir=.*\); make a new "
                                           r"LLMQTrainer for another run, with resume=True"):
         trainer.fit()
+    for call in (trainer.export, trainer.validate, trainer.train_step):  # each started a new run from scratch
+        with pytest.raises(ConfigError, match=r"^this LLMQTrainer's run has ended \(by fit\(\), stop\(\) or close\(\); "):
+            call()
     assert (sorted(os.listdir(tmp_path)), os.path.getmtime(first.log_file)) == before
+
+
+def test_calls_after_a_step_level_loop_stopped_are_refused(ray_cluster, shards, tmp_path):
+    """export() after stop() started a new run from scratch: it exported freshly initialized weights as
+    out_dir/export (the trained export and the log set aside beside it). Now one ConfigError, the outputs as they
+    were; train_step() keeps returning None after a stop, as documented."""
+    train, _, _ = shards
+    trainer = LLMQTrainer(model="tiny", train_file=train, steps=3, batch_size=2, seq_len=16, device="cpu",
+                          out_dir=str(tmp_path), export_dtype="fp32", **FAST)
+    trainer.train_step()
+    exported = _export_tensors(trainer.export())
+    assert trainer.stop()["checkpoint"].endswith("step_00000001")
+    before = sorted(os.listdir(tmp_path)), os.path.getmtime(trainer._log_path())
+    assert trainer.train_step() is None
+    for call in (trainer.export, trainer.validate, trainer.step, trainer.save_checkpoint, trainer.weights):
+        with pytest.raises(ConfigError, match=r"^this LLMQTrainer.s run has ended .*out_dir=.*: make a new "
+                                              r"LLMQTrainer, with resume=True to go on from its last checkpoint\.$"):
+            call()
+    assert (sorted(os.listdir(tmp_path)), os.path.getmtime(trainer._log_path())) == before
+    again = _export_tensors(os.path.join(str(tmp_path), "export"))
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)
 
 
 def test_fit_inside_a_ray_task(ray_cluster, shards, tmp_path):

@@ -623,9 +623,15 @@ class LLMQTrainer:
                            run_id=r["run_id"])
 
     def start(self) -> dict:
-        """Join/start Ray, place the workers and build their engines (done lazily by every other call)."""
+        """Join/start Ray, place the workers and build their engines (done lazily by every other call). Refused
+        once this trainer's run has ended (fit() returned, or stop() / close() after it started): starting again
+        would train a new run from scratch whose export and log replace this run's."""
         if self.coordinator is not None:
             return self.info
+        if self._ended:
+            raise ConfigError(f"this LLMQTrainer's run has ended (by fit(), stop() or close(); its outputs are in "
+                              f"out_dir={self.runtime['out_dir']}), and another call would start a new run from "
+                              f"scratch: make a new LLMQTrainer, with resume=True to go on from its last checkpoint.")
         try:
             return self._start()
         except LLMQError as exc:
