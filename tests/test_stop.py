@@ -199,9 +199,10 @@ def test_checkpoints_are_on_by_default_every_few_minutes_and_at_the_end(ray_clus
     assert [os.path.basename(p) for p in res.checkpoint_paths] == ["step_00000003", "step_00000004"]  # keep 2
     # the default 30 minutes: only the checkpoint after the last step
     again = _api_run(shards, out, steps=3, ckpt_minutes=30.0, verbose=True, progress=False)
+    assert not [n for n in os.listdir(out) if n.startswith("ckpt.before-")]  # moved as the run starts, not before
+    res = again.fit()
     kept = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("checkpoints: an earlier run's")]
     assert len(kept) == 1 and "were kept as" in kept[0]
-    res = again.fit()
     assert [os.path.basename(p) for p in res.checkpoint_paths] == ["step_00000003"]
     assert sorted(n for n in os.listdir(out) if n.startswith("ckpt.before-")) != []
     with pytest.raises(CheckpointError, match="already holds checkpoints"):  # a folder the user named is never moved

@@ -57,6 +57,7 @@ from llmq_ray.model.config import resolve_model
 from llmq_ray import storage
 from llmq_ray.errors import CheckpointError, ConfigError, LLMQError
 from llmq_ray.options import TrainOptions
+from llmq_ray.train.run_lock import RunLock
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
 
@@ -226,6 +227,7 @@ class LLMQTrainer:
         self._signals = None                     # the SignalStop of a running fit()
         self._ended = False                      # the log's "end" record is written
         self._fit_began = False                  # a fit() got its workers: a second one would train anew
+        self._run_lock = RunLock()               # the out-dir's and checkpoint folder's, while the run may write
         self._steps_done = 0                     # optimizer steps completed (as far as the driver knows)
         self._stopped: Optional[dict] = None     # what stop() returned
         self._stop_reason: Optional[str] = None  # why the run stops when no signal says it (a drain notice)
@@ -313,22 +315,6 @@ class LLMQTrainer:
         t = self.opts.tensor_parallel
         if known_world and known_world % t == 0:  # else _build_spec says why
             self._keep_global_batch(known_world // t)
-        if self.resume_from and not storage.is_remote(self.resume_from) and \
-                os.path.dirname(self.resume_from) == self.checkpoint_dir:
-            # every check passed: a run that goes back to an older checkpoint starts a new branch
-            from llmq_ray.checkpoints.store import set_aside_newer, step_of
-
-            moved_to, names = set_aside_newer(self.checkpoint_dir, step_of(self.resume_from) or 0)
-            if moved_to:
-                self.lines.append(f"continuing from {os.path.basename(self.resume_from)}: the newer checkpoints "
-                                  f"{', '.join(names)} were moved to {moved_to} (kept, no longer resumed from)")
-        if self._set_aside_ckpt:
-            from llmq_ray.observe.runlog import set_aside_name
-
-            kept = set_aside_name(self._set_aside_ckpt, default_ext="")
-            os.replace(self._set_aside_ckpt, kept)
-            self.lines.append(f"checkpoints: an earlier run's checkpoints at {self._set_aside_ckpt} were kept as "
-                              f"{kept} (pass --continue to resume a run instead)")
         if self.verbose:
             for line in self.lines:
                 print(line, flush=True)
@@ -633,9 +619,42 @@ class LLMQTrainer:
                               f"out_dir={self.runtime['out_dir']}), and another call would start a new run from "
                               f"scratch: make a new LLMQTrainer, with resume=True to go on from its last checkpoint.")
         try:
+            self._claim_outputs()
             return self._start()
         except LLMQError as exc:
+            self._run_lock.release()
             raise self._named(exc) from None
+
+    def _claim_outputs(self) -> None:
+        """As the run starts (not at construction: ``--print-config`` or a trainer never started moves nothing):
+        take the run lock of the local out-dir and of an explicit checkpoint folder (llmq_ray/train/run_lock.py:
+        a second run into them is refused; the default out-dir/ckpt is the out-dir's), then keep what an earlier
+        run left where this one will write: checkpoints newer than the one resumed from (a new branch), or a
+        fresh run's default checkpoint folder, moved beside it."""
+        if self._run_lock.held:
+            return
+        folders = [(self.runtime["out_dir"], "--out-dir")]
+        if not self._default_ckpt_dir:
+            folders.append((self.checkpoint_dir, "--checkpoint-dir"))
+        self._run_lock.acquire([(f, flag) for f, flag in folders if not storage.is_remote(f)])
+        lines = []
+        if self.resume_from and not storage.is_remote(self.resume_from) and \
+                os.path.dirname(self.resume_from) == self.checkpoint_dir:
+            from llmq_ray.checkpoints.store import set_aside_newer, step_of
+
+            moved_to, names = set_aside_newer(self.checkpoint_dir, step_of(self.resume_from) or 0)
+            if moved_to:
+                lines.append(f"continuing from {os.path.basename(self.resume_from)}: the newer checkpoints "
+                             f"{', '.join(names)} were moved to {moved_to} (kept, no longer resumed from)")
+        if self._set_aside_ckpt:
+            from llmq_ray.observe.runlog import set_aside_name
+
+            kept = set_aside_name(self._set_aside_ckpt, default_ext="")
+            os.replace(self._set_aside_ckpt, kept)
+            lines.append(f"checkpoints: an earlier run's checkpoints at {self._set_aside_ckpt} were kept as "
+                         f"{kept} (pass --continue to resume a run instead)")
+            self._set_aside_ckpt = None
+        self._print(lines)
 
     def _start(self) -> dict:
         ray = self._init_ray()
@@ -1137,6 +1156,7 @@ class LLMQTrainer:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
+        self._run_lock.release()
 
     def __enter__(self):
         return self
