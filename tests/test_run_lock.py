@@ -65,6 +65,7 @@ def test_a_second_trainer_into_the_same_folders_is_refused_until_the_first_ends(
     second._claim_outputs()  # the first run ended: the folder is free
     assert second._run_lock.held
     second.close()
+    assert not os.path.exists(tmp_path / "out" / LOCK_NAME)  # a run that ends removes its lock file
 
 
 def test_a_run_of_another_process_holds_the_out_dir_and_the_cli_says_so_before_ray(tmp_path, train_file, capsys):

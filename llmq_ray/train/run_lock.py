@@ -8,7 +8,8 @@ moves anything) and gives it back when the run ends (``close()``); a second run 
 one sentence before it touches anything.
 
 The lock is ``filelock``'s (``fcntl.flock`` on Linux): the operating system drops it when the process ends, so a
-crashed or killed run never leaves a stale lock (an empty lock file left behind means nothing). Two trainers of
+crashed or killed run never leaves a stale lock (only its empty lock file, which means nothing; a run that ends
+normally removes it). Two trainers of
 one process are refused as well (each lock is an open file description of its own). Local folders only, on file
 systems with OS locks: an object store has none, and runs there are not guarded (docs/stopping-and-resuming.md).
 """
@@ -63,6 +64,12 @@ class RunLock:
             raise
 
     def release(self) -> None:
+        """Give the locks back, removing each lock file while still holding it (a run that starts meanwhile
+        either fails on the held lock or makes a new file; only a crash leaves the empty file behind)."""
         for lock in reversed(self._held):
+            try:
+                os.unlink(lock.lock_file)
+            except OSError:
+                pass
             lock.release(force=True)
         self._held = []
