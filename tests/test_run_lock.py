@@ -44,7 +44,7 @@ def _micro_checkpoint(folder: str) -> None:
 def test_a_second_trainer_into_the_same_folders_is_refused_until_the_first_ends(tmp_path, train_file):
     kw = dict(model="tiny", device="cpu", train_file=train_file, batch_size=2, seq_len=16, steps=2, verbose=False)
     first = LLMQTrainer(out_dir=str(tmp_path / "out"), **kw)
-    first._claim_outputs()  # what start() does before Ray (the lock is all this test needs)
+    first._lock_outputs()  # what start() does before Ray (the lock is all this test needs)
     assert os.path.isfile(tmp_path / "out" / LOCK_NAME)
     second = LLMQTrainer(out_dir=str(tmp_path / "out"), **kw)
     with pytest.raises(ConfigError, match=rf"^out_dir={tmp_path}/out is in use by another llmq-ray run \(it holds "
@@ -54,7 +54,7 @@ def test_a_second_trainer_into_the_same_folders_is_refused_until_the_first_ends(
     # an explicit checkpoint folder is guarded as well, from a run with another out-dir
     shared = dict(checkpoint_dir=str(tmp_path / "ckpt"), **kw)
     a = LLMQTrainer(out_dir=str(tmp_path / "a"), **shared)
-    a._claim_outputs()
+    a._lock_outputs()
     with pytest.raises(ConfigError, match=r"^checkpoint_dir=.*/ckpt is in use by another llmq-ray run"):
         LLMQTrainer(out_dir=str(tmp_path / "b"), **shared).start()
     free = RunLock()  # all or none: the refused run gave back the lock of its own out-dir
@@ -62,7 +62,7 @@ def test_a_second_trainer_into_the_same_folders_is_refused_until_the_first_ends(
     free.release()
     first.close()
     a.close()
-    second._claim_outputs()  # the first run ended: the folder is free
+    second._lock_outputs()  # the first run ended: the folder is free
     assert second._run_lock.held
     second.close()
     assert not os.path.exists(tmp_path / "out" / LOCK_NAME)  # a run that ends removes its lock file
@@ -92,7 +92,7 @@ def test_a_run_of_another_process_holds_the_out_dir_and_the_cli_says_so_before_r
         holder.communicate("", timeout=30)  # the holder exits: the OS drops its lock
     lock_free = LLMQTrainer(model="tiny", device="cpu", train_file=train_file, batch_size=2, seq_len=16, steps=2,
                             out_dir=str(out), verbose=False)
-    lock_free._claim_outputs()
+    lock_free._lock_outputs()
     lock_free.close()
 
 
@@ -103,3 +103,24 @@ def test_print_config_moves_no_earlier_checkpoints(tmp_path, train_file, capsys)
     assert cli.main(argv) == 0
     assert "out_dir" in capsys.readouterr().out
     assert sorted(os.listdir(out)) == ["ckpt"] and os.listdir(out / "ckpt") == ["step_00000004"]
+
+
+def test_a_run_whose_workers_cannot_be_placed_moves_no_earlier_checkpoints(ray_cluster, tmp_path, train_file,
+                                                                           monkeypatch):
+    """The earlier run's checkpoints in the default out-dir/ckpt are moved aside just before the coordinator
+    starts: a run refused after joining Ray (here the resource check) leaves them, and its lock, as they were."""
+    from llmq_ray.actors import placement
+
+    out = tmp_path / "out"
+    _micro_checkpoint(str(out / "ckpt"))
+
+    def no_room(spec):
+        raise ConfigError("no room for the workers (stand-in for the resource check)")
+
+    monkeypatch.setattr(placement, "check_resources", no_room)
+    trainer = LLMQTrainer(model="tiny", device="cpu", train_file=train_file, batch_size=2, seq_len=16, steps=2,
+                          out_dir=str(out), verbose=False)
+    with pytest.raises(ConfigError, match="^no room for the workers"):
+        trainer.start()
+    assert sorted(os.listdir(out)) == ["ckpt"] and os.listdir(out / "ckpt") == ["step_00000004"]
+    trainer.close()

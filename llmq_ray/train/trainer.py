@@ -619,24 +619,28 @@ class LLMQTrainer:
                               f"out_dir={self.runtime['out_dir']}), and another call would start a new run from "
                               f"scratch: make a new LLMQTrainer, with resume=True to go on from its last checkpoint.")
         try:
-            self._claim_outputs()
+            self._lock_outputs()
             return self._start()
         except LLMQError as exc:
             self._run_lock.release()
             raise self._named(exc) from None
 
-    def _claim_outputs(self) -> None:
-        """As the run starts (not at construction: ``--print-config`` or a trainer never started moves nothing):
-        take the run lock of the local out-dir and of an explicit checkpoint folder (llmq_ray/train/run_lock.py:
-        a second run into them is refused; the default out-dir/ckpt is the out-dir's), then keep what an earlier
-        run left where this one will write: checkpoints newer than the one resumed from (a new branch), or a
-        fresh run's default checkpoint folder, moved beside it."""
+    def _lock_outputs(self) -> None:
+        """Take the run lock of the local out-dir and of an explicit checkpoint folder before Ray starts
+        (llmq_ray/train/run_lock.py: a second run into them is refused; the default out-dir/ckpt is the
+        out-dir's). Held until ``close()``."""
         if self._run_lock.held:
             return
         folders = [(self.runtime["out_dir"], "--out-dir")]
         if not self._default_ckpt_dir:
             folders.append((self.checkpoint_dir, "--checkpoint-dir"))
         self._run_lock.acquire([(f, flag) for f, flag in folders if not storage.is_remote(f)])
+
+    def _keep_earlier_outputs(self) -> None:
+        """Just before the coordinator starts (not at construction: ``--print-config`` or a trainer that never
+        starts, or whose workers cannot be placed, moves nothing), keep what an earlier run left where this one
+        will write: checkpoints newer than the one resumed from (a new branch), or a fresh run's default
+        checkpoint folder, moved beside it. The run lock is held (no other run is writing them)."""
         lines = []
         if self.resume_from and not storage.is_remote(self.resume_from) and \
                 os.path.dirname(self.resume_from) == self.checkpoint_dir:
@@ -668,6 +672,7 @@ class LLMQTrainer:
         env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
         env.update(forwarded_env(self.runtime["forward_env"]))  # credentials, endpoints, NCCL/GLOO, W&B...
         self._coordinator_env = env
+        self._keep_earlier_outputs()
         self.coordinator = self._new_coordinator(self.spec)
         try:
             self.info = self._get(self.coordinator.start.remote(self.notes), "start-up")
