@@ -320,8 +320,8 @@ def test_a_periodic_eval_of_no_batches_and_a_negative_sample_are_refused(tmp_pat
     """--eval-num-steps 0 evaluated nothing and logged an eval loss of 0.0 at every --eval-every-n-steps."""
     base = ["--device", "cpu", "--model", "tiny", "--synthetic-data", "--out-dir", str(tmp_path)]
     err = _cli_error(base + ["--eval-num-steps", "0", "--eval-every-n-steps", "1"], capsys)
-    assert err == ("error: --eval-num-steps=0 must be an integer >= 1 (batches per periodic eval; "
-                   "--eval-every-n-steps 0 turns periodic evals off).")
+    assert err == ("error: --eval-num-steps=0 must be an integer >= 1 (the batches of each periodic eval; "
+                   "--eval-every-n-steps 0 alone turns periodic evals off).")
     err = _cli_error(base + ["--eval-every-n-steps", "-1"], capsys)
     assert err == "error: --eval-every-n-steps=-1 must be an integer >= 0 (0: only the final eval)."
     # the command's own sample: a negative length printed nothing, silently

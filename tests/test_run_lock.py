@@ -20,7 +20,7 @@ import pytest
 from llmq_ray.data_pipeline.shards import write_shard
 from llmq_ray.errors import ConfigError
 from llmq_ray.train import cli
-from llmq_ray.train.run_lock import LOCK_NAME, RunLock
+from llmq_ray.train.run_lock import LOCK_NAME, RunLock, lock_inside
 from llmq_ray.train.trainer import LLMQTrainer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +58,12 @@ def test_a_second_trainer_into_the_same_folders_is_refused_until_the_first_ends(
     with pytest.raises(ConfigError, match=r"^checkpoint_dir=.*/ckpt is in use by another llmq-ray run"):
         LLMQTrainer(out_dir=str(tmp_path / "b"), **shared).start()
     free = RunLock()  # all or none: the refused run gave back the lock of its own out-dir
-    free.acquire([(str(tmp_path / "b"), "--out-dir")])
+    free.acquire([(lock_inside(str(tmp_path / "b")), str(tmp_path / "b"), "--out-dir")])
     free.release()
+    # the first run's default out/ckpt named as another run's --checkpoint-dir
+    with pytest.raises(ConfigError, match=r"^checkpoint_dir=.*/out/ckpt is in use by another llmq-ray run \(it "
+                                          r"holds .*/out/\.ckpt\.llmq-run\.lock\)"):
+        LLMQTrainer(out_dir=str(tmp_path / "c"), checkpoint_dir=str(tmp_path / "out" / "ckpt"), **kw).start()
     first.close()
     a.close()
     second._lock_outputs()  # the first run ended: the folder is free
@@ -74,7 +78,7 @@ def test_a_run_of_another_process_holds_the_out_dir_and_the_cli_says_so_before_r
         import sys, time
         from llmq_ray.train.run_lock import RunLock
         lock = RunLock()
-        lock.acquire([({str(out)!r}, "--out-dir")])
+        lock.acquire([({str(out / LOCK_NAME)!r}, {str(out)!r}, "--out-dir")])
         print("held", flush=True)
         sys.stdin.read()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -108,7 +112,8 @@ def test_print_config_moves_no_earlier_checkpoints(tmp_path, train_file, capsys)
 def test_a_run_whose_workers_cannot_be_placed_moves_no_earlier_checkpoints(ray_cluster, tmp_path, train_file,
                                                                            monkeypatch):
     """The earlier run's checkpoints in the default out-dir/ckpt are moved aside just before the coordinator
-    starts: a run refused after joining Ray (here the resource check) leaves them, and its lock, as they were."""
+    starts: a run refused after joining Ray (here the resource check) leaves them as they were, gives its locks
+    back (also on an error that is not ours), and may be tried again."""
     from llmq_ray.actors import placement
 
     out = tmp_path / "out"
@@ -120,7 +125,17 @@ def test_a_run_whose_workers_cannot_be_placed_moves_no_earlier_checkpoints(ray_c
     monkeypatch.setattr(placement, "check_resources", no_room)
     trainer = LLMQTrainer(model="tiny", device="cpu", train_file=train_file, batch_size=2, seq_len=16, steps=2,
                           out_dir=str(out), verbose=False)
-    with pytest.raises(ConfigError, match="^no room for the workers"):
-        trainer.start()
+    for _ in range(2):  # a failed start is no ended run: fit() may be tried again (and fails the same way here)
+        with pytest.raises(ConfigError, match="^no room for the workers"):
+            trainer.fit()
     assert sorted(os.listdir(out)) == ["ckpt"] and os.listdir(out / "ckpt") == ["step_00000004"]
-    trainer.close()
+
+    def broken(spec):
+        raise RuntimeError("not an LLMQError")
+
+    monkeypatch.setattr(placement, "check_resources", broken)
+    with pytest.raises(RuntimeError):
+        trainer.start()  # a step-level first call, no close(): the folders are given back all the same
+    other = RunLock()
+    other.acquire([(lock_inside(str(out)), str(out), "--out-dir")])
+    other.release()

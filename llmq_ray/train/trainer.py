@@ -57,7 +57,7 @@ from llmq_ray.model.config import resolve_model
 from llmq_ray import storage
 from llmq_ray.errors import CheckpointError, ConfigError, LLMQError
 from llmq_ray.options import TrainOptions
-from llmq_ray.train.run_lock import RunLock
+from llmq_ray.train.run_lock import RunLock, lock_beside, lock_inside
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
 
@@ -305,8 +305,8 @@ class LLMQTrainer:
         r["eval_every_n_steps"], r["eval_num_steps"] = resolve_eval(
             r["eval_every_n_steps"], r["eval_num_steps"], bool(r["eval_file"]), machine)
         for flag, least, why in (("eval_every_n_steps", 0, "0: only the final eval"),
-                                 ("eval_num_steps", 1, "batches per periodic eval; --eval-every-n-steps 0 turns "
-                                                       "periodic evals off")):
+                                 ("eval_num_steps", 1, "the batches of each periodic eval; --eval-every-n-steps "
+                                                       "0 alone turns periodic evals off")):
             if isinstance(r[flag], bool) or not isinstance(r[flag], int) or r[flag] < least:
                 raise ConfigError(f"--{flag.replace('_', '-')}={r[flag]!r} must be an integer >= {least} ({why}).")
         self._check_data()
@@ -610,31 +610,37 @@ class LLMQTrainer:
 
     def start(self) -> dict:
         """Join/start Ray, place the workers and build their engines (done lazily by every other call). Refused
-        once this trainer's run has ended (fit() returned, or stop() / close() after it started): starting again
-        would train a new run from scratch whose export and log replace this run's."""
+        once this trainer's run has ended after starting (fit() returned, or stop() / close() after the workers
+        started): starting again would train a new run from scratch whose export and log replace this run's. A
+        start that failed before the workers were up (no room, another run holding the out-dir) may be retried."""
         if self.coordinator is not None:
             return self.info
-        if self._ended:
+        if self._ended and self.info is not None:
             raise ConfigError(f"this LLMQTrainer's run has ended (by fit(), stop() or close(); its outputs are in "
                               f"out_dir={self.runtime['out_dir']}), and another call would start a new run from "
                               f"scratch: make a new LLMQTrainer, with resume=True to go on from its last checkpoint.")
         try:
             self._lock_outputs()
             return self._start()
-        except LLMQError as exc:
-            self._run_lock.release()
-            raise self._named(exc) from None
+        except BaseException as exc:
+            if self.coordinator is None:  # not started: give the folders back (a started run keeps them to close())
+                self._run_lock.release()
+            if isinstance(exc, LLMQError):
+                raise self._named(exc) from None
+            raise
 
     def _lock_outputs(self) -> None:
-        """Take the run lock of the local out-dir and of an explicit checkpoint folder before Ray starts
-        (llmq_ray/train/run_lock.py: a second run into them is refused; the default out-dir/ckpt is the
-        out-dir's). Held until ``close()``."""
+        """Take the run locks of the local out-dir and checkpoint folder (the default out-dir/ckpt too: another
+        run may name it as its --checkpoint-dir) before Ray starts (llmq_ray/train/run_lock.py: a second run
+        into either is refused). Held until ``close()``."""
         if self._run_lock.held:
             return
-        folders = [(self.runtime["out_dir"], "--out-dir")]
-        if not self._default_ckpt_dir:
-            folders.append((self.checkpoint_dir, "--checkpoint-dir"))
-        self._run_lock.acquire([(f, flag) for f, flag in folders if not storage.is_remote(f)])
+        entries = []
+        if not storage.is_remote(self.runtime["out_dir"]):
+            entries.append((lock_inside(self.runtime["out_dir"]), self.runtime["out_dir"], "--out-dir"))
+        if not storage.is_remote(self.checkpoint_dir):
+            entries.append((lock_beside(self.checkpoint_dir), self.checkpoint_dir, "--checkpoint-dir"))
+        self._run_lock.acquire(entries)
 
     def _keep_earlier_outputs(self) -> None:
         """Just before the coordinator starts (not at construction: ``--print-config`` or a trainer that never
@@ -1142,7 +1148,14 @@ class LLMQTrainer:
         return self._get(self.coordinator.flat_params.remote(), "weights")
 
     def close(self) -> None:
-        """Release the workers, the placement group and the coordinator; shut Ray down only if we started it."""
+        """Release the workers, the placement group and the coordinator; shut Ray down only if we started it;
+        give back the run lock of the output folders (whatever fails before)."""
+        try:
+            self._close_runtime()
+        finally:
+            self._run_lock.release()
+
+    def _close_runtime(self) -> None:
         import ray
 
         if self.coordinator is not None:
@@ -1161,7 +1174,6 @@ class LLMQTrainer:
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
             self._started_ray = False
-        self._run_lock.release()
 
     def __enter__(self):
         return self
