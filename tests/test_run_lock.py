@@ -139,3 +139,26 @@ def test_a_run_whose_workers_cannot_be_placed_moves_no_earlier_checkpoints(ray_c
     other = RunLock()
     other.acquire([(lock_inside(str(out)), str(out), "--out-dir")])
     other.release()
+
+
+def test_an_older_filelock_without_the_new_keywords_still_locks(tmp_path, monkeypatch):
+    """filelock 3.x (a GPU machine's torch environment may have it) has no fallback_to_soft / is_singleton: the
+    lock is made without them and still refuses a second holder."""
+    import filelock
+
+    real = filelock.FileLock
+
+    def old_style(path, **kwargs):
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments {sorted(kwargs)}")
+        return real(path)
+
+    monkeypatch.setattr(filelock, "FileLock", old_style)
+    entry = [(lock_inside(str(tmp_path)), str(tmp_path), "--out-dir")]
+    first, second = RunLock(), RunLock()
+    first.acquire(entry)
+    with pytest.raises(ConfigError, match=r"^--out-dir=.* is in use by another llmq-ray run"):
+        second.acquire(entry)
+    first.release()
+    second.acquire(entry)
+    second.release()

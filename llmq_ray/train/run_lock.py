@@ -38,6 +38,16 @@ def lock_beside(folder: str) -> str:
     return os.path.join(parent, f".{name}{LOCK_NAME}")
 
 
+def _os_lock(file_lock, path: str):
+    """A filelock lock on ``path``: an OS lock only (filelock 4 could fall back to a lock file's mere existence,
+    which a crash would leave behind), released from whichever thread closes the run. An older filelock (3.x,
+    e.g. a GPU machine's torch environment) lacks these keywords and takes OS locks only anyway."""
+    try:
+        return file_lock(path, is_singleton=False, thread_local=False, fallback_to_soft=False)
+    except TypeError:
+        return file_lock(path)
+
+
 class RunLock:
     """The locks of one run's local output folders, taken together (all or none) and released together."""
 
@@ -61,9 +71,7 @@ class RunLock:
                     continue
                 seen.add(path)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                # an OS lock only (a lock file's mere existence would outlive a crash); released from whichever
-                # thread closes the run
-                lock = FileLock(path, is_singleton=False, thread_local=False, fallback_to_soft=False)
+                lock = _os_lock(FileLock, path)
                 try:
                     lock.acquire(timeout=0)
                 except Timeout:
