@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from llmq_ray.backends.attention import DeterministicAttention, DocumentMask
 from llmq_ray.train.cli import gib_or_auto
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine, make_backend
@@ -101,32 +102,25 @@ def print_stream_gaps(prof, top: int = 12) -> None:
         print(f"GAPS {g / 1e3:8.2f} ms after {before[:50]} before {after[:50]}")
 
 
-class _TritonAttention:
-    """--triton-attention: our Triton forward (given one document per window: plain causal) and backward."""
+class _TritonAttention(DeterministicAttention):
+    """--triton-attention: our Triton forward (given one document per window: plain causal) and, as
+    --deterministic-attention's provider, our Triton backward."""
 
     name = "triton"
-    deterministic = True
 
     def __init__(self, device):
-        from llmq_ray.backends.attention import DeterministicAttention
-
-        self._inner = DeterministicAttention(device)
+        super().__init__(device)
         self._one_doc = {}
 
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
     def forward(self, out, lse, qkv, n_q_heads, n_kv_heads, documents=None):
-        from llmq_ray.backends.attention import DocumentMask
         from llmq_ray.backends.triton import attention_fwd
 
-        if documents is None:
-            b, t = qkv.shape[:2]
-            if (b, t) not in self._one_doc:
-                mask = DocumentMask(torch.zeros(b, t, dtype=torch.int32, device=qkv.device))
-                mask.refresh()
-                self._one_doc[(b, t)] = mask
-            documents = self._one_doc[(b, t)]
+        if documents is None:  # one mask per shape, made once (not in every timed forward)
+            documents = self._one_doc.get(qkv.shape[:2])
+            if documents is None:
+                documents = DocumentMask(torch.zeros(qkv.shape[:2], dtype=torch.int32, device=qkv.device))
+                documents.refresh()
+                self._one_doc[qkv.shape[:2]] = documents
         attention_fwd.attention_forward(out, lse, qkv, n_q_heads, n_kv_heads, documents)
 
 

@@ -59,17 +59,12 @@ class RunLock:
         return bool(self._held)
 
     def acquire(self, entries: list[tuple[str, str, str]]) -> None:
-        """Take each (lock file, folder, flag) without waiting (the lock file's folder is made if missing; the
-        same file twice is taken once). Raises ConfigError naming the flag and folder if another run holds one;
-        then none is held."""
+        """Take each (lock file, folder, flag) without waiting (the lock file's folder is made if missing).
+        Raises ConfigError naming the flag and folder if another run holds one; then none is held."""
         from filelock import FileLock, Timeout
 
-        seen = set()
         try:
             for path, folder, flag in entries:
-                if path in seen:
-                    continue
-                seen.add(path)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 lock = _os_lock(FileLock, path)
                 try:
