@@ -13,6 +13,13 @@ should take this fixture rather than calling ``ray.init`` itself.
   - loopback only, no usage stats, token auth off: set in os.environ at import, before Ray is imported
     anywhere, so that worker processes inherit them.
 
+``RAY_TMPDIR`` (set at import): a Ray temp root of this pytest process's own (/tmp/rayp*, removed at the end), so
+that the Ray instances its tests start (a CLI run's local Ray, a simulated cluster) keep their session folders and
+``ray_current_cluster`` apart from those of the other pytest-xdist process and of any Ray the user runs. Ray
+names in ``<RAY_TMPDIR>/ray/ray_current_cluster`` the cluster that started last, and a plain ``ray.init()`` (as
+the CLI does) connects to it: with one shared /tmp/ray, a test's run could land on the other process's simulated
+cluster, which removes nodes on purpose.
+
 Usage::
 
     def test_something(ray_cluster):
@@ -20,6 +27,12 @@ Usage::
         assert ray.is_initialized()
 
 ``shards`` (session scope): the small token files the runtime tests train on (see its docstring).
+
+``pytest_cmdline_main``: without a ``-n`` of the user's, the suite runs in two processes (pytest-xdist,
+``--dist loadfile``: each module in one process, so its shared fixtures are made once) where pytest-xdist is
+installed, there are 2+ cores and no CUDA; most of it is end-to-end Ray runs that spend half their time waiting, so
+two processes share two cores. On a CUDA machine it stays one process (the GPU tests would share one GPU); so it
+does where pytest-xdist is missing (the GPU machine's image), which is why this is not in pyproject's addopts.
 
 ``s3`` (module scope): a real S3 server (moto's server mode) on a random local port, with the bucket
 "bucket"; yields a pyarrow S3FileSystem to administer it (see its docstring). Skips without moto[server].
@@ -42,10 +55,33 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# one level under the user's RAY_TMPDIR (or the system temp folder), also in the pytest-xdist worker processes,
+# which inherit the controller's RAY_TMPDIR: Ray's socket paths under it must stay within 107 bytes
+_RAY_TMP_BASE = os.environ.setdefault("LLMQ_TESTS_RAY_TMP_BASE", os.environ.get("RAY_TMPDIR") or tempfile.gettempdir())
+RAY_TMP_ROOT = tempfile.mkdtemp(prefix="rayp", dir=_RAY_TMP_BASE)
+os.makedirs(os.path.join(RAY_TMP_ROOT, "ray"))  # ray.cluster_utils.Cluster writes ray_current_cluster there
+os.environ["RAY_TMPDIR"] = RAY_TMP_ROOT
+
 import pytest  # noqa: E402
 
 RAY_NUM_CPUS = 4
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config) -> None:
+    """Two pytest-xdist processes by default (see the module docstring); before xdist reads its options."""
+    if hasattr(config, "workerinput"):  # an xdist worker (whose -n xdist resets to None): it runs its share
+        return
+    if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
+            and (os.cpu_count() or 1) >= 2 and not torch.cuda.is_available()):
+        config.option.numprocesses = 2
+        if config.option.dist == "no":
+            config.option.dist = "loadfile"
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(RAY_TMP_ROOT, ignore_errors=True)
 
 
 def session_ray_temp_dir() -> str:

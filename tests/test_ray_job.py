@@ -29,19 +29,23 @@ FLAGS = ["--device", "cpu", "--model", "tiny", "--backend", "torch", "--model-dt
 
 @pytest.fixture(scope="module")
 def job_cluster(tmp_path_factory):
-    """The simulated cluster's job server address (the cluster runs in a process of its own)."""
-    info = tmp_path_factory.mktemp("jobcluster") / "info.json"
-    env = dict(os.environ)
+    """The simulated cluster's {"dashboard": job server URL, "address": GCS address} (the cluster runs in a process
+    of its own)."""
+    folder = tmp_path_factory.mktemp("jobcluster")
+    info = folder / "info.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_cluster_serve.py"), str(info)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    with open(folder / "serve.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_cluster_serve.py"), str(info)],
+                                stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + 180
     while not info.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the simulated cluster did not come up"
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            "the simulated cluster did not come up: " + (folder / "serve.log").read_text(errors="replace")[-5000:]
         time.sleep(0.5)
     time.sleep(0.2)
     try:
-        yield json.loads(info.read_text())["dashboard"]
+        yield json.loads(info.read_text())
     finally:
         proc.stdin.close()
         try:
@@ -88,21 +92,23 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
         job_cluster, s3, ray_cluster, shards, tmp_path):
     from llmq_ray.train.trainer import LLMQTrainer
 
+    dashboard, address = job_cluster["dashboard"], job_cluster["address"]
+
     with open(shards.train, "rb") as f, s3.open_output_stream("bucket/job/data/train.bin") as g:
         g.write(f.read())
     store, out = "s3://bucket/job/ckpt", tmp_path / "out"
     flags = FLAGS + ["--train-file", "s3://bucket/job/data/train.bin", "--checkpoint-dir", store,
                      "--out-dir", str(out)]
     entry = [sys.executable, "-m", "llmq_ray.train.cli"] + flags
-    submitted = _ray_job(job_cluster, "submit", "--no-wait", "--runtime-env-json", _runtime_env(True), "--", *entry)
+    submitted = _ray_job(dashboard, "submit", "--no-wait", "--runtime-env-json", _runtime_env(True), "--", *entry)
     job_id = next(w for w in submitted.replace("'", " ").split() if w.startswith("raysubmit_"))
     log_file = out / "log.jsonl"
     deadline = time.monotonic() + 120
     while len(_steps(read_log(str(log_file)) if log_file.exists() else [])) < 4:  # a few steps under way
-        assert time.monotonic() < deadline, _ray_job(job_cluster, "logs", job_id)
+        assert time.monotonic() < deadline, _ray_job(dashboard, "logs", job_id)
         time.sleep(0.3)
-    _ray_job(job_cluster, "stop", job_id)
-    status = _ray_job(job_cluster, "status", job_id)
+    _ray_job(dashboard, "stop", job_id)
+    status = _ray_job(dashboard, "status", job_id)
     assert "was stopped" in status, status
     log = read_log(str(log_file))
     end = [r for r in log if r.get("log") == "end"][-1]
@@ -112,9 +118,11 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
     assert end["checkpoint"] == storage.join(store, f"step_{last + 1:08d}")
     assert f"step_{last + 1:08d}" in storage.list_names(store)
 
-    again = _ray_job(job_cluster, "submit", "--runtime-env-json", _runtime_env(False), "--", *entry,
+    again = _ray_job(dashboard, "submit", "--runtime-env-json", _runtime_env(False), "--", *entry,
                      "--continue")
     assert "succeeded" in again, again
+    # the job's driver ran on the cluster it was submitted to (not another Ray instance of this machine)
+    assert f"Connecting to existing Ray cluster at address: {address}" in again, again
     ours = _steps(read_log(str(log_file)))
     reference = LLMQTrainer(model="tiny", device="cpu", backend="torch", model_dtype="fp32", batch_size=2, seq_len=16,
                             steps=STEPS, warmup=2, eval_every_n_steps=0, final_eval=False, export=False, workers=1,
