@@ -5,43 +5,31 @@
 Starts ``ray.cluster_utils.Cluster``: a head node with the dashboard (Ray's job server) on a free port on
 127.0.0.1 and no CPUs, and one worker node with 3 CPUs; writes {"dashboard": "http://127.0.0.1:PORT"} to INFO_JSON
 once the job server answers, then waits for EOF on stdin and shuts the cluster down. A process of its own
-because a Cluster cannot share a process with the test session's Ray instance.
-
-The cluster keeps its files in a Ray temp folder of its own (/tmp/rayj-PID), which names its GCS address in
-``ray_current_cluster``: Ray's job supervisor gives each job's driver the address it reads there, and in the
-default /tmp/ray that file names whichever Ray cluster on this machine started last -- with the test suite in two
-processes, another test's simulated cluster, where a job's driver would then run (seen: a resubmitted job's
-coordinator on a node that test removed).
+because a Cluster cannot share a process with the test session's Ray instance. Ray's job supervisor gives each
+job's driver the address of the cluster named in ``<RAY_TMPDIR>/ray/ray_current_cluster``, which is this one
+because tests/conftest.py gives each pytest process a RAY_TMPDIR of its own (this process inherits it).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 import urllib.request
 
 
 def main(info_path: str) -> None:
-    from ray._private.utils import write_ray_address
     from ray.cluster_utils import Cluster
 
     from llmq_ray.actors.collectives import free_port
 
-    temp_dir = os.path.join(tempfile.gettempdir(), f"rayj-{os.getpid()}")  # short: Unix socket paths <= 107 bytes
     port = free_port("127.0.0.1")
     # every node's dashboard agent on a free port of its own: the default one (52365) may be taken by another Ray
     # instance on this machine (the test session's), and a head without its agent takes no jobs
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=True,
                                                                 dashboard_host="127.0.0.1", dashboard_port=port,
-                                                                dashboard_agent_listen_port=free_port("127.0.0.1"),
-                                                                temp_dir=temp_dir))
-    # Cluster writes the address only to the default /tmp/ray (see the module docstring)
-    write_ray_address(cluster.address, temp_dir)
-    cluster.add_node(num_cpus=3, dashboard_agent_listen_port=free_port("127.0.0.1"), temp_dir=temp_dir)
+                                                                dashboard_agent_listen_port=free_port("127.0.0.1")))
+    cluster.add_node(num_cpus=3, dashboard_agent_listen_port=free_port("127.0.0.1"))
     cluster.wait_for_nodes()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -57,7 +45,6 @@ def main(info_path: str) -> None:
         json.dump({"dashboard": url, "address": cluster.address}, f)
     sys.stdin.read()  # until the test closes our stdin
     cluster.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
