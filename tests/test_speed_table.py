@@ -137,6 +137,23 @@ def test_a_hanging_row_is_stopped_and_reported(tmp_path, sigint):
     assert row.record is None and row.error == "timed out after 1 s"
 
 
+def test_the_hf_baseline_rows_get_their_own_time_limit(tmp_path, monkeypatch):
+    """torch.compile of the HF baseline takes minutes on a fresh machine; its rows run under --hf-timeout-s, every
+    other row under --row-timeout-s."""
+    seen = []
+
+    def fake_run_row(row, timeout_s, log_path, env=None):
+        seen.append((row.kind, timeout_s))
+        row.error = "not run"
+        return row
+
+    monkeypatch.setattr(speed_table, "run_row", fake_run_row)
+    rc = speed_table.main(["--models", "Qwen2.5-0.5B", "--backends", "triton", "--matmul-dtypes", "bf16",
+                           "--row-timeout-s", "12", "--hf-timeout-s", "321", "--log", str(tmp_path / "log")])
+    assert rc == 1  # no row measured anything
+    assert seen == [("ours", 12.0), ("hf", 321.0)]
+
+
 def test_a_failing_row_is_reported(tmp_path):
     row = speed_table.Row("tiny", "fails", "ours", "bf16", 1, 1, ["-c", "import sys; sys.exit(3)"])
     speed_table.run_row(row, timeout_s=60.0, log_path=str(tmp_path / "log"))
