@@ -8,9 +8,9 @@ fused AdamW, ``hf_baseline.py``), on the same GPU, one after the other.
 
 Every row runs as its own subprocess (``bench_train.py`` or ``hf_baseline.py``, each writing one JSON record)
 under ``--row-timeout-s`` (the HF baseline under ``--hf-timeout-s``: torch.compile of its model and loss took 70 s
-at 0.5B and over 110 s at 1.5B on a fresh H200 machine, 2026-11-29). On a time-out it gets SIGINT first, so Ray shuts down and frees the GPU for the next
-row. A failed row stays in the table as "failed" with its exit status; it is never left out. Each row's output
-is appended to ``--log``.
+at 0.5B and over 110 s at 1.5B on a fresh H200 machine, 2026-11-29). On a time-out it gets SIGINT first, so Ray
+shuts down and frees the GPU for the next row. A failed row stays in the table as "failed" with its exit status;
+it is never left out. Each row's output is appended to ``--log``.
 
 What runs per model (``ROW_SHAPES``: the batch and micro-steps of issue 6's bars for the triton rows; smaller
 and shorter for the torch reference, which is slow and keeps fp32 logits; the baseline at the batch of the
