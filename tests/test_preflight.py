@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -180,6 +181,28 @@ def test_bad_input_ends_before_ray_in_one_sentence(case, bad_files, tmp_path):
     assert not (tmp_path / "out").exists()
     assert _snapshot(bad_files) == before_bad
     assert _snapshot(tmp_path) == before_tmp
+
+
+def test_a_ray_address_file_of_a_gone_cluster_ends_before_ray_in_one_sentence(bad_files, tmp_path):
+    """A `ray start` whose cluster is gone left its address in RAY_TMPDIR/ray/ray_current_cluster: ray.init()
+    would try to join it; the run says so in one sentence instead, naming the file (llmq_ray/train/ray_target.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once the socket is closed
+    (tmp_path / "raytmp" / "ray").mkdir(parents=True)
+    (tmp_path / "raytmp" / "ray" / "ray_current_cluster").write_text(address)
+    before = _snapshot(tmp_path)
+    rc, out, err, seconds = _run_cli(["--device", "cpu", "--model", "tiny", "--seq-len", "16", "--batch-size", "2",
+                                      "--no-progress", "--train-file", f"{bad_files}/good.bin",
+                                      "--out-dir", str(tmp_path / "out")], tmp_path)
+    TIMES["a Ray address file of a gone cluster"] = seconds
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, (rc, out, err)
+    assert lines[0] == (f"error: Ray's address file {tmp_path}/raytmp/ray/ray_current_cluster names a cluster at "
+                        f"{address} that does not answer (its `ray start` is gone): start it again, delete the file "
+                        f"(as `ray stop` does), or pass --ray-address=local for a fresh Ray instance."), lines[0]
+    assert "RAY_IMPORTED=False" in out, out
+    assert _snapshot(tmp_path) == before  # no Ray session folder, no out-dir
 
 
 def test_oversubscription_warns_and_suggests_workers(tmp_path):

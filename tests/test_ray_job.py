@@ -129,3 +129,21 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
                             use_ray_data=False, ckpt_minutes=0, train_file=shards.train, verbose=False,
                             out_dir=str(tmp_path / "reference")).fit()
     assert [ours[s] for s in range(STEPS)] == [r["loss"] for r in reference.history]
+
+
+def test_the_command_line_joins_a_cluster_that_runs_on_this_machine(job_cluster, shards, tmp_path):
+    """With no --ray-address and no RAY_ADDRESS, `python examples/train.py` joins the cluster named in
+    RAY_TMPDIR/ray/ray_current_cluster (as `ray start` writes it; this simulated cluster writes it the same way),
+    without the num_cpus with which Ray refuses to join (it was a ValueError traceback), and says so."""
+    address = job_cluster["address"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+    env.pop("RAY_ADDRESS", None)
+    flags = [f if f != str(STEPS) else "3" for f in FLAGS]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train.py"), *flags, "--train-file",
+                           shards.train, "--out-dir", str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=240)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said[-5000:]
+    assert f"Ray: joining the cluster at {address} that `ray start` started on this machine" in said, said[-3000:]
+    assert f"Connecting to existing Ray cluster at address: {address}" in said, said[-3000:]
+    assert [r["step"] for r in read_log(str(tmp_path / "out" / "log.jsonl")) if r.get("log") == "step"] == [0, 1, 2]

@@ -18,7 +18,8 @@ Step-level (each call spans all workers; the unit of work is never smaller than 
 ``fit()`` uses, and the fast path: ``step()`` + ``update()`` cost one Ray round trip per micro-step).
 
 Ray: if Ray is already initialized (the caller's program, a Ray task or actor) the trainer joins that
-cluster; otherwise it calls ``ray.init(address=ray_address)`` (None: start or find a local one). It only
+cluster; otherwise it calls ``ray.init`` on the cluster that ``ray_address``, ``$RAY_ADDRESS`` or a ``ray start``
+on this machine names, else on a fresh local instance (``llmq_ray/train/ray_target.py``). It only
 ever shuts down a Ray it initialized itself. Workers are placed by ``actors/placement.py``; the
 coordinator actor runs on the caller's node, so logs and exports land on the caller's machine.
 
@@ -57,6 +58,7 @@ from llmq_ray.model.config import resolve_model
 from llmq_ray import storage
 from llmq_ray.errors import CheckpointError, ConfigError, LLMQError
 from llmq_ray.options import TrainOptions
+from llmq_ray.train.ray_target import resolve_ray_target
 from llmq_ray.train.run_lock import RunLock, lock_beside, lock_inside
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
@@ -257,8 +259,12 @@ class LLMQTrainer:
         if r["device"] not in (AUTO, "cpu", "cuda"):
             raise ConfigError(f"--device={r['device']!r} must be auto, cuda or cpu.")
         ray_here = "ray" in sys.modules and sys.modules["ray"].is_initialized()
-        # this machine is the whole cluster (`ray job submit` sets RAY_ADDRESS for its entrypoint)
-        local = ray_address is None and not ray_here and not os.environ.get("RAY_ADDRESS")
+        # which Ray our own ray.init will use (None: the caller's); this machine is the whole cluster when it
+        # starts a fresh instance (not when it joins one named by --ray-address, RAY_ADDRESS or `ray start`'s file)
+        self._ray_target = None if ray_here else resolve_ray_target(ray_address)
+        local = self._ray_target is not None and not self._ray_target.joins
+        if self._ray_target is not None and self._ray_target.line:
+            self.lines.append(self._ray_target.line)
         # the machine the defaults are for: what --device says, else whether this machine has a GPU
         machine = r["device"] if r["device"] != AUTO else ("cuda" if local_gpu_count() > 0 else "cpu")
         if options is None:
@@ -536,10 +542,9 @@ class LLMQTrainer:
         import ray
 
         if not ray.is_initialized():
-            kwargs = {"address": self.ray_address, "log_to_driver": True}
-            # RAY_ADDRESS (set by `ray job submit` for its entrypoint) names a cluster to join, unless it says "local"
-            joins = os.environ.get("RAY_ADDRESS", "local") != "local"
-            if self.ray_address is None and not joins:
+            target = self._ray_target or resolve_ray_target(self.ray_address)  # the caller's Ray has gone since
+            kwargs = {"address": target.address, "log_to_driver": True}
+            if not target.joins:
                 # a fresh local instance: declare more CPUs than the workers take (Ray Data needs spare ones)
                 r = self.runtime
                 workers = r["workers"] or r["gpus"] or 1

@@ -1,0 +1,89 @@
+"""Which Ray a trainer that starts Ray itself will use, decided before Ray starts (in well under a second).
+
+``ray.init()`` without an address does not always start a fresh Ray instance: it joins the cluster whose address
+the last ``ray start`` on this machine wrote into ``<temp>/ray/ray_current_cluster`` (temp: ``$RAY_TMPDIR``, else
+``$TMPDIR`` on Linux, else ``/tmp``; ``ray stop`` removes the file). The trainer must know which of the two will
+happen before it calls ``ray.init``:
+
+- a fresh instance is given ``num_cpus`` (more than the workers take: Ray Data needs spare CPUs), and this
+  machine's CPUs and GPUs are checked against the workers before it starts;
+- joining a cluster with ``num_cpus`` is refused by Ray (a ValueError traceback), and the cluster's resources are
+  not this machine's;
+- a file left by a cluster that is gone (a head killed without ``ray stop``) would make ``ray.init`` try to reach
+  it and fail after a while; here it is one sentence before anything starts.
+
+Ray's own lookup of that file is private API that has moved between Ray releases, so the few lines that find it
+follow Ray 2.x's rule here instead of importing it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from llmq_ray.errors import ConfigError
+
+ANSWER_TIMEOUT_S = 2.0  # a TCP connect to the named cluster's GCS port: a live one answers in milliseconds
+
+
+@dataclass(frozen=True)
+class RayTarget:
+    """What ``ray.init`` gets and what it means.
+
+    ``address``: "local" (start a fresh instance), a cluster's address, or None (let Ray read ``$RAY_ADDRESS``).
+    ``joins``: True when the run joins an existing cluster (whose resources are not this machine's).
+    ``line``: a start-up line saying which cluster was found, when that is not what the user named."""
+    address: Optional[str]
+    joins: bool
+    line: Optional[str] = None
+
+
+def ray_address_file(environ: Mapping[str, str] = os.environ) -> str:
+    """The file in which ``ray start`` records its cluster's address for later ``ray.init()`` calls."""
+    if "RAY_TMPDIR" in environ:
+        temp = environ["RAY_TMPDIR"]
+    elif sys.platform.startswith("linux") and "TMPDIR" in environ:
+        temp = environ["TMPDIR"]
+    else:
+        temp = "/tmp"
+    return os.path.join(temp, "ray", "ray_current_cluster")
+
+
+def answers(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` (the GCS of a live cluster does)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def resolve_ray_target(ray_address: Optional[str], environ: Mapping[str, str] = os.environ) -> RayTarget:
+    """The Ray cluster a trainer with ``ray_address`` (None, "local" or an address) will use when it calls
+    ``ray.init`` itself. Raises ConfigError, naming the file, for an address file whose cluster does not answer."""
+    if ray_address:
+        return RayTarget(ray_address, ray_address != "local")
+    env = environ.get("RAY_ADDRESS", "")
+    if env:  # `ray job submit` sets it for its entrypoint; "local" asks for a fresh instance
+        return RayTarget(None, env != "local")
+    path = ray_address_file(environ)
+    try:
+        with open(path) as f:
+            recorded = f.read().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        recorded = ""
+    except OSError as exc:
+        raise ConfigError(f"Ray's address file {path} cannot be read ({exc.strerror}); fix its permissions or "
+                          f"pass --ray-address=local for a fresh Ray instance.") from None
+    if not recorded:
+        return RayTarget("local", False)
+    if answers(recorded):
+        return RayTarget(recorded, True, f"Ray: joining the cluster at {recorded} that `ray start` started on this "
+                                         f"machine (named in {path}); --ray-address=local starts a fresh one")
+    raise ConfigError(f"Ray's address file {path} names a cluster at {recorded} that does not answer (its "
+                      f"`ray start` is gone): start it again, delete the file (as `ray stop` does), or pass "
+                      f"--ray-address=local for a fresh Ray instance.")

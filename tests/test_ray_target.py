@@ -1,0 +1,78 @@
+"""Which Ray a trainer that starts Ray itself uses (llmq_ray/train/ray_target.py): a fresh local instance, the
+cluster named by --ray-address / RAY_ADDRESS, or the one a `ray start` on this machine recorded in
+``<temp>/ray/ray_current_cluster`` -- joined without ``num_cpus`` (Ray refuses that with a traceback), and refused
+in one sentence when that cluster is gone. The real `ray start`-style cluster is joined in tests/test_ray_job.py;
+the CLI's refusal of a stale file is in tests/test_preflight.py."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from llmq_ray.errors import ConfigError
+from llmq_ray.train.ray_target import RayTarget, answers, ray_address_file, resolve_ray_target
+
+
+def _record(tmp_path, address: str) -> dict:
+    """An environment whose Ray temp folder is ``tmp_path`` with ``address`` in its address file."""
+    (tmp_path / "ray").mkdir(exist_ok=True)
+    (tmp_path / "ray" / "ray_current_cluster").write_text(address)
+    return {"RAY_TMPDIR": str(tmp_path)}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_the_address_file_is_where_ray_start_writes_it():
+    assert ray_address_file({"RAY_TMPDIR": "/a", "TMPDIR": "/b"}) == "/a/ray/ray_current_cluster"
+    assert ray_address_file({"TMPDIR": "/b"}) == "/b/ray/ray_current_cluster"
+    assert ray_address_file({}) == "/tmp/ray/ray_current_cluster"
+
+
+def test_no_address_anywhere_starts_a_fresh_local_instance(tmp_path):
+    assert resolve_ray_target(None, {"RAY_TMPDIR": str(tmp_path)}) == RayTarget("local", False)
+    assert resolve_ray_target(None, _record(tmp_path, "  \n")) == RayTarget("local", False)  # an empty file
+
+
+def test_a_named_address_or_ray_address_wins_over_the_file(tmp_path):
+    env = _record(tmp_path, f"127.0.0.1:{_closed_port()}")  # a dead one: never consulted here
+    assert resolve_ray_target("10.0.0.1:6379", env) == RayTarget("10.0.0.1:6379", True)
+    assert resolve_ray_target("local", env) == RayTarget("local", False)
+    assert resolve_ray_target(None, {**env, "RAY_ADDRESS": "10.0.0.1:6379"}) == RayTarget(None, True)
+    assert resolve_ray_target(None, {**env, "RAY_ADDRESS": "local"}) == RayTarget(None, False)
+
+
+def test_a_live_cluster_in_the_file_is_joined_and_said(tmp_path):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        env = _record(tmp_path, address + "\n")
+        target = resolve_ray_target(None, env)
+    assert target.address == address and target.joins
+    assert target.line == (f"Ray: joining the cluster at {address} that `ray start` started on this machine "
+                           f"(named in {tmp_path}/ray/ray_current_cluster); --ray-address=local starts a fresh one")
+
+
+def test_a_file_whose_cluster_is_gone_is_refused_in_one_sentence(tmp_path):
+    address = f"127.0.0.1:{_closed_port()}"
+    env = _record(tmp_path, address)
+    with pytest.raises(ConfigError) as err:
+        resolve_ray_target(None, env)
+    assert str(err.value) == (f"Ray's address file {tmp_path}/ray/ray_current_cluster names a cluster at {address} "
+                              f"that does not answer (its `ray start` is gone): start it again, delete the file "
+                              f"(as `ray stop` does), or pass --ray-address=local for a fresh Ray instance.")
+
+
+def test_answers_takes_host_port_forms():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert answers(f"127.0.0.1:{port}") and answers(f"localhost:{port}")
+    assert not answers(f"127.0.0.1:{_closed_port()}")
+    assert not answers("no-port-here") and not answers("127.0.0.1:notaport")
