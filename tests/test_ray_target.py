@@ -46,6 +46,20 @@ def test_a_named_address_or_ray_address_wins_over_the_file(tmp_path):
     assert resolve_ray_target(None, {**env, "RAY_ADDRESS": "local"}) == RayTarget(None, False)
 
 
+def test_auto_means_the_file_s_cluster_which_must_exist(tmp_path):
+    with pytest.raises(ConfigError, match=r"^Ray address 'auto' asks for the Ray cluster that `ray start` runs on "
+                                          r"this machine, but none does \(no address in "):
+        resolve_ray_target("auto", {"RAY_TMPDIR": str(tmp_path)})
+    with pytest.raises(ConfigError, match="does not answer"):
+        resolve_ray_target(None, {**_record(tmp_path, f"127.0.0.1:{_closed_port()}"), "RAY_ADDRESS": "auto"})
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        target = resolve_ray_target(None, {**_record(tmp_path, address), "RAY_ADDRESS": "auto"})
+    assert target.address == address and target.joins and address in target.line
+
+
 def test_a_live_cluster_in_the_file_is_joined_and_said(tmp_path):
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

@@ -63,13 +63,13 @@ def answers(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
 
 
 def resolve_ray_target(ray_address: Optional[str], environ: Mapping[str, str] = os.environ) -> RayTarget:
-    """The Ray cluster a trainer with ``ray_address`` (None, "local" or an address) will use when it calls
-    ``ray.init`` itself. Raises ConfigError, naming the file, for an address file whose cluster does not answer."""
-    if ray_address:
-        return RayTarget(ray_address, ray_address != "local")
-    env = environ.get("RAY_ADDRESS", "")
-    if env:  # `ray job submit` sets it for its entrypoint; "local" asks for a fresh instance
-        return RayTarget(None, env != "local")
+    """The Ray cluster a trainer with ``ray_address`` (None, "local", "auto" or an address) will use when it calls
+    ``ray.init`` itself. "auto" (here or in ``$RAY_ADDRESS``) means the cluster of the address file, which must
+    then exist. Raises ConfigError, naming the file, when the file's cluster does not answer."""
+    named = ray_address or environ.get("RAY_ADDRESS", "")  # `ray job submit` sets RAY_ADDRESS for its entrypoint
+    if named and named != "auto":
+        # "local" asks for a fresh instance; an address from RAY_ADDRESS is left for Ray to read (None)
+        return RayTarget(named if ray_address else None, named != "local")
     path = ray_address_file(environ)
     try:
         with open(path) as f:
@@ -80,6 +80,10 @@ def resolve_ray_target(ray_address: Optional[str], environ: Mapping[str, str] = 
         raise ConfigError(f"Ray's address file {path} cannot be read ({exc.strerror}); fix its permissions or "
                           f"pass --ray-address=local for a fresh Ray instance.") from None
     if not recorded:
+        if named == "auto":
+            raise ConfigError(f"Ray address 'auto' asks for the Ray cluster that `ray start` runs on this machine, "
+                              f"but none does (no address in {path}): start one, or pass the cluster's address "
+                              f"with --ray-address.")
         return RayTarget("local", False)
     if answers(recorded):
         return RayTarget(recorded, True, f"Ray: joining the cluster at {recorded} that `ray start` started on this "
