@@ -148,6 +148,8 @@ CASES = {
     "bad flag value": (["--warmup", "30", "--steps", "10"], "--warmup must be an integer in [0, --steps)"),
     "zero collective time-out": (["--collective-timeout-s", "0"], "--collective-timeout-s=0.0 must be a number of"),
     "a value for --forward-env": (["--forward-env", "HF_HOME,FOO=bar"], "--forward-env: 'FOO=bar' is not the name"),
+    "a Ray address nobody answers at": (["--ray-address", "127.0.0.1:1"],
+                                        "--ray-address=127.0.0.1:1: no Ray cluster answers at 127.0.0.1:1"),
 }
 
 

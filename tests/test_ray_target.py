@@ -6,6 +6,7 @@ the CLI's refusal of a stale file is in tests/test_preflight.py."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -19,6 +20,15 @@ def _record(tmp_path, address: str) -> dict:
     (tmp_path / "ray").mkdir(exist_ok=True)
     (tmp_path / "ray" / "ray_current_cluster").write_text(address)
     return {"RAY_TMPDIR": str(tmp_path)}
+
+
+@contextlib.contextmanager
+def _listening():
+    """host:port of a TCP server that accepts connections (as a live cluster's GCS does) while the block runs."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield f"127.0.0.1:{server.getsockname()[1]}"
 
 
 def _closed_port() -> int:
@@ -40,10 +50,27 @@ def test_no_address_anywhere_starts_a_fresh_local_instance(tmp_path):
 
 def test_a_named_address_or_ray_address_wins_over_the_file(tmp_path):
     env = _record(tmp_path, f"127.0.0.1:{_closed_port()}")  # a dead one: never consulted here
-    assert resolve_ray_target("10.0.0.1:6379", env) == RayTarget("10.0.0.1:6379", True)
+    with _listening() as address:
+        assert resolve_ray_target(address, env) == RayTarget(address, True)
+        assert resolve_ray_target(f"ray://{address}", env) == RayTarget(f"ray://{address}", True)  # Ray Client
+        assert resolve_ray_target(None, {**env, "RAY_ADDRESS": address}) == RayTarget(None, True)
     assert resolve_ray_target("local", env) == RayTarget("local", False)
-    assert resolve_ray_target(None, {**env, "RAY_ADDRESS": "10.0.0.1:6379"}) == RayTarget(None, True)
     assert resolve_ray_target(None, {**env, "RAY_ADDRESS": "local"}) == RayTarget(None, False)
+
+
+def test_an_address_nobody_answers_at_is_refused_in_one_sentence(tmp_path):
+    """ray.init would retry it for minutes (seen: still retrying after 200 s with RAY_ADDRESS=127.0.0.1:1)."""
+    env = {"RAY_TMPDIR": str(tmp_path)}
+    dead = f"127.0.0.1:{_closed_port()}"
+    with pytest.raises(ConfigError) as err:
+        resolve_ray_target(dead, env)
+    assert str(err.value) == (f"--ray-address={dead}: no Ray cluster answers at {dead}; check the address and that "
+                              f"the cluster is up.")
+    with pytest.raises(ConfigError, match=rf"^RAY_ADDRESS={dead}: no Ray cluster answers at {dead};"):
+        resolve_ray_target(None, {**env, "RAY_ADDRESS": dead})
+    for bad in ("10.0.0.1", "head:port", ":6379"):
+        with pytest.raises(ConfigError, match=rf"^--ray-address={bad} is not a Ray cluster address: give host:port"):
+            resolve_ray_target(bad, env)
 
 
 def test_auto_means_the_file_s_cluster_which_must_exist(tmp_path):
@@ -52,21 +79,14 @@ def test_auto_means_the_file_s_cluster_which_must_exist(tmp_path):
         resolve_ray_target("auto", {"RAY_TMPDIR": str(tmp_path)})
     with pytest.raises(ConfigError, match="does not answer"):
         resolve_ray_target(None, {**_record(tmp_path, f"127.0.0.1:{_closed_port()}"), "RAY_ADDRESS": "auto"})
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        address = f"127.0.0.1:{server.getsockname()[1]}"
+    with _listening() as address:
         target = resolve_ray_target(None, {**_record(tmp_path, address), "RAY_ADDRESS": "auto"})
     assert target.address == address and target.joins and address in target.line
 
 
 def test_a_live_cluster_in_the_file_is_joined_and_said(tmp_path):
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        address = f"127.0.0.1:{server.getsockname()[1]}"
-        env = _record(tmp_path, address + "\n")
-        target = resolve_ray_target(None, env)
+    with _listening() as address:
+        target = resolve_ray_target(None, _record(tmp_path, address + "\n"))
     assert target.address == address and target.joins
     assert target.line == (f"Ray: joining the cluster at {address} that `ray start` started on this machine "
                            f"(named in {tmp_path}/ray/ray_current_cluster); --ray-address=local starts a fresh one")
@@ -83,10 +103,8 @@ def test_a_file_whose_cluster_is_gone_is_refused_in_one_sentence(tmp_path):
 
 
 def test_answers_takes_host_port_forms():
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        assert answers(f"127.0.0.1:{port}") and answers(f"localhost:{port}")
+    with _listening() as address:
+        port = address.rpartition(":")[2]
+        assert answers(address) and answers(f"localhost:{port}")
     assert not answers(f"127.0.0.1:{_closed_port()}")
     assert not answers("no-port-here") and not answers("127.0.0.1:notaport")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import time
 import urllib.request
 
@@ -289,8 +290,11 @@ def test_gpu_workers_default_cpus_count_the_free_cpus():
         cluster_resources = staticmethod(lambda: {"GPU": 2.0, "CPU": 16.0})
         available_resources = staticmethod(lambda: {"GPU": 1.0, "CPU": free})
 
-    trainer = LLMQTrainer(model="tiny", device="cuda", gpus=1, backend="torch", synthetic_data=True, verbose=False,
-                          ray_address="127.0.0.1:1")  # a cluster elsewhere: no local GPU needed (nothing joins)
+    with socket.socket() as head:  # a cluster elsewhere (no local GPU needed) that answers; nothing joins it
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        trainer = LLMQTrainer(model="tiny", device="cuda", gpus=1, backend="torch", synthetic_data=True,
+                              verbose=False, ray_address=f"127.0.0.1:{head.getsockname()[1]}")
     for free, want in ((16.0, 8), (8.0, 7), (1.0, 1)):
         assert trainer._build_spec(Cluster).cpus_per_worker == want, free
 

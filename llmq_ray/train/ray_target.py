@@ -1,4 +1,5 @@
-"""Which Ray a trainer that starts Ray itself will use, decided before Ray starts (in well under a second).
+"""Which Ray a trainer that starts Ray itself will use, decided before Ray starts (in well under a second; at
+most ``ANSWER_TIMEOUT_S`` for an address whose host drops connections).
 
 ``ray.init()`` without an address does not always start a fresh Ray instance: it joins the cluster whose address
 the last ``ray start`` on this machine wrote into ``<temp>/ray/ray_current_cluster`` (temp: ``$RAY_TMPDIR``, else
@@ -9,8 +10,9 @@ happen before it calls ``ray.init``:
   machine's CPUs and GPUs are checked against the workers before it starts;
 - joining a cluster with ``num_cpus`` is refused by Ray (a ValueError traceback), and the cluster's resources are
   not this machine's;
-- a file left by a cluster that is gone (a head killed without ``ray stop``) would make ``ray.init`` try to reach
-  it and fail after a while; here it is one sentence before anything starts.
+- a file left by a cluster that is gone (a head killed without ``ray stop``), like an address nobody answers at
+  in ``--ray-address`` or ``$RAY_ADDRESS``, would make ``ray.init`` retry it for minutes; here it is one sentence
+  before anything starts (a TCP connection to the address, which a live cluster's GCS accepts at once).
 
 Ray's own lookup of that file is private API that has moved between Ray releases, so the few lines that find it
 follow Ray 2.x's rule here instead of importing it.
@@ -62,14 +64,29 @@ def answers(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
         return False
 
 
+def _check_answers(address: str, source: str) -> None:
+    """ConfigError naming ``source`` unless a cluster answers at ``address`` (host:port, or ray://host:port for
+    Ray Client): ray.init would otherwise retry an address nobody answers at for minutes."""
+    host_port = address.split("://", 1)[1] if "://" in address else address
+    host, _, port = host_port.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{source} is not a Ray cluster address: give host:port (the head node's GCS port, 6379 "
+                          f"unless `ray start --port` said otherwise), ray://host:port, local or auto.")
+    if not answers(host_port):
+        raise ConfigError(f"{source}: no Ray cluster answers at {host_port}; check the address and that the "
+                          f"cluster is up.")
+
+
 def resolve_ray_target(ray_address: Optional[str], environ: Mapping[str, str] = os.environ) -> RayTarget:
     """The Ray cluster a trainer with ``ray_address`` (None, "local", "auto" or an address) will use when it calls
     ``ray.init`` itself. "auto" (here or in ``$RAY_ADDRESS``) means the cluster of the address file, which must
     then exist. Raises ConfigError, naming the file, when the file's cluster does not answer."""
     named = ray_address or environ.get("RAY_ADDRESS", "")  # `ray job submit` sets RAY_ADDRESS for its entrypoint
-    if named and named != "auto":
-        # "local" asks for a fresh instance; an address from RAY_ADDRESS is left for Ray to read (None)
-        return RayTarget(named if ray_address else None, named != "local")
+    if named == "local":  # a fresh instance
+        return RayTarget("local" if ray_address else None, False)
+    if named and named != "auto":  # an address from RAY_ADDRESS is left for Ray to read (None)
+        _check_answers(named, f"--ray-address={named}" if ray_address else f"RAY_ADDRESS={named}")
+        return RayTarget(named if ray_address else None, True)
     path = ray_address_file(environ)
     try:
         with open(path) as f:
