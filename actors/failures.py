@@ -22,6 +22,7 @@ import time
 from typing import Callable, Optional
 
 from llmq_ray.errors import LLMQError
+from llmq_ray.net import accepts_tcp
 
 
 class WorkerError(LLMQError, RuntimeError):
@@ -136,17 +137,12 @@ NODE_DEATH_WAIT_S = 20.0
 def _raylet_answers(node_id: str) -> bool:
     """Whether the raylet of ``node_id`` still accepts a TCP connection (1 s): a process that died on a live node
     leaves it answering; a lost machine does not."""
-    import socket
-
     import ray
 
     try:
         info = next(n for n in ray.nodes() if n["NodeID"] == node_id)
-        with socket.create_connection((info["NodeManagerAddress"], int(info["NodeManagerPort"])), timeout=1.0):
-            return True
-    except StopIteration:
-        return False
-    except (OSError, KeyError, ValueError):
+        return accepts_tcp(info["NodeManagerAddress"], int(info["NodeManagerPort"]), timeout_s=1.0)
+    except (StopIteration, KeyError, ValueError):
         return False
 
 

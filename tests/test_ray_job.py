@@ -138,7 +138,8 @@ def test_the_command_line_joins_a_cluster_that_runs_on_this_machine(job_cluster,
     address = job_cluster["address"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     env.pop("RAY_ADDRESS", None)
-    flags = [f if f != str(STEPS) else "3" for f in FLAGS]
+    flags = list(FLAGS)
+    flags[flags.index("--steps") + 1] = "3"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "train.py"), *flags, "--train-file",
                            shards.train, "--out-dir", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=240)

@@ -12,7 +12,8 @@ happen before it calls ``ray.init``:
   not this machine's;
 - a file left by a cluster that is gone (a head killed without ``ray stop``), like an address nobody answers at
   in ``--ray-address`` or ``$RAY_ADDRESS``, would make ``ray.init`` retry it for minutes; here it is one sentence
-  before anything starts (a TCP connection to the address, which a live cluster's GCS accepts at once).
+  before anything starts (a TCP connection to the address, which a live cluster's GCS accepts at once:
+  ``llmq_ray/net.py``).
 
 Ray's own lookup of that file is private API that has moved between Ray releases, so the few lines that find it
 follow Ray 2.x's rule here instead of importing it.
@@ -21,12 +22,12 @@ follow Ray 2.x's rule here instead of importing it.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from llmq_ray.errors import ConfigError
+from llmq_ray.net import accepts_tcp
 
 ANSWER_TIMEOUT_S = 2.0  # a TCP connect to the named cluster's GCS port: a live one answers in milliseconds
 
@@ -54,25 +55,26 @@ def ray_address_file(environ: Mapping[str, str] = os.environ) -> str:
     return os.path.join(temp, "ray", "ray_current_cluster")
 
 
+def _host_port(address: str) -> Optional[tuple[str, int]]:
+    """(host, port) of ``host:port``, ``[v6]:port`` or ``ray://host:port``; None when it is not of that form."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
 def answers(address: str, timeout_s: float = ANSWER_TIMEOUT_S) -> bool:
     """Whether something accepts a TCP connection at ``host:port`` (the GCS of a live cluster does)."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
+    where = _host_port(address)
+    return where is not None and accepts_tcp(*where, timeout_s)
 
 
 def _check_answers(address: str, source: str) -> None:
     """ConfigError naming ``source`` unless a cluster answers at ``address`` (host:port, or ray://host:port for
     Ray Client): ray.init would otherwise retry an address nobody answers at for minutes."""
-    host_port = address.split("://", 1)[1] if "://" in address else address
-    host, _, port = host_port.rpartition(":")
-    if not host or not port.isdigit():
+    if _host_port(address) is None:
         raise ConfigError(f"{source} is not a Ray cluster address: give host:port (the head node's GCS port, 6379 "
                           f"unless `ray start --port` said otherwise), ray://host:port, local or auto.")
-    if not answers(host_port):
+    if not answers(address):
+        host_port = address.split("://", 1)[-1]
         raise ConfigError(f"{source}: no Ray cluster answers at {host_port}; check the address and that the "
                           f"cluster is up.")
 
