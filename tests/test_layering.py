@@ -21,7 +21,7 @@ ORDER = ["leaf", "backends", "data_pipeline", "model", "engine", "checkpoints", 
 SUBPACKAGES = {"model", "engine", "checkpoints", "observe", "train"}
 FOLDERS = {"backends": "backends", "data_pipeline": "data_pipeline", "actors": "actors"}
 # the only modules allowed directly in llmq_ray/: the leaf
-LEAF = {"__init__", "errors", "options", "settings", "storage", "host_memory", "lr_schedule", "heap"}
+LEAF = {"__init__", "errors", "options", "settings", "storage", "host_memory", "lr_schedule", "heap", "net"}
 
 
 def _layer_of_module(name: str) -> str | None:
