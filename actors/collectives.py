@@ -38,7 +38,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from llmq_ray.engine.train_engine import DONE, Communicator
+from llmq_ray.engine.communicator import DONE, Communicator
 from llmq_ray.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 300.0

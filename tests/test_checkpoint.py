@@ -153,7 +153,7 @@ def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
 # ---------------------------------------------------------------------------------------------------- resharding
 def test_engine_resumes_on_another_world_size(tmp_path):
     """A world-1 engine checkpoint loads into the two ranks of a world-2 run (each its own ZeRO shard)."""
-    from llmq_ray.engine.train_engine import Communicator
+    from llmq_ray.engine.communicator import Communicator
 
     opts = TrainOptions(model="tiny", batch_size=1, seq_len=8, steps=2, model_dtype="bf16", opt_m_dtype="bf16")
     src = _engine(opts)

@@ -17,7 +17,7 @@ from _helpers import gloo_group, spawn_gloo_ranks
 
 from llmq_ray.engine.tensor_parallel import TensorParallelPlan
 from llmq_ray.model.lm_head import vocab_parallel_cross_entropy
-from llmq_ray.engine.train_engine import Communicator
+from llmq_ray.engine.communicator import Communicator
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.config import ModelConfig
 

@@ -73,7 +73,7 @@ def _engine(zero: int, device, comm=None, tensor_parallel=None, variant: str | N
 @pytest.mark.parametrize("zero", [1, 3])
 def test_a_tensor_parallel_group_of_one_trains_bit_for_bit_as_the_plain_engine(zero, variant):
     from llmq_ray.engine.tensor_parallel import TensorParallelPlan, TensorParallelRank
-    from llmq_ray.engine.train_engine import Communicator
+    from llmq_ray.engine.communicator import Communicator
 
     device = torch.device("cuda", 0)
     plain = _engine(zero, device, variant=variant)

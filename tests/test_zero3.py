@@ -20,7 +20,8 @@ from _helpers import fp8_layer_copy_gib, gloo_group, spawn_gloo_ranks
 
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
-from llmq_ray.engine.train_engine import Communicator, TrainEngine
+from llmq_ray.engine.communicator import Communicator
+from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.options import TrainOptions
 from llmq_ray.checkpoints.resume import load_engine_checkpoint, save_engine_checkpoint
 

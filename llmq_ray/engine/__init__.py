@@ -2,6 +2,6 @@
 its policies (ZeRO-3 gather-ahead and reduce-behind, host offload, weight-gradient and optimizer-update overlap,
 CUDA-graph capture), the sharded AdamW, the loss-spike guard and the single-process training loop.
 
-Collectives reach it through the ``Communicator`` interface (train_engine.py), which the Ray actors implement;
+Collectives reach it through the ``Communicator`` interface (communicator.py), which the Ray actors implement;
 the engine never imports Ray.
 """
