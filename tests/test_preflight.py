@@ -207,6 +207,25 @@ def test_a_ray_address_file_of_a_gone_cluster_ends_before_ray_in_one_sentence(ba
     assert _snapshot(tmp_path) == before  # no Ray session folder, no out-dir
 
 
+@pytest.mark.parametrize("backend", ["triton", "cupy"])
+def test_a_gpu_backend_on_a_cpu_only_machine_ends_before_ray_in_under_2_s(backend, bad_files, tmp_path, monkeypatch):
+    """--backend triton/cupy with the default --device=auto on a machine without a GPU (CUDA_VISIBLE_DEVICES=""
+    hides any): refused in the pre-flight, in one sentence naming the flag, in under 2 s, exit code 2 (it was
+    refused after Ray had started, 21-37 s in, before)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    rc, out, err, seconds = _run_cli(["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--no-progress",
+                                      "--train-file", f"{bad_files}/good.bin", "--out-dir", str(tmp_path / "out"),
+                                      "--backend", backend], tmp_path)
+    TIMES[f"--backend {backend} on a CPU-only machine"] = seconds
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1, (rc, out, err)
+    assert lines[0] == (f"error: --backend={backend} needs a GPU and this machine has none (NVML finds none); use "
+                        f"--backend=torch, or --ray-address of a Ray cluster with GPUs."), lines[0]
+    assert "RAY_IMPORTED=False" in out, out
+    assert not (tmp_path / "raytmp").exists() and not (tmp_path / "out").exists()
+    assert seconds < 2.0, seconds
+
+
 def test_oversubscription_warns_and_suggests_workers(tmp_path):
     """Two CPU workers with two cores each on the 2-core machine: a warning naming --workers (not an error)."""
     from llmq_ray.train.preflight import check_local_resources

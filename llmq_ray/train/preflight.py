@@ -17,6 +17,7 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
 * ``--log-file`` naming an existing log is refused unless the run continues it; a fresh run whose
   checkpoint folder already holds checkpoints is refused (its retention would delete them);
 * ``--workers`` against this machine's CPUs (a local Ray only; a cluster is checked after it is joined);
+* ``--backend`` triton or cupy where the run trains on CPU (``--device=cpu``, or a local Ray without a GPU);
 * the optional packages a flag needs (``--wandb-project``: wandb; ``--log-gpu-util``: nvidia-ml-py);
 * run as a Ray job's entrypoint: the grace ``ray job stop`` gives before SIGKILL, against the stop's checkpoint
   (a warning, ``check_ray_job_stop_grace``).
@@ -380,6 +381,19 @@ def check_local_resources(device: str, world: Optional[int], gpus: int, cpus_per
             raise ConfigError(f"--gpus={gpus} asks for more GPUs than this machine has ({have}); use --gpus={have} "
                               f"or fewer (or --ray-address of a larger Ray cluster).")
     return notes
+
+
+def check_backend(backend: str, device: str, machine: str) -> None:
+    """A GPU backend (triton, cupy) where the run would train on CPU: ``--device=cpu``, or ``--device=auto`` on a
+    machine without a GPU that starts its own Ray (``machine`` is then "cpu"). One sentence naming the flag, before
+    Ray starts (otherwise the refusal came from ``_build_spec`` after 20-40 s of Ray start-up)."""
+    if backend in ("auto", "torch"):
+        return
+    if device == "cpu":
+        raise ConfigError(f"--backend={backend} needs a GPU; on --device=cpu use --backend=torch.")
+    if device == "auto" and machine == "cpu":
+        raise ConfigError(f"--backend={backend} needs a GPU and this machine has none (NVML finds none); use "
+                          f"--backend=torch, or --ray-address of a Ray cluster with GPUs.")
 
 
 def check_optional_packages(wandb_project: Optional[str], log_gpu_util: int) -> None:

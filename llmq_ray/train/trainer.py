@@ -240,8 +240,8 @@ class LLMQTrainer:
                    allow_batch_change) -> None:
         """Resolve the defaults and run every check that needs no Ray (``llmq_ray/train/preflight.py``); nothing is
         written until all of them passed."""
-        from llmq_ray.train.preflight import (check_locations, check_local_resources, check_ray_job_stop_grace,
-                                              local_gpu_count)
+        from llmq_ray.train.preflight import (check_backend, check_locations, check_local_resources,
+                                              check_ray_job_stop_grace, local_gpu_count)
         from llmq_ray.settings import check_types, plain_path
         from llmq_ray.train.run_defaults import AUTO, AUTO_OPTION_FIELDS, DERIVED, resolve_eval, resolve_option_fields
 
@@ -292,6 +292,7 @@ class LLMQTrainer:
         self.runtime = r
         self._check_inputs()
         if local:
+            check_backend(r["backend"], r["device"], machine)  # triton/cupy on a CPU-only machine: before Ray starts
             self.notes += check_local_resources(machine, r["workers"] or (1 if machine == "cpu" else None),
                                                 r["gpus"], r["cpus_per_worker"])
         if checkpoint_on_exit:
