@@ -42,7 +42,7 @@ from llmq_ray.options import TrainOptions
 from llmq_ray.model.params import ParamLayout
 from llmq_ray.checkpoints.resume import (data_state_for_rank, engine_checkpoint_tensors, load_engine_checkpoint,
                              save_engine_checkpoint)
-from llmq_ray.engine.train_loop import train_steps
+from _engine_loop import train_steps
 
 # A very small model for the file-level tests (the tiny preset is used for the training ones).
 MICRO = ModelConfig("qwen2", 16, 32, 1, 2, 1, 64, tie_word_embeddings=True, qkv_bias=True, name="micro")

@@ -27,7 +27,7 @@ from llmq_ray.data_pipeline.tokenize import tokenize_files
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.options import TrainOptions
-from llmq_ray.engine.train_loop import train_steps
+from _engine_loop import train_steps
 
 
 @pytest.mark.slow

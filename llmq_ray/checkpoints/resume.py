@@ -12,7 +12,7 @@ Single process (tests, notebooks)::
     path = save_engine_checkpoint(ckpt_dir, step, engine, data_state=[stream.state()])
     manifest = load_engine_checkpoint(path, engine2)           # or resolve_continue(...) first
     stream2.restore(data_state_for_rank(manifest, 0, 1))
-    train_steps(engine2, batches, start_step=manifest["step"])
+    train_steps(engine2, batches, start_step=manifest["step"])   # tests/_engine_loop.py
 
 Under Ray every worker calls ``engine_checkpoint_tensors`` + ``write_rank_shard`` (save), or
 ``load_checkpoint`` + ``restore_engine`` (load; a collective: all ranks must call it).

@@ -1,7 +1,9 @@
-"""A single-process training loop over a TrainEngine: what tests, notebooks and the Ray worker build on.
+"""A single-process training loop over a TrainEngine, for the tests that drive an engine without Ray
+(imported as ``from _engine_loop import train_steps``). The library's own loop is the Ray worker's
+``train_step`` (actors/worker.py); this one moved here from llmq_ray/engine/ because only tests used it.
 
 ``train_steps`` runs ``opts.steps`` optimizer steps of ``opts.grad_accumulation`` micro-batches each,
-with the learning-rate schedule of ``llmq_ray.engine.optim.learning_rate_at``, and returns the per-step history.
+with the learning-rate schedule of ``llmq_ray.lr_schedule.learning_rate_at``, and returns the per-step history.
 Batches come from any iterator of (inputs, targets) int tensors [B, T] (targets -100 = masked).
 """
 
