@@ -262,8 +262,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp8-delayed-swiglu-scale", dest="fp8_delayed", action="store_true",
                    help="the e4m3 rows quantize the SwiGLU input/gradient at the previous pass's scale")
     p.add_argument("--triton-shape", nargs=4, type=int, default=None, metavar=("BATCH", "MICRO", "STEPS", "WARMUP"),
-                   help="batch, micro-steps per step, timed steps and warm-up steps of the triton/cupy and llm.q "
-                        "rows, instead of each model's default shape")
+                   help="batch, micro-steps per step, steps in all and warm-up steps (STEPS - WARMUP are timed) of "
+                        "the triton/cupy and llm.q rows, instead of each model's default shape")
     p.add_argument("--llmq-bin", default=None, help="folder of llm.q's prebuilt train binary: adds its rows")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the script")
     p.add_argument("--row-timeout-s", type=float, default=150.0, help="time limit of one row")
