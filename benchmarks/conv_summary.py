@@ -4,7 +4,7 @@ over its seeds -- "within the bf16 seeds' own spread" is read off these lines.
 
     python benchmarks/conv_summary.py OUT bf16 dly --seeds 42 43 44 45 --steps 300
 
-reads OUT/conv_<kind>_<seed>.json (the runs' --log-file), as benchmarks/archive/device_issue25_conv.sh writes
+reads OUT/conv_<kind>_<seed>.json (the runs' --log-file), as benchmarks/loss_check.sh writes
 them. A run with fewer than --steps step records or no eval is reported as incomplete and left out of the means.
 """
 

