@@ -30,13 +30,33 @@ def _read_block(batch: dict, spec: DatasetSpec, seed: int, epoch: int, rank: int
 
 
 def configure_data_context() -> None:
-    """Deterministic output order and no progress bars (the stream runs inside worker actors)."""
+    """Deterministic output order, no progress bars (the stream runs inside worker actors) and a quiet console:
+    Ray Data's lines of every dataset ("Starting execution of Dataset ...", "Execution plan ...", "Progress bars
+    disabled ...", "Dataset ... execution finished") would reach the driver's console through every worker's log
+    prefix, several per epoch. They stay in the Ray session's ``logs/ray-data/`` files; Ray Data's warnings and
+    errors still reach the console."""
+    import logging
+
     from ray.data import DataContext
 
     ctx = DataContext.get_current()
     ctx.execution_options.preserve_order = True
+    ctx.print_on_execution_start = False  # "Starting execution of ..." and "Execution plan of ..."
     if ctx.enable_progress_bars:
         ctx.enable_progress_bars = False
+    for handler in logging.getLogger("ray.data").handlers:  # Ray Data's own config: a "console" and a file handler
+        if handler.get_name() == "console" and handler.level < logging.WARNING:
+            handler.setLevel(logging.WARNING)  # "Dataset ... execution finished" and other info: the file only
+    nag = logging.getLogger("ray.data._internal.progress")
+    if not any(isinstance(f, _ProgressBarsOffNote) for f in nag.filters):
+        nag.addFilter(_ProgressBarsOffNote())
+
+
+class _ProgressBarsOffNote:
+    """Drops Ray Data's warning that progress bars are disabled (we turned them off on purpose)."""
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("Progress bars disabled")
 
 
 def ray_epoch_chunks(spec: DatasetSpec, seed: int, epoch: int, rank: int, world_size: int, cursor: int,
