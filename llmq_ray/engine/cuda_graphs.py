@@ -5,7 +5,7 @@ wherever the GPU finishes kernels faster than Python launches them (the short ke
 quantization; the first layers after each step's host sync) the GPU waits. A captured graph is replayed with
 one launch and no Python in between.
 
-What is captured: ``LlamaModel.forward_backward`` on fixed device buffers ``inputs``/``targets`` (int64
+What is captured: ``Decoder.forward_backward`` on fixed device buffers ``inputs``/``targets`` (int64
 [B, T]). Everything it does is already graph-safe by construction: fixed shapes, buffers allocated once in the
 model, no host sync, gradients / ``loss_sum`` / ``target_count`` updated in place. Two things depend on host
 state and are therefore kept out of (or keyed into) the graph:
@@ -13,7 +13,7 @@ state and are therefore kept out of (or keyed into) the graph:
 * the FP8 weight copies are re-quantized once per optimizer step: that runs eagerly before the replay
   (``BlockLinears.ensure_quantized``), so the graph only reads them -- unless the update is overlapped (below);
 * the first micro-step of a step *overwrites* the block weight gradients and later ones accumulate
-  (``LlamaModel._block_grads_zero``); with ZeRO-1 on several ranks the step's last micro-step also reduces each
+  (``Decoder._block_grads_zero``); with ZeRO-1 on several ranks the step's last micro-step also reduces each
   layer's gradients onto their owners during its backward (llmq_ray/engine/grad_reduce.py: NCCL collectives
   captured into the graph, all joined before its end): one graph per mode, sharing one memory pool.
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from llmq_ray.errors import ConfigError
-from llmq_ray.model.transformer import LlamaModel
+from llmq_ray.model.decoder import Decoder
 from llmq_ray.engine.grad_reduce import LastBackwardReduce
 from llmq_ray.engine.update_overlap import UpdateOverlap
 
@@ -50,7 +50,7 @@ class MicroStepGraphs:
     ``overlap``: the engine's UpdateOverlap when the update runs beside the next forward (None otherwise).
     ``grad_reduce``: the engine's LastBackwardReduce (ZeRO-1 on several ranks; None otherwise)."""
 
-    def __init__(self, model: LlamaModel, overlap: UpdateOverlap | None = None,
+    def __init__(self, model: Decoder, overlap: UpdateOverlap | None = None,
                  grad_reduce: LastBackwardReduce | None = None):
         if model.device.type != "cuda":
             raise ConfigError(f"--use-cuda-graphs needs a CUDA device; this worker runs on {model.device}.")
@@ -65,7 +65,7 @@ class MicroStepGraphs:
         self._pool = None
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Same contract as ``LlamaModel.forward_backward`` (int [B, T] inputs/targets, host or device)."""
+        """Same contract as ``Decoder.forward_backward`` (int [B, T] inputs/targets, host or device)."""
         model = self.model
         model.check_batch_shape(inputs, targets)  # shape errors are raised here, before any copy
         self.inputs.copy_(inputs, non_blocking=True)

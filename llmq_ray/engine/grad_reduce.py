@@ -6,11 +6,11 @@ model's gradients: ~1 GB at Qwen2.5-0.5B in bf16) runs while every GPU waits, ~1
 GPUs over NVLink. But a unit's gradients are final as soon as the step's last backward has passed it, so its
 range of the buffer can be summed right then, while the backward of the units below runs.
 
-What: a unit policy (llmq_ray/model/units.py), active only while the engine runs the micro-step it marks as the
+What: a unit policy (llmq_ray/model/layers/units.py), active only while the engine runs the micro-step it marks as the
 step's last. At ``end(unit, backward=True)`` it starts ``reduce_sum`` of each piece of the unit's ranges
 (``unit_ranges``: a layer's four matrices; the untied LM head; the embedding with the replicated norm/bias tail,
 which the backward finishes last) onto the piece's owner, in place, as ZeRO-2's store does
-(llmq_ray/engine/zero3.py). Every rank runs the same units in the same order, so the collectives match up. At the
+(llmq_ray/parallel/data.py). Every rank runs the same units in the same order, so the collectives match up. At the
 end of the embedding's backward it starts the last unit's reduces and waits for all of them: the compute stream
 waits (NCCL) or the host blocks (gloo), so the micro-step ends with every owner's shard summed -- also inside a
 captured CUDA graph, which must join every collective it started (llmq_ray/engine/cuda_graphs.py captures this
@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 
 from llmq_ray.engine.update_overlap import unit_ranges
-from llmq_ray.engine.zero3 import shard_pieces
+from llmq_ray.parallel.data import shard_pieces
 from llmq_ray.model.params import ParamLayout
-from llmq_ray.model.units import EMBED, Policy
+from llmq_ray.model.layers.units import EMBED, Policy
 
 
 class LastBackwardReduce(Policy):

@@ -1,18 +1,19 @@
 """The schedule: the one owner of every CUDA stream and event of a training process.
 
 The model declares its units and runs each micro-step as a loop over them, calling ``before(unit)`` /
-``after(unit)`` around every unit (llmq_ray/model/units.py). The policies registered here decide what happens
+``after(unit)`` around every unit (llmq_ray/model/layers/units.py). The policies registered here decide what happens
 there and on which stream:
 
 =========================  ======================================  ==========================================
 policy                     where                                   streams it gets from here
 =========================  ======================================  ==========================================
-weights (resident/ZeRO-3)  llmq_ray/model/transformer.py,          (collectives: the communicator's own)
-                           llmq_ray/engine/zero3.py: gather a
+weights (resident/ZeRO-3)  llmq_ray/model/buffers.py,              (collectives: the communicator's own)
+                           llmq_ray/parallel/data.py: gather a
                            layer ahead, reduce-scatter behind
-FP8 weight copies          llmq_ray/model/linear.py                ``fp8-copies`` (--offload-quants)
-residual offload           llmq_ray/model/transformer.py           ``residual`` (--offload-residual)
-recompute                  llmq_ray/model/transformer.py           (compute stream: same kernels, same inputs)
+FP8 weight copies          llmq_ray/model/layers/linear.py,        ``fp8-copies`` (host-kept copies)
+                           llmq_ray/engine/offload.py (host)
+residual offload           llmq_ray/engine/offload.py              ``residual`` (offloaded residuals)
+recompute                  llmq_ray/model/llama.py, gpt2.py        (compute stream: same kernels, same inputs)
 wgrad overlap              llmq_ray/engine/wgrad_overlap.py        ``wgrad`` (lowest priority)
 optimizer-update overlap   llmq_ray/engine/update_overlap.py       ``update`` and one event per unit
 host offload of master /   llmq_ray/engine/offload.py (StagedChunks)  ``<name>-upload``, ``<name>-download``
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from llmq_ray.model.units import UnitHooks
+from llmq_ray.model.layers.units import UnitHooks
 
 
 class Schedule(UnitHooks):

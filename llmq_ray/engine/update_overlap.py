@@ -40,11 +40,11 @@ from collections import defaultdict
 
 import torch
 
-from llmq_ray.model.transformer import ResidentWeights
+from llmq_ray.model.buffers import ResidentWeights
 from llmq_ray.engine.optim import ShardedAdamW
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.model.params import ParamLayout
-from llmq_ray.engine.zero3 import shard_pieces
+from llmq_ray.parallel.data import shard_pieces
 
 
 def unit_ranges(layout: ParamLayout) -> dict:

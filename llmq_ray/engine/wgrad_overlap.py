@@ -10,7 +10,7 @@ compute stream's kernels keep the other SMs and the two run at the same time.
 The hazards are the buffers the model reuses: a wgrad reads dy and x, and the compute stream must not
 overwrite either before that wgrad has run. ``submit(tag, fn)`` records where the inputs became final and
 remembers the wgrad's completion under ``tag``; the model calls ``wait(tag)`` right before it overwrites an
-input of that wgrad (llmq_ray/model/transformer.py lists which), and ``wait_all()`` before anything reads the gradients
+input of that wgrad (llmq_ray/model/llama.py lists which), and ``wait_all()`` before anything reads the gradients
 (the end of the micro-step: optimizer, gradient reductions, the next micro-step's recomputation).
 
 Modes (tests): on a CPU device there is no stream, so ``submit`` runs the wgrad at once, or with ``mode="defer"``
@@ -108,6 +108,14 @@ def enable_wgrad_overlap(model, sm_count: int, mode: str = "stream", delay_cycle
     """Run ``model``'s block wgrads beside its dgrads (``--overlap-wgrad-sms``), on the ``wgrad`` stream of
     ``schedule`` (default: the model's own schedule when it is the engine's, else a new one), each sized for
     ``sm_count`` SMs (1 .. this GPU's SM count); before the first micro-step."""
+    if model.lin.fp8:
+        raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with "
+                          "--matmul-dtype e4m3")
+    if not model.WGRAD_OVERLAP:
+        raise ConfigError("--overlap-wgrad-sms is built for the Llama-family block; GPT-2 does not take it yet.")
+    if model.grads is None:
+        raise ConfigError("the wgrad overlap needs the full gradient buffer of ZeRO-1 (ZeRO-2/3 reduce each "
+                          "layer's gradients as soon as its backward ends)")
     if schedule is None:
         schedule = model.schedule if isinstance(model.schedule, Schedule) else Schedule(model.device)
     device = schedule.device

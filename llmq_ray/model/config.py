@@ -8,7 +8,7 @@ time, and every other type are refused) and ``GPT2LMHeadModel`` (llm.c's model: 
 embeddings, LayerNorm with bias, QKV / out / MLP projections with bias, a non-gated GELU-tanh MLP, no RoPE,
 MHA, tied head; activation_function "gelu_new" only, and ``scale_attn_by_inverse_layer_idx``,
 ``reorder_and_upcast_attn`` and ``scale_attn_weights=false`` are refused). Everything the model math needs is
-here and nothing else; run options (batch, dtypes, recompute) live in ``llmq_ray.options``.
+here and nothing else; run settings (batch, dtypes, recompute) live in ``llmq_ray.settings``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class ModelConfig:
     @property
     def is_gpt2(self) -> bool:
         """GPT-2: learned positions (``pos_embed`` [P, C]), LayerNorm with bias, biased projections, a non-gated
-        GELU-tanh MLP (``up_w`` [I, C]), no RoPE (llmq_ray/model/transformer.py, module docstring)."""
+        GELU-tanh MLP (``up_w`` [I, C]), no RoPE (llmq_ray/model/gpt2.py)."""
         return self.architecture == "gpt2"
 
     @property

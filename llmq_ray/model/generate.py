@@ -1,6 +1,6 @@
 """Text generation with a KV cache, straight from the training model's flat parameter buffer.
 
-The math is the training model's (``llmq_ray.model.transformer``) for one block, written as plain torch ops under
+The math is the training model's (``llmq_ray.model.llama`` / ``gpt2``) for one block, written as plain torch ops under
 ``torch.no_grad`` (no backend, no saved activations): RMSNorm in fp32, half-split RoPE, causal grouped-query
 attention, SwiGLU ``up * silu(gate)``, then the final norm and the (tied or untied) LM head.
 

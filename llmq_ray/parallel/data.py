@@ -5,8 +5,8 @@ The flat parameter buffer (``ParamLayout``) is cut into W equal shards [r*S, (r+
 optimizer state under ZeRO-1, so the optimizer, its checkpoints and resharding are unchanged. Under ZeRO-3 rank
 r's ``params_shard`` [S] *is* its slice of the flat buffer, and nobody holds the whole weight buffer any more.
 
-What the model sees (the store behind ``LlamaModel.w`` / ``.g``; see ``ResidentWeights`` in
-llmq_ray/model/transformer.py for the protocol). Under ZeRO-2 the weights are the full flat buffer, resident
+What the model sees (the store behind ``model.w`` / ``.g``; see ``ResidentWeights`` in
+llmq_ray/model/buffers.py for the protocol). Under ZeRO-2 the weights are the full flat buffer, resident
 and all-gathered after each update as under ZeRO-1, and only the "gradients" point below applies; under
 ZeRO-3 all of it:
 
@@ -24,7 +24,9 @@ ZeRO-3 all of it:
   The per-layer copies with --kept-quants-gib skip the same way for the layers whose copies are all kept,
   from the micro-step after the one that made them.
 * **embedding / LM head** share one [V, C] buffer, gathered for the embedding lookup and for the loss phase
-  (a tied head reuses the gathered embedding).
+  (a tied head reuses the gathered embedding). GPT-2's position table [P, C] belongs to the embedding unit: it
+  follows the (tied) token table in the layout, so the unit is the one range [embed, pos_embed) and the buffer
+  [(V + P) C]; its gradient is reduced with the embedding's at the end of the backward.
 * **norm weights and biases** (the layout's non-decayed tail, ~0.01% of the weights) are replicated on every
   rank, like weights under ZeRO-1: their owners broadcast them after each update.
 * **gradients**: each layer's block-weight gradients go to one of two layer-sized buffers, overwritten (not
@@ -45,7 +47,7 @@ from collections.abc import Callable
 import torch
 
 from llmq_ray.model.params import ParamLayout
-from llmq_ray.model.units import Policy
+from llmq_ray.model.layers.units import Policy
 
 
 def shard_pieces(lo: int, hi: int, shard_size: int) -> list[tuple[int, int, int]]:
@@ -87,17 +89,12 @@ class ShardedGradients(Policy):
 
     @staticmethod
     def layer_needed(layer: int) -> bool:
-        """Whether ``layer``'s weights will be read when it runs next; the model replaces this with
-        ``BlockLinears.needs_weights`` (False once a persistent FP8 copy of the layer exists this step)."""
+        """Whether ``layer``'s weights will be read when it runs next; the engine sets the model's
+        ``needs_weights`` here (False once a persistent FP8 copy of the layer exists this step)."""
         return True
 
     def __init__(self, layout: ParamLayout, comm, shard_size: int, dtype: torch.dtype, device: torch.device,
-                 sink: Callable[[int, torch.Tensor], None]):
-        if "pos_embed" in layout.slots:
-            from llmq_ray.errors import ConfigError
-
-            raise ConfigError("ZeRO-2/3 (--zero-level 2 or 3) do not take GPT-2 yet (its position table is a gather "
-                              "unit of its own); use --zero-level 1.")
+                 sink: Callable[[int, torch.Tensor], None], before_reduce: Callable[[object], None] | None = None):
         self.layout, self.comm, self.sink = layout, comm, sink
         self.shard_size, self.shard_lo = shard_size, comm.rank * shard_size
         self.dtype, self.device = dtype, device
@@ -105,7 +102,12 @@ class ShardedGradients(Policy):
         self.plain_lo = layout.decay_end
         self.plain_grads = self._zeros(layout.numel - self.plain_lo)
         # units: name -> [lo, hi) of the flat buffer
-        self.units: dict = {"embed": (layout.slots["embed"].offset, layout.slots["embed"].end)}
+        embed_end = layout.slots["embed"].end
+        if "pos_embed" in layout.slots:  # learned positions: part of the embedding unit (module docstring)
+            if layout.slots["pos_embed"].offset != embed_end:
+                raise ValueError("the position table must follow the token table (a tied head) to share its unit")
+            embed_end = layout.slots["pos_embed"].end
+        self.units: dict = {"embed": (layout.slots["embed"].offset, embed_end)}
         if not cfg.tie_word_embeddings:
             self.units["lm_head"] = (layout.slots["lm_head"].offset, layout.slots["lm_head"].end)
         for layer in range(cfg.num_layers):
@@ -114,7 +116,8 @@ class ShardedGradients(Policy):
         self.unit_of = {}
         for name, slot in layout.slots.items():
             if slot.offset < self.plain_lo:
-                self.unit_of[name] = int(name.split(".")[1]) if name.startswith("layers.") else name
+                self.unit_of[name] = (int(name.split(".")[1]) if name.startswith("layers.")
+                                      else "embed" if name == "pos_embed" else name)
         layer_numel = {hi - lo for u, (lo, hi) in self.units.items() if isinstance(u, int)}
         assert len(layer_numel) == 1, "every layer has the same matrices"
         self.layer_numel = layer_numel.pop()
@@ -128,8 +131,8 @@ class ShardedGradients(Policy):
         self._views: dict = {}
         self.w, self.g = _NamedViews(self, False), _NamedViews(self, True)
         # tensor parallelism: called with a layer index or "plain" just before that part's gradients are reduced
-        # (the engine sums the parts the group's ranks each hold a share of; LlamaModel.reduce_tensor_parallel_grads)
-        self.before_reduce: Callable[[object], None] | None = None
+        # (the engine sums the parts the group's ranks each hold a share of: TensorParallel.reduce_grads)
+        self.before_reduce = before_reduce
 
     def _zeros(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=self.dtype, device=self.device)
@@ -253,8 +256,8 @@ class ResidentGradShards(ShardedGradients):
     weights_resident = True  # as ResidentWeights: every weight is in ``params``
 
     def __init__(self, layout: ParamLayout, comm, shard_size: int, params: torch.Tensor,
-                 sink: Callable[[int, torch.Tensor], None]):
-        super().__init__(layout, comm, shard_size, params.dtype, params.device, sink)
+                 sink: Callable[[int, torch.Tensor], None], before_reduce: Callable[[object], None] | None = None):
+        super().__init__(layout, comm, shard_size, params.dtype, params.device, sink, before_reduce)
         self.params = params
 
     def weight_view(self, name: str) -> torch.Tensor:
@@ -274,8 +277,8 @@ class ShardedWeights(ShardedGradients):
     """
 
     def __init__(self, layout: ParamLayout, comm, shard_size: int, dtype: torch.dtype, device: torch.device,
-                 sink: Callable[[int, torch.Tensor], None]):
-        super().__init__(layout, comm, shard_size, dtype, device, sink)
+                 sink: Callable[[int, torch.Tensor], None], before_reduce: Callable[[object], None] | None = None):
+        super().__init__(layout, comm, shard_size, dtype, device, sink, before_reduce)
         self.params_shard = self._zeros(shard_size)
         self.plain = self._zeros(layout.numel - self.plain_lo)
         self.layer_bufs = [self._zeros(self.layer_numel), self._zeros(self.layer_numel)]

@@ -5,13 +5,13 @@ A micro-step is a loop over units: the embedding (``EMBED``), each block (its in
 schedule calls every policy registered with it, in registration order before the unit and in reverse after it:
 
     policy.begin(unit, backward)   # what the unit needs is in place (weights gathered, FP8 copies fetched,
-                                   # the saved residual back on the device)
+                                   # the saved residual in place)
     ...the unit's kernels...
     policy.end(unit, backward)     # what it produced can move on (gradients reduced, weights released)
 
 ``backward`` is False in the forward; the LM head runs its forward and backward as one unit (``backward=True``
 when the gradient is wanted). The model registers the policies its buffers need (the weight store, the FP8 copies,
-the residual offload); the engine adds its own (llmq_ray/engine/schedule.py) without touching the model.
+the residual store); the engine adds its own (llmq_ray/engine/schedule.py) without touching the model.
 
 ``UnitHooks`` is the schedule without side streams: ``stream()`` returns None, so a policy does its copies on the
 compute stream (synchronously on the CPU). It is what a model built on its own (tests, generation) runs with;

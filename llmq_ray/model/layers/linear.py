@@ -25,24 +25,24 @@ swiglu outputs, the model keeps one shared buffer for each instead of one per la
 Weight copies. Weights change only at the optimizer update, and quantizing the same bf16 values again gives
 the same bytes, so *when* W_q / W^T_q are made never changes the results -- only what it costs:
 
-* ``quants="persistent"`` (ZeRO-1/2 always; ZeRO-3 with --persistent-quants): the copies of all L layers
+* ``quants="persistent"`` (ZeRO-1/2 always; ZeRO-3 when chosen): the copies of all L layers
   stay for the whole optimizer step (``invalidate_weights`` at each step's start); each layer is quantized
   once per step, at its first use (under CUDA graphs: all layers at once before the replay, so the graph only
   reads them -- except a step's first micro-step with the overlapped update, whose graph quantizes each layer
   after waiting for its update, llmq_ray/engine/cuda_graphs.py). Costs as many device bytes as the bf16 block weights. Under ZeRO-3
   a layer's bf16 weights are then needed only once per step (``needs_weights``), so the store gathers each
   layer once per step instead of twice per micro-step.
-* ``quants="host"`` (--offload-quants): the same persistent copies, kept in (pinned) host memory; two device
-  slots hold layer l in slot l % 2, fetched one layer ahead on a side stream (like --offload-residual). A
-  layer's first use in a step quantizes into its slot and copies the result out to the host.
-* ``quants="layer"`` (ZeRO-3 default, and --transient-quants): only two device slots (layer l in slot l % 2),
+* ``quants="host"``: the same persistent copies, kept in (pinned) host memory; two device slots hold layer l
+  in slot l % 2, fetched one layer ahead on a side stream. The engine applies it (``HostWeightCopies`` in
+  llmq_ray/engine/offload.py, a subclass handed over as ``ModelPolicies.block_linears``); the slots are here.
+* ``quants="layer"`` (the ZeRO-3 default): only two device slots (layer l in slot l % 2),
   filled lazily, one matrix and one layout at a time, by the GEMM that needs it: the forward GEMM makes W_q,
   the dgrad makes W^T_q (a layout a pass does not use is never written), unless the slot still holds that
   layout of that layer from earlier in the step. Each weight's absmax is taken once per step, at its first
   quantization, and kept (``w_amax``): the weights change only at the update. Costs two layers of FP8 bytes
   and, per layer and pass, one read of the bf16 weights and one FP8 write. The forward, the recomputation and
   the backward of a micro-step all read copies made from the same bf16 weights with the same scale, so they
-  see the same bytes as the persistent copies. ``keep_copies`` (--kept-quants-gib) spends spare
+  see the same bytes as the persistent copies. ``keep_copies`` (a byte budget the engine sets) spends spare
   device memory on persistent copies of the first matrices that fit (layer 0 first, each layout on its own):
   those are quantized once per step, at their first use, like the persistent ones; the rest still use the
   slots. Under ZeRO-3 a layer whose eight copies (four matrices, both layouts) are all kept and made is not
@@ -66,7 +66,7 @@ from __future__ import annotations
 import torch
 
 from llmq_ray.backends.base import Backend
-from llmq_ray.model.units import Policy
+from llmq_ray.model.layers.units import Policy
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 BLOCK_WEIGHTS = ("qkv_w", "out_w", "up_gate_w", "down_w")
@@ -92,17 +92,16 @@ class BlockLinears(Policy):
     for the step).
     ``names``: the block's four matrices (``block_weights(cfg)``; GPT-2's ``up_w`` for ``up_gate_w``).
     ``sharded``: the weights are not all resident (ZeRO-3's gathers), so persistent copies are made one layer at a time
-    in ``begin_layer`` rather than all at once. ``stream``: the schedule's side stream for the host copies.
+    in ``begin_layer`` rather than all at once.
 
-    A unit policy (llmq_ray/model/units.py): ``begin(layer)`` is ``begin_layer``.
+    A unit policy (llmq_ray/model/layers/units.py): ``begin(layer)`` is ``begin_layer``.
     """
 
-    QUANTS = ("persistent", "host", "layer")
+    QUANTS = ("persistent", "layer")
 
     def __init__(self, backend: Backend, weights, shapes: dict[str, tuple[int, int]], num_layers: int, rows: int,
                  matmul_dtype: str | None, gradient_dtype: str | None, store_xt: bool = True,
-                 quants: str = "persistent", sharded: bool = False, stream=None,
-                 names: tuple[str, ...] = BLOCK_WEIGHTS):
+                 quants: str = "persistent", sharded: bool = False, names: tuple[str, ...] = BLOCK_WEIGHTS):
         if quants not in self.QUANTS:
             raise ValueError(f"quants={quants!r} must be one of {self.QUANTS}")
         self.be, self.w, self.num_layers = backend, weights, num_layers
@@ -136,20 +135,14 @@ class BlockLinears(Policy):
         self.w_descale = {key: torch.ones((), dtype=torch.float32, device=dev) for key in self.layer_of}
         # max|W| per block weight (fp32 0-d): taken once per step (weights change only at the update)
         self.w_amax = {key: torch.zeros((), dtype=torch.float32, device=dev) for key in self.layer_of}
-        # persistent copies of every layer: on the device, or (quants="host") in pinned host memory
+        # persistent copies of every layer: on the device (a subclass may keep them elsewhere: ``_new_copy``)
         self.w_q: dict[str, torch.Tensor] = {}
         self.wt_q: dict[str, torch.Tensor] = {}
         if quants != "layer":
-            from llmq_ray.host_memory import host_zeros
-
             for key in self.layer_of:
                 oc, k = shapes[key]
-                if quants == "host":
-                    self.w_q[key] = host_zeros(oc * k, self.fwd_dtype, dev).view(oc, k)
-                    self.wt_q[key] = host_zeros(oc * k, self.fwd_dtype, dev).view(k, oc)
-                else:
-                    self.w_q[key] = torch.empty(oc, k, dtype=self.fwd_dtype, device=dev)
-                    self.wt_q[key] = torch.empty(k, oc, dtype=self.fwd_dtype, device=dev)
+                self.w_q[key] = self._new_copy(oc, k)
+                self.wt_q[key] = self._new_copy(k, oc)
         # two device slots (layer l in slot l % 2): {name: (W_q [OC, K], W^T_q [K, OC])}
         self.slots: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
         if quants != "persistent":
@@ -160,10 +153,6 @@ class BlockLinears(Policy):
                     slot[name] = (torch.empty(oc, k, dtype=self.fwd_dtype, device=dev),
                                   torch.empty(k, oc, dtype=self.fwd_dtype, device=dev))
                 self.slots.append(slot)
-        self.stream = stream  # quants="host": the schedule's side stream for the copies (None: copy in order)
-        self.cuda = stream is not None
-        self.copied_out: list = [None, None]  # event: the slot's fresh copies have reached the host
-        self.copied_in: list = [None, None]   # event: the slot's copies have arrived from the host
         # store_xt: q(x^T) [K, N] of every block GEMM input and its descale, written by the forward
         self.xt_store: dict[str, torch.Tensor] = {}
         self.x_descale: dict[str, torch.Tensor] = {}
@@ -172,6 +161,10 @@ class BlockLinears(Policy):
                 self.xt_store[key] = torch.empty(shapes[key][1], rows, dtype=self.fwd_dtype, device=dev)
                 self.x_descale[key] = torch.ones((), dtype=torch.float32, device=dev)
         self.invalidate_weights()
+
+    def _new_copy(self, rows: int, cols: int) -> torch.Tensor:
+        """A persistent FP8 weight copy [rows, cols] (on the device here)."""
+        return torch.empty(rows, cols, dtype=self.fwd_dtype, device=self.be.device)
 
     # ------------------------------------------------------------------ weight copies
     def invalidate_weights(self) -> None:
@@ -216,33 +209,11 @@ class BlockLinears(Policy):
             self.begin_layer(unit, backward)
 
     def begin_layer(self, layer: int, backward: bool = False) -> None:
-        """``layer``'s GEMMs run next (its weights, if needed, are gathered): make its FP8 copies available,
-        and with quants="host" start fetching the next layer's (layer+1, or layer-1 in the backward)."""
-        if not self.fp8:
-            return
-        if self.quants == "persistent":  # a stale layer is quantized at its first use in the step
-            if not self.valid[layer]:
-                self._quantize_layer(layer, None)
-            return
-        if self.quants == "layer":  # the GEMMs quantize what they need (_copy)
-            return
-        slot = layer % 2
-        if self.slot_holder[slot] != layer:
-            if self.quants == "host" and self.valid[layer]:
-                self._fetch(layer)  # not prefetched: the first layer of a pass
-            else:
-                self._claim(slot)
-                self._quantize_layer(layer, slot)
-                self.slot_holder[slot] = layer
-                if self.quants == "host":
-                    self._copy_out(layer)
-        if self.copied_in[slot] is not None:
-            torch.cuda.current_stream(self.stream.device).wait_event(self.copied_in[slot])
-            self.copied_in[slot] = None
-        nxt = layer - 1 if backward else layer + 1
-        if self.quants == "host" and 0 <= nxt < self.num_layers and self.valid[nxt] \
-                and self.slot_holder[nxt % 2] != nxt:
-            self._fetch(nxt)
+        """``layer``'s GEMMs run next (its weights, if needed, are gathered): make its FP8 copies available.
+        Persistent copies: a stale layer is quantized at its first use in the step; quants="layer": the GEMMs
+        quantize what they need (``_copy``)."""
+        if self.fp8 and self.quants == "persistent" and not self.valid[layer]:
+            self._quantize_layer(layer, None)
 
     def _quantize_layer(self, layer: int, slot: int | None) -> None:
         """W_q, W^T_q and the descale of ``layer``'s four matrices from their current weights, into the
@@ -315,71 +286,30 @@ class BlockLinears(Policy):
             self.kept[key, transposed] = torch.empty(shape, dtype=self.fwd_dtype, device=self.be.device)
         return sum(t.numel() for t in self.kept.values())
 
-    def _claim(self, slot: int) -> None:
-        """Before the compute stream overwrites device slot ``slot``: copies into or out of it have finished."""
-        for events in (self.copied_in, self.copied_out):
-            if events[slot] is not None:
-                torch.cuda.current_stream(self.stream.device).wait_event(events[slot])
-                events[slot] = None
-
-    def _copy_out(self, layer: int) -> None:
-        """quants="host": slot layer % 2 was just quantized; copy it to the layer's host copies (side stream)."""
-        slot = layer % 2
-        pairs = [(self.w_q[self.key_of[layer, n]], self.slots[slot][n][0]) for n in self.names]
-        pairs += [(self.wt_q[self.key_of[layer, n]], self.slots[slot][n][1]) for n in self.names]
-        self.copied_out[slot] = self._copy_pairs(pairs)
-        self.valid[layer] = True
-
-    def _copy_pairs(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        """dst.copy_(src) for every pair: on CUDA on the side stream, after all work queued so far on the
-        current stream, returning the event that marks the copies done (None on CPU, where they are done)."""
-        if not self.cuda:
-            for dst, src in pairs:
-                dst.copy_(src)
-            return None
-        side = self.stream
-        side.wait_stream(torch.cuda.current_stream(side.device))
-        with torch.cuda.stream(side):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            return side.record_event()
-
-    def _fetch(self, layer: int) -> None:
-        """quants="host": start copying ``layer``'s host copies into slot layer % 2 (side stream, after every
-        GEMM queued so far, which may still read the slot's previous layer)."""
-        slot = layer % 2
-        pairs = [(self.slots[slot][n][0], self.w_q[self.key_of[layer, n]]) for n in self.names]
-        pairs += [(self.slots[slot][n][1], self.wt_q[self.key_of[layer, n]]) for n in self.names]
-        self.copied_in[slot] = self._copy_pairs(pairs)
-        self.slot_holder[slot] = layer
-
     def _copies(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(W_q [OC, K], W^T_q [K, OC], descale) of block weight ``key`` for the GEMM about to run."""
-        layer, name = self.layer_of[key]
-        if self.quants == "persistent":
-            if not self.valid[layer]:
-                if self.sharded:
-                    raise RuntimeError(f"FP8 copies of layer {layer} used before begin_layer({layer})")
-                self.ensure_quantized()
-            return self.w_q[key], self.wt_q[key], self.w_descale[key]
-        slot = layer % 2
-        if self.slot_holder[slot] != layer:
-            raise RuntimeError(f"FP8 copies of layer {layer} are not on the device "
-                               f"(slot {slot} holds {self.slot_holder[slot]})")
-        w_q, wt_q = self.slots[slot][name]
-        return w_q, wt_q, self.w_descale[key]
+        layer, _ = self.layer_of[key]
+        if not self.valid[layer]:
+            if self.sharded:
+                raise RuntimeError(f"FP8 copies of layer {layer} used before begin_layer({layer})")
+            self.ensure_quantized()
+        return self.w_q[key], self.wt_q[key], self.w_descale[key]
 
     def host_tensors(self) -> list[torch.Tensor]:
-        """The persistent copies kept in host memory (quants="host"), else []."""
-        return [*self.w_q.values(), *self.wt_q.values()] if self.fp8 and self.quants == "host" else []
+        """The FP8 copies kept in host memory ([] here; see ``HostWeightCopies``)."""
+        return []
+
+    def device_copies(self) -> list[torch.Tensor]:
+        """The FP8 weight copies on the device (persistent and kept ones)."""
+        return [*self.w_q.values(), *self.wt_q.values(), *self.kept.values()]
 
     def fp8_bytes(self) -> int:
         """Bytes of FP8 scratch and weight copies on the device (0 in the model dtype)."""
         if not self.fp8:
             return 0
         slots = [t for s in self.slots for pair in s.values() for t in pair]
-        copies = [] if self.quants == "host" else [*self.w_q.values(), *self.wt_q.values(), *self.kept.values()]
-        tensors = [self.x_q, self.xt_q, self.dy_q, self.dyt_q, *copies, *slots, *self.xt_store.values()]
+        tensors = [self.x_q, self.xt_q, self.dy_q, self.dyt_q, *self.device_copies(), *slots,
+                   *self.xt_store.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ the three GEMMs
@@ -471,3 +401,24 @@ class BlockLinears(Policy):
         be.matmul_fp8(dw, dyt, xt, self.scales[2], x_descale, accumulate=accumulate)
         if wgrad_columns is not None:
             dw.mul_(wgrad_columns)
+
+
+class Projection:
+    """One of a block's projections as a piece: out = x W^T (+ b) through the model's ``BlockLinears``.
+
+    ``forward`` and ``backward`` return the tensor the block goes on with: ``out`` / ``dx`` here. A plan over the
+    model's pieces (llmq_ray/parallel/tensor.py) replaces a projection with a column- or row-parallel one of the
+    same interface, whose returned tensor is then the sum over its group (this process's rows of it)."""
+
+    def __init__(self, lin: BlockLinears):
+        self.lin = lin
+
+    def forward(self, out: torch.Tensor, x: torch.Tensor, key: str, x_amax: torch.Tensor | None,
+                **kw) -> torch.Tensor:
+        self.lin.forward(out, x, key, x_amax, **kw)
+        return out
+
+    def backward(self, dx: torch.Tensor, dw: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, key: str,
+                 x_amax: torch.Tensor | None, accumulate: bool, **kw) -> torch.Tensor:
+        self.lin.backward(dx, dw, dy, x, key, x_amax, accumulate, **kw)
+        return dx

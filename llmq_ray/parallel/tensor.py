@@ -1,5 +1,6 @@
-"""Tensor parallelism's plan and the full-layout split / join of flat buffers (``--tensor-parallel T``; the Ray
-workers build the groups in actors/worker.py).
+"""Tensor parallelism's split of the weights and the full-layout split / join of flat buffers (a group of T
+ranks; the Ray workers build the groups in actors/worker.py). What it changes in a model's forward and backward
+is llmq_ray/parallel/tensor_pieces.py's plan over the model's pieces.
 
 The split (Megatron-style, written for this project's fused layouts; see llmq_ray/model/params.py):
 
@@ -18,7 +19,7 @@ The split (Megatron-style, written for this project's fused layouts; see llmq_ra
   (``vocab_range``); the local tables are [Vs, C] on every rank, the last rank's padded with zero rows when T does
   not divide V (they get no gradient and stay zero; checkpoints and exports never hold them). The lookup takes
   the rank's rows and zeros for other tokens, summed over the group; the head's logits [N, Vs] of each rank go
-  through ``vocab_parallel_cross_entropy`` (llmq_ray/model/lm_head.py), which gives the exact losses without
+  through ``vocab_parallel_cross_entropy`` (llmq_ray/parallel/tensor_pieces.py), which gives the exact losses without
   gathering the full logits, and the head's input gradient is summed over the group.
 * norms (and Qwen3's QK-norm weights, per head and shared by all heads) are replicated.
 
@@ -30,7 +31,7 @@ split by rows in one reduce-scatter (``reduce_scatter_rows``) instead of an all-
 wire as the all-reduce alone, with the residual stream and the norms' work divided by T. The backward mirrors
 it: the residual gradient's rows are all-gathered before the GEMMs that read it, their input gradients
 reduce-scattered. The norm weights' gradients are then partial sums over each rank's rows, summed over the
-group with the other shared gradients (``LlamaModel.reduce_tensor_parallel_grads``).
+group with the other shared gradients (``TensorParallel.reduce_grads``).
 
 Why our own: the split depends on this project's fused flat layout (q|k|v rows, up|gate rows).
 """
@@ -165,7 +166,7 @@ class TensorParallelPlan:
 
 
 class TensorParallelRank:
-    """What the model needs of its tensor-parallel group (``LlamaModel(..., tensor_parallel=...)``): sums over the
+    """What the plan over a model's pieces needs of its tensor-parallel group (``TensorParallel``): sums over the
     group, sums over the ranks holding the same replicated KV heads, which rows of the local qkv_w / qkv_b are K
     and V (empty unless the KV heads are replicated), and its vocabulary range (``vocab_start``, ``vocab_valid``:
     the real rows of its [Vs, C] embedding / head tables). ``comm`` / ``kv_replica_comm``: the engine's

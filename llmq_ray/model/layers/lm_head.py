@@ -1,5 +1,5 @@
 """The LM head and the loss over row chunks: logits = x W^T, the fused cross-entropy, and in training the
-head's dgrad and wgrad -- in the model dtype, or (``fp8``, --lmhead-dtype e4m3) as three FP8 GEMMs.
+head's dgrad and wgrad -- in the model dtype, or (``fp8``) as three FP8 GEMMs.
 
 x is the final RMSNorm's output [N, C]; W [V, C] is the head's weight (the embedding table when tied). Each
 chunk of N / chunks rows has its logits [rows, Vp] (Vp: V, or V padded as below) in one reused buffer, so the
@@ -16,7 +16,7 @@ Vp), accumulated straight into dW [V, C].
 
 Why FP8 here: the head's GEMMs are 2 N C V FLOPs each, ~28% of the linear layers' FLOPs in Qwen2.5-0.5B
 (V = 151,936 against C = 896), and in an e4m3 step with a bf16 head they were 19% of the time on an H100.
-The three GEMMs and their FP8 operands (per-tensor scaling, as the block linears in llmq_ray/model/linear.py):
+The three GEMMs and their FP8 operands (per-tensor scaling, as the block linears in llmq_ray/model/layers/linear.py):
 
     forward  logits[n, V] = q(x) q(W)^T        x [n, C] e4m3 at max|x| (written by the final RMSNorm)
                                                W [V, C] e4m3 at max|W|
@@ -36,9 +36,8 @@ Memory with fp8: 2 FP8 bytes of gradient per logit beside the model-dtype logits
 copies, 2 (N / chunks) C bytes for x. ``logits_for`` (generation, tests) keeps the model-dtype head. The CuPy
 backend takes the torch reference's classifier for this (fp32 temporaries in blocks of rows: slower, more memory).
 
-Under tensor parallelism (--tensor-parallel T, llmq_ray/engine/tensor_parallel.py) each rank holds a vocabulary
-shard of W and ``run_vocab_parallel`` computes the loss with ``vocab_parallel_cross_entropy``: our own, because it
-runs on the engine's ``Communicator`` (all-gather and sum of per-token vectors), not on autograd.
+A plan that splits the vocabulary (llmq_ray/parallel/tensor.py) replaces this head with one of the same
+``run`` whose loss is the cross-entropy over every process's logit columns.
 """
 
 from __future__ import annotations
@@ -46,61 +45,10 @@ from __future__ import annotations
 import torch
 
 from llmq_ray.backends.base import Backend
-from llmq_ray.errors import ConfigError
 
 
 VOCAB_ALIGN = 64  # the model-dtype head pads the vocabulary to a multiple of this (module docstring)
 PAD_LOGIT = -10000.0  # the padded logits: exp(PAD_LOGIT - max) is exactly 0 in fp32
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, comm,
-                                 dlogits: torch.Tensor | None = None, valid: int | None = None) -> torch.Tensor:
-    """Cross-entropy over logits split by vocabulary across the ranks of ``comm`` (the tensor-parallel group).
-
-    logits[N, Vr] (any float dtype; computed in fp32) are this rank's columns [vocab_start, vocab_start + Vr)
-    of the full [N, V] logits; ``valid`` (default Vr): how many of them are real vocabulary, the rest being the
-    padding of an equal-size shard (left out of the softmax, zero gradient). targets[N] int, global ids, -100 =
-    masked. Returns losses[N] fp32, the same on every rank (0 at masked rows). With ``dlogits`` [N, Vr] fp32, also
-    writes d(sum of losses)/d logits for this rank's columns: softmax - one-hot, zero at masked rows.
-
-    Two collectives of [N]-sized vectors, never the full logits: the row maxima (all-gathered, then the max, so
-    every rank shifts by the same value), then one sum of the stacked [2, N] exp-sums and target logits (each
-    target logit from the rank that holds its column, 0 elsewhere). No host sync (gathers and masks, no
-    data-dependent shapes). ``comm`` needs ``world_size``, ``all_gather(full, shard)`` and ``all_reduce_sum``
-    (the engine's Communicator). Targets must be -100 or in [0, V): the data pipeline checks token ids.
-    """
-    n, local_v = logits.shape
-    valid = local_v if valid is None else valid
-    # one fp32 [N, Vr] buffer for everything: dlogits when asked for (its values become exp, then softmax -
-    # one-hot), else a temporary; the logits themselves are only read
-    x = dlogits if dlogits is not None else torch.empty(n, local_v, dtype=torch.float32, device=logits.device)
-    x.copy_(logits)
-    xv = x[:, :valid]
-    world = comm.world_size
-    local_max = xv.max(dim=1).values if valid else torch.full((n,), float("-inf"), device=x.device)
-    maxima = torch.empty(world * n, dtype=torch.float32, device=x.device)
-    comm.all_gather(maxima, local_max.contiguous())
-    row_max = maxima.view(world, n).max(dim=0).values
-    local_t = targets.to(x.device).long() - vocab_start
-    mine = (local_t >= 0) & (local_t < valid)
-    idx = local_t.clamp(0, max(local_v - 1, 0))[:, None]
-    target_logit = (torch.where(mine, x.gather(1, idx).squeeze(1), 0.0) if local_v
-                    else torch.zeros(n, dtype=torch.float32, device=x.device))
-    xv.sub_(row_max[:, None]).exp_()
-    sum_exp = xv.sum(dim=1)
-    stats = torch.stack([sum_exp, target_logit])  # one collective for both sums
-    comm.all_reduce_sum(stats)
-    sum_exp, target_logit = stats[0], stats[1]
-    masked = targets.to(x.device) == -100
-    losses = torch.log(sum_exp) + row_max - target_logit
-    losses = losses.masked_fill(masked, 0.0)
-    if dlogits is not None:
-        xv.div_(sum_exp[:, None])
-        x[:, valid:] = 0.0
-        if local_v:
-            x.scatter_add_(1, idx, -mine.float()[:, None])
-        x.mul_((~masked).float()[:, None])
-    return losses
 
 
 class LMHead:
@@ -122,8 +70,8 @@ class LMHead:
         if not fp8:
             return
         if dev.type == "cuda" and (vocab % 16 or hidden % 16 or rows % 16):
-            raise ConfigError(f"--lmhead-dtype e4m3 needs the vocabulary ({vocab}), the hidden size ({hidden}) and "
-                              f"the rows per LM-head chunk ({rows}) to be multiples of 16 (FP8 GEMM shapes).")
+            raise ValueError(f"an FP8 LM head needs the vocabulary ({vocab}), the hidden size ({hidden}) and the "
+                             f"rows per LM-head chunk ({rows}) to be multiples of 16 (FP8 GEMM shapes)")
         e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
         self.w_q = torch.empty(vocab, hidden, dtype=e4m3, device=dev)
         self.wt_q = torch.empty(hidden, vocab, dtype=e4m3, device=dev)
@@ -133,7 +81,7 @@ class LMHead:
         self.dt_q = torch.empty(vocab, rows, dtype=e5m2, device=dev)
         self.x_amax = torch.zeros((), dtype=torch.float32, device=dev)
         self.w_amax = torch.zeros((), dtype=torch.float32, device=dev)
-        # separate 0-d tensors: cuBLASLt wants 16-byte aligned scale pointers (llmq_ray/model/linear.py)
+        # separate 0-d tensors: cuBLASLt wants 16-byte aligned scale pointers (llmq_ray/model/layers/linear.py)
         self.x_descale, self.w_descale, self.d_descale = (torch.ones((), dtype=torch.float32, device=dev)
                                                           for _ in range(3))
 
@@ -160,9 +108,10 @@ class LMHead:
             self.be.quantize(self.x_q, self.x_descale, xc, self.x_amax)
 
     def run(self, x: torch.Tensor, w: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
-            dx: torch.Tensor | None = None, dw: torch.Tensor | None = None) -> None:
+            dx: torch.Tensor | None = None, dw: torch.Tensor | None = None) -> torch.Tensor | None:
         """losses[N] (fp32) = cross-entropy of x[N, C] W[V, C]^T against targets[N] (-100 = masked); with dx
-        and dw (training), dx[N, C] = dL/dx (overwritten) and dw[V, C] += dL/dW, L = the *sum* of the losses."""
+        and dw (training), dx[N, C] = dL/dx (overwritten) and dw[V, C] += dL/dW, L = the *sum* of the losses.
+        Returns the input gradient the final norm's backward reads (``dx``)."""
         be, backward = self.be, dw is not None
         rows, vocab = self.logits.shape[0], self.vocab
         w_head = w
@@ -191,46 +140,8 @@ class LMHead:
             be.fused_classifier_fp8(self.logits, losses[sl], targets[sl], self.d_q, self.dt_q, self.d_descale, 1.0)
             be.matmul_fp8(dx[sl], self.d_q, self.wt_q, self.d_descale, self.w_descale)
             be.matmul_fp8(dw, self.dt_q, self.xt_q, self.d_descale, self.x_descale, accumulate=True)
+        return dx
 
-    def run_vocab_parallel(self, x: torch.Tensor, w: torch.Tensor, losses: torch.Tensor, targets: torch.Tensor,
-                           tp, dx: torch.Tensor | None = None, dw: torch.Tensor | None = None) -> None:
-        """``run`` for a vocabulary-parallel head (--tensor-parallel, llmq_ray/engine/tensor_parallel.py): w [Vs, C]
-        is this rank's vocabulary shard (``tp.vocab_valid`` real rows from token id ``tp.vocab_start``), the
-        logits [rows, Vs] go through ``vocab_parallel_cross_entropy`` over ``tp.comm`` (two collectives of [rows]
-        vectors per chunk, never the full logits), losses[N] are the whole vocabulary's on every rank, dw [Vs, C]
-        += this shard's gradient, and dx [N, C] is this shard's part of the input gradient (dlogits W over its columns):
-        the caller sums it over the group (a reduce-scatter by rows under sequence parallelism).
-        The logit gradient is made in fp32 by torch ops (a few passes over [rows, Vs]), then rounded to the model
-        dtype for the two GEMMs, as the fused classifier does. With ``fp8`` the three GEMMs are ``run``'s FP8
-        ones on this rank's shard (W's scale is its own shard's max; x's is the whole gathered input's, as the
-        model measures it), and the fp32 logit gradient is quantized to e5m2 in both layouts at the static scale
-        of ``fused_classifier_fp8`` (|d| <= 1: ``dlogits_fp8_scale``), which has no cross-rank softmax itself."""
-        be, backward = self.be, dw is not None
-        rows = self.logits.shape[0]
-        if backward and self._dlogits32 is None:
-            self._dlogits32 = torch.empty(self.logits.shape, dtype=torch.float32, device=self.logits.device)
-        if self.fp8:
-            self._quantize_weight(w, backward)
-            if backward and self._d_absmax is None:  # quantize's s = fp8_max / 1 = dlogits_fp8_scale(e5m2, 1.0)
-                self._d_absmax = torch.ones((), dtype=torch.float32, device=self.logits.device)
-        for chunk in range(self.chunks):
-            sl = slice(chunk * rows, (chunk + 1) * rows)
-            xc = x[sl]
-            if self.fp8:
-                self._quantize_x(xc, backward)
-                be.matmul_fp8(self.logits, self.x_q, self.w_q, self.x_descale, self.w_descale)
-            else:
-                be.matmul(self.logits, xc, w, transpose_b=True)
-            losses[sl] = vocab_parallel_cross_entropy(self.logits, targets[sl], tp.vocab_start, tp.comm,
-                                                      dlogits=self._dlogits32 if backward else None,
-                                                      valid=tp.vocab_valid)
-            if not backward:
-                continue
-            if self.fp8:
-                be.quantize_with_transpose(self.d_q, self.dt_q, self.d_descale, self._dlogits32, self._d_absmax)
-                be.matmul_fp8(dx[sl], self.d_q, self.wt_q, self.d_descale, self.w_descale)
-                be.matmul_fp8(dw, self.dt_q, self.xt_q, self.d_descale, self.x_descale, accumulate=True)
-                continue
-            self.logits.copy_(self._dlogits32)
-            be.matmul(dx[sl], self.logits, w)
-            be.matmul(dw, self.logits, xc, transpose_a=True, accumulate=True)
+    def logits_for(self, out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+        """out[N, V] = x W^T in the model dtype, all logits at once (generation, tests)."""
+        self.be.matmul(out, x, w, transpose_b=True)

@@ -1,4 +1,4 @@
-"""Smooth-SwiGLU (--fp8-smooth-swiglu): per-channel scaling of the SwiGLU output before its FP8 quantization,
+"""Smooth-SwiGLU (the "smooth" SwiGLU FP8 scale): per-channel scaling of the SwiGLU output before its FP8 quantization,
 folded back exactly into the down projection.
 
 Why: with one scale per tensor, the down projection's FP8 input h = up * silu(gate) [N, I] shares e4m3's range
@@ -21,7 +21,7 @@ Per micro-step and layer this costs, beside the plain FP8 path: one read of h fo
 read-write of h to divide it (and its per-tensor absmax, read again), and an FP8 copy of W diag(c) made from the
 bf16 weight (W diag(c) written to a bf16 scratch [C, I], its absmax and the cast) -- the forward's persistent
 copy of W cannot be used, as its factors change with every micro-batch (so ZeRO-3 gathers every layer's bf16
-weights in every pass, even with --persistent-quants, the backward's included). In the backward:
+weights in every pass, even with persistent FP8 copies, the backward's included). In the backward:
 
 * dgrad: dh = dy W reads the ordinary transposed copy of W (unsmoothed), so it is unchanged;
 * wgrad: the kept q(h'^T) gives dy^T h' = (dy^T h) diag(1/c); the true gradient is that times diag(c). The
