@@ -31,7 +31,7 @@ removed and the error goes on to the coordinator's restart logic. Either way not
 appears unless the whole checkpoint is complete.
 
 Load: every worker calls ``load_checkpoint(folder)`` together (restoring the weights is a collective);
-the saved world size may differ from the group's (resharding is done by llmq_ray/checkpoints/store.py). Each
+the saved world size may differ from the group's (resharding is done by llmq_ray/checkpoints/local.py). Each
 worker hashes the files it reads against the manifest, unless the caller passes ``verified=True``: the
 folder came from ``resolve_continue`` (--continue), which has just hashed every file of it, and hashing a
 7B checkpoint twice would double the time to resume.
@@ -53,11 +53,12 @@ import warnings
 
 from llmq_ray import storage
 from llmq_ray.actors.failures import gather
-from llmq_ray.checkpoints.remote import begin as begin_remote, clear_step, publish, reason_of
+from llmq_ray.checkpoints.layout import CheckpointWarning, build_manifest, read_manifest, step_dir, step_of
+from llmq_ray.checkpoints.local import abort_checkpoint, begin_checkpoint, discard_tmp, finalize_checkpoint
+from llmq_ray.checkpoints.remote import clear_step, publish, reason_of
+from llmq_ray.checkpoints.retention import apply_retention
+from llmq_ray.checkpoints.verify import validate_checkpoint
 from llmq_ray.actors.spec import RuntimeSpec
-from llmq_ray.checkpoints.store import (CheckpointWarning, abort_checkpoint, apply_retention, begin_checkpoint,
-                                 build_manifest, discard_tmp, finalize_checkpoint, read_manifest,
-                                 step_dir, step_of, validate_checkpoint)
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError
 
@@ -92,7 +93,7 @@ class PendingUpload:
 def _write_shards(workers: list, tmp: str, step: int, target: str | None, timeout_s: float,
                   background: bool = False) -> list:
     """Every worker writes its shard into ``tmp`` (and uploads it to ``target`` on a store); [(record, data
-    state)] by rank. A failed write removes ``tmp`` and raises (see the module docstring)."""
+    state, FP8 scale state)] by rank. A failed write removes ``tmp`` and raises (see the module docstring)."""
     try:
         return gather([w.save_shard.remote(tmp, step, target, background) for w in workers], timeout_s,
                       f"checkpoint save (step {step})")
@@ -105,17 +106,20 @@ def _write_shards(workers: list, tmp: str, step: int, target: str | None, timeou
 
 
 def _manifest_of(out: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict) -> tuple[dict, list]:
-    """(manifest, shard records) of the checkpoint of ``step`` from the workers' [(record, data state)]. Its
-    world size is the number of shard files: under --zero-scope node only the first node's ranks write one
-    (the other nodes hold copies, record None), while every worker's data state is kept. Under
+    """(manifest, shard records) of the checkpoint of ``step`` from the workers' [(record, data state[, FP8
+    scale state])]. Its world size is the number of shard files: under --zero-scope node only the first node's
+    ranks write one (the other nodes hold copies, record None), while every worker's data state is kept. Under
     --tensor-parallel only rank 0 of each group writes (a shard of the whole model's layout) and gives the
-    group's data state (the others return (None, None)): the checkpoint looks like one of W / T workers."""
-    records = [rec for rec, _ in out if rec is not None]
-    states = [state for rec, state in out if not (rec is None and state is None)]
+    group's data state (the others return (None, None, ...)): the checkpoint looks like one of W / T workers.
+    The delayed FP8 scales of every worker are kept, in rank order (they differ on every rank)."""
+    records = [o[0] for o in out if o[0] is not None]
+    states = [o[1] for o in out if not (o[0] is None and o[1] is None)]
+    scales = [o[2] if len(o) > 2 else None for o in out]
     # the seed only: the coordinator draws no random numbers, so its torch generator state would say nothing
     # (and importing torch here would cost the coordinator ~3 s on a small machine)
     manifest = build_manifest(step, config=cfg, world_size=len(records), options=spec.opts,
-                              data_state=states, rng={"seed": int(spec.opts.seed)}, extra=extra)
+                              data_state=states, rng={"seed": int(spec.opts.seed)}, extra=extra,
+                              fp8_scale_state=scales, tensor_parallel=spec.tensor_parallel)
     return manifest, records
 
 
@@ -146,7 +150,7 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
     target = step_dir(ckpt_dir, step) if remote else None
     if remote:
         clear_step(target)
-    tmp = begin_remote(ckpt_dir, step) if remote else begin_checkpoint(ckpt_dir, step)
+    tmp = begin_checkpoint(ckpt_dir, step)  # on a store: the staging folder in this node's mirror
     out = _write_shards(workers, tmp, step, target, timeout_s)
     manifest, records = _manifest_of(out, spec, cfg, step, extra)
     final = publish(tmp, target, manifest, records) if remote else \
@@ -167,7 +171,7 @@ def stage_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, s
         clear_step(target)
     except OSError as exc:
         raise UploadFailed(step, target, reason_of(exc)) from None
-    tmp = begin_remote(spec.ckpt_dir, step)
+    tmp = begin_checkpoint(spec.ckpt_dir, step)  # the staging folder in this node's mirror
     out = _write_shards(workers, tmp, step, target, timeout_s, background=True)
     manifest, records = _manifest_of(out, spec, cfg, step, extra)
     return PendingUpload(step, tmp, target, manifest, records, t0, time.perf_counter() - t0)

@@ -77,7 +77,7 @@ from llmq_ray.errors import ConfigError
 def _is_checkpoint(path: str) -> bool:
     """A checkpoint this run wrote is still there (a local folder, or a manifest on an object store)."""
     from llmq_ray import storage
-    from llmq_ray.checkpoints.store import has_manifest
+    from llmq_ray.checkpoints.layout import has_manifest
 
     return has_manifest(path) if storage.is_remote(path) else os.path.isdir(path)
 
@@ -585,7 +585,7 @@ class Coordinator:
 
     def _upload_failed(self, exc: UploadFailed) -> str:
         """The warning of a checkpoint that could not be uploaded (the run goes on); returns its line."""
-        from llmq_ray.checkpoints.store import step_of
+        from llmq_ray.checkpoints.layout import step_of
 
         older = [p for p in self.checkpoints + ([self.origin] if self.origin else [])
                  if (step_of(p.split("?")[0]) or -1) < exc.step]
@@ -599,7 +599,7 @@ class Coordinator:
         """The group that was uploading a checkpoint is gone: that checkpoint is never published."""
         pending, self._upload = self._upload, None
         if pending is not None:
-            from llmq_ray.checkpoints.store import discard_tmp
+            from llmq_ray.checkpoints.local import discard_tmp
 
             discard_tmp(pending.tmp)
             self._warn(pending.step, "checkpoint_upload", f"checkpoint of step {pending.step} was still uploading "

@@ -92,7 +92,7 @@ class FaultInjector:
     def saving(self, tmp_dir: str, step: int, file_name: str) -> None:
         """Before this rank writes ``file_name`` into the checkpoint folder ``tmp_dir``."""
         if self._is("save_full", step):
-            import llmq_ray.checkpoints.store as ck
+            import llmq_ray.checkpoints.local as ck
 
             def full_disk(*args, **kwargs):
                 raise OSError(errno.ENOSPC, "No space left on device")

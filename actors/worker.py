@@ -384,10 +384,12 @@ class GPUWorker:
 
     # ------------------------------------------------------------------ checkpoints
     def save_shard(self, tmp_dir: str, step: int, upload_to: str | None = None,
-                   background: bool = False) -> tuple[dict | None, dict]:
+                   background: bool = False) -> tuple[dict | None, dict | None, dict]:
         """Write this rank's optimizer shard into the checkpoint being written at ``tmp_dir`` (``step`` =
-        updates completed). Returns (the write record for ``finalize_checkpoint``, this rank's data state).
-        A full disk raises the CheckpointError sentence of llmq_ray/checkpoints/store.py. ``upload_to``: the
+        updates completed). Returns (the write record for ``finalize_checkpoint``, this rank's data state, its
+        delayed FP8 scales as JSON lists: ``resume.fp8_scale_state_json``, {} without them; every rank returns
+        its own, whether it writes a shard or not). A full disk raises the CheckpointError sentence of
+        llmq_ray/checkpoints/local.py. ``upload_to``: the
         checkpoint's URI on an object store; ``tmp_dir`` is then a staging folder on this node (made here if
         this is not the coordinator's node), and the shard is uploaded from it: before returning, or with
         ``background`` on this worker's upload thread after returning: then only a copy of the state into
@@ -398,19 +400,21 @@ class GPUWorker:
         With --zero-scope node every node holds a copy of the shards: only the first node's ranks write theirs
         (as shard files 0 .. L-1: a checkpoint of L shards); the others return None and their data state. With
         --tensor-parallel every rank takes part in gathering the state (``_full_layout_shard``); tensor-parallel
-        rank 0 of each group writes data-parallel shard r // T, the others return (None, None)."""
-        from llmq_ray.checkpoints.store import rank_file_name, write_rank_shard
-        from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
+        rank 0 of each group writes data-parallel shard r // T, the others return (None, None, scales)."""
+        from llmq_ray.checkpoints.layout import rank_file_name
+        from llmq_ray.checkpoints.local import write_rank_shard
+        from llmq_ray.checkpoints.resume import engine_checkpoint_tensors, fp8_scale_state_json
 
         e = self.engine
+        scales = fp8_scale_state_json(e)  # now: the next step changes them
         if e.comm.replica != 0:  # a copy of the shards the first node writes
-            return None, self.data_state()
+            return None, self.data_state(), scales
         rank, start, end = e.comm.rank, e.shard_start, e.shard_end
         state = None
         if e.tp is not None:  # the whole model's layout, data-parallel shard dp_rank of it (a collective)
             state, start, end = self._full_layout_shard()
             if e.tp.rank != 0:  # tensor-parallel rank 0 of the group writes it; the group reads one stream
-                return None, None
+                return None, None, scales
         if upload_to is not None:
             os.makedirs(tmp_dir, exist_ok=True)
         self.faults.saving(tmp_dir, step, rank_file_name(rank))
@@ -427,7 +431,7 @@ class GPUWorker:
             self._uploads.submit(step, tmp_dir, None, upload_to, before=lambda: self.faults.uploading(step),
                                  write=lambda: write_rank_shard(tmp_dir, rank, state, start, end))
             self.faults.after_saving(step)
-            return {"rank": rank, "pending": True}, self.data_state()
+            return {"rank": rank, "pending": True}, self.data_state(), scales
         rec = write_rank_shard(tmp_dir, rank, state if state is not None else engine_checkpoint_tensors(e),
                                start, end)
         if upload_to is not None:
@@ -435,7 +439,7 @@ class GPUWorker:
 
             upload_rank_shard(tmp_dir, rec, upload_to)
         self.faults.after_saving(step)
-        return rec, self.data_state()
+        return rec, self.data_state(), scales
 
     def _full_layout_shard(self) -> tuple[dict | None, int, int]:
         """Tensor parallelism: ({"master", "m", "v"} over [start, end) of the whole model's flat layout, start,
@@ -485,15 +489,17 @@ class GPUWorker:
 
     def load_checkpoint(self, folder: str, verified: bool = False) -> int:
         """Put this rank into the state of checkpoint ``folder`` (any saved world size): optimizer shard,
-        weights (a collective: every rank calls this together) and data position. Returns the step.
+        weights (a collective: every rank calls this together), data position and delayed FP8 scales (its own
+        when the group has the saved shape, else the maximum over the saved ranks). Returns the step.
 
         The files this rank reads are checked for their recorded size and, unless ``verified``, hashed
         against their sha256 first. ``verified=True`` means the caller has just hashed every file of the
         folder (``resolve_continue`` in --continue's pre-flight): hashing again would make the ranks read
         the whole checkpoint (~91 GB at 7B) a second time for nothing. Automatic restarts pass False (their
         chooser, ``restart_point``, only does the cheap checks)."""
-        from llmq_ray.checkpoints.store import data_state_for_rank, load_checkpoint
-        from llmq_ray.checkpoints.resume import restore_engine
+        from llmq_ray.checkpoints.layout import data_state_for_rank
+        from llmq_ray.checkpoints.local import load_checkpoint
+        from llmq_ray.checkpoints.resume import restore_engine, restore_fp8_scale_state
 
         e = self.engine
         from llmq_ray import storage
@@ -509,6 +515,7 @@ class GPUWorker:
                                                 rank=self.rank, shard_start=e.shard_start, shard_end=e.shard_end,
                                                 verify_checksums=not verified, device=e.device)
         restore_engine(e, tensors)  # also resets the gradient accumulators (ZeRO-2's grad shard included)
+        restore_fp8_scale_state(e, manifest, self.rank, self.world_size, 1 if e.tp is None else e.tp.plan.size)
         state = data_state_for_rank(manifest, self.dp_rank, self.dp_size)
         if state and self._train is not None:
             self._train.restore(state)
@@ -521,7 +528,8 @@ class GPUWorker:
         unless ``verified``, every file of the folder is hashed first (``verify_checkpoint``)."""
         import torch
 
-        from llmq_ray.checkpoints.store import load_checkpoint, verify_checkpoint
+        from llmq_ray.checkpoints.local import load_checkpoint
+        from llmq_ray.checkpoints.verify import verify_checkpoint
         from llmq_ray.model.params import ParamLayout
 
         e = self.engine
@@ -543,7 +551,7 @@ class GPUWorker:
                     out[k] = torch.empty(hi - lo, dtype=t.dtype)
                 out[k][a - lo:b - lo] = part[a - slot.offset:b - slot.offset]
         if manifest is None:  # an empty shard (more ranks than parameters): the manifest alone
-            from llmq_ray.checkpoints.store import read_manifest
+            from llmq_ray.checkpoints.layout import read_manifest
 
             manifest = read_manifest(folder)
             out = {k: torch.empty(0) for k in ("master", "m", "v")}

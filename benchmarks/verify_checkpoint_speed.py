@@ -1,4 +1,4 @@
-"""How long --continue's integrity check takes at 7B-scale shard sizes (llmq_ray.checkpoints.store.verify_checkpoint).
+"""How long --continue's integrity check takes at 7B-scale shard sizes (llmq_ray.checkpoints.verify.verify_checkpoint).
 
     python benchmarks/verify_checkpoint_speed.py --files 2 --file-gib 4 [--dir /big/disk] [--total-gb 91.4]
         [--single-thread] [--keep]
@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from llmq_ray.checkpoints import store as ck  # noqa: E402
+from llmq_ray.checkpoints import layout, local, verify  # noqa: E402
 
 GIB = 1 << 30
 WRITE_CHUNK = 64 << 20  # bytes written (and hashed) per call while generating a file
@@ -53,9 +53,9 @@ def _safetensors_header(numel: int, rank: int, start: int, step: int) -> bytes:
     with the metadata ``write_rank_shard`` writes. The format: 8-byte little-endian header length, the JSON
     header (padded with spaces to a multiple of 8), then the raw tensor bytes in offset order."""
     nbytes = 4 * numel
-    header = {"__metadata__": {"format": ck.FORMAT, "format_version": str(ck.FORMAT_VERSION), "rank": str(rank),
+    header = {"__metadata__": {"format": layout.FORMAT, "format_version": str(layout.FORMAT_VERSION), "rank": str(rank),
                                "start": str(start), "end": str(start + numel), "step": str(step)}}
-    for i, name in enumerate(ck.STATE_NAMES):
+    for i, name in enumerate(layout.STATE_NAMES):
         header[name] = {"dtype": "F32", "shape": [numel], "data_offsets": [i * nbytes, (i + 1) * nbytes]}
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -64,7 +64,7 @@ def _safetensors_header(numel: int, rank: int, start: int, step: int) -> bytes:
 
 def write_rank_file(tmp_dir: str, rank: int, numel: int, start: int, step: int, noise: bytes) -> dict:
     """Stream one rank file into ``tmp_dir`` and return its write record (sha256 computed while writing)."""
-    name = ck.rank_file_name(rank)
+    name = layout.rank_file_name(rank)
     path = os.path.join(tmp_dir, name)
     h = hashlib.sha256()
     head = _safetensors_header(numel, rank, start, step)
@@ -84,7 +84,7 @@ def write_rank_file(tmp_dir: str, rank: int, numel: int, start: int, step: int, 
         f.flush()
         os.fsync(f.fileno())
     return {"name": name, "rank": rank, "start": start, "end": start + numel, "size": os.path.getsize(path),
-            "sha256": h.hexdigest(), "dtypes": {k: "fp32" for k in ck.STATE_NAMES}}
+            "sha256": h.hexdigest(), "dtypes": {k: "fp32" for k in layout.STATE_NAMES}}
 
 
 def write_checkpoint(ckpt_dir: str, files: int, file_gib: float, step: int = 1) -> str:
@@ -93,13 +93,13 @@ def write_checkpoint(ckpt_dir: str, files: int, file_gib: float, step: int = 1) 
 
     numel = max(1, int(file_gib * GIB) // 12)
     noise = os.urandom(WRITE_CHUNK)
-    tmp = ck.begin_checkpoint(ckpt_dir, step)
+    tmp = local.begin_checkpoint(ckpt_dir, step)
     records = [write_rank_file(tmp, r, numel, r * numel, step, noise) for r in range(files)]
     # the manifest of a real run, its layout size replaced by the synthetic one (the ranges tile it)
-    manifest = ck.build_manifest(step, config=PRESETS["tiny"], world_size=files,
+    manifest = layout.build_manifest(step, config=PRESETS["tiny"], world_size=files,
                                  extra={"synthetic": "benchmarks/verify_checkpoint_speed.py"})
     manifest["layout_numel"] = files * numel
-    return ck.finalize_checkpoint(tmp, ck.step_dir(ckpt_dir, step), manifest, records=records)
+    return local.finalize_checkpoint(tmp, layout.step_dir(ckpt_dir, step), manifest, records=records)
 
 
 def drop_cache(paths: list[str]) -> str:
@@ -133,7 +133,7 @@ def core_sha256_rate(mib: int = 512) -> float:
 
 def timed_verify(folder: str, max_workers: int | None = None) -> float:
     t0 = time.perf_counter()
-    ck.verify_checkpoint(folder, max_workers=max_workers)
+    verify.verify_checkpoint(folder, max_workers=max_workers)
     return time.perf_counter() - t0
 
 
@@ -154,7 +154,7 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         folder = write_checkpoint(os.path.join(root, "ckpt"), a.files, a.file_gib)
-        manifest = ck.read_manifest(folder)
+        manifest = layout.read_manifest(folder)
         paths = [os.path.join(folder, f["name"]) for f in manifest["files"]]
         total = sum(f["size"] for f in manifest["files"])
         print(f"wrote {a.files} rank file(s) x {manifest['files'][0]['size'] / GIB:.2f} GiB = {total / 1e9:.2f} GB "
@@ -162,11 +162,11 @@ def main() -> None:
         from safetensors import safe_open
 
         with safe_open(paths[0], framework="numpy") as f:  # the files are real safetensors (header only read)
-            assert f.metadata()["start"] == "0" and sorted(f.keys()) == sorted(ck.STATE_NAMES)
+            assert f.metadata()["start"] == "0" and sorted(f.keys()) == sorted(layout.STATE_NAMES)
 
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         core = core_sha256_rate()
-        print(f"machine: {cpus} usable CPU(s), hash_workers({a.files}) = {ck.hash_workers(a.files)} thread(s); "
+        print(f"machine: {cpus} usable CPU(s), hash_workers({a.files}) = {verify.hash_workers(a.files)} thread(s); "
               f"one core's sha256 in memory: {core / 1e9:.2f} GB/s")
         runs = [("cold", None, True), ("warm", None, False)]
         if a.single_thread:

@@ -79,7 +79,7 @@ def _files_under(path: str) -> list[str]:
 
 
 def _manifest_on_store(ckpt_dir: str, step: int) -> bool:
-    from llmq_ray.checkpoints.store import has_manifest, step_dir
+    from llmq_ray.checkpoints.layout import has_manifest, step_dir
 
     try:
         return has_manifest(step_dir(ckpt_dir, step))

@@ -1,4 +1,4 @@
-"""Checkpoints (llmq_ray/checkpoints/store.py, llmq_ray/checkpoints/resume.py), single process, no Ray.
+"""Checkpoints (llmq_ray/checkpoints/: layout, verify, local, retention, resume), single process, no Ray.
 
 * Bit-exact resume: 12 steps of the tiny preset over a TokenStream, checkpoint after 6, a fresh engine
   restored from it continues to 12 -- losses of steps 7-12, final weights and optimizer state identical
@@ -34,10 +34,10 @@ import torch
 from llmq_ray.backends import get_backend
 from llmq_ray.data_pipeline.shards import write_shard
 from llmq_ray.data_pipeline.stream import TokenStream
-from llmq_ray.checkpoints import store as ck
+from llmq_ray.checkpoints import layout, local, resume, retention, verify
 from llmq_ray.model.config import PRESETS, ModelConfig
 from llmq_ray.engine.train_engine import TrainEngine
-from llmq_ray.errors import CheckpointError, ConfigError
+from llmq_ray.errors import CheckpointError
 from llmq_ray.options import TrainOptions
 from llmq_ray.model.params import ParamLayout
 from llmq_ray.checkpoints.resume import (data_state_for_rank, engine_checkpoint_tensors, load_engine_checkpoint,
@@ -69,7 +69,7 @@ def _no_space(*args, **kwargs):
 
 
 def _save(ckpt_dir, step, state, world=2, cfg=MICRO, **kw):
-    return ck.save_checkpoint(str(ckpt_dir), step, _split(state, cfg, world), config=cfg,
+    return resume.save_checkpoint(str(ckpt_dir), step, _split(state, cfg, world), config=cfg,
                               data_state=[{"seed": 0, "epoch": 0, "cursor": step, "world_size": world}] * world, **kw)
 
 
@@ -128,7 +128,7 @@ def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
     # A new process: zero weights (so that only the checkpoint can make it right), fresh stream.
     engine2, stream2 = _engine(opts, init_weights=False), _stream(train_bin, opts)
     assert not torch.equal(engine2.params, engine.params)
-    folder = ck.resolve_continue(None, str(ckpt_dir))
+    folder = verify.resolve_continue(None, str(ckpt_dir))
     assert folder == saved["path"]
     manifest = load_engine_checkpoint(folder, engine2)
     assert manifest["step"] == 6 and manifest["world_size"] == 1
@@ -177,7 +177,7 @@ def test_reshard_world2_to_world1_and_world3(tmp_path):
     state = _flat_state(MICRO)
     n = ParamLayout(MICRO).numel
     folder = _save(tmp_path, 5, state, world=2)
-    manifest = ck.read_manifest(folder)
+    manifest = layout.read_manifest(folder)
     assert sorted(os.listdir(folder)) == ["manifest.json", "rank_00000.safetensors", "rank_00001.safetensors"]
     assert [(f["start"], f["end"]) for f in manifest["files"]] == [ParamLayout(MICRO).shard_range(r, 2) for r in (0, 1)]
     from safetensors import safe_open
@@ -187,18 +187,18 @@ def test_reshard_world2_to_world1_and_world3(tmp_path):
     for world in (1, 3):
         pieces = []
         for rank in range(world):
-            tensors, _ = ck.load_checkpoint(folder, expected_config=MICRO, world_size=world, rank=rank)
+            tensors, _ = local.load_checkpoint(folder, expected_config=MICRO, world_size=world, rank=rank)
             s, e = ParamLayout(MICRO).shard_range(rank, world)
-            for k in ck.STATE_NAMES:
+            for k in layout.STATE_NAMES:
                 assert tensors[k].dtype == state[k].dtype
                 assert torch.equal(tensors[k], state[k][s:e]), (world, rank, k)
             pieces.append(tensors["master"])
         assert torch.equal(torch.cat(pieces), state["master"])
     # an arbitrary range across the saved boundary, and an empty one
     mid = ParamLayout(MICRO).shard_range(1, 2)[0]
-    tensors, _ = ck.load_checkpoint(folder, expected_config=MICRO, shard_start=mid - 5, shard_end=mid + 7)
+    tensors, _ = local.load_checkpoint(folder, expected_config=MICRO, shard_start=mid - 5, shard_end=mid + 7)
     assert torch.equal(tensors["v"], state["v"][mid - 5:mid + 7])
-    tensors, _ = ck.load_checkpoint(folder, expected_config=MICRO, shard_start=3, shard_end=3)
+    tensors, _ = local.load_checkpoint(folder, expected_config=MICRO, shard_start=3, shard_end=3)
     assert tensors["m"].numel() == 0 and tensors["m"].dtype == torch.bfloat16
     # the data state of another world size comes from rank 0's (lockstep), the same world size keeps its own
     assert data_state_for_rank(manifest, 2, 3) == manifest["data_state"][0]
@@ -207,49 +207,49 @@ def test_reshard_world2_to_world1_and_world3(tmp_path):
 def test_multi_rank_protocol(tmp_path):
     """What the Ray runtime does: begin -> each rank writes -> finalize with the records."""
     state = _flat_state(MICRO, seed=1)
-    tmp = ck.begin_checkpoint(str(tmp_path), 4)
+    tmp = local.begin_checkpoint(str(tmp_path), 4)
     assert os.path.basename(tmp).startswith(".step_00000004.tmp-")
-    records = [ck.write_rank_shard(tmp, r, t, s, e) for r, (s, e, t) in enumerate(_split(state, MICRO, 3))]
-    assert ck.find_latest_valid(str(tmp_path)) is None  # nothing published yet
-    manifest = ck.build_manifest(4, config=MICRO, world_size=3, data_state=[None] * 3, rng=ck.rng_state(11),
+    records = [local.write_rank_shard(tmp, r, t, s, e) for r, (s, e, t) in enumerate(_split(state, MICRO, 3))]
+    assert verify.find_latest_valid(str(tmp_path)) is None  # nothing published yet
+    manifest = layout.build_manifest(4, config=MICRO, world_size=3, data_state=[None] * 3, rng=layout.rng_state(11),
                                  extra={"losses": [1.0, 0.5]})
-    final = ck.finalize_checkpoint(tmp, ck.step_dir(str(tmp_path), 4), manifest, records=records)
-    assert not os.path.exists(tmp) and ck.find_latest_valid(str(tmp_path)) == final
-    written = ck.validate_checkpoint(final, verify_checksums=True)
+    final = local.finalize_checkpoint(tmp, layout.step_dir(str(tmp_path), 4), manifest, records=records)
+    assert not os.path.exists(tmp) and verify.find_latest_valid(str(tmp_path)) == final
+    written = verify.validate_checkpoint(final, verify_checksums=True)
     assert [f["sha256"] for f in written["files"]] == [r["sha256"] for r in records]
     assert written["losses"] == [1.0, 0.5] and written["layout_numel"] == ParamLayout(MICRO).numel
 
     # a missing rank is refused, and the tmp folder goes away
-    tmp = ck.begin_checkpoint(str(tmp_path), 8)
-    recs = [ck.write_rank_shard(tmp, r, t, s, e) for r, (s, e, t) in enumerate(_split(state, MICRO, 2))]
+    tmp = local.begin_checkpoint(str(tmp_path), 8)
+    recs = [local.write_rank_shard(tmp, r, t, s, e) for r, (s, e, t) in enumerate(_split(state, MICRO, 2))]
     with pytest.raises(CheckpointError, match=r"step_00000008.*ranks \[0\], expected 0..1"):
-        ck.finalize_checkpoint(tmp, ck.step_dir(str(tmp_path), 8), ck.build_manifest(8, config=MICRO, world_size=2),
+        local.finalize_checkpoint(tmp, layout.step_dir(str(tmp_path), 8), layout.build_manifest(8, config=MICRO, world_size=2),
                                records=recs[:1])
-    assert not os.path.exists(tmp) and ck.find_latest_valid(str(tmp_path)) == final
+    assert not os.path.exists(tmp) and verify.find_latest_valid(str(tmp_path)) == final
 
     # without records the coordinator hashes the files itself; re-saving an existing step replaces it
-    tmp = ck.begin_checkpoint(str(tmp_path), 4)
+    tmp = local.begin_checkpoint(str(tmp_path), 4)
     for r, (s, e, t) in enumerate(_split(_flat_state(MICRO, seed=2), MICRO, 1)):
-        ck.write_rank_shard(tmp, r, t, s, e)
-    ck.finalize_checkpoint(tmp, final, ck.build_manifest(4, config=MICRO, world_size=1))
-    assert ck.validate_checkpoint(final, verify_checksums=True)["world_size"] == 1
+        local.write_rank_shard(tmp, r, t, s, e)
+    local.finalize_checkpoint(tmp, final, layout.build_manifest(4, config=MICRO, world_size=1))
+    assert verify.validate_checkpoint(final, verify_checksums=True)["world_size"] == 1
     assert os.listdir(tmp_path) == ["step_00000004"]
 
     # a worker that hits a full disk: its partial file goes, the coordinator removes the folder and re-raises
-    tmp = ck.begin_checkpoint(str(tmp_path), 12)
+    tmp = local.begin_checkpoint(str(tmp_path), 12)
     (s, e, t), = _split(state, MICRO, 1)
-    real = ck._save_tensors
+    real = local._save_tensors
 
     def full_disk(path, tensors, metadata):
         real(path, tensors, metadata)  # the file exists when the error comes
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    ck._save_tensors = full_disk
+    local._save_tensors = full_disk
     try:
         with pytest.raises(CheckpointError) as info:
-            ck.write_rank_shard(tmp, 0, t, s, e)
+            local.write_rank_shard(tmp, 0, t, s, e)
     finally:
-        ck._save_tensors = real
+        local._save_tensors = real
     assert os.path.isdir(tmp) and os.listdir(tmp) == []
 
     class RayTaskErrorLike(Exception):
@@ -257,23 +257,23 @@ def test_multi_rank_protocol(tmp_path):
 
     with pytest.raises(CheckpointError, match=r"^checkpoint step_00000012 could not be written .*\(No space left on "
                                               r"device\); the previous checkpoint step_00000004 is still valid\.$"):
-        ck.abort_checkpoint(tmp, 12, RayTaskErrorLike("wrapped"))
+        local.abort_checkpoint(tmp, 12, RayTaskErrorLike("wrapped"))
     assert not os.path.exists(tmp)
 
     # a worker failure reported to the coordinator as a message
-    tmp = ck.begin_checkpoint(str(tmp_path), 12)
+    tmp = local.begin_checkpoint(str(tmp_path), 12)
     with pytest.raises(CheckpointError, match=r"step_00000012 could not be written .*\(worker 1 died\); the "
                                               r"previous checkpoint step_00000004 is still valid"):
-        ck.abort_checkpoint(tmp, 12, "worker 1 died")
+        local.abort_checkpoint(tmp, 12, "worker 1 died")
     assert not os.path.exists(tmp)
 
 
 def test_rng_state_roundtrip():
-    state = ck.rng_state(5)
+    state = layout.rng_state(5)
     json.dumps(state)
     a = torch.rand(4)
     torch.rand(10)
-    ck.restore_rng(state)
+    layout.restore_rng(state)
     assert torch.equal(torch.rand(4), a)
 
 
@@ -281,7 +281,7 @@ def test_rng_state_roundtrip():
 def test_crash_after_first_rank_file_leaves_previous_valid(tmp_path, monkeypatch, recwarn):
     state = _flat_state(MICRO)
     prev = _save(tmp_path, 2, state)
-    real, calls = ck._save_tensors, []
+    real, calls = local._save_tensors, []
 
     def crash_on_second(path, tensors, metadata):
         calls.append(path)
@@ -289,20 +289,20 @@ def test_crash_after_first_rank_file_leaves_previous_valid(tmp_path, monkeypatch
             raise RuntimeError("simulated crash")
         real(path, tensors, metadata)
 
-    monkeypatch.setattr(ck, "_save_tensors", crash_on_second)
+    monkeypatch.setattr(local, "_save_tensors", crash_on_second)
     with pytest.raises(RuntimeError, match="simulated crash"):
         _save(tmp_path, 4, _flat_state(MICRO, seed=9))
-    monkeypatch.setattr(ck, "_save_tensors", real)
+    monkeypatch.setattr(local, "_save_tensors", real)
     assert len(calls) == 2 and os.path.basename(calls[0]) == "rank_00000.safetensors"
     assert not os.path.exists(os.path.dirname(calls[0]))  # save_checkpoint cleaned its tmp folder up
     # a hard crash (no cleanup at all) leaves a tmp folder with a rank file: ignored, no warning
     hard = tmp_path / ".step_00000006.tmp-deadbeef"
     hard.mkdir()
     (hard / "rank_00000.safetensors").write_bytes(b"partial")
-    assert ck.find_latest_valid(str(tmp_path)) == prev
-    assert ck.resolve_continue("latest", str(tmp_path)) == prev
-    assert not [w for w in recwarn if issubclass(w.category, ck.CheckpointWarning)]
-    tensors, _ = ck.load_checkpoint(prev, expected_config=MICRO)
+    assert verify.find_latest_valid(str(tmp_path)) == prev
+    assert verify.resolve_continue("latest", str(tmp_path)) == prev
+    assert not [w for w in recwarn if issubclass(w.category, layout.CheckpointWarning)]
+    tensors, _ = local.load_checkpoint(prev, expected_config=MICRO)
     assert torch.equal(tensors["master"], state["master"])
     # the next good save cleans the stale tmp folder up
     _save(tmp_path, 8, state)
@@ -314,7 +314,7 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch, where):
     state = _flat_state(MICRO)
     prev = _save(tmp_path, 2, state)
 
-    target = {"shard": (ck, "_save_tensors"), "manifest": (ck, "_write_json"), "rename": (ck.os, "rename")}[where]
+    target = {"shard": (local, "_save_tensors"), "manifest": (local, "_write_json"), "rename": (local.os, "rename")}[where]
     monkeypatch.setattr(*target, _no_space)
     with pytest.raises(CheckpointError) as info:
         _save(tmp_path, 4, _flat_state(MICRO, seed=1))
@@ -323,11 +323,11 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch, where):
     assert msg.startswith("checkpoint step_00000004 could not be written")
     assert "(No space left on device); the previous checkpoint step_00000002 is still valid." in msg
     assert os.listdir(tmp_path) == ["step_00000002"]  # no tmp folder, nothing deleted by retention
-    assert ck.find_latest_valid(str(tmp_path), verify_checksums=True) == prev
+    assert verify.find_latest_valid(str(tmp_path), verify_checksums=True) == prev
 
 
 def test_full_disk_without_previous_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "_save_tensors", _no_space)
+    monkeypatch.setattr(local, "_save_tensors", _no_space)
     with pytest.raises(CheckpointError, match=r"\(No space left on device\); there is no earlier valid checkpoint"):
         _save(tmp_path, 1, _flat_state(MICRO))
     assert os.listdir(tmp_path) == []
@@ -345,37 +345,37 @@ def test_truncated_flipped_missing_and_bad_manifest(tmp_path):
     # test_flipped_byte_in_newest_checkpoint_is_skipped), loading fails the checksum
     raw[-3] ^= 0x40
     open(rank1, "wb").write(bytes(raw))
-    assert ck.find_latest_valid(str(tmp_path), verify_checksums=False) == bad
+    assert verify.find_latest_valid(str(tmp_path), verify_checksums=False) == bad
     with pytest.raises(CheckpointError, match=r"rank_00001\.safetensors fails its sha256 checksum.*step_00000004"):
-        ck.load_checkpoint(bad, expected_config=MICRO, world_size=1, rank=0)
+        local.load_checkpoint(bad, expected_config=MICRO, world_size=1, rank=0)
     # loading only rank 0's range does not need (and does not read) rank 1's file
-    tensors, _ = ck.load_checkpoint(bad, expected_config=MICRO, world_size=2, rank=0)
+    tensors, _ = local.load_checkpoint(bad, expected_config=MICRO, world_size=2, rank=0)
     assert torch.equal(tensors["master"], state["master"][:tensors["master"].numel()])
 
     # truncated: the scan skips it with a warning naming the folder; loading it explicitly fails
     open(rank1, "wb").write(bytes(raw[:-100]))
-    with pytest.warns(ck.CheckpointWarning, match="step_00000004"):
-        assert ck.find_latest_valid(str(tmp_path)) == good
+    with pytest.warns(layout.CheckpointWarning, match="step_00000004"):
+        assert verify.find_latest_valid(str(tmp_path)) == good
     with pytest.raises(CheckpointError, match=r"rank_00001\.safetensors has \d+ bytes.*truncated.*checksum"):
-        ck.load_checkpoint(bad, expected_config=MICRO)
+        local.load_checkpoint(bad, expected_config=MICRO)
 
     # missing shard file
     os.remove(rank1)
     with pytest.raises(CheckpointError, match=r"step_00000004 is missing its shard file rank_00001\.safetensors"):
-        ck.load_checkpoint(bad, expected_config=MICRO)
+        local.load_checkpoint(bad, expected_config=MICRO)
 
     # a manifest that is not JSON
     with open(os.path.join(bad, "manifest.json"), "w") as f:
         f.write('{"format": "llmq-ray-checkpoint", "step": ')
     with pytest.raises(CheckpointError, match=r"manifest\.json is not valid JSON.*step_00000004 is corrupt"):
-        ck.load_checkpoint(bad, expected_config=MICRO)
+        local.load_checkpoint(bad, expected_config=MICRO)
     with pytest.raises(CheckpointError, match="not valid JSON"):
-        ck.resolve_continue(4, str(tmp_path))
+        verify.resolve_continue(4, str(tmp_path))
 
     # a step folder without manifest (not produced by our writer, but possible by hand): skipped, named
     os.remove(os.path.join(bad, "manifest.json"))
-    with pytest.warns(ck.CheckpointWarning, match=r"step_00000004 has no manifest\.json"):
-        assert ck.resolve_continue(None, str(tmp_path)) == good
+    with pytest.warns(layout.CheckpointWarning, match=r"step_00000004 has no manifest\.json"):
+        assert verify.resolve_continue(None, str(tmp_path)) == good
 
 
 def _one_sentence(msg: str) -> bool:
@@ -401,26 +401,26 @@ def test_flipped_byte_in_newest_checkpoint_is_skipped(tmp_path):
     bad = _save(tmp_path, 12, _flat_state(MICRO, seed=1), keep_n=None)
     rank1 = os.path.join(bad, "rank_00001.safetensors")
     _flip_byte(rank1)
-    assert ck.validate_checkpoint(bad)["step"] == 12  # the cheap checks cannot see it
+    assert verify.validate_checkpoint(bad)["step"] == 12  # the cheap checks cannot see it
 
-    with pytest.warns(ck.CheckpointWarning) as caught:
-        assert ck.find_latest_valid(str(tmp_path)) == good
-    msgs = [str(w.message) for w in caught if issubclass(w.category, ck.CheckpointWarning)]
+    with pytest.warns(layout.CheckpointWarning) as caught:
+        assert verify.find_latest_valid(str(tmp_path)) == good
+    msgs = [str(w.message) for w in caught if issubclass(w.category, layout.CheckpointWarning)]
     assert len(msgs) == 1 and rank1 in msgs[0] and "fails its sha256 checksum" in msgs[0], msgs
     for arg in (None, "latest"):
-        with pytest.warns(ck.CheckpointWarning, match=re.escape(rank1)):
-            assert ck.resolve_continue(arg, str(tmp_path)) == good
+        with pytest.warns(layout.CheckpointWarning, match=re.escape(rank1)):
+            assert verify.resolve_continue(arg, str(tmp_path)) == good
 
     for arg in (12, "12", bad):  # the step, and the folder
         with pytest.raises(CheckpointError) as info:
-            ck.resolve_continue(arg, str(tmp_path))
+            verify.resolve_continue(arg, str(tmp_path))
         msg = str(info.value)
         assert msg == (f"shard file {rank1} fails its sha256 checksum (the bytes changed after the checkpoint was "
                        f"written); checkpoint step_00000012 is corrupt, resume from another one."), msg
         assert _one_sentence(msg), msg
-    assert ck.resolve_continue(6, str(tmp_path)) == good
+    assert verify.resolve_continue(6, str(tmp_path)) == good
     # the previous checkpoint is what the run then loads, and its data is intact
-    tensors, manifest = ck.load_checkpoint(good, expected_config=MICRO)
+    tensors, manifest = local.load_checkpoint(good, expected_config=MICRO)
     assert manifest["step"] == 6 and torch.equal(tensors["master"], state["master"])
 
 
@@ -428,36 +428,36 @@ def test_verify_checkpoint_hashes_every_rank_file_concurrently(tmp_path, monkeyp
     """verify_checkpoint hashes all rank files of a 4-rank checkpoint on 4 threads at once (a barrier that
     only 4 concurrent callers pass), a good one passes, a bad rank file is named in one sentence."""
     folder = _save(tmp_path, 3, _flat_state(MICRO), world=4, keep_n=None)
-    manifest = ck.read_manifest(folder)
+    manifest = layout.read_manifest(folder)
     assert len(manifest["files"]) == 4
 
-    real, barrier, threads = ck._stream_sha256, threading.Barrier(4, timeout=20), set()
+    real, barrier, threads = verify._stream_sha256, threading.Barrier(4, timeout=20), set()
 
     def together(path, stop=None):
         threads.add(threading.get_ident())
         barrier.wait()  # BrokenBarrierError unless the 4 files are being hashed at the same time
         return real(path, stop)
 
-    monkeypatch.setattr(ck, "_stream_sha256", together)
-    assert ck.verify_checkpoint(folder, max_workers=4) == manifest
+    monkeypatch.setattr(verify, "_stream_sha256", together)
+    assert verify.verify_checkpoint(folder, max_workers=4) == manifest
     assert len(threads) == 4 and threading.get_ident() not in threads
     monkeypatch.undo()
-    assert ck.verify_checkpoint(folder)["step"] == 3  # default pool size (hash_workers)
-    assert ck.validate_checkpoint(folder, verify_checksums=True) == manifest
+    assert verify.verify_checkpoint(folder)["step"] == 3  # default pool size (hash_workers)
+    assert verify.validate_checkpoint(folder, verify_checksums=True) == manifest
 
     rank2 = os.path.join(folder, "rank_00002.safetensors")
     _flip_byte(rank2, where=os.path.getsize(rank2) - 7)
     for workers in (None, 1, 4):
         with pytest.raises(CheckpointError) as info:
-            ck.verify_checkpoint(folder, max_workers=workers)
+            verify.verify_checkpoint(folder, max_workers=workers)
         msg = str(info.value)
         assert msg.startswith(f"shard file {rank2} fails its sha256 checksum") and _one_sentence(msg), msg
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    assert ck.hash_workers(4) == min(4, cpus) and ck.hash_workers(1) == 1 and ck.hash_workers(0) == 1
-    assert ck.hash_workers(10_000) == min(cpus, 32)
+    assert verify.hash_workers(4) == min(4, cpus) and verify.hash_workers(1) == 1 and verify.hash_workers(0) == 1
+    assert verify.hash_workers(10_000) == min(cpus, 32)
     recorded = {f["name"]: f["sha256"] for f in manifest["files"]}
-    assert ck.file_sha256(rank2) != recorded["rank_00002.safetensors"]
+    assert verify.file_sha256(rank2) != recorded["rank_00002.safetensors"]
 
 
 def test_incomplete_checkpoint_is_refused_before_hashing(tmp_path, monkeypatch):
@@ -475,53 +475,53 @@ def test_incomplete_checkpoint_is_refused_before_hashing(tmp_path, monkeypatch):
     os.remove(os.path.join(nomani, "manifest.json"))
 
     hashed = []
-    real = ck._stream_sha256
+    real = verify._stream_sha256
 
     def spy(path, stop=None):
         hashed.append(os.path.basename(os.path.dirname(path)))
         return real(path, stop)
 
-    monkeypatch.setattr(ck, "_stream_sha256", spy)
-    with pytest.warns(ck.CheckpointWarning) as caught:
-        assert ck.find_latest_valid(str(tmp_path)) == good
-    assert len([w for w in caught if issubclass(w.category, ck.CheckpointWarning)]) == 3
+    monkeypatch.setattr(verify, "_stream_sha256", spy)
+    with pytest.warns(layout.CheckpointWarning) as caught:
+        assert verify.find_latest_valid(str(tmp_path)) == good
+    assert len([w for w in caught if issubclass(w.category, layout.CheckpointWarning)]) == 3
     assert hashed == ["step_00000002", "step_00000002"]  # only the one that passed the cheap checks
     for folder, pattern in ((trunc, r"rank_00000\.safetensors has 100 bytes"),
                             (gone, r"missing its shard file rank_00001\.safetensors"),
                             (nomani, r"has no manifest\.json")):
         hashed.clear()
         with pytest.raises(CheckpointError, match=pattern):
-            ck.verify_checkpoint(folder)
+            verify.verify_checkpoint(folder)
         assert hashed == []
 
     hashed.clear()
-    tensors, _ = ck.load_checkpoint(good, expected_config=MICRO, verify_checksums=False)
+    tensors, _ = local.load_checkpoint(good, expected_config=MICRO, verify_checksums=False)
     assert hashed == [] and torch.equal(tensors["v"], state["v"])
-    ck.load_checkpoint(good, expected_config=MICRO)
+    local.load_checkpoint(good, expected_config=MICRO)
     assert hashed == ["step_00000002", "step_00000002"]  # the default load verifies what it reads
     with pytest.raises(CheckpointError, match=r"rank_00000\.safetensors has 100 bytes"):
-        ck.load_checkpoint(trunc, expected_config=MICRO, verify_checksums=False)
+        local.load_checkpoint(trunc, expected_config=MICRO, verify_checksums=False)
 
 
 def test_choosing_a_checkpoint_does_not_import_torch(tmp_path):
-    """The CLI's pre-flight resolves --continue before anything heavy: importing llmq_ray.checkpoints.store and
+    """The CLI's pre-flight resolves --continue before anything heavy: importing llmq_ray.checkpoints.verify and
     reading, verifying, choosing and config-checking a checkpoint must not import torch."""
     folder = _save(tmp_path, 6, _flat_state(MICRO), keep_n=None)
     _save(tmp_path, 8, _flat_state(MICRO), keep_n=None)
     _flip_byte(os.path.join(tmp_path, "step_00000008", "rank_00000.safetensors"))
     code = f"""
 import sys, warnings
-import llmq_ray.checkpoints.store as ck
+from llmq_ray.checkpoints import layout, verify
 from llmq_ray.model.config import ModelConfig
 assert "torch" not in sys.modules, "import"
 micro = ModelConfig("qwen2", 16, 32, 1, 2, 1, 64, tie_word_embeddings=True, qkv_bias=True, name="micro")
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    folder = ck.resolve_continue(None, {str(tmp_path)!r})
+    folder = verify.resolve_continue(None, {str(tmp_path)!r})
 assert folder == {folder!r} and len(caught) == 1 and "step_00000008" in str(caught[0].message), caught
-ck.check_config(ck.read_manifest(folder), micro, folder)
-assert ck.verify_checkpoint(folder)["step"] == 6 and ck.validate_checkpoint(folder)["step"] == 6
-assert ck.find_latest_valid({str(tmp_path)!r}, verify_checksums=False).endswith("step_00000008")
+layout.check_config(layout.read_manifest(folder), micro, folder)
+assert verify.verify_checkpoint(folder)["step"] == 6 and verify.validate_checkpoint(folder)["step"] == 6
+assert verify.find_latest_valid({str(tmp_path)!r}, verify_checksums=False).endswith("step_00000008")
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
 print("ok")
 """
@@ -535,11 +535,11 @@ def test_config_mismatch_names_the_field(tmp_path):
     other = dataclasses.replace(MICRO, hidden_size=96)
     with pytest.raises(CheckpointError, match=r"^checkpoint step_00000006 was written for hidden_size=16, this run "
                                               r"has 96; "):
-        ck.load_checkpoint(folder, expected_config=other)
+        local.load_checkpoint(folder, expected_config=other)
     with pytest.raises(CheckpointError, match=r"rope_theta=10000.0, this run has 500000.0"):
-        ck.load_checkpoint(folder, expected_config=dataclasses.replace(MICRO, rope_theta=500000.0))
+        local.load_checkpoint(folder, expected_config=dataclasses.replace(MICRO, rope_theta=500000.0))
     # the cosmetic name is not compared
-    tensors, manifest = ck.load_checkpoint(folder, expected_config=dataclasses.replace(MICRO, name="other-name"))
+    tensors, manifest = local.load_checkpoint(folder, expected_config=dataclasses.replace(MICRO, name="other-name"))
     assert manifest["model_config"]["hidden_size"] == 16 and tensors["v"].numel() == ParamLayout(MICRO).numel
 
 
@@ -548,12 +548,12 @@ def test_retention_keeps_newest_two_plus_majors(tmp_path, monkeypatch):
     state = _flat_state(MICRO)
     for step in range(1, 8):
         _save(tmp_path, step, state, world=1, keep_n=2, major_every=3)
-        steps = sorted(s for s, _ in ck.list_step_dirs(str(tmp_path)))
+        steps = sorted(s for s, _ in layout.list_step_dirs(str(tmp_path)))
         newest = [s for s in (step - 1, step) if s >= 1]
         assert steps == sorted(set(newest) | {s for s in range(3, step + 1, 3)}), (step, steps)
     assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000006", "step_00000007"]
     # a failed save deletes nothing
-    monkeypatch.setattr(ck, "_save_tensors", _no_space)
+    monkeypatch.setattr(local, "_save_tensors", _no_space)
     with pytest.raises(CheckpointError, match="step_00000007 is still valid"):
         _save(tmp_path, 8, state, world=1, keep_n=2, major_every=3)
     assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000006", "step_00000007"]
@@ -561,48 +561,48 @@ def test_retention_keeps_newest_two_plus_majors(tmp_path, monkeypatch):
     # an invalid folder does not count among the kept ones
     os.remove(os.path.join(tmp_path, "step_00000007", "manifest.json"))
     _save(tmp_path, 9, state, world=1, keep_n=2, major_every=0)
-    assert sorted(s for s, _ in ck.list_step_dirs(str(tmp_path))) == [6, 9]
+    assert sorted(s for s, _ in layout.list_step_dirs(str(tmp_path))) == [6, 9]
 
 
-def test_retention_settings():
-    with pytest.warns(ck.CheckpointWarning, match="--ckpt-keep=1"):
-        ck.check_retention(1)
+def test_retention_asserts_its_arguments_without_naming_flags(tmp_path):
+    """The user's --ckpt-keep / --ckpt-major are checked by the settings layer; retention itself only refuses
+    values it cannot apply, in a sentence that names its own arguments."""
+    with pytest.raises(ValueError, match=r"^apply_retention: keep_n=0 must be an int >= 1") as info:
+        retention.apply_retention(str(tmp_path), keep_n=0)
+    assert "--" not in str(info.value)
+    with pytest.raises(ValueError, match=r"major_every=-1 an int >= 0"):
+        retention.apply_retention(str(tmp_path), keep_n=2, major_every=-1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ck.check_retention(2, 1000)
-    with pytest.raises(ConfigError, match="--ckpt-keep=0"):
-        ck.check_retention(0)
-    with pytest.raises(ConfigError, match="--ckpt-major=-1"):
-        ck.check_retention(2, -1)
+        assert retention.apply_retention(str(tmp_path), keep_n=2, major_every=1000) == []
 
 
 def test_keep_one(tmp_path):
     state = _flat_state(MICRO)
-    with pytest.warns(ck.CheckpointWarning):
-        for step in (1, 2, 3):
-            _save(tmp_path, step, state, world=1, keep_n=1)
+    for step in (1, 2, 3):
+        _save(tmp_path, step, state, world=1, keep_n=1)
     assert os.listdir(tmp_path) == ["step_00000003"]
 
 
 # ---------------------------------------------------------------------------------------------------- --continue
 def test_resolve_continue(tmp_path):
     with pytest.raises(CheckpointError, match=r"--continue: no valid checkpoint in .*; train without --continue"):
-        ck.resolve_continue(None, str(tmp_path))
+        verify.resolve_continue(None, str(tmp_path))
     state = _flat_state(MICRO)
     for step in (5, 10, 15):
         _save(tmp_path, step, state, keep_n=None)
     newest = os.path.join(str(tmp_path), "step_00000015")
     for arg in (None, True, "", "latest", "LATEST"):
-        assert ck.resolve_continue(arg, str(tmp_path)) == newest
-    assert ck.resolve_continue(10, str(tmp_path)) == os.path.join(str(tmp_path), "step_00000010")
-    assert ck.resolve_continue("5", str(tmp_path)) == os.path.join(str(tmp_path), "step_00000005")
+        assert verify.resolve_continue(arg, str(tmp_path)) == newest
+    assert verify.resolve_continue(10, str(tmp_path)) == os.path.join(str(tmp_path), "step_00000010")
+    assert verify.resolve_continue("5", str(tmp_path)) == os.path.join(str(tmp_path), "step_00000005")
     elsewhere = os.path.join(str(tmp_path), "step_00000010")
-    assert ck.resolve_continue(elsewhere, "/nonexistent") == elsewhere
+    assert verify.resolve_continue(elsewhere, "/nonexistent") == elsewhere
     with pytest.raises(CheckpointError, match=r"--continue=7: there is no checkpoint step_00000007 .*\[5, 10, 15\]"):
-        ck.resolve_continue(7, str(tmp_path))
+        verify.resolve_continue(7, str(tmp_path))
     with pytest.raises(CheckpointError, match=r"--continue=/no/such/dir: no such checkpoint folder"):
-        ck.resolve_continue("/no/such/dir", str(tmp_path))
-    assert ck.step_of(newest) == 15 and ck.step_of(str(tmp_path)) is None
+        verify.resolve_continue("/no/such/dir", str(tmp_path))
+    assert layout.step_of(newest) == 15 and layout.step_of(str(tmp_path)) is None
 
 
 def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
@@ -613,8 +613,8 @@ def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
         _save(tmp_path, step, state, world=1, keep_n=None)
     path = _save(tmp_path, 3, state, world=1, keep_n=2)  # save_checkpoint protects what it wrote
     assert sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000005", "step_00000006"]
-    deleted = ck.apply_retention(str(tmp_path), keep_n=2, protect=[path])
+    deleted = retention.apply_retention(str(tmp_path), keep_n=2, protect=[path])
     assert deleted == [] and sorted(os.listdir(tmp_path)) == ["step_00000003", "step_00000005", "step_00000006"]
-    dest, names = ck.set_aside_newer(str(tmp_path), 3)
+    dest, names = retention.set_aside_newer(str(tmp_path), 3)
     assert names == ["step_00000005", "step_00000006"] and sorted(os.listdir(dest)) == names
-    assert ck.find_latest_valid(str(tmp_path)) == path
+    assert verify.find_latest_valid(str(tmp_path)) == path

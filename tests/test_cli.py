@@ -130,7 +130,7 @@ def _micro_checkpoint(ckpt_dir: str, step: int) -> str:
     """A complete checkpoint of a model that is not the CLI's tiny preset (a 16-wide micro model)."""
     import torch
 
-    from llmq_ray.checkpoints import store as ck
+    from llmq_ray.checkpoints import resume as ck
     from llmq_ray.model.config import ModelConfig
     from llmq_ray.model.params import ParamLayout
 

@@ -35,7 +35,7 @@ def test_wheel_has_one_top_level_package_and_runs_from_itself(tmp_path):
         for needed in ("llmq_ray/backends/cupy/kernels/adamw.cu", "llmq_ray/data_pipeline/corpora/tinyshakespeare.txt.gz",
                        "llmq_ray/actors/worker.py", "llmq_ray/backends/triton/__init__.py", "llmq_ray/settings.py",
                        "llmq_ray/engine/schedule.py", "llmq_ray/model/units.py", "llmq_ray/train/cli.py",
-                       "llmq_ray/observe/runlog.py", "llmq_ray/checkpoints/store.py", "llmq_ray/backends/gemm.py"):
+                       "llmq_ray/observe/runlog.py", "llmq_ray/checkpoints/verify.py", "llmq_ray/backends/gemm.py"):
             assert needed in names, needed
         entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
         assert "llmq-train = llmq_ray.train.cli:main" in entry

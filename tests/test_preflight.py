@@ -84,7 +84,7 @@ def bad_files(tmp_path_factory):
     # a checkpoint of the tiny model, and a copy with one byte flipped in its shard (same size)
     import torch
 
-    from llmq_ray.checkpoints import store as ck
+    from llmq_ray.checkpoints import resume as ck
     from llmq_ray.model.config import PRESETS
     from llmq_ray.model.params import ParamLayout
 

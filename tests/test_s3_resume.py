@@ -106,7 +106,7 @@ def failed_upload(s3, ray_cluster, shards, tmp_path_factory):
 
 def test_a_failed_upload_leaves_the_previous_checkpoint_valid(failed_upload):
     from llmq_ray.checkpoints.remote import mirror_root
-    from llmq_ray.checkpoints.store import resolve_continue
+    from llmq_ray.checkpoints.verify import resolve_continue
 
     res, store = failed_upload
     assert [r["step"] for r in res.history] == list(range(10))  # the run went on

@@ -25,7 +25,7 @@ import pytest
 
 from _helpers import trainer_from_cli
 
-from llmq_ray.checkpoints.store import validate_checkpoint
+from llmq_ray.checkpoints.verify import validate_checkpoint
 from llmq_ray.errors import CheckpointError
 from llmq_ray.observe.runlog import read_log, steps_as_one_run
 from llmq_ray.train.trainer import LLMQTrainer

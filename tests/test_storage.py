@@ -154,7 +154,8 @@ def test_checkpoints_on_s3_are_written_pruned_and_resumed(s3, ray_cluster, shard
 
     import numpy as np
 
-    from llmq_ray.checkpoints.store import CheckpointWarning, resolve_continue
+    from llmq_ray.checkpoints.layout import CheckpointWarning
+    from llmq_ray.checkpoints.verify import resolve_continue
     from llmq_ray.errors import CheckpointError
     from llmq_ray.train.trainer import LLMQTrainer
 

@@ -41,7 +41,7 @@ def _download_log(uri: str, tmp_path) -> list[dict]:
 
 def test_a_run_with_out_dir_on_s3_leaves_its_log_export_and_checkpoint_there(s3, ray_cluster, shards, tmp_path,
                                                                             monkeypatch):
-    from llmq_ray.checkpoints.store import has_manifest
+    from llmq_ray.checkpoints.layout import has_manifest
     from llmq_ray.model.config import load_hf_config
     from llmq_ray.model.hf_io import EXPORT_MARKER, load_hf_weights
     from llmq_ray.model.params import ParamLayout

@@ -444,7 +444,7 @@ def _checkpoint_rank(rank: int, port: int, out: str) -> None:
     whether the reloaded state equals the saved one bit for bit."""
     from llmq_ray.backends import get_backend
     from llmq_ray.checkpoints.resume import engine_checkpoint_tensors, load_engine_checkpoint, save_engine_checkpoint
-    from llmq_ray.checkpoints.store import step_dir
+    from llmq_ray.checkpoints.layout import step_dir
     from llmq_ray.engine.tensor_parallel import TensorParallelRank
     from llmq_ray.engine.train_engine import TrainEngine
 

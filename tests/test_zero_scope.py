@@ -195,7 +195,7 @@ def test_node_scope_matches_one_worker_and_its_checkpoint_resumes_on_one(two_nod
         np.testing.assert_allclose(_losses(res), _losses(ref), rtol=1e-5, err_msg=f"ZeRO-{zero}")
         np.testing.assert_allclose([r["norm"] for r in res.history], [r["norm"] for r in ref.history], rtol=1e-4,
                                    err_msg=f"ZeRO-{zero}")
-    from llmq_ray.checkpoints.store import read_manifest
+    from llmq_ray.checkpoints.layout import read_manifest
 
     folder = ckpt / "step_00000002"
     manifest = read_manifest(str(folder))

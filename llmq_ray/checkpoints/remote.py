@@ -1,5 +1,5 @@
-"""Checkpoints on an object store (``--checkpoint-dir s3://bucket/run/ckpt``): the layout and manifest of
-llmq_ray/checkpoints/store.py, published without renames.
+"""Object-store I/O of checkpoints (``--checkpoint-dir s3://bucket/run/ckpt``): the layout and manifest of
+llmq_ray/checkpoints/layout.py, published without renames; the local folder protocol is local.py's.
 
 Object stores have no rename and no folders, so the local protocol (a tmp folder renamed into place) becomes:
 
@@ -15,8 +15,11 @@ failed upload leaves the previous checkpoint valid. Reading downloads the manife
 node's mirror (``$LLMQ_RAY_CACHE/checkpoints/<hash of the URI>/step_*``, files through a temporary name and a
 rename, the manifest last; one worker of a node at a time per step, under a file lock, and a current copy is left
 as it is: ``fetch``) and loads from there with the local code; ``--continue`` hashes that copy against the
-manifest before it picks the checkpoint, so a worker on the same node reuses it without reading the store again.
-Keep-N and major-checkpoint retention (``store.apply_retention``) delete whole prefixes through ``clear_step``.
+manifest before it picks the checkpoint (verify.py), so a worker on the same node reuses it without reading the
+store again. Keep-N and major-checkpoint retention (retention.py) delete whole prefixes through ``clear_step``.
+The staging folder of an upload is made by ``local.begin_checkpoint`` (in this node's mirror, ``mirror_root``).
+
+Imports point one way: this module uses layout.py only; verify.py, local.py and retention.py use this one.
 
 Background uploads (the step loop's checkpoints; ``BackgroundUploads``). Only the staging is synchronous: the
 coordinator removes an older copy of the step's prefix (``clear_step``, two small requests), then every rank
@@ -40,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -48,7 +52,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from llmq_ray import storage
-from llmq_ray.checkpoints import store
+from llmq_ray.checkpoints.layout import MANIFEST, check_coverage, read_manifest
 from llmq_ray.errors import CheckpointError
 
 
@@ -61,11 +65,6 @@ def mirror_root(ckpt_uri: str) -> str:
     """This node's local folder for the checkpoints of ``ckpt_uri``: staging of uploads, copies of downloads."""
     key = hashlib.sha256(_bare(ckpt_uri).encode()).hexdigest()[:16]
     return os.path.join(storage.cache_root(), "checkpoints", key)
-
-
-def begin(ckpt_uri: str, step: int) -> str:
-    """The coordinator's local staging folder for ``step`` (what the workers write their shards into first)."""
-    return store.begin_checkpoint(mirror_root(ckpt_uri), step)
 
 
 def _upload_shard(tmp_dir: str, record: Mapping, step_uri: str, before: Callable[[], None] | None = None) -> None:
@@ -84,7 +83,7 @@ def _upload_shard(tmp_dir: str, record: Mapping, step_uri: str, before: Callable
 
 
 def upload_rank_shard(tmp_dir: str, record: Mapping, step_uri: str) -> None:
-    """Worker: upload its shard file (written and hashed in ``tmp_dir`` by ``store.write_rank_shard``) to the
+    """Worker: upload its shard file (written and hashed in ``tmp_dir`` by ``local.write_rank_shard``) to the
     checkpoint's prefix, then drop the local file. A failed upload raises CheckpointError naming the store."""
     try:
         _upload_shard(tmp_dir, record, step_uri)
@@ -208,7 +207,7 @@ def publish(tmp_dir: str, step_uri: str, manifest: Mapping[str, Any], records: S
         if [f["rank"] for f in files] != list(range(world)):
             raise CheckpointError(f"checkpoint {name}: got shard files of ranks {[f['rank'] for f in files]}, "
                                   f"expected 0..{world - 1}; the checkpoint was not published.")
-        store._check_coverage(files, int(manifest["layout_numel"]), f"checkpoint {name}")
+        check_coverage(files, int(manifest["layout_numel"]), f"checkpoint {name}")
         for f in files:  # what the store holds now, before the manifest makes it a checkpoint
             size = storage.size_of(storage.join(step_uri, f["name"]))
             if size != int(f["size"]):
@@ -216,44 +215,24 @@ def publish(tmp_dir: str, step_uri: str, manifest: Mapping[str, Any], records: S
                                       f"uploaded {f['size']}; the checkpoint was not published.")
         full = dict(manifest)
         full["files"] = files
-        storage.write_bytes(storage.join(step_uri, store.MANIFEST), (json.dumps(full, indent=1) + "\n").encode())
+        storage.write_bytes(storage.join(step_uri, MANIFEST), (json.dumps(full, indent=1) + "\n").encode())
     except OSError as exc:
         err = CheckpointError(f"checkpoint {name}: its manifest could not be uploaded to {step_uri} "
                               f"({reason_of(exc)}); the previous checkpoint is still valid.")
         err.reason = f"its manifest could not be uploaded ({reason_of(exc)})"
         raise err from None
     finally:
-        store.discard_tmp(tmp_dir)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # the staging folder (as local.discard_tmp does)
     return step_uri
 
 
 def clear_step(step_uri: str) -> None:
     """Before a step's shards are uploaded again (a resumed run re-reaching a saved step): remove the old
     prefix, manifest first, so that no mix of old and new files is ever a checkpoint."""
-    manifest = storage.join(step_uri, store.MANIFEST)
+    manifest = storage.join(step_uri, MANIFEST)
     if storage.size_of(manifest) is not None:
         storage.delete_tree(manifest)
     storage.delete_tree(step_uri)
-
-
-def validate_remote(step_uri: str, *, verify_checksums: bool = False) -> dict:
-    """``store.validate_checkpoint`` for a checkpoint on a store: the manifest parses, the ranges tile the
-    layout, every file is there with its recorded size; with ``verify_checksums`` the files are downloaded into
-    this node's mirror and hashed there. Returns the manifest."""
-    manifest = store.read_manifest(step_uri)
-    name = os.path.basename(_bare(step_uri))
-    store._check_coverage(manifest["files"], int(manifest["layout_numel"]), f"checkpoint {name}")
-    for entry in manifest["files"]:
-        size = storage.size_of(storage.join(step_uri, entry["name"]))
-        if size is None:
-            raise CheckpointError(f"checkpoint {name} is missing its shard file {entry['name']} (in {step_uri}); "
-                                  f"it cannot be loaded, resume from another checkpoint.")
-        if size != int(entry["size"]):
-            raise CheckpointError(f"shard file {storage.join(step_uri, entry['name'])} has {size} bytes, the "
-                                  f"manifest records {entry['size']}: checkpoint {name} is incomplete.")
-    if verify_checksums:
-        store.verify_checkpoint(fetch(step_uri, manifest))
-    return manifest
 
 
 def fetch(step_uri: str, manifest: Mapping | None = None) -> str:
@@ -267,12 +246,12 @@ def fetch(step_uri: str, manifest: Mapping | None = None) -> str:
     "has no manifest.json", seen with two ranks on one node under load)."""
     from filelock import FileLock
 
-    manifest = manifest or store.read_manifest(step_uri)
+    manifest = manifest or read_manifest(step_uri)
     parent, name = _bare(step_uri).rsplit("/", 1)
     root = mirror_root(parent)
     folder = os.path.join(root, name)
     os.makedirs(os.path.join(root, ".locks"), exist_ok=True)
-    local_manifest = os.path.join(folder, store.MANIFEST)
+    local_manifest = os.path.join(folder, MANIFEST)
     try:
         with FileLock(os.path.join(root, ".locks", f"{name}.lock")):
             if _is_current_copy(folder, manifest):
@@ -296,7 +275,7 @@ def _is_current_copy(folder: str, manifest: Mapping) -> bool:
     """Whether ``folder`` holds a complete copy of the checkpoint ``manifest`` describes: the same manifest
     (compared as JSON) and every file at its recorded size. (The loader still checks sizes and hashes.)"""
     try:
-        with open(os.path.join(folder, store.MANIFEST)) as f:
+        with open(os.path.join(folder, MANIFEST)) as f:
             if json.load(f) != json.loads(json.dumps(manifest)):
                 return False
     except (OSError, ValueError):

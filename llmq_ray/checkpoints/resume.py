@@ -4,8 +4,12 @@ The storage of record of a rank is its optimizer shard (``engine.optimizer.state
 "m", "v" over the global flat range [engine.shard_start, engine.shard_end)). The full model-dtype
 ``params`` buffer is derived state: after loading, each rank refreshes its own slice from the master
 (``ShardedAdamW.load_state_tensors``) and the ranks all-gather the slices, exactly like the end of an
-update. Nothing else of the engine needs saving: initialization and stochastic-rounding seeds are pure
-functions of (seed, step, flat offset), and the step number comes from the manifest.
+update. The one other piece of training state is the delayed FP8 SwiGLU scales (--fp8-delayed-swiglu-scale:
+per-layer maxima of the last forward and backward, ``TrainEngine.fp8_scale_state``): small and different on
+every worker, they go into the manifest as JSON, one entry per worker (``fp8_scale_state_json``), and come
+back with ``restore_fp8_scale_state``, so an e4m3 resume is bit-exact too. Nothing else needs saving:
+initialization and stochastic-rounding seeds are pure functions of (seed, step, flat offset), and the step
+number comes from the manifest.
 
 Single process (tests, notebooks)::
 
@@ -14,8 +18,11 @@ Single process (tests, notebooks)::
     stream2.restore(data_state_for_rank(manifest, 0, 1))
     train_steps(engine2, batches, start_step=manifest["step"])   # tests/_engine_loop.py
 
-Under Ray every worker calls ``engine_checkpoint_tensors`` + ``write_rank_shard`` (save), or
-``load_checkpoint`` + ``restore_engine`` (load; a collective: all ranks must call it).
+Under Ray every worker calls ``engine_checkpoint_tensors`` + ``write_rank_shard`` (save, returning its
+``fp8_scale_state_json`` to the coordinator), or ``load_checkpoint`` + ``restore_engine`` +
+``restore_fp8_scale_state`` (load; a collective: all ranks must call it). ``save_checkpoint`` writes a whole
+checkpoint of given tensors in one process. This is the top module of ``llmq_ray.checkpoints`` (it imports
+the engine and torch); the others never import it.
 """
 
 from __future__ import annotations
@@ -25,12 +32,59 @@ from typing import Any
 
 import torch
 
-from llmq_ray.checkpoints.store import (STATE_NAMES, data_state_for_rank, load_checkpoint, restore_rng, rng_state,
-                                 save_checkpoint)
+from llmq_ray.checkpoints.layout import (STATE_NAMES, build_manifest, data_state_for_rank, fp8_scale_state_for_rank,
+                                         restore_rng, rng_state, step_dir)
+from llmq_ray.checkpoints.local import (begin_checkpoint, discard_tmp, finalize_checkpoint, load_checkpoint,
+                                        write_rank_shard)
+from llmq_ray.checkpoints.retention import apply_retention
 from llmq_ray.engine.train_engine import TrainEngine
+from llmq_ray.errors import CheckpointError
 
 __all__ = ["engine_checkpoint_tensors", "restore_engine", "save_engine_checkpoint", "load_engine_checkpoint",
-           "data_state_for_rank"]
+           "data_state_for_rank", "save_checkpoint", "fp8_scale_state_json", "restore_fp8_scale_state"]
+
+
+def save_checkpoint(ckpt_dir: str, step: int, shards: Sequence[tuple[int, int, Mapping[str, torch.Tensor]]], *,
+                    config, options: Any = None, data_state: Sequence[Mapping | None] | None = None,
+                    rng: Mapping | None = None, extra: Mapping[str, Any] | None = None,
+                    keep_n: int | None = 2, major_every: int = 0,
+                    fp8_scale_state: Sequence[Mapping | None] | None = None, tensor_parallel: int = 1) -> str:
+    """Single process: write a whole checkpoint (all ``shards`` = [(start, end, {"master","m","v"})], one per
+    rank) with the protocol of local.py and apply retention. Returns the final folder. ``keep_n=None`` skips
+    retention; ``fp8_scale_state``: one ``fp8_scale_state_json`` per worker, of ``tensor_parallel``-sized groups
+    (``layout.build_manifest``)."""
+    tmp = begin_checkpoint(ckpt_dir, step)
+    try:
+        records = [write_rank_shard(tmp, r, tensors, start, end) for r, (start, end, tensors) in enumerate(shards)]
+        manifest = build_manifest(step, config=config, world_size=len(shards), options=options,
+                                  data_state=data_state, rng=rng, extra=extra, fp8_scale_state=fp8_scale_state,
+                                  tensor_parallel=tensor_parallel)
+        final = finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=records)
+    except BaseException:
+        discard_tmp(tmp)  # a no-op when the failure path already removed it
+        raise
+    if keep_n is not None:
+        apply_retention(ckpt_dir, keep_n=keep_n, major_every=major_every, protect=[final])
+    return final
+
+
+def fp8_scale_state_json(engine: TrainEngine) -> dict[str, list[float]]:
+    """This rank's delayed FP8 scales (``TrainEngine.fp8_scale_state``) as JSON lists for the manifest ({} when
+    the run has none). An fp32 value goes through a Python float and its repr exactly, so the resume restores
+    the same bits."""
+    return {k: [float(x) for x in t.detach().to("cpu", torch.float32).tolist()]
+            for k, t in engine.fp8_scale_state().items()}
+
+
+def restore_fp8_scale_state(engine: TrainEngine, manifest: Mapping[str, Any], rank: int, world_size: int,
+                            tensor_parallel: int = 1) -> None:
+    """Put worker ``rank`` of ``world_size`` back to the delayed FP8 scales its checkpoint saved
+    (``layout.fp8_scale_state_for_rank``: its own on the saved number of workers, else the elementwise maximum
+    over the saved workers). A checkpoint without them (an older one, or one of a run without the delayed
+    scale) leaves the engine measuring afresh in its first step, as before; a run without the delayed scale
+    ignores saved ones."""
+    saved = fp8_scale_state_for_rank(manifest, rank, world_size, tensor_parallel)
+    engine.load_fp8_scale_state({k: torch.tensor(v, dtype=torch.float32) for k, v in saved.items()})
 
 
 def engine_checkpoint_tensors(engine: TrainEngine) -> dict[str, torch.Tensor]:
@@ -54,8 +108,6 @@ def restore_engine(engine: TrainEngine, tensors: Mapping[str, torch.Tensor]) -> 
     Gradient accumulators are reset, so the next ``micro_step`` starts a fresh step."""
     missing = [k for k in STATE_NAMES if k not in tensors]
     if missing:
-        from llmq_ray.errors import CheckpointError
-
         raise CheckpointError(f"restore_engine: the loaded state lacks {missing}.")
     engine.optimizer.load_state_tensors({k: tensors[k] for k in STATE_NAMES})
     engine.sync_weights()
@@ -64,6 +116,20 @@ def restore_engine(engine: TrainEngine, tensors: Mapping[str, torch.Tensor]) -> 
         engine.grads.zero_()
     if engine.grad_shard is not None:
         engine.grad_shard.zero_()
+
+
+def _group_fp8_scale_states(engine: TrainEngine) -> list[dict[str, list[float]]]:
+    """Every tensor-parallel rank's ``fp8_scale_state_json`` in rank order (a collective over the group: each
+    rank sums its row into zeros); [this rank's] without tensor parallelism."""
+    mine = engine.fp8_scale_state()
+    if engine.tp is None or not mine:
+        return [fp8_scale_state_json(engine)]
+    size = engine.tp.plan.size
+    names = sorted(mine)
+    rows = torch.zeros(size, len(names), *mine[names[0]].shape, dtype=torch.float32, device=engine.device)
+    rows[engine.tp.rank] = torch.stack([mine[k].to(rows) for k in names])
+    engine.tp.all_reduce_sum(rows)  # one non-zero row per rank: the sum is exact
+    return [{k: [float(x) for x in rows[r, i].cpu().tolist()] for i, k in enumerate(names)} for r in range(size)]
 
 
 def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
@@ -80,7 +146,9 @@ def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
         raise RuntimeError("save_engine_checkpoint is for one process; under Ray each worker calls "
                            "write_rank_shard and the coordinator finalize_checkpoint.")
     state = engine_checkpoint_tensors(engine)
-    write = dict(config=engine.full_cfg, options=engine.opts, data_state=data_state, rng=rng_state(engine.opts.seed),
+    scales = _group_fp8_scale_states(engine)
+    write = dict(fp8_scale_state=scales, tensor_parallel=len(scales),
+                 config=engine.full_cfg, options=engine.opts, data_state=data_state, rng=rng_state(engine.opts.seed),
                  extra=extra, keep_n=keep_n, major_every=major_every)
     if engine.tp is None:
         return save_checkpoint(ckpt_dir, step, [(engine.shard_start, engine.shard_end, state)], **write)
@@ -96,8 +164,6 @@ def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
         return path
     engine.tp.all_reduce_sum(done)
     if done.item() != 1:
-        from llmq_ray.errors import CheckpointError
-
         raise CheckpointError(f"the checkpoint of step {step} in {ckpt_dir} was not written: rank 0 of the "
                               f"tensor-parallel group failed to write it (its error says why).")
     return None
@@ -122,6 +188,10 @@ def load_engine_checkpoint(folder: str, engine: TrainEngine, *, restore_global_r
                                             rank=engine.comm.rank, shard_start=engine.shard_start,
                                             shard_end=engine.shard_end, device=engine.device)
     restore_engine(engine, tensors)
+    if engine.tp is not None:
+        restore_fp8_scale_state(engine, manifest, engine.tp.rank, engine.tp.plan.size, engine.tp.plan.size)
+    else:
+        restore_fp8_scale_state(engine, manifest, engine.comm.rank, engine.comm.world_size)
     if restore_global_rng and manifest.get("rng"):
         restore_rng(manifest["rng"])
     return manifest

@@ -347,6 +347,28 @@ class TrainEngine:
         size = self.shard_size
         self.comm.all_gather(self.params, self.params[self.comm.rank * size:(self.comm.rank + 1) * size])
 
+    _FP8_SCALE_STATE = (("swiglu_dy_amax", "_swiglu_dy_amax_filled"), ("swiglu_out_amax", "_swiglu_out_amax_filled"))
+
+    def fp8_scale_state(self) -> dict[str, torch.Tensor]:
+        """The delayed FP8 SwiGLU scales this rank trains with (--fp8-delayed-swiglu-scale): {name: [L] fp32
+        per-layer maxima of the last training forward / backward}, only those already measured ({} without the
+        delayed scale, or before its first pass). Training state a checkpoint keeps (llmq_ray/checkpoints/
+        resume.py): a resume without it measures afresh in its first step and is not bit-exact there."""
+        return {name: getattr(self.model, name) for name, filled in self._FP8_SCALE_STATE
+                if getattr(self.model, name, None) is not None and getattr(self.model, filled, False)}
+
+    def load_fp8_scale_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the delayed FP8 scales from a ``fp8_scale_state()`` (copied in place: CUDA graphs keep their
+        pointers); the next pass then uses them as if it followed the saved one. A scale the model does not keep
+        (a run without the delayed scale) is ignored; one absent from ``state`` is measured afresh."""
+        for name, filled in self._FP8_SCALE_STATE:
+            kept = getattr(self.model, name, None)
+            if kept is None:
+                continue
+            if name in state:
+                kept.copy_(state[name].reshape(kept.shape).to(kept))
+            setattr(self.model, filled, name in state)
+
     def weight_tensors(self) -> list[torch.Tensor]:
         """The device buffers that hold weights (memory table)."""
         return self.store.tensors()["weights"] if self.zero3 else [self.params]

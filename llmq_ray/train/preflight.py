@@ -22,7 +22,7 @@ What is checked (``LLMQTrainer.__init__`` calls these in this order; nothing is 
 * run as a Ray job's entrypoint: the grace ``ray job stop`` gives before SIGKILL, against the stop's checkpoint
   (a warning, ``check_ray_job_stop_grace``).
 
-The ``--continue`` target (present, every file's sha256, the model) is checked by ``llmq_ray.checkpoints.store``;
+The ``--continue`` target (present, every file's sha256, the model) is checked by ``llmq_ray.checkpoints.verify``;
 ``keep_global_batch`` reconciles a resumed run's batch with the checkpoint's.
 """
 
@@ -316,7 +316,7 @@ def _check_remote_log_file(uri: str, flag: str, resume: bool, explicit: bool) ->
 def check_fresh_checkpoint_dir(ckpt_dir: str) -> None:
     """A fresh run (no --continue) must not write into a folder that holds another run's checkpoints:
     their steps would mix, and retention would delete the older run's checkpoints."""
-    from llmq_ray.checkpoints.store import has_manifest, list_step_dirs
+    from llmq_ray.checkpoints.layout import has_manifest, list_step_dirs
 
     have = [(s, p) for s, p in list_step_dirs(ckpt_dir) if has_manifest(p)]
     if have:

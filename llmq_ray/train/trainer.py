@@ -507,7 +507,8 @@ class LLMQTrainer:
         sentence). Incomplete or corrupt newer folders are skipped with a warning (in ``self.notes``)."""
         if self.resume is False or self.resume is None:
             return None
-        from llmq_ray.checkpoints.store import CheckpointWarning, check_config, read_manifest, resolve_continue
+        from llmq_ray.checkpoints.layout import CheckpointWarning, check_config, read_manifest
+        from llmq_ray.checkpoints.verify import resolve_continue
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
@@ -656,7 +657,8 @@ class LLMQTrainer:
         lines = []
         if self.resume_from and not storage.is_remote(self.resume_from) and \
                 os.path.dirname(self.resume_from) == self.checkpoint_dir:
-            from llmq_ray.checkpoints.store import set_aside_newer, step_of
+            from llmq_ray.checkpoints.layout import step_of
+            from llmq_ray.checkpoints.retention import set_aside_newer
 
             moved_to, names = set_aside_newer(self.checkpoint_dir, step_of(self.resume_from) or 0)
             if moved_to:
@@ -719,7 +721,8 @@ class LLMQTrainer:
         step the new coordinator goes on from; re-raises ``lost`` when restarts are off or used up."""
         import ray
 
-        from llmq_ray.checkpoints.store import CheckpointWarning, find_latest_valid
+        from llmq_ray.checkpoints.layout import CheckpointWarning
+        from llmq_ray.checkpoints.verify import find_latest_valid
 
         self._coordinator_restarts += 1
         limit = self.runtime["max_restarts"]
@@ -991,7 +994,8 @@ class LLMQTrainer:
             self.coordinator = None
         if self._stopped is not None:  # the stop had completed (a second signal while closing): it stands
             return self._stopped
-        from llmq_ray.checkpoints.store import CheckpointWarning, find_latest_valid
+        from llmq_ray.checkpoints.layout import CheckpointWarning
+        from llmq_ray.checkpoints.verify import find_latest_valid
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", CheckpointWarning)
