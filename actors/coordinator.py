@@ -70,7 +70,7 @@ from llmq_ray.observe.metrics import sol_fraction, sol_record
 from llmq_ray.lr_schedule import learning_rate_at
 from llmq_ray.observe.runlog import RunLog, checkpoint_line, eval_line, step_line, warning_line
 from llmq_ray.engine.spike_guard import SpikeGuard
-from llmq_ray.errors import ConfigError
+from llmq_ray.errors import CheckpointError, ConfigError
 
 
 
@@ -262,7 +262,7 @@ class Coordinator:
             self.failed = True
             raise
         self.step, self.micro_pending = int(manifest["step"]), 0
-        self.history = [r for r in self.history if r["step"] < self.step]
+        self.history = [r for r in self.history if r["step"] <= self.step]
         self.guard.load_state(manifest.get("spike_guard"))
         self.origin = folder
         seconds = time.perf_counter() - t0
@@ -340,14 +340,15 @@ class Coordinator:
         tps = tokens / max(wall, 1e-9)
         sol = sol_fraction(tps / self.spec.world_size, self.cfg.flops_per_token(self.opts.seq_len), self.peak)
         worker_s = max(r.get("seconds", 0.0) for r in results)
-        rec = {"step": step, "lr": lr, "loss": r0["loss"], "norm": r0["norm"], "targets": r0["targets"],
+        number = step + 1  # a step's number in every record, as on the console and in step_XXXXXXXX: 1-based
+        rec = {"step": number, "lr": lr, "loss": r0["loss"], "norm": r0["norm"], "targets": r0["targets"],
                "tokens": tokens, "seconds": wall, "tokens_per_s": tps, "sol": sol, "skipped": r0["skipped"],
                "worker_seconds": worker_s, "ray_overhead_seconds": max(wall - worker_s, 0.0),
                "data_seconds": max(r.get("data_seconds", 0.0) for r in results),
                "memory": [r.get("memory", 0) for r in results]}
-        if step <= self.max_step_logged:  # trained before, then lost to a restart or a resume from an older step
+        if number <= self.max_step_logged:  # trained before, then lost to a restart or a resume from an older step
             rec["retrained"] = True
-        self.max_step_logged = max(self.max_step_logged, step)
+        self.max_step_logged = max(self.max_step_logged, number)
         rec["gc_seconds"] = max(r.get("gc_seconds", 0.0) for r in results)  # the cyclic collector's pauses
         rec["gc_collections"] = max(r.get("gc_collections", 0) for r in results)
         if r0.get("allocator_events"):  # CUDA caching-allocator mallocs/frees/retries in this step (rank 0)
@@ -364,7 +365,7 @@ class Coordinator:
             per_layer, top = merge_fp8_monitors([m["swiglu_absmax"] for m in monitors])
             shares = merge_saturated_shares(monitors)  # None: no pass at delayed scales, nothing measured
             extra = {} if shares is None else {"saturated_share": shares, "saturated_share_max": max(shares)}
-            self.log.add("fp8_monitor", step=step, swiglu_absmax=per_layer, max=per_layer[top], max_layer=top,
+            self.log.add("fp8_monitor", step=number, swiglu_absmax=per_layer, max=per_layer[top], max_layer=top,
                          **extra)
         telemetry.publish({"llmq_tokens_per_second": tps, "llmq_step_seconds": wall, "llmq_train_loss": r0["loss"],
                            "llmq_grad_norm": r0["norm"]}, {"role": "coordinator"})
@@ -759,18 +760,35 @@ class Coordinator:
         return self.opts.effective_zero_level >= 3 or self.spec.tensor_parallel > 1
 
     def finish(self) -> dict:
-        """Final eval over the whole eval file, the export, the last log flush. Returns the summary."""
+        """Final eval over the whole eval file, the export, the last log flush. Returns the summary. A final
+        checkpoint that cannot be written (a full disk) does not cost the export: the export is written all the
+        same, and then the CheckpointError says both (the run failed: its last state is in no checkpoint)."""
         # a stop requested now (SIGTERM after the last step) skips the final eval: the export is what matters
         lines = self._settle_upload(wait=True, why="at the end of the run")
+        unsaved = None  # the CheckpointError of the final checkpoint
         if (self.spec.ckpt_minutes > 0 or self._deferred is not None) and self.step > 0 and \
                 not self._has_checkpoint_of(self.step):
             # the end of a run with time-interval checkpoints (the default) is kept too, as is a deferred one
-            self.save_checkpoint()
+            try:
+                self.save_checkpoint()
+            except CheckpointError as exc:  # a full disk: its files are gone again, and the (smaller) export
+                unsaved = exc               # still gets its chance; the run fails after it, naming both
+                self._warn(self.step, "checkpoint", str(exc))
         final = self.validate(full=True) if self.spec.final_eval and not self.stop_requested else None
         if self.spec.export:
-            self.export_path = self.export()
+            try:
+                self.export_path = self.export()
+            except Exception as exc:  # noqa: BLE001 - after a failed checkpoint: one sentence with both
+                if unsaved is None:
+                    raise
+                why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1].rstrip(".")
+                raise CheckpointError(f"{str(unsaved).rstrip('.')}; the export could not be written either ({why}).") \
+                    from None
         summary = self.summary(final)
         self.log.add("summary", **summary)
+        if unsaved is not None:  # the run trained every step but its last state is not in a checkpoint: it failed
+            kept = f"the export was written to {self.export_path}" if self.export_path else "no export was asked for"
+            raise CheckpointError(f"{str(unsaved).rstrip('.')}; {kept}.")
         self.log.end("finished", step=self.step)
         if self.wandb is not None:
             self.wandb.finish()

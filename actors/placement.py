@@ -6,6 +6,9 @@ NVLink/shared memory), else ``PACK`` (as few nodes as possible). CPU runs use {C
 Before asking Ray for anything we compare the request with the cluster's resources, so ``--gpus 8`` on a
 one-GPU machine ends in one sentence instead of a placement group that waits forever; the placement group
 itself is awaited with a timeout for the same reason (resources held by other jobs).
+
+A CPU run's workers are ``CPUWorker`` actors: the same class under the name that Ray's log prefix
+(``(CPUWorker pid=...)``) and its dashboard show, so that a CPU run does not say GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +19,10 @@ from llmq_ray.actors.worker import PROBE_GROUP, GPUWorker, worker_env
 from llmq_ray.errors import ConfigError
 
 PLACEMENT_TIMEOUT_S = 120.0
+
+
+class CPUWorker(GPUWorker):
+    """``GPUWorker`` on a few CPU cores (``--device=cpu``): the same actor, named for what it runs on."""
 
 
 def check_tensor_parallel_placement(node_of_rank: list[str], tp: int) -> None:
@@ -192,7 +199,7 @@ def create_workers(spec: RuntimeSpec, wait_s: float = PLACEMENT_TIMEOUT_S, on_wa
                                                                  if room >= n else "") + ".")
     bundles = bundles_by_node(pg, n)  # rank r runs in bundle bundles[r]: a node's ranks are consecutive
     k = spec.cpus_per_worker
-    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker)
+    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker if spec.device == "cuda" else CPUWorker)
     workers = []
     for rank in range(n):
         opts = dict(num_cpus=k, num_gpus=1 if spec.device == "cuda" else 0, max_restarts=0,

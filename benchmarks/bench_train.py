@@ -21,8 +21,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,8 +109,10 @@ def main(argv=None) -> int:
                   overlap_wgrad_sms=a.overlap_wgrad_sms, document_masking=a.document_masking,
                   **{f"recompute_{w}": getattr(a, f"recompute_{w}") for w in ("block", "ffn", "swiglu", "norm", "qkv", "att")},
                   **{f"offload_{w}": getattr(a, f"offload_{w}") for w in ("master", "opt_m", "opt_v", "gradients", "residual")})
+    # a run's own out-dir (its log only): two benchmarks at once (a second pytest run) never share its run lock
+    out_dir = tempfile.mkdtemp(prefix="llmq-bench-")
     runtime = dict(synthetic_data=a.train_file is None, train_file=a.train_file, device=a.device, backend=a.backend, export=False, final_eval=False,
-                   out_dir="/tmp/llmq-bench", verbose=False, checkpoint_on_exit=False)
+                   out_dir=out_dir, verbose=False, checkpoint_on_exit=False)
     if a.device == "cuda":
         runtime["gpus"] = a.gpus
     else:
@@ -127,7 +131,7 @@ def main(argv=None) -> int:
             for _ in range(a.steps):
                 rec = t.train_step()
                 records.append(rec)
-                print(f"step {rec['step'] + 1:3d}: {1000 * rec['seconds']:8.1f} ms (worker {1000 * rec['worker_seconds']:8.1f} ms) "
+                print(f"step {rec['step']:3d}: {1000 * rec['seconds']:8.1f} ms (worker {1000 * rec['worker_seconds']:8.1f} ms) "
                       f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | data {1000 * rec['data_seconds']:.1f} ms"
                       f" | gc {1000 * rec.get('gc_seconds', 0.0):.1f} ms"
                       + (f" | allocator {rec['allocator_events']}" if rec.get("allocator_events") else ""), flush=True)
@@ -135,6 +139,8 @@ def main(argv=None) -> int:
     except LLMQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
     steady = records[a.warmup_steps:]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     step_s = med([r["seconds"] for r in steady])

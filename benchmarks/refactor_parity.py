@@ -122,7 +122,9 @@ def compare(a_path: str, b_path: str) -> int:
             print(f"{name:32s} failed in {'first' if sa is None else 'second'} file")
             bad += 1
             continue
-        if sa == sb:
+        # the losses and norms in step order (the step numbers themselves went from 0-based to 1-based in the
+        # log, as the console prints them: a file from before that change still compares)
+        if [(x["loss"], x["norm"]) for x in sa] == [(y["loss"], y["norm"]) for y in sb]:
             print(f"{name:32s} bit-identical ({len(sa)} steps, loss and norm)")
             continue
         rel = max((abs(float.fromhex(x[k]) - float.fromhex(y[k])) / max(abs(float.fromhex(x[k])), 1e-30)

@@ -43,7 +43,7 @@ def series(records: list[dict]) -> dict[str, list]:
                                             "final_step", "final_loss")}
     for r in steps_as_one_run(records):
         if not r.get("skipped"):
-            out["step"].append(int(r["step"]) + 1)
+            out["step"].append(int(r["step"]))
             out["loss"].append(_f(r.get("loss")))
             out["lr"].append(_f(r.get("lr")))
             out["norm"].append(_f(r.get("norm", r.get("grad_norm"))))

@@ -219,16 +219,16 @@ def test_run_log_is_json_lines_appended_record_by_record(tmp_path):
     path.parent.mkdir()
     log = RunLog(str(path))
     log.add("options", model="tiny")
-    log.add("step", step=0, loss=1.0)
-    log.add("step", step=1, loss=float("nan"))
+    log.add("step", step=1, loss=1.0)  # step numbers as on the console: the first step is 1
+    log.add("step", step=2, loss=float("nan"))
     lines = path.read_text().splitlines()
     assert [json.loads(x)["log"] for x in lines] == ["options", "step", "step"]  # before any flush()
     log.flush()
     with open(path, "a") as f:  # a crash while the next record was being written
-        f.write('{"log": "step", "step": 2, "lo')
-    assert [r.get("step") for r in read_log(str(path))] == [None, 0, 1]
+        f.write('{"log": "step", "step": 3, "lo')
+    assert [r.get("step") for r in read_log(str(path))] == [None, 1, 2]
     resumed = RunLog(str(path), resume=True)
-    assert resumed.previous_last_step == 1
+    assert resumed.previous_last_step == 2
     resumed.add("resume", step=2)
     assert [r["log"] for r in read_log(str(path))] == ["options", "step", "step", "resume"]
     assert path.read_text().count("\n") == 4  # the cut line is gone, the new record on a line of its own
@@ -244,7 +244,7 @@ def test_run_log_is_json_lines_appended_record_by_record(tmp_path):
     assert len(read_log(fresh.set_aside)) == 4
     legacy = tmp_path / "old" / "log.json"
     legacy.parent.mkdir()
-    legacy.write_text(json.dumps([{"log": "options", "model": "tiny"}, {"log": "step", "step": 0}]))
+    legacy.write_text(json.dumps([{"log": "options", "model": "tiny"}, {"log": "step", "step": 1}]))
     assert len(read_log(str(legacy))) == 2
     RunLog(str(legacy), resume=True).add("resume", step=1)
     assert [json.loads(x)["log"] for x in legacy.read_text().splitlines()] == ["options", "step", "resume"]

@@ -85,7 +85,7 @@ def test_a_lost_node_is_replaced_by_a_spare_and_the_losses_stay_those_of_the_uni
         bucket, reference, tmp_path):
     out = _scenario(tmp_path, "spare", nodes=3, train_file=bucket, remove_after_step=4)
     assert out["error"] is None and out["removed_at"] is not None, _story(out)
-    assert [r["step"] for r in out["history"]] == list(range(STEPS))
+    assert [r["step"] for r in out["history"]] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in out["history"]] == reference  # bit for bit: fp32 on CPU, same world size
     (restart,) = _kinds(out["log"], "restart")
     assert restart["checkpoint"].startswith("s3://bucket/survival/spare/ckpt/step_")
@@ -106,7 +106,7 @@ def _assert_elastic_run(out: dict, reference, worlds: tuple[int, int], saved_wor
     (from, to) at twice the micro-steps, resumed from a checkpoint of ``saved_world`` shards, and -- the same global
     batch -- the losses of the uninterrupted run ``reference`` up to the summation order (1e-5)."""
     assert out["error"] is None, _story(out)
-    assert [r["step"] for r in out["history"]] == list(range(STEPS))
+    assert [r["step"] for r in out["history"]] == list(range(1, STEPS + 1))
     (shrink,) = _kinds(out["log"], "elastic")
     assert (shrink["from_world_size"], shrink["world_size"]) == worlds
     assert (shrink["from_grad_accumulation"], shrink["grad_accumulation"]) == (1, 2)

@@ -44,7 +44,7 @@ def _fake_log(path: str, steps: int = 12, eval_every: int = 4, lr0: float = 1e-3
     log.add("allocator", rank=0, weights=1000, grads=1000)
     for s in range(steps):
         loss = float("nan") if s == nan_at else 6.0 - 0.3 * s
-        log.add("step", step=s, lr=lr0 * (1 - s / steps), loss=loss, norm=1.0 / (s + 1), targets=512,
+        log.add("step", step=s + 1, lr=lr0 * (1 - s / steps), loss=loss, norm=1.0 / (s + 1), targets=512,
                 tokens=512, seconds=0.1, tokens_per_s=5120.0 + s, sol=None, skipped=s == nan_at,
                 worker_seconds=0.09, ray_overhead_seconds=0.01, data_seconds=0.001, memory=[100 + s, 200 + s])
         if (s + 1) % eval_every == 0:
@@ -61,10 +61,10 @@ def _fake_log(path: str, steps: int = 12, eval_every: int = 4, lr0: float = 1e-3
 def test_record_to_wandb_maps_the_json_log_fields():
     from llmq_ray.observe.wandb_logger import record_to_wandb
 
-    what, data, step = record_to_wandb({"log": "step", "step": 4, "lr": 2e-4, "loss": 3.5, "norm": 0.7,
+    what, data, step = record_to_wandb({"log": "step", "step": 5, "lr": 2e-4, "loss": 3.5, "norm": 0.7,
                                         "tokens_per_s": 4.5e4, "seconds": 0.18, "sol": 0.45, "skipped": False,
                                         "memory": [10, 30], "targets": 99})
-    assert (what, step) == ("log", 5)  # W&B step = steps done = the [T] line's 1-based number
+    assert (what, step) == ("log", 5)  # W&B step = the record's: steps done = the [T] line's 1-based number
     assert data == {"train/loss": 3.5, "train/grad_norm": 0.7, "train/lr": 2e-4, "train/tokens_per_s": 4.5e4,
                     "train/step_seconds": 0.18, "train/sol": 0.45, "train/skipped": 0,
                     "train/memory_bytes_max": 30.0}
@@ -73,13 +73,13 @@ def test_record_to_wandb_maps_the_json_log_fields():
     what, data, step = record_to_wandb({"log": "gpu_util", "rank": 1, "step": 10, "index": 1, "name": "H100",
                                         "sm_clock_mhz": 1980, "power_w": 600.0, "temperature_c": None})
     assert (what, step) == ("log", 10) and data == {"gpu1/sm_clock_mhz": 1980.0, "gpu1/power_w": 600.0}
-    nan_step = record_to_wandb({"log": "step", "step": 0, "loss": "nan", "norm": "inf"})[1]
+    nan_step = record_to_wandb({"log": "step", "step": 1, "loss": "nan", "norm": "inf"})[1]
     assert math.isnan(nan_step["train/loss"]) and math.isinf(nan_step["train/grad_norm"])
     assert record_to_wandb({"log": "options", "model": "tiny"}) == ("config", {"model": "tiny"}, None)
     assert record_to_wandb({"log": "allocator", "rank": 0, "weights": 5})[1] == {"memory/rank0/weights": 5}
     assert record_to_wandb({"log": "summary", "steps": 3})[0] == "summary"
     assert record_to_wandb({"log": "something-new"}) is None
-    what, data, step = record_to_wandb({"log": "fp8_monitor", "step": 9, "swiglu_absmax": [1.5, 40.0], "max": 40.0,
+    what, data, step = record_to_wandb({"log": "fp8_monitor", "step": 10, "swiglu_absmax": [1.5, 40.0], "max": 40.0,
                                         "max_layer": 1, "saturated_share": [0.0, 0.002],
                                         "saturated_share_max": 0.002})
     assert (what, step) == ("log", 10) and data == {"fp8/swiglu_absmax/layer00": 1.5,
@@ -140,7 +140,7 @@ def test_wandb_logger_calls(monkeypatch):
     lg = WandbLogger("proj", "name", {"lr": 1e-3}, dir=None)
     assert calls[0] == ("init", {"project": "proj", "name": "name", "config": {"lr": 1e-3}, "dir": None,
                                  "mode": "offline"})
-    lg.log_record({"log": "step", "step": 9, "loss": 2.0})
+    lg.log_record({"log": "step", "step": 10, "loss": 2.0})
     lg.log_record({"log": "eval", "step": 10, "loss": 2.1})
     lg.log_record({"log": "step", "step": 4, "loss": 9.0})  # a step repeated after a restart: not sent
     lg.log_record({"log": "sol", "flops_per_token": 7.0})

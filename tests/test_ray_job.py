@@ -114,9 +114,9 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
     end = [r for r in log if r.get("log") == "end"][-1]
     assert end["reason"] == "stopped" and end["signal"] == "SIGTERM" and end["checkpoint_written"], end
     last = max(_steps(log))
-    assert end["step"] == last + 1 < STEPS  # the checkpoint holds every completed step
-    assert end["checkpoint"] == storage.join(store, f"step_{last + 1:08d}")
-    assert f"step_{last + 1:08d}" in storage.list_names(store)
+    assert end["step"] == last < STEPS  # the checkpoint holds every completed step
+    assert end["checkpoint"] == storage.join(store, f"step_{last:08d}")
+    assert f"step_{last:08d}" in storage.list_names(store)
 
     again = _ray_job(dashboard, "submit", "--runtime-env-json", _runtime_env(False), "--", *entry,
                      "--continue")
@@ -128,7 +128,7 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
                             steps=STEPS, warmup=2, eval_every_n_steps=0, final_eval=False, export=False, workers=1,
                             use_ray_data=False, ckpt_minutes=0, train_file=shards.train, verbose=False,
                             out_dir=str(tmp_path / "reference")).fit()
-    assert [ours[s] for s in range(STEPS)] == [r["loss"] for r in reference.history]
+    assert [ours[s] for s in range(1, STEPS + 1)] == [r["loss"] for r in reference.history]
 
 
 def test_the_command_line_joins_a_cluster_that_runs_on_this_machine(job_cluster, shards, tmp_path):
@@ -147,4 +147,4 @@ def test_the_command_line_joins_a_cluster_that_runs_on_this_machine(job_cluster,
     assert proc.returncode == 0, said[-5000:]
     assert f"Ray: joining the cluster at {address} that `ray start` started on this machine" in said, said[-3000:]
     assert f"Connecting to existing Ray cluster at address: {address}" in said, said[-3000:]
-    assert [r["step"] for r in read_log(str(tmp_path / "out" / "log.jsonl")) if r.get("log") == "step"] == [0, 1, 2]
+    assert [r["step"] for r in read_log(str(tmp_path / "out" / "log.jsonl")) if r.get("log") == "step"] == [1, 2, 3]

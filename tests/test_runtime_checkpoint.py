@@ -81,14 +81,14 @@ def test_resume_is_bit_exact(reference, shards, tmp_path, world):
     """Continue the reference run from its step-6 checkpoint on the same world size: steps 7-12 and the
     final weights are bit-identical to the uninterrupted run."""
     ref = reference[world]
-    assert [r["step"] for r in ref.history] == list(range(12))
+    assert [r["step"] for r in ref.history] == list(range(1, 13))
     assert ref.checkpoint_paths == [_ckpt(ref, 6), _ckpt(ref, 12)]
     with open(os.path.join(_ckpt(ref, 6), "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["step"] == 6 and manifest["world_size"] == world and len(manifest["files"]) == world
 
     res = _run(shards, tmp_path, world, resume=_ckpt(ref, 6))
-    assert [r["step"] for r in res.history] == list(range(6, 12))
+    assert [r["step"] for r in res.history] == list(range(7, 13))
     assert _losses(res) == _losses(ref)[6:]  # exact float equality
     assert [r["norm"] for r in res.history] == [r["norm"] for r in ref.history][6:]
     assert torch.equal(_weights(res), _weights(ref))
@@ -104,7 +104,7 @@ def test_resume_on_another_world_size(reference, shards, tmp_path, saved, now):
     ref_losses = np.array(_losses(reference[now]))
     np.testing.assert_allclose(_losses(reference[saved]), ref_losses, rtol=1e-5)  # same global batch
     res = _run(shards, tmp_path, now, resume=_ckpt(reference[saved], 6))
-    assert [r["step"] for r in res.history] == list(range(6, 12))
+    assert [r["step"] for r in res.history] == list(range(7, 13))
     np.testing.assert_allclose(_losses(res), ref_losses[6:], rtol=1e-5)
     w, w_ref = _weights(res), _weights(reference[now])
     assert float((w - w_ref).norm() / w_ref.norm()) < 1e-5
@@ -129,7 +129,7 @@ def test_tensor_parallel_runs_train_as_one_worker_and_their_checkpoints_resume_o
     tp2 = _run(shards, tmp_path / "tp2", 1, workers=2, tensor_parallel=2, **ev)
     tp2dp2 = _run(shards, tmp_path / "tp2dp2", 2, workers=4, tensor_parallel=2, zero_level=3)
     for res in (tp2, tp2dp2):
-        assert [r["step"] for r in res.history] == list(range(12))
+        assert [r["step"] for r in res.history] == list(range(1, 13))
         np.testing.assert_allclose(_losses(res), _losses(ref), rtol=1e-5)
         np.testing.assert_allclose([r["norm"] for r in res.history], [r["norm"] for r in ref.history], rtol=1e-4)
         assert [r["tokens"] for r in res.history] == [r["tokens"] for r in ref.history]
@@ -147,7 +147,7 @@ def test_tensor_parallel_runs_train_as_one_worker_and_their_checkpoints_resume_o
     (e_tp,), (e_one,) = [[e for e in r.evals if e["full"]] for r in (tp2, loaded)]
     assert e_tp["targets"] == e_one["targets"] > 0 and abs(e_tp["loss"] - e_one["loss"]) <= 1e-5 * e_one["loss"]
     resumed = _run(shards, tmp_path / "resumed", 1, resume=_ckpt(tp2, 6))
-    assert [r["step"] for r in resumed.history] == list(range(6, 12))
+    assert [r["step"] for r in resumed.history] == list(range(7, 13))
     np.testing.assert_allclose(_losses(resumed), _losses(tp2)[6:], rtol=1e-5)
     # the same layout resumed from its own step-6 checkpoint (each rank cuts its part and data-parallel shard out
     # of the whole model's state): bit for bit the uninterrupted run
@@ -176,7 +176,7 @@ def test_killed_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_p
     ref = reference[2]
     res = _run(shards, tmp_path, 2, fault={"kind": "kill", "rank": 1, "step": 8})
     assert res.metrics["restarts"] == 1
-    assert [r["step"] for r in res.history] == list(range(12))
+    assert [r["step"] for r in res.history] == list(range(1, 13))
     assert res.metrics["train_loss"] == ref.metrics["train_loss"]
     assert _losses(res) == _losses(ref)
     log = _log(res)
@@ -243,7 +243,7 @@ def test_crash_while_saving_then_continue(reference, shards, tmp_path):
         assert json.load(f)["world_size"] == 2
     os.makedirs(ckpt / "step_00000010")  # e.g. a copy cut short: no manifest
     res = _run(shards, tmp_path / "b", 1, ckpt_interval=3, checkpoint_dir=str(ckpt), resume=True)
-    assert [r["step"] for r in res.history] == list(range(6, 12))
+    assert [r["step"] for r in res.history] == list(range(7, 13))
     np.testing.assert_allclose(_losses(res), _losses(reference[1])[6:], rtol=1e-5)
     w, w_ref = _weights(res), _weights(reference[1])
     assert float((w - w_ref).norm() / w_ref.norm()) < 1e-5
@@ -267,11 +267,11 @@ def test_nan_gradient_is_skipped_and_spike_guard_agrees_across_ranks(ray_cluster
     assert torch.isfinite(_weights(res)).all()
     warnings = [r for r in _log(res) if r["log"] == "warning"]
     nonfinite = [w for w in warnings if w["kind"] == "nonfinite"]
-    assert len(nonfinite) == 1 and nonfinite[0]["step"] == 3 and "update skipped" in nonfinite[0]["message"]
+    assert len(nonfinite) == 1 and nonfinite[0]["step"] == 4 and "update skipped" in nonfinite[0]["message"]
     spikes_skipped = {w["step"] for w in warnings if w["kind"] in ("loss_spike", "norm_spike") and w["skipped"]}
     skipped = {r["step"] for r in hist if r["skipped"]}
     assert spikes_skipped, "the spike guard never skipped an update (threshold 1.0 over 3 steps)"
-    assert skipped == spikes_skipped | {3}
+    assert skipped == spikes_skipped | {4}  # the 4th step (the fault's 0-based step index 3)
     assert res.metrics["skipped_steps"] == len(skipped) and res.metrics["warnings"] >= len(skipped)
 
 
@@ -318,7 +318,7 @@ def test_continue_skips_a_newest_checkpoint_with_a_flipped_byte(reference, shard
     assert len(warned) == 1 and str(bad) in warned[0]["message"], warned
     resumed = [r for r in log if r["log"] == "resume"]
     assert len(resumed) == 1 and resumed[0]["step"] == 6 and resumed[0]["path"] == str(ckpt / "step_00000006")
-    assert [r["step"] for r in res.history] == list(range(6, 12))
+    assert [r["step"] for r in res.history] == list(range(7, 13))
     assert _losses(res) == _losses(ref)[6:]  # exact float equality
     assert torch.equal(_weights(res), _weights(ref))
 

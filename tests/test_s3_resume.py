@@ -61,15 +61,15 @@ def test_the_step_after_a_save_does_not_wait_for_a_slow_upload(s3, ray_cluster, 
     res = LLMQTrainer(**BASE, workers=2, steps=5, train_file=shards.train, out_dir=str(tmp_path / "out"),
                       checkpoint_dir=store, fault={"kind": "upload_slow", "rank": 1, "step": 2, "seconds": delay}).fit()
     steps = {r["step"]: r for r in _records(res.log_file, "step")}
-    assert sorted(steps) == [0, 1, 2, 3, 4]
-    # the checkpoint of step 2 is staged after 0-based step 1; step 2 runs while rank 1 is still uploading
-    assert steps[2]["seconds"] < delay / 2, steps[2]["seconds"]
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    # the checkpoint of step 2 is staged after step 2; step 3 runs while rank 1 is still uploading
+    assert steps[3]["seconds"] < delay / 2, steps[3]["seconds"]
     staged = {r["step"]: r for r in _records(res.log_file, "checkpoint_staged")}
     assert 2 in staged and all(r["seconds"] < delay / 2 for r in staged.values())
     # the checkpoint of step 4 was due while step 2's upload still ran: the steps did not wait for the network;
     # it was deferred (one warning) and taken at the first step boundary after that upload was published
     assert [r["reason"] for r in _records(res.log_file, "upload_wait")] in ([], ["at the end of the run"])
-    assert steps[3]["seconds"] < delay / 2 and steps[4]["seconds"] < delay / 2
+    assert steps[4]["seconds"] < delay / 2 and steps[5]["seconds"] < delay / 2
     (deferred,) = [r for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint_deferred"]
     assert deferred["step"] == 4 and deferred["upload_step"] == 2
     assert deferred["message"].startswith(f"checkpoint of step 4 deferred: the upload of step 2 to {store} is "
@@ -78,7 +78,7 @@ def test_the_step_after_a_save_does_not_wait_for_a_slow_upload(s3, ray_cluster, 
     assert published[2]["background"] and published[2]["upload_seconds"] > delay * 0.8
     log = read_log(res.log_file)
     order = [(r.get("log"), r.get("step")) for r in log]
-    assert order.index(("checkpoint", 2)) > order.index(("step", 3))  # counted only once published
+    assert order.index(("checkpoint", 2)) > order.index(("step", 4))  # counted only once published
     assert sorted(published) in ([2, 5], [2, 4, 5])  # step 5 at the latest: the end of the run takes one
     assert storage.size_of(f"{store}/step_00000005/manifest.json") is not None
     assert res.metrics["warnings"] == 1
@@ -109,7 +109,7 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_valid(failed_upload):
     from llmq_ray.checkpoints.verify import resolve_continue
 
     res, store = failed_upload
-    assert [r["step"] for r in res.history] == list(range(10))  # the run went on
+    assert [r["step"] for r in res.history] == list(range(1, 11))  # the run went on
     warns = [r for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint_upload"]
     # the first checkpoint from step 4 on (4, or later when step 4's was deferred behind step 2's upload)
     assert len(warns) == 1 and 4 <= warns[0]["step"] < 10
@@ -212,7 +212,7 @@ def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_d
     skipped = [r["message"] for r in _records(log_b, "warning") if r["kind"] == "checkpoint"]
     assert any("step_00000004" in m and "no manifest.json" in m for m in skipped), skipped
     s3_losses = _step_losses(log_b)
-    assert [s for s, _ in s3_losses] == list(range(k, 10))
+    assert [s for s, _ in s3_losses] == list(range(k + 1, 11))
 
     # 3. the reference: the same 2-worker run on local disk, then the same resume from its step_K
     local = tmp_path / "ckpt_local"
@@ -244,7 +244,7 @@ def test_a_partly_uploaded_checkpoint_is_skipped_on_resume(s3, failed_upload, sh
                       checkpoint_dir=store, resume=True).fit()
     (resume,) = _records(res.log_file, "resume")
     assert resume["step"] == 10 and resume["path"] == six
-    assert [r["step"] for r in res.history] == [10, 11]
+    assert [r["step"] for r in res.history] == [11, 12]
     skipped = [r["message"] for r in _records(res.log_file, "warning") if r["kind"] == "checkpoint"]
     assert any("step_00000014" in m and "rank_00001.safetensors" in m for m in skipped), skipped
     assert any("step_00000012" in m and "no manifest.json" in m for m in skipped), skipped

@@ -92,14 +92,14 @@ def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster
     assert end["checkpoint"] == str(out / "ckpt" / f"step_{done:08d}") and end["checkpoint_written"]
     validate_checkpoint(end["checkpoint"], verify_checksums=True)
     logged = [r["step"] for r in records if r["log"] == "step"]
-    assert logged == list(range(done)), "every completed step is in the log, once"
+    assert logged == list(range(1, done + 1)), "every completed step is in the log, once (1-based, as the console)"
 
     resumed = _trainer_from_cli(_argv(shards, out, steps) + ["--continue"]).fit()
-    assert resumed.stopped is None and resumed.history[0]["step"] == done
+    assert resumed.stopped is None and resumed.history[0]["step"] == done + 1
     records = read_log(str(out / "log.jsonl"))
     assert [r["log"] for r in records].count("resume") == 1 and records[-1]["reason"] == "finished"
     steps_logged = [r for r in records if r["log"] == "step"]
-    assert [r["step"] for r in steps_logged] == list(range(steps))
+    assert [r["step"] for r in steps_logged] == list(range(1, steps + 1))
     assert [r["loss"] for r in steps_logged] == [r["loss"] for r in ref.history]  # bit for bit
 
 
@@ -123,7 +123,7 @@ def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tm
     result = _api_run(shards, out, resume=True).fit()
     assert result.stopped is None
     records = read_log(str(out / "log.jsonl"))
-    assert [r["step"] for r in records if r["log"] == "step"] == list(range(12))
+    assert [r["step"] for r in records if r["log"] == "step"] == list(range(1, 13))
     assert [r["log"] for r in records].count("resume") == 2
     ends = [r for r in records if r["log"] == "end"]
     assert [e["reason"] for e in ends] == ["stopped", "stopped", "finished"] and records[-1] is not None
@@ -138,13 +138,13 @@ def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tm
     superseded = [n for n in os.listdir(out / "ckpt") if n.startswith("superseded-")]
     assert len(superseded) == 1 and os.listdir(out / "ckpt" / superseded[0]) == ["step_00000008"]
     assert sorted(n for n in os.listdir(out / "ckpt") if n.startswith("step_")) == ["step_00000004"]
-    assert again.history[0]["step"] == 4
+    assert again.history[0]["step"] == 5
     records = read_log(str(out / "log.jsonl"))
     steps = [r for r in records if r["log"] == "step"]
-    assert [r["step"] for r in steps] == list(range(12)) + list(range(4, 12))
-    assert [r["step"] for r in steps if r.get("retrained")] == list(range(4, 12))
+    assert [r["step"] for r in steps] == list(range(1, 13)) + list(range(5, 13))
+    assert [r["step"] for r in steps if r.get("retrained")] == list(range(5, 13))
     one = steps_as_one_run(records)
-    assert [r["step"] for r in one] == list(range(12)) and all(r.get("retrained") for r in one[4:])
+    assert [r["step"] for r in one] == list(range(1, 13)) and all(r.get("retrained") for r in one[4:])
 
     sys.path.insert(0, os.path.join(REPO, "examples"))
     try:
@@ -193,7 +193,7 @@ def test_checkpoints_are_on_by_default_every_few_minutes_and_at_the_end(ray_clus
     out = tmp_path / "run"
     # 1e-5 minutes: due after every step; the fault at step 2 is survived by a restart from step 2's checkpoint
     res = _api_run(shards, out, steps=4, ckpt_minutes=1e-5, fault={"rank": 0, "step": 2}).fit()
-    assert res.metrics["restarts"] == 1 and [r["step"] for r in res.history] == [0, 1, 2, 3]
+    assert res.metrics["restarts"] == 1 and [r["step"] for r in res.history] == [1, 2, 3, 4]
     records = read_log(res.log_file)
     assert [r["checkpoint"] for r in records if r["log"] == "restart"] == [str(out / "ckpt" / "step_00000002")]
     assert [os.path.basename(p) for p in res.checkpoint_paths] == ["step_00000003", "step_00000004"]  # keep 2
@@ -219,7 +219,7 @@ def test_resuming_on_fewer_workers_keeps_the_global_batch(ray_cluster, shards, t
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resuming step_00000006")]
     assert len(line) == 1 and "--grad-accumulation 2 instead of 1 keeps its global batch of 4 rows" in line[0]
     one = t.fit()
-    assert [r["step"] for r in one.history] == list(range(6, 12))
+    assert [r["step"] for r in one.history] == list(range(7, 13))
     assert one.history[0]["tokens"] == two.history[6]["tokens"]
     for a, b in zip(one.history, two.history[6:]):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
@@ -239,7 +239,7 @@ def test_api_with_no_data_arguments_trains_on_the_default_corpus(ray_cluster, tm
     assert t.opts.model == "tiny-qwen" and t.runtime["device"] == "auto"
     assert t.runtime["train_file"].startswith(str(tmp_path / "cache")) and t.runtime["eval_file"].endswith("eval.bin")
     result = t.fit()
-    assert [r["step"] for r in result.history] == [0, 1] and all(r["loss"] > 0 for r in result.history)
+    assert [r["step"] for r in result.history] == [1, 2] and all(r["loss"] > 0 for r in result.history)
     dataset = next(r for r in read_log(result.log_file) if r["log"] == "dataset")
     assert "tiny-shakespeare" in json.dumps(dataset)
 
@@ -347,7 +347,7 @@ def test_a_coordinator_that_dies_is_started_again_from_the_last_checkpoint(ray_c
     result = trainer.fit()
     watcher.join(5)
     assert killed and trainer.coordinator is None  # closed at the end; the killed one was replaced
-    assert [r["step"] for r in result.history] == list(range(10))
+    assert [r["step"] for r in result.history] == list(range(1, 11))
     records = read_log(result.log_file)
     resumes = [r for r in records if r["log"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 4 and resumes[0]["path"].startswith(str(out / "ckpt"))

@@ -91,22 +91,22 @@ def test_run_log_on_a_store_is_uploaded_whole_at_each_flush_continued_and_set_as
     uri = "s3://bucket/logs/a/log.jsonl"
     log = RunLog(uri)
     log.add("options", run_id="one")
-    log.add("step", step=0, loss=1.0)
+    log.add("step", step=1, loss=1.0)
     assert storage.size_of(uri) is None  # lines go to the staging copy; the store gets them at a flush
     log.flush()
     assert [r["log"] for r in _download_log(uri, tmp_path)] == ["options", "step"]
-    log.add("step", step=1, loss=0.5)
+    log.add("step", step=2, loss=0.5)
     log.end("finished", step=2)
     assert [r["log"] for r in _download_log(uri, tmp_path)] == ["options", "step", "step", "end"]
     assert os.path.isfile(staging_path(uri)) and not staging_path(uri).startswith(str(tmp_path))
     # a continued run appends to it
     again = RunLog(uri, resume=True)
-    assert again.previous_last_step == 1
+    assert again.previous_last_step == 2
     again.add("resume", step=2)
     again.flush()
     assert [r["log"] for r in _download_log(uri, tmp_path)][-2:] == ["end", "resume"]
     # the driver's end record after the coordinator died: from the staging copy, which has the unflushed lines
-    again.add("step", step=2, loss=0.25)
+    again.add("step", step=3, loss=0.25)
     append_records(uri, [{"log": "end", "reason": "failed", "error": "boom"}])
     assert [r["log"] for r in _download_log(uri, tmp_path)][-3:] == ["resume", "step", "end"]
     # a fresh run keeps the earlier log beside it (copied), never replaces it

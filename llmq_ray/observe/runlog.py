@@ -21,6 +21,12 @@ thing a crash can leave is a last line cut short while it was written: ``read_lo
 cuts it off before appending, so the file is always whole records. (Logs of earlier versions, one JSON list,
 are still read, and a resumed run rewrites such a log as lines first.)
 
+Step numbers are the console's everywhere: 1-based, the number of optimizer updates done once the step is
+over. The log's "step" record of the first step has ``"step": 1``, as its ``[T] step 1`` line; an "eval",
+"checkpoint" or "end" record's ``step`` is the number of the last step trained before it, so the checkpoint
+written after ``[T] step 400`` is ``step_00000400``, its record says 400, and ``--continue 400`` goes on with
+``[T] step 401``. (Logs of earlier versions numbered their "step" records from 0.)
+
 One log describes a whole run across resumes: a run started with ``--continue`` reads the existing log and
 appends to it (``RunLog(path, resume=True)``): its set-up records, a "resume" record, then the new steps. A
 step trained again after going back to a checkpoint (the steps between that checkpoint and a crash) carries
@@ -176,8 +182,8 @@ def _open_for_append(path: str, records: list[dict]):
 
 
 def last_logged_step(records: list[dict]) -> int:
-    """The highest 0-based step of the log's step records (-1 when there is none)."""
-    return max((int(r["step"]) for r in records if r.get("log") == "step"), default=-1)
+    """The highest step number (1-based, as on the console) of the log's step records (0 when there is none)."""
+    return max((int(r["step"]) for r in records if r.get("log") == "step"), default=0)
 
 
 def steps_as_one_run(records: list[dict]) -> list[dict]:

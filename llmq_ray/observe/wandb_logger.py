@@ -4,11 +4,11 @@ The same mapping serves live logging (the coordinator passes every record it add
 replaying a finished log (``examples/export_wandb.py``), so the W&B charts are exactly the JSON log.
 
     logger = WandbLogger(project="llmq", run_name="qwen-0.5b-fp8", config=options_dict, dir="out")
-    logger.log_record({"log": "step", "step": 0, "loss": 6.1, "norm": 1.2, "lr": 3e-4, ...})
+    logger.log_record({"log": "step", "step": 1, "loss": 6.1, "norm": 1.2, "lr": 3e-4, ...})
     logger.finish()
 
-Record -> W&B (``record_to_wandb``), with the W&B step = optimizer steps done (the 1-based number the
-``[T]`` line shows; an eval record's "step" already counts steps done):
+Record -> W&B (``record_to_wandb``), with the W&B step = the record's "step": optimizer steps done (the
+1-based number the ``[T]`` line shows):
 
     step       train/loss, train/grad_norm (JSON "norm"), train/lr, train/tokens_per_s,
                train/step_seconds (JSON "seconds"), train/sol, train/skipped, train/tokens,
@@ -72,7 +72,7 @@ def record_to_wandb(record: dict) -> Optional[tuple[str, dict, Optional[int]]]:
         mem = record.get("memory")
         if isinstance(mem, list) and mem:
             data["train/memory_bytes_max"] = float(max(mem))
-        return "log", data, int(record["step"]) + 1
+        return "log", data, int(record["step"])  # 1-based, as the console
     if kind == "eval":
         loss = _number(record.get("loss"))
         data = {"eval/loss": loss, "eval/seconds": _number(record.get("seconds"))}
@@ -90,7 +90,7 @@ def record_to_wandb(record: dict) -> Optional[tuple[str, dict, Optional[int]]]:
         data.update({f"fp8/saturated_share/layer{i:02d}": _number(v)
                      for i, v in enumerate(record.get("saturated_share") or [])})
         data["fp8/saturated_share/max"] = _number(record.get("saturated_share_max"))
-        return "log", {k: v for k, v in data.items() if v is not None}, int(record["step"]) + 1
+        return "log", {k: v for k, v in data.items() if v is not None}, int(record["step"])
     if kind == "options":
         return "config", {k: v for k, v in record.items() if k != "log"}, None
     if kind == "gpu":

@@ -76,8 +76,9 @@ class Result:
               "restarts" (automatic restarts after a worker failure), "skipped_steps" (updates skipped: a
               non-finite gradient, or a spike with skip_update_on_spike), "warnings" (warning records logged)}
     checkpoint_paths: the checkpoints this run wrote that retention kept.
-    history: one dict per optimizer step {"step", "lr", "loss", "norm", "tokens", "seconds", "tokens_per_s",
-             "sol", "worker_seconds", "ray_overhead_seconds", ...}; evals: one dict per evaluation.
+    history: one dict per optimizer step {"step" (1-based, as on the console), "lr", "loss", "norm", "tokens",
+             "seconds", "tokens_per_s", "sol", "worker_seconds", "ray_overhead_seconds", ...}; evals: one dict per
+             evaluation ("step": the steps done before it).
     """
 
     metrics: dict
@@ -116,7 +117,7 @@ def tune_reporter():
 def tune_metrics(record: dict, evaluation: Optional[dict] = None) -> dict:
     """What one step reports to Tune: the step record's numbers (step counted from 1, loss, grad norm, lr,
     tokens/s) and, after a periodic eval, its loss."""
-    out = {"step": int(record["step"]) + 1, "loss": record["loss"], "norm": record.get("norm"),
+    out = {"step": int(record["step"]), "loss": record["loss"], "norm": record.get("norm"),
            "lr": record.get("lr"), "tokens_per_s": record.get("tokens_per_s")}
     if evaluation and evaluation.get("loss") is not None:
         out["eval_loss"] = evaluation["loss"]
@@ -552,7 +553,10 @@ class LLMQTrainer:
                 workers = r["workers"] or r["gpus"] or 1
                 kwargs.update(num_cpus=max(os.cpu_count() or 1, workers * (r["cpus_per_worker"] or 1) + 2),
                               dashboard_host="127.0.0.1")
-            ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+            from llmq_ray.observe.ray_console import without_token_auth_notice
+
+            with without_token_auth_notice():  # auth as Ray decides; its notice on every start is dropped
+                ray.init(**{k: v for k, v in kwargs.items() if v is not None})
             self._started_ray = True
             if self._signals is not None:
                 self._signals.install()  # ray.init replaced SIGTERM's handler with one that exits mid-call
@@ -672,6 +676,10 @@ class LLMQTrainer:
             lines.append(f"checkpoints: an earlier run's checkpoints at {self._set_aside_ckpt} were kept as "
                          f"{kept} (pass --continue to resume a run instead)")
             self._set_aside_ckpt = None
+        if self.resume in (False, None) and not storage.is_remote(self.runtime["out_dir"]):
+            from llmq_ray.train.earlier_outputs import prune_earlier_outputs
+
+            lines += prune_earlier_outputs(_absolute(self.runtime["out_dir"]))  # the previous run's set stays
         self._print(lines)
 
     def _start(self) -> dict:
@@ -866,7 +874,7 @@ class LLMQTrainer:
         coordinator's), from the run's log (one record per step, the latest), else as this driver saw them."""
         from llmq_ray.observe.runlog import read_log, steps_as_one_run
 
-        first = steps[0]["step"] if steps else self.opts.steps
+        first = steps[0]["step"] if steps else self.opts.steps + 1
         try:
             logged = [{k: v for k, v in r.items() if k != "log"} for r in steps_as_one_run(read_log(self._log_path()))]
         except (OSError, ValueError):  # no readable log: what fit() received
@@ -1115,7 +1123,7 @@ class LLMQTrainer:
         """The optimizer update after step() calls: {"loss", "norm", "lr", "tokens", "seconds", ...}."""
         self.start()
         rec = self._get(self.coordinator.update.remote(lr), "update")
-        self._steps_done = rec["step"] + 1
+        self._steps_done = rec["step"]  # its number: updates done
         return rec
 
     def train_step(self) -> Optional[dict]:
@@ -1127,7 +1135,7 @@ class LLMQTrainer:
         out = self._get(self.coordinator.train_step.remote(), "train_step", bar=self._eval_bar())
         if out.get("stopped"):
             return None
-        self._steps_done = out["record"]["step"] + 1
+        self._steps_done = out["record"]["step"]
         self._print(out["lines"])
         return out["record"]
 
