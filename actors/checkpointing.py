@@ -15,7 +15,7 @@ On an object store (``--checkpoint-dir s3://...``) the step loop's checkpoints u
     pending = stage_group_checkpoint(...)       # clear the step's prefix; every worker writes + hashes its shard
                                                 # and starts uploading it on its own thread; the step loop goes on
     statuses = poll_group_upload(..., wait=False)   # at every step boundary: None while a rank still uploads
-    publish_group_checkpoint(spec, pending, statuses)   # all done: the manifest last, then retention
+    publish_group_checkpoint(plan, pending, statuses)   # all done: the manifest last, then retention
 
 The coordinator (actors/coordinator.py, ``_settle_upload``) waits (``wait=True``) only when the next
 checkpoint is due while this one still uploads, and at the end of the run. A failed upload raises
@@ -58,7 +58,8 @@ from llmq_ray.checkpoints.local import abort_checkpoint, begin_checkpoint, disca
 from llmq_ray.checkpoints.remote import clear_step, publish, reason_of
 from llmq_ray.checkpoints.retention import apply_retention
 from llmq_ray.checkpoints.verify import validate_checkpoint
-from llmq_ray.actors.spec import RuntimeSpec
+from llmq_ray.actors.plan import RunPlan
+from llmq_ray.settings.overrides import flat
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import CheckpointError
 
@@ -105,7 +106,7 @@ def _write_shards(workers: list, tmp: str, step: int, target: str | None, timeou
         raise
 
 
-def _manifest_of(out: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict) -> tuple[dict, list]:
+def _manifest_of(out: list, plan: RunPlan, cfg: ModelConfig, step: int, extra: dict) -> tuple[dict, list]:
     """(manifest, shard records) of the checkpoint of ``step`` from the workers' [(record, data state[, FP8
     scale state])]. Its world size is the number of shard files: under --zero-scope node only the first node's
     ranks write one (the other nodes hold copies, record None), while every worker's data state is kept. Under
@@ -117,18 +118,18 @@ def _manifest_of(out: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extr
     scales = [o[2] if len(o) > 2 else None for o in out]
     # the seed only: the coordinator draws no random numbers, so its torch generator state would say nothing
     # (and importing torch here would cost the coordinator ~3 s on a small machine)
-    manifest = build_manifest(step, config=cfg, world_size=len(records), options=spec.opts,
-                              data_state=states, rng={"seed": int(spec.opts.seed)}, extra=extra,
-                              fp8_scale_state=scales, tensor_parallel=spec.tensor_parallel)
+    manifest = build_manifest(step, config=cfg, world_size=len(records), options=flat(plan.settings),
+                              data_state=states, rng={"seed": int(plan.settings.optim.seed)}, extra=extra,
+                              fp8_scale_state=scales, tensor_parallel=plan.settings.parallel.tensor_parallel)
     return manifest, records
 
 
-def _retain(spec: RuntimeSpec, final: str) -> tuple[list, list]:
+def _retain(plan: RunPlan, final: str) -> tuple[list, list]:
     """Apply retention after ``final`` was published; (deleted paths, warning messages)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CheckpointWarning)
         try:
-            deleted = apply_retention(spec.ckpt_dir, keep_n=spec.ckpt_keep_n, major_every=spec.ckpt_major,
+            deleted = apply_retention(plan.ckpt_dir, keep_n=plan.settings.checkpoints.ckpt_keep_n, major_every=plan.settings.checkpoints.ckpt_major,
                                       protect=[final])
         except OSError as exc:  # a store that went away after the manifest: nothing deleted, say so
             deleted = []
@@ -137,7 +138,7 @@ def _retain(spec: RuntimeSpec, final: str) -> tuple[list, list]:
     return deleted, [str(w.message) for w in caught]
 
 
-def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict,
+def save_group_checkpoint(workers: list, plan: RunPlan, cfg: ModelConfig, step: int, extra: dict,
                           timeout_s: float) -> dict:
     """Write the checkpoint of ``step`` from ``workers`` (rank order) and apply retention; on a store the
     uploads are done when this returns.
@@ -145,35 +146,35 @@ def save_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, st
     Returns {"path", "seconds", "deleted" (paths retention removed), "warnings" (messages)}. Raises the
     CheckpointError of a failed write, or the WorkerError of a worker that died or hung."""
     t0 = time.perf_counter()
-    ckpt_dir = spec.ckpt_dir
+    ckpt_dir = plan.ckpt_dir
     remote = storage.is_remote(ckpt_dir)  # an object store: llmq_ray/checkpoints/remote.py
     target = step_dir(ckpt_dir, step) if remote else None
     if remote:
         clear_step(target)
     tmp = begin_checkpoint(ckpt_dir, step)  # on a store: the staging folder in this node's mirror
     out = _write_shards(workers, tmp, step, target, timeout_s)
-    manifest, records = _manifest_of(out, spec, cfg, step, extra)
+    manifest, records = _manifest_of(out, plan, cfg, step, extra)
     final = publish(tmp, target, manifest, records) if remote else \
         finalize_checkpoint(tmp, step_dir(ckpt_dir, step), manifest, records=records)
-    deleted, messages = _retain(spec, final)
+    deleted, messages = _retain(plan, final)
     return {"path": final, "seconds": time.perf_counter() - t0, "deleted": deleted, "warnings": messages}
 
 
-def stage_group_checkpoint(workers: list, spec: RuntimeSpec, cfg: ModelConfig, step: int, extra: dict,
+def stage_group_checkpoint(workers: list, plan: RunPlan, cfg: ModelConfig, step: int, extra: dict,
                            timeout_s: float) -> PendingUpload:
-    """A checkpoint of ``step`` on the store ``spec.ckpt_dir``, staged: every worker has written and hashed
+    """A checkpoint of ``step`` on the store ``plan.ckpt_dir``, staged: every worker has written and hashed
     its shard and uploads it in the background; the manifest is built (not uploaded). Raises UploadFailed
     when the store cannot be reached to clear the step's prefix, the CheckpointError of a failed local write,
     or the WorkerError of a worker that died or hung."""
     t0 = time.perf_counter()
-    target = step_dir(spec.ckpt_dir, step)
+    target = step_dir(plan.ckpt_dir, step)
     try:
         clear_step(target)
     except OSError as exc:
         raise UploadFailed(step, target, reason_of(exc)) from None
-    tmp = begin_checkpoint(spec.ckpt_dir, step)  # the staging folder in this node's mirror
+    tmp = begin_checkpoint(plan.ckpt_dir, step)  # the staging folder in this node's mirror
     out = _write_shards(workers, tmp, step, target, timeout_s, background=True)
-    manifest, records = _manifest_of(out, spec, cfg, step, extra)
+    manifest, records = _manifest_of(out, plan, cfg, step, extra)
     return PendingUpload(step, tmp, target, manifest, records, t0, time.perf_counter() - t0)
 
 
@@ -192,7 +193,7 @@ def poll_group_upload(workers: list, pending: PendingUpload, *, wait: bool, time
                                  "seconds": wait_s} for s in statuses]
 
 
-def publish_group_checkpoint(spec: RuntimeSpec, pending: PendingUpload, statuses: list) -> dict:
+def publish_group_checkpoint(plan: RunPlan, pending: PendingUpload, statuses: list) -> dict:
     """Every rank's upload of ``pending`` is done: upload the manifest and apply retention. Returns {"path",
     "seconds" (staging: what the step loop waited), "upload_seconds", "deleted", "warnings"}. Raises
     UploadFailed when a rank's upload or the manifest's failed (the staged copy and the step's prefix are
@@ -218,7 +219,7 @@ def publish_group_checkpoint(spec: RuntimeSpec, pending: PendingUpload, statuses
         except OSError:
             pass
         raise UploadFailed(pending.step, pending.target, reason)
-    deleted, messages = _retain(spec, final)
+    deleted, messages = _retain(plan, final)
     return {"path": final, "seconds": pending.staged_s,
             "upload_seconds": time.perf_counter() - pending.started - pending.staged_s, "deleted": deleted,
             "warnings": messages}

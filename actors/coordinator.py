@@ -64,13 +64,14 @@ from llmq_ray.actors.checkpointing import (UploadFailed, load_group_checkpoint, 
 from llmq_ray.actors.failures import (WorkerError, dead_nodes_of, find_hung_ranks, gather, probe_activities,
                                       wait_for_dead_nodes)
 from llmq_ray.actors.placement import TooFewWorkers, check_tensor_parallel_placement, create_workers
-from llmq_ray.actors.spec import RuntimeSpec
+from llmq_ray.actors.plan import RunPlan
 from llmq_ray.model.config import resolve_model
 from llmq_ray.observe.metrics import sol_fraction, sol_record
 from llmq_ray.lr_schedule import learning_rate_at
 from llmq_ray.observe.runlog import RunLog, checkpoint_line, eval_line, step_line, warning_line
 from llmq_ray.engine.spike_guard import SpikeGuard
 from llmq_ray.errors import CheckpointError, ConfigError
+from llmq_ray.settings.overrides import flat
 
 
 
@@ -106,23 +107,23 @@ def merge_saturated_shares(monitors: list[dict]) -> list[float] | None:
 class Coordinator:
     """Owns the placement group and the workers of one run (they die with it)."""
 
-    def __init__(self, spec: RuntimeSpec):
-        self.spec = spec
-        self.opts = spec.opts
+    def __init__(self, plan: RunPlan):
+        self.plan = plan
+        self.settings = plan.settings
         self.nodes: list = []  # per rank, once placed: {"node_id", "ip", ...}
-        self.cfg, _ = resolve_model(spec.opts.model)
+        self.cfg, _ = resolve_model(plan.settings.model.model)
         from llmq_ray import storage  # out_dir may be a URI: the log is then staged here and uploaded
 
-        telemetry.set_run_id(spec.run_id)  # the run_id tag of every metric the coordinator publishes
-        self.log = RunLog(spec.log_file or storage.join(spec.out_dir, "log.jsonl"), resume=bool(spec.resume_from) or spec.append_log)
+        telemetry.set_run_id(plan.settings.observe.run_id)  # the run_id tag of every metric the coordinator publishes
+        self.log = RunLog(plan.settings.observe.log_file or storage.join(plan.settings.observe.out_dir, "log.jsonl"), resume=bool(plan.resume_from) or plan.append_log)
         self.max_step_logged = self.log.previous_last_step  # steps at or below it are trained again
         self.wandb = None
-        if spec.wandb_project:
+        if plan.settings.observe.wandb_project:
             from llmq_ray.observe.wandb_logger import WandbLogger
 
-            wandb_dir = (os.path.join(storage.cache_root(), "wandb", spec.run_id or "run")
-                         if storage.is_remote(spec.out_dir) else spec.out_dir)  # W&B writes a local folder
-            self.wandb = WandbLogger(spec.wandb_project, spec.wandb_run_name, dataclasses.asdict(spec.opts),
+            wandb_dir = (os.path.join(storage.cache_root(), "wandb", plan.settings.observe.run_id or "run")
+                         if storage.is_remote(plan.settings.observe.out_dir) else plan.settings.observe.out_dir)  # W&B writes a local folder
+            self.wandb = WandbLogger(plan.settings.observe.wandb_project, plan.settings.observe.wandb_run_name, flat(plan.settings),
                                      dir=wandb_dir)
             self.log.listeners.append(self.wandb.log_record)
         self.step = 0               # optimizer steps done
@@ -137,7 +138,7 @@ class Coordinator:
         self._export_rank = 0
         self.failed = False         # a worker call failed: shutdown() kills without asking them to close
         self.pids: list[int] = []
-        self.guard = SpikeGuard(spec.spike_window, spec.spike_threshold)
+        self.guard = SpikeGuard(plan.settings.checkpoints.spike_window, plan.settings.checkpoints.spike_threshold)
         self.checkpoints: list[str] = []   # written by this run, oldest first
         self._upload = None                # a checkpoint uploading in the background, not yet published
         self.origin: str | None = None     # the checkpoint this run (or its last restart) started from
@@ -154,20 +155,20 @@ class Coordinator:
 
     # ------------------------------------------------------------------ set-up
     def start(self, notes: list | None = None) -> dict:
-        """Place the workers, form the process group, build the engines; with ``spec.resume_from`` load that
+        """Place the workers, form the process group, build the engines; with ``plan.resume_from`` load that
         checkpoint. ``notes``: warnings the caller already printed (skipped checkpoints), logged here.
         Returns the set-up info, with "step" (where the run goes on) and "lines" (console lines)."""
-        spec = self.spec
+        plan = self.plan
         t0 = time.perf_counter()
-        if spec.append_log:  # started by the driver after the previous coordinator died: wait for room as a restart
-            infos, nodes = self._launch(wait_s=spec.restart_wait_s, restart=True,
+        if plan.append_log:  # started by the driver after the previous coordinator died: wait for room as a restart
+            infos, nodes = self._launch(wait_s=plan.settings.checkpoints.restart_wait_s, restart=True,
                                         why="raise --restart-wait-s to wait longer")
         else:
             infos, nodes = self._launch()
-        sol = sol_record(self.cfg, self.opts.seq_len, self.gpu_name, self.opts.matmul_dtype)
+        sol = sol_record(self.cfg, self.settings.data.seq_len, self.gpu_name, self.settings.numerics.matmul_dtype)
         self.peak = sol["peak_tflops"]
-        self.log.add("options", **dataclasses.asdict(self.opts),
-                     **{k: v for k, v in dataclasses.asdict(spec).items() if k not in ("opts", "fault")})
+        self.log.add("options", **flat(self.settings), world_size=plan.world_size, resume_from=plan.resume_from,
+                     append_log=plan.append_log, rendezvous_ports=plan.rendezvous_ports)
         for r, (info, node) in enumerate(zip(infos, nodes)):
             self.log.add("gpu", rank=r, device=info["device"], name=info["device_name"], node_ip=node["ip"],
                          local_rank=node["local_rank"], pid=node["pid"])
@@ -179,14 +180,14 @@ class Coordinator:
         # the start-up line of the kernels: which ops are the backend's own and which the torch reference's
         lines = [f"kernels: {infos[0]['backend']}"]
         lines += [self._warn(None, "checkpoint", m) for m in notes or []]
-        if spec.resume_from:
-            lines.append(self._resume(spec.resume_from, "continue"))
+        if plan.resume_from:
+            lines.append(self._resume(plan.resume_from, "continue"))
         self.log.flush()
         if self.log.set_aside:
             lines.append(f"log: an earlier run's log at {self.log.path} was kept as {self.log.set_aside}")
         import ray
 
-        return {"world_size": spec.world_size, "gpu": self.gpu_name,
+        return {"world_size": plan.world_size, "gpu": self.gpu_name,
                 "coordinator_node": ray.get_runtime_context().get_node_id(), "device": infos[0]["device"],
                 "nodes": nodes, "memory": infos[0]["memory"], "memories": [i["memory"] for i in infos],
                 "dataset": infos[0]["dataset"],
@@ -201,25 +202,25 @@ class Coordinator:
         again after a failure (a cluster smaller than the group is waited for)."""
         import ray
 
-        spec = self.spec
+        plan = self.plan
         self.failed = False
         kwargs = {} if wait_s is None else {"wait_s": wait_s}
-        self.pg, self.workers, nodes = create_workers(spec, on_wait=self._waiting, why=why, elastic=elastic,
+        self.pg, self.workers, nodes = create_workers(plan, on_wait=self._waiting, why=why, elastic=elastic,
                                                       restart=restart, **kwargs)
         try:
-            if spec.tensor_parallel > 1:  # a group exchanges activations every layer: one node (NVLink)
-                check_tensor_parallel_placement([n["node_id"] for n in nodes], spec.tensor_parallel)
+            if plan.settings.parallel.tensor_parallel > 1:  # a group exchanges activations every layer: one node (NVLink)
+                check_tensor_parallel_placement([n["node_id"] for n in nodes], plan.settings.parallel.tensor_parallel)
             address = gather([self.workers[0].rendezvous_address.remote()], 60.0, "rendezvous")[0]
             self.log.add("rendezvous", address=address)  # where the process group meets (firewalls, debugging)
             infos = gather([w.setup.remote(address, nodes[r]["local_rank"]) for r, w in enumerate(self.workers)],
-                           max(spec.collective_timeout_s, 120.0) + 60.0, "set-up")
+                           max(plan.settings.checkpoints.collective_timeout_s, 120.0) + 60.0, "set-up")
         except BaseException:
             self.failed = True  # a rank that failed set-up leaves the others waiting in the rendezvous
             raise
         self.nodes = nodes  # per rank: node_id, ip (a dead node is named by its IP, see _explain_hang)
         here = ray.get_runtime_context().get_node_id()
         self._export_rank = next((r for r, n in enumerate(nodes) if n["node_id"] == here), 0)
-        self.gpu_name = infos[0]["device_name"] if spec.device == "cuda" else None
+        self.gpu_name = infos[0]["device_name"] if plan.settings.parallel.device == "cuda" else None
         self.pids = [n["pid"] for n in nodes]
         return infos, nodes
 
@@ -234,21 +235,21 @@ class Coordinator:
         """--elastic after a lost node: go on with the most workers (at most ``room``) that divide the global
         batch, raising --grad-accumulation so the global batch stays; the checkpoint is resharded when loaded.
         Returns the warning line, or None when no smaller group fits (room 0)."""
-        spec, o = self.spec, self.opts
-        t = spec.tensor_parallel  # whole tensor-parallel groups only: a group computes one micro-batch
-        total = spec.data_parallel_size * o.grad_accumulation  # micro-batches per optimizer step
-        fits = [n for n in range(t, min(room, spec.world_size - 1) + 1, t) if total % (n // t) == 0]
+        plan, o = self.plan, self.settings
+        t = plan.settings.parallel.tensor_parallel  # whole tensor-parallel groups only: a group computes one micro-batch
+        total = plan.data_parallel_size * o.data.grad_accumulation  # micro-batches per optimizer step
+        fits = [n for n in range(t, min(room, plan.world_size - 1) + 1, t) if total % (n // t) == 0]
         if not fits:
             return None
         n = fits[-1]
         ga = total // (n // t)
-        self.log.add("elastic", step=self.step, from_world_size=spec.world_size, world_size=n,
-                     from_grad_accumulation=o.grad_accumulation, grad_accumulation=ga)
-        line = self._warn(self.step, "elastic", f"--elastic: the cluster can place {room} of {spec.world_size} "
-                          f"worker(s); going on with {n}, --grad-accumulation {o.grad_accumulation} -> {ga} (the global "
-                          f"batch stays {total} x {o.batch_size} sequences).")
-        self.opts = dataclasses.replace(o, grad_accumulation=ga)
-        self.spec = dataclasses.replace(spec, world_size=n, opts=self.opts)
+        self.log.add("elastic", step=self.step, from_world_size=plan.world_size, world_size=n,
+                     from_grad_accumulation=o.data.grad_accumulation, grad_accumulation=ga)
+        line = self._warn(self.step, "elastic", f"--elastic: the cluster can place {room} of {plan.world_size} "
+                          f"worker(s); going on with {n}, --grad-accumulation {o.data.grad_accumulation} -> {ga} (the global "
+                          f"batch stays {total} x {o.data.batch_size} sequences).")
+        self.settings = dataclasses.replace(o, data=dataclasses.replace(o.data, grad_accumulation=ga))
+        self.plan = dataclasses.replace(plan, world_size=n, settings=self.settings)
         return line
 
     def _resume(self, folder: str, reason: str) -> str:
@@ -256,7 +257,7 @@ class Coordinator:
         t0 = time.perf_counter()
         try:
             # --continue's folder was hashed whole before Ray started (resolve_continue): not again per rank
-            manifest = load_group_checkpoint(self.workers, folder, self.spec.call_timeout_s,
+            manifest = load_group_checkpoint(self.workers, folder, self.plan.settings.checkpoints.call_timeout_s,
                                              verified=reason == "continue")
         except BaseException:
             self.failed = True
@@ -267,23 +268,23 @@ class Coordinator:
         self.origin = folder
         seconds = time.perf_counter() - t0
         self.log.add("resume", step=self.step, path=folder, reason=reason, saved_world_size=manifest["world_size"],
-                     world_size=self.spec.world_size, seconds=seconds)
+                     world_size=self.plan.world_size, seconds=seconds)
         self.log.flush()
         return checkpoint_line(self.step, folder, seconds) + (
-            f" | resumed ({reason}), saved on {manifest['world_size']} worker(s), now {self.spec.world_size}")
+            f" | resumed ({reason}), saved on {manifest['world_size']} worker(s), now {self.plan.world_size}")
 
     # ------------------------------------------------------------------ helpers
     def lr_at(self, step: int) -> float:
-        o = self.opts
-        return learning_rate_at(step, base_lr=o.learning_rate, total_steps=o.steps, warmup_steps=o.warmup,
-                                schedule=o.lr_schedule, final_lr_fraction=o.final_lr_fraction,
-                                cooldown_fraction=o.cooldown_fraction)
+        o = self.settings
+        return learning_rate_at(step, base_lr=o.optim.learning_rate, total_steps=o.optim.steps, warmup_steps=o.optim.warmup,
+                                schedule=o.optim.lr_schedule, final_lr_fraction=o.optim.final_lr_fraction,
+                                cooldown_fraction=o.optim.cooldown_fraction)
 
     def _call(self, method: str, *args, what: str | None = None, timeout: float | None = None,
               explain=None) -> list:
         refs = [getattr(w, method).remote(*args) for w in self.workers]
         try:
-            return gather(refs, timeout or self.spec.call_timeout_s, what or method, explain)
+            return gather(refs, timeout or self.plan.settings.checkpoints.call_timeout_s, what or method, explain)
         except BaseException:
             self.failed = True  # the others may be stuck in a collective: never wait on them again
             raise
@@ -322,7 +323,7 @@ class Coordinator:
                                f"{str(error).rstrip('.')}.")
         also = f" while {ranks(waiting)} waited for it" if waiting else ""
         return WorkerError(f"{who} hung in {where}{also}: the step did not finish within "
-                           f"--step-timeout-s={self.spec.step_timeout_s:g}.")
+                           f"--step-timeout-s={self.plan.settings.checkpoints.step_timeout_s:g}.")
 
     def _name_lost_node(self, exc: WorkerError) -> WorkerError:
         """A rank that died in any call (a checkpoint save, an eval): when Ray reports its node dead (within
@@ -338,7 +339,7 @@ class Coordinator:
     def _record_step(self, step: int, lr: float, results: list[dict], wall: float, tokens: int) -> dict:
         r0 = results[0]
         tps = tokens / max(wall, 1e-9)
-        sol = sol_fraction(tps / self.spec.world_size, self.cfg.flops_per_token(self.opts.seq_len), self.peak)
+        sol = sol_fraction(tps / self.plan.world_size, self.cfg.flops_per_token(self.settings.data.seq_len), self.peak)
         worker_s = max(r.get("seconds", 0.0) for r in results)
         number = step + 1  # a step's number in every record, as on the console and in step_XXXXXXXX: 1-based
         rec = {"step": number, "lr": lr, "loss": r0["loss"], "norm": r0["norm"], "targets": r0["targets"],
@@ -427,14 +428,14 @@ class Coordinator:
 
     def _one_step(self) -> dict:
         step, lr = self.step, self.lr_at(self.step)
-        limits = self.guard.limits() if self.spec.skip_update_on_spike else None
+        limits = self.guard.limits() if self.plan.settings.checkpoints.skip_update_on_spike else None
         t0 = time.perf_counter()
         results = self._call("train_step", step, lr, limits, what=f"train_step (step {step + 1})",
-                             timeout=self.spec.step_timeout_s, explain=self._explain_hang)
+                             timeout=self.plan.settings.checkpoints.step_timeout_s, explain=self._explain_hang)
         wall = time.perf_counter() - t0
         self.step += 1
-        rec = self._record_step(step, lr, results, wall, self.spec.tokens_per_step)
-        lines = [step_line(step, self.opts.steps, wall, rec["norm"], rec["loss"], rec["tokens_per_s"], rec["sol"],
+        rec = self._record_step(step, lr, results, wall, self.plan.tokens_per_step)
+        lines = [step_line(step, self.settings.optim.steps, wall, rec["norm"], rec["loss"], rec["tokens_per_s"], rec["sol"],
                            rec.get("skip_reason") or rec["skipped"])] + rec.pop("warnings")
         lines += self._settle_upload(wait=False)  # a background upload that finished is published now
         if self._checkpoint_due() or self._deferred is not None:
@@ -450,8 +451,8 @@ class Coordinator:
                                     f"checkpoint, as on SIGTERM."))
             return {"record": rec, "lines": lines, "eval": None, "drain": drain}
         ev = None
-        n = self.spec.eval_every_n_steps
-        if n > 0 and self.spec.eval_file and self.step % n == 0 and self.step < self.opts.steps:
+        n = self.plan.settings.observe.eval_every_n_steps
+        if n > 0 and self.plan.settings.data.eval_file and self.step % n == 0 and self.step < self.settings.optim.steps:
             ev = self.validate(full=False)
             lines.append(ev["line"])
         return {"record": rec, "lines": lines, "eval": ev}
@@ -480,7 +481,7 @@ class Coordinator:
     def _checkpoint_due(self) -> bool:
         """After a step: every ``ckpt_interval`` steps, or when ``ckpt_minutes`` of training passed since the last
         checkpoint (or the start of this group)."""
-        n, m = self.spec.ckpt_interval, self.spec.ckpt_minutes
+        n, m = self.plan.settings.checkpoints.ckpt_interval, self.plan.settings.checkpoints.ckpt_minutes
         if n > 0 and self.step % n == 0:
             return True
         return m > 0 and time.monotonic() - self._last_checkpoint_t >= 60.0 * m
@@ -496,14 +497,14 @@ class Coordinator:
 
         lines = self._settle_upload(wait=True, why="a checkpoint was asked for")  # one upload at a time
         extra = {"spike_guard": self.guard.state(), "restarts": self.restarts}
-        staged = background and storage.is_remote(self.spec.ckpt_dir)
+        staged = background and storage.is_remote(self.plan.ckpt_dir)
         try:
             if staged:
-                pending = stage_group_checkpoint(self.workers, self.spec, self.cfg, self.step, extra,
-                                                 self.spec.call_timeout_s)
+                pending = stage_group_checkpoint(self.workers, self.plan, self.cfg, self.step, extra,
+                                                 self.plan.settings.checkpoints.call_timeout_s)
             else:
-                info = save_group_checkpoint(self.workers, self.spec, self.cfg, self.step, extra,
-                                             self.spec.call_timeout_s)
+                info = save_group_checkpoint(self.workers, self.plan, self.cfg, self.step, extra,
+                                             self.plan.settings.checkpoints.call_timeout_s)
         except UploadFailed as exc:  # the store could not be reached: the run goes on without this one
             return {"path": None, "seconds": 0.0, "deleted": [], "line": "\n".join(lines + [self._upload_failed(exc)])}
         except WorkerError:
@@ -547,10 +548,10 @@ class Coordinator:
             return []
         waited = None
         try:
-            statuses = poll_group_upload(self.workers, pending, wait=False, timeout_s=self.spec.call_timeout_s)
+            statuses = poll_group_upload(self.workers, pending, wait=False, timeout_s=self.plan.settings.checkpoints.call_timeout_s)
             if statuses is None and wait:
                 t0 = time.perf_counter()
-                statuses = poll_group_upload(self.workers, pending, wait=True, timeout_s=self.spec.call_timeout_s)
+                statuses = poll_group_upload(self.workers, pending, wait=True, timeout_s=self.plan.settings.checkpoints.call_timeout_s)
                 waited = time.perf_counter() - t0
         except WorkerError:
             self.failed = True
@@ -564,7 +565,7 @@ class Coordinator:
             lines.append(f"[C] step {self.step:5d} | waited {waited:.1f} s for the upload of checkpoint "
                          f"{pending.target} ({why})")
         try:
-            info = publish_group_checkpoint(self.spec, pending, statuses)
+            info = publish_group_checkpoint(self.plan, pending, statuses)
         except UploadFailed as exc:
             return lines + [self._upload_failed(exc)]
         return lines + [self._published(info, pending.step)["line"]]
@@ -579,7 +580,7 @@ class Coordinator:
         pending = self._upload
         line = self._warn(self.step, "checkpoint_deferred",
                           f"checkpoint of step {self.step} deferred: the upload of step {pending.step} to "
-                          f"{self.spec.ckpt_dir} is still running (the store takes longer than the checkpoint "
+                          f"{self.plan.ckpt_dir} is still running (the store takes longer than the checkpoint "
                           f"interval); it is taken once that upload is done, the steps go on meanwhile.",
                           upload_step=pending.step)
         return [line]
@@ -613,8 +614,8 @@ class Coordinator:
         exc = self._name_lost_node(exc)
         self.log.add("failure", step=failed_step, error=str(exc), restarts=self.restarts)
         self._teardown()
-        limit = self.spec.max_restarts
-        if not self.spec.checkpoints_on or limit <= 0:
+        limit = self.plan.settings.checkpoints.max_restarts
+        if not self.plan.checkpoints_on or limit <= 0:
             self.log.flush()
             raise exc
         if self.restarts >= limit:
@@ -623,9 +624,9 @@ class Coordinator:
             self.log.end("restarts_exhausted", step=self.step, error=str(final), restarts=self.restarts)
             raise final from None
         self.restarts += 1
-        faults = self.spec.fault if isinstance(self.spec.fault, list) else [self.spec.fault or {}]
+        faults = self.plan.fault if isinstance(self.plan.fault, list) else [self.plan.fault or {}]
         if not any(f.get("every_group") for f in faults):
-            self.spec = dataclasses.replace(self.spec, fault=None)  # a test hook fires in the first group only
+            self.plan = dataclasses.replace(self.plan, fault=None)  # a test hook fires in the first group only
         folder, skipped = restart_point(self.checkpoints + ([self.origin] if self.origin else []), failed_step)
         lines = [self._warn(failed_step, "failure", f"{exc} -- restart {self.restarts}/{limit} from "
                             f"{folder or 'scratch (no checkpoint yet)'}")]
@@ -633,13 +634,13 @@ class Coordinator:
         self.log.add("restart", attempt=self.restarts, failed_step=failed_step, checkpoint=folder)
         self.log.flush()
         t0 = time.perf_counter()
-        hint = ("raise --restart-wait-s to wait longer" if self.spec.elastic else
+        hint = ("raise --restart-wait-s to wait longer" if self.plan.settings.checkpoints.elastic else
                 "pass --elastic to go on with the workers that can be placed, or raise --restart-wait-s")
-        elastic = self.spec.elastic
+        elastic = self.plan.settings.checkpoints.elastic
         try:
             while True:
                 try:
-                    self._launch(wait_s=self.spec.restart_wait_s, why=hint, elastic=elastic, restart=True)
+                    self._launch(wait_s=self.plan.settings.checkpoints.restart_wait_s, why=hint, elastic=elastic, restart=True)
                     break
                 except TooFewWorkers as few:  # --elastic: a node is gone for good; go on with fewer workers
                     shrunk = self._shrink(few.room)
@@ -664,7 +665,7 @@ class Coordinator:
 
     def micro_step(self) -> None:
         """One forward+backward on every worker (each on its own next batch), gradients accumulating."""
-        self._call("micro_step", what=f"micro_step (step {self.step + 1})", timeout=self.spec.step_timeout_s)
+        self._call("micro_step", what=f"micro_step (step {self.step + 1})", timeout=self.plan.settings.checkpoints.step_timeout_s)
         self.micro_pending += 1
 
     def update(self, lr: float | None = None) -> dict:
@@ -675,10 +676,10 @@ class Coordinator:
         step = self.step
         lr = self.lr_at(step) if lr is None else float(lr)
         t0 = time.perf_counter()
-        results = self._call("update", step, lr, what=f"update (step {step + 1})", timeout=self.spec.step_timeout_s)
+        results = self._call("update", step, lr, what=f"update (step {step + 1})", timeout=self.plan.settings.checkpoints.step_timeout_s)
         wall = time.perf_counter() - t0
-        o = self.opts
-        tokens = o.batch_size * o.seq_len * self.micro_pending * self.spec.data_parallel_size
+        o = self.settings
+        tokens = o.data.batch_size * o.data.seq_len * self.micro_pending * self.plan.data_parallel_size
         self.micro_pending = 0
         self.step += 1
         rec = self._record_step(step, lr, results, wall, tokens)
@@ -687,7 +688,7 @@ class Coordinator:
 
     def validate(self, full: bool = False) -> dict | None:
         """Eval loss over eval_num_steps batches (or the whole eval file with ``full``); None without one."""
-        if not self.spec.eval_file:
+        if not self.plan.settings.data.eval_file:
             return None
         t0 = time.perf_counter()
         self.eval_count += 1
@@ -701,7 +702,7 @@ class Coordinator:
         loss = loss_sum / max(count, 1)
         rec = {"step": self.step, "loss": loss, "targets": count, "seconds": wall, "full": full,
                "batches": results[0].get("batches", 0)}
-        rec["line"] = eval_line(self.step, self.opts.steps, wall, loss, rec["batches"], final=full)
+        rec["line"] = eval_line(self.step, self.settings.optim.steps, wall, loss, rec["batches"], final=full)
         self.evals.append(rec)
         self.log.add("eval", **{k: v for k, v in rec.items() if k != "line"})
         self.log.flush()
@@ -732,10 +733,10 @@ class Coordinator:
         from llmq_ray import storage
 
         default = path is None
-        path = path or storage.join(self.spec.out_dir, "export")
+        path = path or storage.join(self.plan.settings.observe.out_dir, "export")
         remote = storage.is_remote(path)
         path = path if remote else os.path.abspath(path)
-        if default and not self.spec.resume_from and path not in self._exported and \
+        if default and not self.plan.resume_from and path not in self._exported and \
                 (storage.exists(path) if remote else os.path.isdir(path)):
             from llmq_ray.model.hf_io import set_aside_export
             from llmq_ray.observe.runlog import set_aside_name
@@ -748,16 +749,16 @@ class Coordinator:
             self._warn(self.step, "export", f"an earlier run's export at {path} was kept as {kept}")
         self._exported.add(path)
         if self._weights_are_split:  # gathering the sharded weights needs every rank
-            refs = [w.export.remote(path, self.spec.export_dtype, r == self._export_rank)
+            refs = [w.export.remote(path, self.plan.settings.observe.export_dtype, r == self._export_rank)
                     for r, w in enumerate(self.workers)]
-            return gather(refs, self.spec.call_timeout_s, "export")[self._export_rank]
+            return gather(refs, self.plan.settings.checkpoints.call_timeout_s, "export")[self._export_rank]
         w = self.workers[self._export_rank]
-        return gather([w.export.remote(path, self.spec.export_dtype)], self.spec.call_timeout_s, "export")[0]
+        return gather([w.export.remote(path, self.plan.settings.observe.export_dtype)], self.plan.settings.checkpoints.call_timeout_s, "export")[0]
 
     @property
     def _weights_are_split(self) -> bool:
         """No worker holds the whole model's weights (ZeRO-3, or --tensor-parallel): reading them is a collective."""
-        return self.opts.effective_zero_level >= 3 or self.spec.tensor_parallel > 1
+        return self.settings.parallel.zero_level >= 3 or self.plan.settings.parallel.tensor_parallel > 1
 
     def finish(self) -> dict:
         """Final eval over the whole eval file, the export, the last log flush. Returns the summary. A final
@@ -766,7 +767,7 @@ class Coordinator:
         # a stop requested now (SIGTERM after the last step) skips the final eval: the export is what matters
         lines = self._settle_upload(wait=True, why="at the end of the run")
         unsaved = None  # the CheckpointError of the final checkpoint
-        if (self.spec.ckpt_minutes > 0 or self._deferred is not None) and self.step > 0 and \
+        if (self.plan.settings.checkpoints.ckpt_minutes > 0 or self._deferred is not None) and self.step > 0 and \
                 not self._has_checkpoint_of(self.step):
             # the end of a run with time-interval checkpoints (the default) is kept too, as is a deferred one
             try:
@@ -774,8 +775,8 @@ class Coordinator:
             except CheckpointError as exc:  # a full disk: its files are gone again, and the (smaller) export
                 unsaved = exc               # still gets its chance; the run fails after it, naming both
                 self._warn(self.step, "checkpoint", str(exc))
-        final = self.validate(full=True) if self.spec.final_eval and not self.stop_requested else None
-        if self.spec.export:
+        final = self.validate(full=True) if self.plan.settings.observe.final_eval and not self.stop_requested else None
+        if self.plan.settings.observe.export:
             try:
                 self.export_path = self.export()
             except Exception as exc:  # noqa: BLE001 - after a failed checkpoint: one sentence with both
@@ -857,8 +858,8 @@ class Coordinator:
 
     def flat_params(self, rank: int = 0):
         if self._weights_are_split:  # a collective: every rank takes part
-            return gather([w.flat_params.remote() for w in self.workers], self.spec.call_timeout_s, "flat_params")[rank]
-        return gather([self.workers[rank].flat_params.remote()], self.spec.call_timeout_s, "flat_params")[0]
+            return gather([w.flat_params.remote() for w in self.workers], self.plan.settings.checkpoints.call_timeout_s, "flat_params")[rank]
+        return gather([self.workers[rank].flat_params.remote()], self.plan.settings.checkpoints.call_timeout_s, "flat_params")[0]
 
     def data_state(self) -> list:
         return self._call("data_state", timeout=60.0)

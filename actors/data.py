@@ -10,7 +10,7 @@ import base64
 
 import torch
 
-from llmq_ray.actors.spec import RuntimeSpec
+from llmq_ray.actors.plan import RunPlan
 from llmq_ray.errors import DataError
 
 
@@ -48,26 +48,26 @@ class RandomTokenStream:
         pass
 
 
-def train_source(spec: RuntimeSpec, vocab_size: int, rank: int):
-    """The worker's endless batch source for ``spec``: data-parallel rank ``rank`` of ``spec.data_parallel_size``
+def train_source(plan: RunPlan, vocab_size: int, rank: int):
+    """The worker's endless batch source for ``plan``: data-parallel rank ``rank`` of ``plan.data_parallel_size``
     (the worker's rank unless --tensor-parallel groups share one source)."""
-    o = spec.opts
-    if spec.synthetic_data:
-        return RandomTokenStream(vocab_size, o.seq_len, o.batch_size, rank, o.seed)
-    if not spec.train_file:
+    o = plan.settings
+    if plan.settings.data.synthetic_data:
+        return RandomTokenStream(vocab_size, o.data.seq_len, o.data.batch_size, rank, o.optim.seed)
+    if not plan.settings.data.train_file:
         raise DataError("no --train-file given (pass a glob of token shards, or --synthetic-data for random tokens).")
     from llmq_ray.data_pipeline.stream import TokenStream
 
-    return TokenStream(spec.train_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.data_parallel_size,
-                       seed=o.seed, use_ray=spec.use_ray_data, vocab_size=vocab_size)
+    return TokenStream(plan.settings.data.train_file, o.data.seq_len, o.data.batch_size, rank=rank, world_size=plan.data_parallel_size,
+                       seed=o.optim.seed, use_ray=plan.settings.data.use_ray_data, vocab_size=vocab_size)
 
 
-def eval_source(spec: RuntimeSpec, vocab_size: int, rank: int, max_batches=None):
-    """An EvalStream over ``spec.eval_file`` for data-parallel rank ``rank`` (None when there is no eval file)."""
-    if not spec.eval_file:
+def eval_source(plan: RunPlan, vocab_size: int, rank: int, max_batches=None):
+    """An EvalStream over ``plan.settings.data.eval_file`` for data-parallel rank ``rank`` (None when there is no eval file)."""
+    if not plan.settings.data.eval_file:
         return None
     from llmq_ray.data_pipeline.stream import EvalStream
 
-    o = spec.opts
-    return EvalStream(spec.eval_file, o.seq_len, o.batch_size, rank=rank, world_size=spec.data_parallel_size,
+    o = plan.settings
+    return EvalStream(plan.settings.data.eval_file, o.data.seq_len, o.data.batch_size, rank=rank, world_size=plan.data_parallel_size,
                       vocab_size=vocab_size, max_batches=max_batches)

@@ -1,8 +1,9 @@
 """The one test hook of the Ray runtime: faults injected into a worker on purpose, to test that llmq-ray survives
 them. Nothing here runs in a real run: ``FaultInjector(None, rank)`` does nothing at every point.
 
-Tests pass ``fault={"rank": r, "step": s, "kind": k, ...}`` (or a list of such dicts) to ``LLMQTrainer`` (it travels in
-``RuntimeSpec.fault``); rank r's worker then calls the injector at four points of its work:
+Tests put ``{"rank": r, "step": s, "kind": k, ...}`` (or a list of such dicts) as JSON into the environment variable
+``LLMQ_RAY_TEST_FAULT`` (``ENV``) of the driver, which the trainer reads when the run starts into ``RunPlan.fault``
+(no public API takes it); rank r's worker then calls the injector at four points of its work:
 
 =============  ==========================  ============================================================
 point          kind                        what happens on rank r
@@ -24,17 +25,13 @@ uploading      ``upload_fail``             the background upload of its shard of
 eval_batch     ``slow_eval``               sleeps ``seconds`` before each eval batch (any step)
 =============  ==========================  ============================================================
 
-A restarted group runs without the fault unless the dict has ``"every_group": True`` (the coordinator drops it).
-
-Runs started as a command (``python -m llmq_ray.train.cli``, where ``fault`` is no flag) take the same dict as
-JSON from the environment variable ``LLMQ_RAY_TEST_FAULT``, for tests only (the driver forwards ``LLMQ_*`` to
-every worker); ``spec.fault`` wins when both are set.
+A restarted group runs without the fault unless the dict has ``"every_group": True`` (the coordinator drops it from
+the plan after the first group).
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import threading
@@ -47,12 +44,10 @@ ENV = "LLMQ_RAY_TEST_FAULT"  # the fault dict as JSON, for runs started as a com
 
 
 class FaultInjector:
-    """The faults of ``spec`` (a ``RuntimeSpec.fault`` dict, a list of such dicts, or None) that concern worker
+    """The faults of ``spec`` (``RunPlan.fault``: a dict, a list of such dicts, or None) that concern worker
     ``rank``."""
 
     def __init__(self, spec, rank: int):
-        if spec is None and os.environ.get(ENV):
-            spec = json.loads(os.environ[ENV])
         specs = spec if isinstance(spec, list) else [spec] if spec else []
         self.specs = [dict(f) for f in specs if int(f.get("rank", -1)) == rank]
         self.rank = rank

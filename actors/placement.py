@@ -14,7 +14,7 @@ A CPU run's workers are ``CPUWorker`` actors: the same class under the name that
 from __future__ import annotations
 
 from llmq_ray.actors.failures import WorkerError, gather
-from llmq_ray.actors.spec import RuntimeSpec
+from llmq_ray.actors.plan import RunPlan
 from llmq_ray.actors.worker import PROBE_GROUP, GPUWorker, worker_env
 from llmq_ray.errors import ConfigError
 
@@ -40,34 +40,34 @@ def check_tensor_parallel_placement(node_of_rank: list[str], tp: int) -> None:
                           f"that divides every node's GPU count.")
 
 
-def check_resources(spec: RuntimeSpec) -> None:
-    """Raise ConfigError when the cluster cannot hold ``spec.world_size`` workers at all, or holds them only by
+def check_resources(plan: RunPlan) -> None:
+    """Raise ConfigError when the cluster cannot hold ``plan.world_size`` workers at all, or holds them only by
     giving them every CPU while the train batches are read by Ray Data tasks (which need one more)."""
     import ray
 
     total = ray.cluster_resources()
-    n = spec.world_size
-    if spec.device == "cuda":
+    n = plan.world_size
+    if plan.settings.parallel.device == "cuda":
         gpus = int(total.get("GPU", 0))
         if gpus == 0:
             raise ConfigError("--device=cuda but the Ray cluster has no GPUs; use --device=cpu (CPU workers over gloo).")
         if n > gpus:
             raise ConfigError(f"--gpus={n} asks for more GPUs than the Ray cluster has ({gpus}); use --gpus={gpus} or fewer.")
     cpus = float(total.get("CPU", 0))
-    need = n * spec.cpus_per_worker
-    flag = "--gpus" if spec.device == "cuda" else "--workers"
+    need = n * plan.settings.parallel.cpus_per_worker
+    flag = "--gpus" if plan.settings.parallel.device == "cuda" else "--workers"
     if need > cpus:
-        raise ConfigError(f"{flag}={n} with {spec.cpus_per_worker} CPU(s) per worker needs {need} CPUs but the Ray "
+        raise ConfigError(f"{flag}={n} with {plan.settings.parallel.cpus_per_worker} CPU(s) per worker needs {need} CPUs but the Ray "
                           f"cluster has {cpus:g}; use fewer workers or --cpus-per-worker.")
-    if spec.reads_with_ray_data and need >= cpus:
+    if plan.reads_with_ray_data and need >= cpus:
         # the Ray Data read tasks are scheduled outside the workers' bundles: with every CPU reserved they would
         # wait forever and the run would hang at its first batch
-        raise ConfigError(f"{flag}={n} with --cpus-per-worker={spec.cpus_per_worker} takes all {cpus:g} CPUs of the "
+        raise ConfigError(f"{flag}={n} with --cpus-per-worker={plan.settings.parallel.cpus_per_worker} takes all {cpus:g} CPUs of the "
                           f"Ray cluster and leaves none for the Ray Data tasks that read the train file; use "
                           f"fewer workers, fewer CPUs per worker or --no-ray-data.")
 
 
-def data_cpu_warning(spec: RuntimeSpec, settle_s: float = 1.5) -> str | None:
+def data_cpu_warning(plan: RunPlan, settle_s: float = 1.5) -> str | None:
     """A warning sentence when the run's workers would take every CPU that is free on the cluster now (other
     jobs hold the rest) while Ray Data reads the train file: its read tasks would then wait for another job to
     free a CPU, and the run with them. Not an error: the CPUs may free up (placement waits for room the same
@@ -77,9 +77,9 @@ def data_cpu_warning(spec: RuntimeSpec, settle_s: float = 1.5) -> str | None:
 
     import ray
 
-    if not spec.reads_with_ray_data:
+    if not plan.reads_with_ray_data:
         return None
-    need = spec.world_size * spec.cpus_per_worker
+    need = plan.world_size * plan.settings.parallel.cpus_per_worker
     deadline = time.monotonic() + settle_s
     while True:
         free = float(ray.available_resources().get("CPU", 0))
@@ -100,14 +100,14 @@ def _max_gpus_per_node() -> int:
     return max((int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
 
 
-def bundle_of(spec: RuntimeSpec) -> dict:
+def bundle_of(plan: RunPlan) -> dict:
     """One worker's resources: {GPU: 1, CPU: k} on CUDA, {CPU: k} on CPU."""
-    k = spec.cpus_per_worker
-    return {"GPU": 1, "CPU": k} if spec.device == "cuda" else {"CPU": k}
+    k = plan.settings.parallel.cpus_per_worker
+    return {"GPU": 1, "CPU": k} if plan.settings.parallel.device == "cuda" else {"CPU": k}
 
 
-def placeable_workers(spec: RuntimeSpec, nodes: list | None = None) -> int:
-    """How many workers of ``spec``'s bundle the cluster's alive nodes can hold (by their total resources: what
+def placeable_workers(plan: RunPlan, nodes: list | None = None) -> int:
+    """How many workers of ``plan``'s bundle the cluster's alive nodes can hold (by their total resources: what
     other jobs hold right now is not counted). After a node is lost this says how far an elastic run shrinks.
     Under --tensor-parallel T only whole groups on one node count (a node with 3 GPUs holds one group of 2).
     ``nodes``: ``ray.nodes()``'s list (default: asked here)."""
@@ -115,7 +115,7 @@ def placeable_workers(spec: RuntimeSpec, nodes: list | None = None) -> int:
         import ray
 
         nodes = ray.nodes()
-    bundle, t = bundle_of(spec), spec.tensor_parallel
+    bundle, t = bundle_of(plan), plan.settings.parallel.tensor_parallel
     room = 0
     for n in nodes:
         if not n.get("Alive"):
@@ -152,7 +152,7 @@ class TooFewWorkers(ConfigError):
         self.room = room
 
 
-def create_workers(spec: RuntimeSpec, wait_s: float = PLACEMENT_TIMEOUT_S, on_wait=None, why: str = "",
+def create_workers(plan: RunPlan, wait_s: float = PLACEMENT_TIMEOUT_S, on_wait=None, why: str = "",
                    elastic: bool = False, restart: bool = False):
     """Reserve the bundles and start the workers; returns (placement_group, [actor handles by rank], nodes).
 
@@ -170,19 +170,19 @@ def create_workers(spec: RuntimeSpec, wait_s: float = PLACEMENT_TIMEOUT_S, on_wa
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    n = spec.world_size
-    room = placeable_workers(spec) if elastic else n
+    n = plan.world_size
+    room = placeable_workers(plan) if elastic else n
     if room < n:
         raise TooFewWorkers(f"the cluster's alive nodes can hold {room} of {n} worker(s)", room)
     if not restart:  # a restart after a lost node waits for the cluster to grow back instead
-        check_resources(spec)
-    bundle = bundle_of(spec)
-    strategy = "STRICT_PACK" if spec.device == "cuda" and n <= _max_gpus_per_node() else "PACK"
+        check_resources(plan)
+    bundle = bundle_of(plan)
+    strategy = "STRICT_PACK" if plan.settings.parallel.device == "cuda" and n <= _max_gpus_per_node() else "PACK"
     pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name="")
     t0 = time.monotonic()
     told = False
     while not ray.wait([pg.ready()], timeout=max(min(2.0, t0 + wait_s - time.monotonic()), 0.0))[0]:
-        room = placeable_workers(spec)
+        room = placeable_workers(plan)
         if elastic and room < n:
             remove_placement_group(pg)
             raise TooFewWorkers(f"the cluster's alive nodes can hold {room} of {n} worker(s)", room)
@@ -198,14 +198,14 @@ def create_workers(spec: RuntimeSpec, wait_s: float = PLACEMENT_TIMEOUT_S, on_wa
                     f"cluster's alive nodes can hold {room}" + (" (the rest is held by other jobs)"
                                                                  if room >= n else "") + ".")
     bundles = bundles_by_node(pg, n)  # rank r runs in bundle bundles[r]: a node's ranks are consecutive
-    k = spec.cpus_per_worker
-    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker if spec.device == "cuda" else CPUWorker)
+    k = plan.settings.parallel.cpus_per_worker
+    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker if plan.settings.parallel.device == "cuda" else CPUWorker)
     workers = []
     for rank in range(n):
-        opts = dict(num_cpus=k, num_gpus=1 if spec.device == "cuda" else 0, max_restarts=0,
+        opts = dict(num_cpus=k, num_gpus=1 if plan.settings.parallel.device == "cuda" else 0, max_restarts=0,
                     runtime_env={"env_vars": worker_env(k)},
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[rank]))
-        workers.append(remote_cls.options(**opts).remote(rank, spec))
+        workers.append(remote_cls.options(**opts).remote(rank, plan))
     try:
         nodes = gather([w.node.remote() for w in workers], PLACEMENT_TIMEOUT_S, "start-up")
     except WorkerError:

@@ -3,7 +3,7 @@
 Ray exports them in Prometheus format on each node's metrics endpoint (``ray_<name>``, e.g.
 ``ray_llmq_worker_tokens_per_second{rank="0",run_id="20261126-031904-a1b2c3",...}``), which the dashboard's
 Metrics tab (through Prometheus/Grafana) and any scraper read. Every metric carries the run's ``run_id`` tag
-(``set_run_id``, called once per process by the coordinator and each worker with ``RuntimeSpec.run_id``), so
+(``set_run_id``, called once per process by the coordinator and each worker with ``RunPlan.run_id``), so
 the runs that share a cluster (and a Prometheus) are told apart. Gauges are created lazily, once per process;
 outside a Ray worker process (plain unit tests) everything here is a no-op.
 """

@@ -5,7 +5,7 @@ ZeRO-2, of the gradients), its own data source (rank r of W; under --tensor-para
 torch.distributed group over which
 the engine's collectives run.
 
-With ``--tensor-parallel T`` (llmq_ray/engine/tensor_parallel.py) the W workers form W/T tensor-parallel groups
+With ``--tensor-parallel T`` (llmq_ray/parallel/tensor.py) the W workers form W/T tensor-parallel groups
 of T consecutive ranks (one node; the coordinator checks the placement): the engine holds this rank's part of
 each block and its ZeRO shards over the *data-parallel* group (the ranks with the same tensor-parallel rank),
 and the data source is the group's (data-parallel rank r // T of W / T): the T ranks of a group read the same
@@ -45,7 +45,7 @@ from llmq_ray import storage
 
 from llmq_ray.actors import telemetry
 from llmq_ray.actors.fault_injection import FaultInjector
-from llmq_ray.actors.spec import RuntimeSpec
+from llmq_ray.actors.plan import RunPlan
 from llmq_ray.model.config import resolve_model
 from llmq_ray.errors import ConfigError
 from llmq_ray.heap import GcPauses, freeze_long_lived
@@ -81,7 +81,7 @@ def _tensor_parallel_groups(world, cfg, size: int):
     layout of ``size``-rank tensor-parallel groups (actors/collectives.py ``tensor_parallel_groups``; a
     collective: every rank creates every group). The coordinator has checked that each group is on one node."""
     from llmq_ray.actors.collectives import tensor_parallel_groups
-    from llmq_ray.engine.tensor_parallel import TensorParallelPlan, TensorParallelRank
+    from llmq_ray.parallel.tensor import TensorParallelPlan, TensorParallelRank
 
     plan = TensorParallelPlan(cfg, size)
     groups = tensor_parallel_groups(world, size, per_node=size, kv_replicas=plan.kv_replicas)
@@ -119,15 +119,15 @@ def pick_cuda_device(local_rank: int) -> "torch.device":
 class GPUWorker:
     """One rank of a run (wrap with ``ray.remote`` and a placement-group strategy; see actors/placement.py)."""
 
-    def __init__(self, rank: int, spec: RuntimeSpec):
-        self.rank, self.spec = rank, spec
-        telemetry.set_run_id(spec.run_id)  # the run_id tag of every metric this worker publishes
-        self.faults = FaultInjector(spec.fault, rank)  # tests only: does nothing without spec.fault
+    def __init__(self, rank: int, plan: RunPlan):
+        self.rank, self.plan = rank, plan
+        telemetry.set_run_id(plan.settings.observe.run_id)  # the run_id tag of every metric this worker publishes
+        self.faults = FaultInjector(plan.fault, rank)  # tests only: does nothing without plan.fault
         self._uploads = None  # checkpoint uploads running in the background (llmq_ray/checkpoints/remote.py)
         self._snapshot = None  # the reused host buffers a background checkpoint is copied into (HostSnapshot)
-        self.world_size = spec.world_size
+        self.world_size = plan.world_size
         # the data-parallel rank and size: which batches this worker reads and which checkpoint shard it owns
-        self.dp_rank, self.dp_size = rank // spec.tensor_parallel, spec.data_parallel_size
+        self.dp_rank, self.dp_size = rank // plan.settings.parallel.tensor_parallel, plan.data_parallel_size
         self.engine: TrainEngine | None = None
         self.device: torch.device | None = None
         self._train = self._eval_periodic = self._eval_full = None
@@ -136,7 +136,7 @@ class GPUWorker:
         self._gc_pauses = GcPauses()
         from llmq_ray.actors.collectives import set_worker_threads
 
-        set_worker_threads(spec.cpus_per_worker)
+        set_worker_threads(plan.settings.parallel.cpus_per_worker)
 
     # ------------------------------------------------------------------ set-up
     def node(self) -> dict:
@@ -154,7 +154,7 @@ class GPUWorker:
         from llmq_ray.actors.collectives import free_port, free_port_in, node_ip
 
         ip = node_ip()
-        ports = self.spec.rendezvous_ports
+        ports = self.plan.rendezvous_ports
         return f"tcp://{ip}:{free_port_in(*ports) if ports else free_port()}"
 
     def setup(self, init_method: str, local_rank: int) -> dict:
@@ -166,26 +166,26 @@ class GPUWorker:
         from llmq_ray.actors.data import eval_source, train_source
         from llmq_ray.engine.train_engine import TrainEngine, make_backend
 
-        spec, o = self.spec, self.spec.opts
-        if spec.device == "cuda":
+        plan, o = self.plan, self.plan.settings
+        if plan.settings.parallel.device == "cuda":
             self.device = pick_cuda_device(local_rank)
         else:
             self.device = torch.device("cpu")
-        set_socket_interface(spec.socket_ifname)
-        comm = init_group(init_method, self.rank, self.world_size, self.device, spec.collective_timeout_s)
-        if o.zero_scope == "node":  # shards within each node, a copy per node (actors/collectives.py)
+        set_socket_interface(plan.settings.parallel.socket_ifname)
+        comm = init_group(init_method, self.rank, self.world_size, self.device, plan.settings.checkpoints.collective_timeout_s)
+        if o.parallel.zero_scope == "node":  # shards within each node, a copy per node (actors/collectives.py)
             where = self.node()
             comm = node_scope(comm, where["node_id"], where["ip"])
-        cfg, weights = resolve_model(o.model)
+        cfg, weights = resolve_model(o.model.model)
         tensor_parallel = None
-        if spec.tensor_parallel > 1:  # the engine's comm becomes the data-parallel group's
-            comm, tensor_parallel = _tensor_parallel_groups(comm, cfg, spec.tensor_parallel)
-        backend = make_backend(spec.backend, o, self.device)
-        self.engine = TrainEngine(cfg, o, backend, comm, init_weights=o.from_scratch or weights is None,
+        if plan.settings.parallel.tensor_parallel > 1:  # the engine's comm becomes the data-parallel group's
+            comm, tensor_parallel = _tensor_parallel_groups(comm, cfg, plan.settings.parallel.tensor_parallel)
+        backend = make_backend(plan.settings.parallel.backend, o, self.device)
+        self.engine = TrainEngine(cfg, o, backend, comm, init_weights=o.model.from_scratch or weights is None,
                                   tensor_parallel=tensor_parallel)
-        if not o.from_scratch:
+        if not o.model.from_scratch:
             if weights is None:
-                raise ConfigError(f"--model={o.model!r} is a preset without weights; add --from-scratch or "
+                raise ConfigError(f"--model={o.model.model!r} is a preset without weights; add --from-scratch or "
                                   f"pass an HF model folder.")
             from llmq_ray.model.hf_io import load_hf_weights
             from llmq_ray.model.params import ParamLayout
@@ -194,12 +194,12 @@ class GPUWorker:
                 load_hf_weights(weights, self.engine.layout, self.engine.params)
             else:  # ZeRO-3 or tensor parallelism: read the whole model on the host, keep this rank's part
                 full_layout = ParamLayout(cfg)
-                flat = torch.empty(full_layout.numel, dtype=o.torch_dtype)
+                flat = torch.empty(full_layout.numel, dtype=o.numerics.torch_dtype)
                 load_hf_weights(weights, full_layout, flat)
                 self.engine.load_full_params(flat)
             self.engine.reset_optimizer_from_params()
-        self._train = train_source(spec, cfg.vocab_size, self.dp_rank)
-        if spec.checkpoints_on and storage.is_remote(spec.ckpt_dir) and tensor_parallel is None:
+        self._train = train_source(plan, cfg.vocab_size, self.dp_rank)
+        if plan.checkpoints_on and storage.is_remote(plan.ckpt_dir) and tensor_parallel is None:
             # (under tensor parallelism the state is gathered into host tensors of another size at each save)
             from llmq_ray.checkpoints.remote import HostSnapshot
             from llmq_ray.checkpoints.resume import engine_checkpoint_tensors
@@ -209,20 +209,20 @@ class GPUWorker:
             self._snapshot = HostSnapshot()
             self._snapshot.reserve(engine_checkpoint_tensors(self.engine))
         self._gpu_util = None
-        if self.device.type == "cuda" and spec.log_gpu_util > 0:
+        if self.device.type == "cuda" and plan.settings.observe.log_gpu_util > 0:
             from llmq_ray.observe.gpu_stats import GpuUtilLogger
 
-            self._gpu_util = GpuUtilLogger(spec.log_gpu_util, device=self.device)
-        if spec.eval_file:
-            self._eval_periodic = eval_source(spec, cfg.vocab_size, self.dp_rank, spec.eval_num_steps)
-            self._eval_full = eval_source(spec, cfg.vocab_size, self.dp_rank, None)
+            self._gpu_util = GpuUtilLogger(plan.settings.observe.log_gpu_util, device=self.device)
+        if plan.settings.data.eval_file:
+            self._eval_periodic = eval_source(plan, cfg.vocab_size, self.dp_rank, plan.settings.observe.eval_num_steps)
+            self._eval_full = eval_source(plan, cfg.vocab_size, self.dp_rank, None)
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
         return {"device": str(self.device), "device_name": name, "memory": self.memory_table(),
                 "dataset": self._dataset_info(), "backend": self.engine.backend.describe()}
 
     def _dataset_info(self) -> dict:
         src = self._train
-        info: dict = {"synthetic": self.spec.synthetic_data}
+        info: dict = {"synthetic": self.plan.settings.data.synthetic_data}
         spec_obj = getattr(src, "spec", None)
         if spec_obj is not None:
             info.update(files=list(spec_obj.paths), tokens=int(sum(spec_obj.n_tokens)),
@@ -280,26 +280,26 @@ class GPUWorker:
 
         Returns {"loss", "norm", "targets", "skipped", "skip_reason", "seconds" (inside this call),
         "data_seconds", "memory"} -- loss/norm/targets are already reduced over all ranks."""
-        o = self.spec.opts
+        o = self.plan.settings
         self._mark(step, -1, "at the start of the step")
         self.faults.before_step(step)
         events_before = telemetry.allocator_events(self.device)
         self._gc_pauses.take()
         t0 = time.perf_counter()
         data_s = 0.0
-        if o.fp8_monitor_every and (step + 1) % o.fp8_monitor_every == 0:
+        if o.numerics.fp8_monitor_every and (step + 1) % o.numerics.fp8_monitor_every == 0:
             self.engine.monitor_begin()
-        for k in range(o.grad_accumulation):
-            data_s += self.micro_step(step, k, last=k + 1 == o.grad_accumulation)
-        self._mark(step, 2 * o.grad_accumulation, "in the update")
+        for k in range(o.data.grad_accumulation):
+            data_s += self.micro_step(step, k, last=k + 1 == o.data.grad_accumulation)
+        self._mark(step, 2 * o.data.grad_accumulation, "in the update")
         out = self.update(step, lr, limits)  # reads the stats to the host: the step's one sync
         monitor = self.engine.monitor_take()  # after that sync: no extra wait
         if monitor is not None:
             out["fp8_monitor"] = monitor
-        self._mark(step, 2 * o.grad_accumulation + 1, "done with the step")
+        self._mark(step, 2 * o.data.grad_accumulation + 1, "done with the step")
         seconds = time.perf_counter() - t0
         # this worker's share of the tokens: a tensor-parallel group's T ranks compute one batch between them
-        tokens = o.batch_size * o.seq_len * o.grad_accumulation / self.spec.tensor_parallel
+        tokens = o.data.batch_size * o.data.seq_len * o.data.grad_accumulation / self.plan.settings.parallel.tensor_parallel
         mem = telemetry.memory_bytes(self.device)
         out.update(seconds=seconds, data_seconds=data_s, memory=mem)
         events = telemetry.allocator_events(self.device)
@@ -345,16 +345,15 @@ class GPUWorker:
         with ``write`` writes (others: None)."""
         from llmq_ray import storage
         from llmq_ray.model.hf_io import export_hf, export_hf_to_uri
-        from llmq_ray.options import DTYPES
 
         e = self.engine
         flat = self._whole_model_weights(keep=write)
         if not write:
             return None
-        torch_dtype = DTYPES[dtype] if dtype else flat.dtype
+        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype] if dtype else flat.dtype
         from llmq_ray.model.tokenizer_files import tokenizer_source_for_export
 
-        _, weights = resolve_model(self.spec.opts.model)
+        _, weights = resolve_model(self.plan.settings.model.model)
         write_to = export_hf_to_uri if storage.is_remote(out_dir) else export_hf
         from llmq_ray.model.params import ParamLayout
 

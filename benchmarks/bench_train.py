@@ -135,7 +135,7 @@ def main(argv=None) -> int:
                       f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s | data {1000 * rec['data_seconds']:.1f} ms"
                       f" | gc {1000 * rec.get('gc_seconds', 0.0):.1f} ms"
                       + (f" | allocator {rec['allocator_events']}" if rec.get("allocator_events") else ""), flush=True)
-            world = t.spec.world_size
+            world = t.plan.world_size
     except LLMQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
            "data_wait_ms": 1000 * med([r["data_seconds"] for r in steady]),
            "peak_memory_gib": max(max(r["memory"]) for r in steady) / 2**30, "setup_s": setup_s}
     print(f"\n{a.model} B={a.batch_size} T={a.seq_len} x{a.grad_accumulation} on {world} x {info['gpu'] or 'cpu'} "
-          f"({t.spec.backend}, {dtype}, ZeRO-{a.zero_level}"
+          f"({t.settings.parallel.backend}, {dtype}, ZeRO-{a.zero_level}"
           + (f", tensor-parallel {a.tensor_parallel})" if a.tensor_parallel > 1 else ")"))
     sol_s = "-" if res["sol"] is None else f"{100 * res['sol']:.1f}%"
     print(f"tokens/s {tps:,.0f} ({tps / world:,.0f} per GPU) | step {res['step_ms']:.1f} ms | "

@@ -22,7 +22,7 @@ from llmq_ray.train.cli import gib_or_auto
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
-from llmq_ray.options import TrainOptions
+from llmq_ray.settings import make_settings  # noqa: E402
 
 
 KERNEL_CATEGORIES = (  # (category, substrings of the kernel name), first match wins
@@ -186,7 +186,7 @@ def main():
         triton_fp8.TILES[kind] = tuple(int(d) for d in dims.split(","))
         print(f"fp8 tiles: {kind} = {triton_fp8.TILES[kind]}", flush=True)
     rec = {f"recompute_{r}": True for r in args.recompute.split(",") if r}
-    opts = TrainOptions(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len,
+    opts = make_settings(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, learning_rate=3e-4, warmup=0,
                         grad_accumulation=args.grad_accumulation, steps=args.steps + 2, model_dtype=args.model_dtype,
                         master_dtype=args.master_dtype, opt_m_dtype=args.opt_m_dtype or args.opt_dtype,
                         opt_v_dtype=args.opt_v_dtype or args.opt_dtype,

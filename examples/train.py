@@ -5,7 +5,7 @@
         --eval-file data/web/eval.bin --batch-size 16 --seq-len 1024 --steps 2000 --gpus 8
     python examples/train.py --help               # every flag, with its default
 
-See llmq_ray/train/run_defaults.py for what the "auto" defaults pick, docs/running-on-ray.md for the Ray dashboard, and
+See llmq_ray/settings/defaults.py for what the "auto" defaults pick, docs/running-on-ray.md for the Ray dashboard, and
 docs/stopping-and-resuming.md for SIGTERM / Ctrl-C, --continue and the exit codes.
 """
 

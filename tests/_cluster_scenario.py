@@ -182,6 +182,9 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("remove_after_step"):
         watcher = threading.Thread(target=remove_one, daemon=True)
         watcher.start()
+    fault = spec["kwargs"].pop("fault", None)
+    if fault:  # the test hook (actors/fault_injection.py): read by the trainer when the run starts
+        os.environ["LLMQ_RAY_TEST_FAULT"] = json.dumps(fault)
     trainer = LLMQTrainer(**spec["kwargs"])
     try:
         result = trainer.fit()

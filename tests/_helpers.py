@@ -154,12 +154,12 @@ def our_model_from_hf(hf_model, tmp_path, batch: int, seq: int, dtype=torch.floa
     from llmq_ray.backends import get_backend
     from llmq_ray.model.config import config_from_hf_dict
     from llmq_ray.model.hf_io import load_hf_weights
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
 
     folder = tmp_path / "hf"
     hf_model.save_pretrained(folder)
     cfg = config_from_hf_dict(hf_model.config.to_dict())
-    model = LlamaModel(cfg, get_backend("torch"), batch_size=batch, seq_len=seq, dtype=dtype, **kwargs)
+    model = build_model(cfg, get_backend("torch"), batch_size=batch, seq_len=seq, dtype=dtype, **kwargs)
     load_hf_weights(str(folder), model.layout, model.params)
     return model
 
@@ -204,3 +204,61 @@ def exit_after(fn, *args) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+# the run the engine-level tests describe unless they say otherwise: a tiny model, fp32, from scratch, no warmup
+ENGINE_TEST_DEFAULTS = dict(model="tiny", batch_size=4, seq_len=256, steps=100, learning_rate=3e-4, warmup=0,
+                            model_dtype="fp32", from_scratch=True)
+
+
+def train_settings(_base=None, **overrides):
+    """A ``RunSettings`` for building an engine in a test: ``ENGINE_TEST_DEFAULTS`` under ``overrides`` (keywords
+    routed by name, as ``LLMQTrainer`` routes them). The "auto" values the trainer would resolve stay "auto",
+    which the engine reads as their plain meaning (the LM head in the model dtype, the current SwiGLU scale,
+    FP8 weight copies persistent below ZeRO-3); ``_base``: settings to start from instead."""
+    from llmq_ray.settings import make_settings
+
+    if _base is not None:
+        return make_settings(_base, **overrides)
+    return make_settings(**{**ENGINE_TEST_DEFAULTS, **overrides})
+
+
+def checked_settings(**overrides):
+    """``train_settings`` through every rule (llmq_ray/settings/rules.py): what ``checked_settings(...)``
+    was."""
+    from llmq_ray.settings.rules import validate
+
+    return validate(train_settings(**overrides))
+
+
+@contextlib.contextmanager
+def injected_fault(monkeypatch, fault):
+    """The test hook of actors/fault_injection.py for the runs started inside the block: ``fault`` (a dict or a
+    list of dicts) as JSON in LLMQ_RAY_TEST_FAULT, which the trainer reads at start."""
+    monkeypatch.setenv("LLMQ_RAY_TEST_FAULT", json.dumps(fault))
+    try:
+        yield
+    finally:
+        monkeypatch.delenv("LLMQ_RAY_TEST_FAULT", raising=False)
+
+
+def faulty_trainer(fault=None, **kwargs):
+    """``LLMQTrainer(**kwargs)`` whose run meets ``fault`` (actors/fault_injection.py; None: no fault) -- the
+    test hook travels in the run's plan, set here where the trainer builds it, as LLMQ_RAY_TEST_FAULT sets it for
+    runs started as a command."""
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    class FaultyTrainer(LLMQTrainer):
+        def _build_plan(self, ray):
+            plan = super()._build_plan(ray)
+            plan.fault = fault
+            return plan
+
+    return FaultyTrainer(**kwargs)
+
+
+def test_plan(world_size: int = 1, **overrides):
+    """A ``RunPlan`` of ``world_size`` workers over ``train_settings(**overrides)`` (placement checks in tests)."""
+    from llmq_ray.actors.plan import RunPlan
+
+    return RunPlan(settings=train_settings(**overrides), world_size=world_size)

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from _helpers import bf16_stochastic_neighbours, perturb_norms_and_biases
+from _helpers import bf16_stochastic_neighbours, perturb_norms_and_biases, train_settings
 
 DEV = "cuda"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -368,11 +368,11 @@ def check_stochastic_round_unbiased(fast):
 # ---------------------------------------------------------------------------------------------- whole model
 def model_grads(cfg, backend_name, b, t, dtype):
     from llmq_ray.backends import get_backend
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
     from llmq_ray.model.params import init_params
 
     be = get_backend(backend_name, DEV)
-    model = LlamaModel(cfg, be, batch_size=b, seq_len=t, dtype=dtype)
+    model = build_model(cfg, be, batch_size=b, seq_len=t, dtype=dtype)
     flat = torch.zeros(model.layout.numel, dtype=torch.float32)
     init_params(model.layout, flat, seed=3)
     views = model.layout.views(flat)
@@ -434,13 +434,13 @@ def fp8_run(backend, matmul_dtype=None, gradient_dtype=None, lmhead_dtype=None, 
     """(summed loss, flat fp32 gradients) of one forward+backward of the FP8 test model in bf16 / FP8
     (``smooth_swiglu``: --fp8-smooth-swiglu)."""
     from llmq_ray.backends import get_backend
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
     from llmq_ray.model.params import init_params
 
     cfg = fp8_model_config()
-    model = LlamaModel(cfg, get_backend(backend, "cuda"), batch_size=FP8_B, seq_len=FP8_T, dtype=torch.bfloat16,
+    model = build_model(cfg, get_backend(backend, "cuda"), batch_size=FP8_B, seq_len=FP8_T, dtype=torch.bfloat16,
                        matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype, lmhead_dtype=lmhead_dtype,
-                       smooth_swiglu=smooth_swiglu)
+                       swiglu_scale="smooth" if smooth_swiglu else "current")
     init_params(model.layout, model.params, seed=11)
     perturb_norms_and_biases(model)
     gen = torch.Generator().manual_seed(5)
@@ -490,10 +490,9 @@ def check_saturated_share(backend: str, device: str) -> None:
     from llmq_ray.backends import get_backend
     from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.model.config import PRESETS
-    from llmq_ray.options import TrainOptions
 
     cfg = PRESETS["tiny"]
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
+    opts = train_settings(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
                         fp8_delayed_swiglu_scale=True, grad_accumulation=2, fp8_monitor_every=1)
     e = TrainEngine(cfg, opts, get_backend(backend, device))
     x = torch.randint(0, cfg.vocab_size, (2, 33), generator=torch.Generator().manual_seed(5))

@@ -38,7 +38,7 @@ from llmq_ray.checkpoints import layout, local, resume, retention, verify
 from llmq_ray.model.config import PRESETS, ModelConfig
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import CheckpointError
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 from llmq_ray.model.params import ParamLayout
 from llmq_ray.checkpoints.resume import (data_state_for_rank, engine_checkpoint_tensors, load_engine_checkpoint,
                              save_engine_checkpoint)
@@ -86,7 +86,7 @@ def _engine(opts, init_weights=True):
 
 
 def _stream(path, opts):
-    return TokenStream(path, opts.seq_len, opts.batch_size, seed=3, use_ray=False, prefetch=0,
+    return TokenStream(path, opts.data.seq_len, opts.data.batch_size, seed=3, use_ray=False, prefetch=0,
                        vocab_size=PRESETS["tiny"].vocab_size)
 
 
@@ -108,7 +108,7 @@ def _batches(stream):
          lmhead_dtype="e4m3"),
 ], ids=["fp32", "bf16-sr", "offloaded-part-kept", "e4m3-m", "fp8-head"])
 def test_resume_is_bit_exact(tmp_path, train_bin, dtypes):
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, steps=12, learning_rate=3e-3, warmup=2,
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, steps=12, learning_rate=3e-3, warmup=2,
                         lr_schedule="cosine", seed=7, **dtypes)
     ckpt_dir = tmp_path / "ckpt"
 
@@ -155,7 +155,7 @@ def test_engine_resumes_on_another_world_size(tmp_path):
     """A world-1 engine checkpoint loads into the two ranks of a world-2 run (each its own ZeRO shard)."""
     from llmq_ray.engine.communicator import Communicator
 
-    opts = TrainOptions(model="tiny", batch_size=1, seq_len=8, steps=2, model_dtype="bf16", opt_m_dtype="bf16")
+    opts = train_settings(model="tiny", batch_size=1, seq_len=8, steps=2, model_dtype="bf16", opt_m_dtype="bf16")
     src = _engine(opts)
     src.optimizer.m.copy_(torch.randn(src.optimizer.m.numel()))
     folder = save_engine_checkpoint(str(tmp_path), 1, src, data_state=[{"seed": 3, "epoch": 0, "cursor": 4}])

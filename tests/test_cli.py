@@ -42,23 +42,24 @@ def _trainer(argv, tmp_path):
 
 def test_cpu_auto_defaults_and_explicit_flags(tmp_path):
     t = _trainer(["--device", "cpu", "--synthetic-data"], tmp_path)
-    opts, rt = t.opts, t.runtime
-    assert opts.model == "tiny-qwen" and opts.from_scratch and opts.model_dtype == "fp32"
-    assert (opts.batch_size, opts.seq_len, opts.steps, opts.warmup) == (4, 128, 20, 2)
-    assert rt["device"] == "cpu" and rt["synthetic_data"] and rt["eval_every_n_steps"] == 0
+    opts = rt = t.settings
+    assert opts.model.model == "tiny-qwen" and opts.model.from_scratch and opts.numerics.model_dtype == "fp32"
+    assert (opts.data.batch_size, opts.data.seq_len, opts.optim.steps, opts.optim.warmup) == (4, 128, 20, 2)
+    assert rt.parallel.device == "cpu" and rt.data.synthetic_data and rt.observe.eval_every_n_steps == 0
     t = _trainer(["--device", "cpu", "--model", "tiny", "--batch-size", "3", "--seq-len", "32",
                   "--grad-accumulation", "2", "--zero-level", "2", "--lr", "1e-3", "--recompute-block",
                   "--synthetic-data", "--adam-eps", "1e-6", "--cooldown-fraction", "0.3"], tmp_path)
-    opts, rt = t.opts, t.runtime
-    assert (opts.batch_size, opts.seq_len, opts.grad_accumulation, opts.zero_level) == (3, 32, 2, 2)
-    assert opts.learning_rate == 1e-3 and opts.recompute_block and opts.effective_zero_level == 2
-    assert opts.adam_eps == 1e-6 and opts.cooldown_fraction == 0.3
+    opts = rt = t.settings
+    assert (opts.data.batch_size, opts.data.seq_len, opts.data.grad_accumulation, opts.parallel.zero_level) == (3, 32, 2, 2)
+    assert opts.optim.learning_rate == 1e-3 and opts.memory.recompute_block and opts.parallel.zero_level == 2
+    assert opts.optim.adam_eps == 1e-6 and opts.optim.cooldown_fraction == 0.3
 
 
 def test_api_and_cli_share_their_defaults(tmp_path):
     """The CLI passes on only the flags given: LLMQTrainer() with the same arguments resolves every option
     and runtime setting the same way, and --help prints the trainer's defaults."""
-    from llmq_ray.train.run_defaults import api_defaults
+    from llmq_ray.settings import all_settings
+    from llmq_ray.settings.defaults import auto_help
     from llmq_ray.train.trainer import LLMQTrainer
 
     for argv, kw in ((["--device", "cpu", "--synthetic-data"], dict(device="cpu", synthetic_data=True)),
@@ -72,11 +73,9 @@ def test_api_and_cli_share_their_defaults(tmp_path):
             continue
         via_cli = _trainer(argv, tmp_path)
         via_api = LLMQTrainer(out_dir=str(tmp_path), verbose=False, **kw)
-        assert via_cli.opts == via_api.opts
-        assert via_cli.runtime["run_id"] != via_api.runtime["run_id"]  # a fresh name per run
-        assert {**via_cli.runtime, "run_id": None} == {**via_api.runtime, "run_id": None}
+        assert via_cli.settings == via_api.settings  # the run id is drawn when a run starts, not here
     helps = {a.dest: a.help for a in cli.build_parser()._actions if a.help != argparse.SUPPRESS}
-    d = api_defaults()
+    d = {**{s.name: s.default for s in all_settings()}, **auto_help()}
     for dest in ("grad_accumulation", "ckpt_keep_n", "max_restarts", "step_timeout_s", "beta_2", "opt_chunk_size"):
         assert f"(default: {d[dest]})" in helps[dest], (dest, helps[dest])
     assert "auto: tiny-qwen on CPU" in helps["model"]
@@ -111,9 +110,9 @@ def test_gib_flags_take_a_number_or_auto(capsys, flag, base):
 
 def test_checkpoint_flags_reach_the_trainer(tmp_path):
     t = _trainer(["--device", "cpu", "--synthetic-data"], tmp_path)
-    rt = t.runtime
-    assert t.resume is False and rt["ckpt_interval"] == 0 and rt["ckpt_keep_n"] == 2 and rt["max_restarts"] == 3
-    assert rt["step_timeout_s"] == 1800.0 and t.checkpoint_on_exit and not t.allow_batch_change
+    rt = t.settings
+    assert t.resume is False and rt.checkpoints.ckpt_interval == 0 and rt.checkpoints.ckpt_keep_n == 2 and rt.checkpoints.max_restarts == 3
+    assert rt.checkpoints.step_timeout_s == 1800.0 and t.settings.checkpoints.checkpoint_on_exit and not t.settings.checkpoints.allow_batch_change
     base = ["--device", "cpu", "--synthetic-data"]
     kw = cli.trainer_kwargs(cli.build_parser().parse_args(
         base + ["--ckpt-interval", "100", "--ckpt-keep-n", "3", "--ckpt-major", "1000", "--continue",
@@ -273,11 +272,11 @@ def test_sol_table():
 
 
 def test_every_setting_has_a_flag():
-    """Every TrainOptions field and every LLMQTrainer keyword is a flag (but the few for programs and tests)."""
-    from llmq_ray.train.run_defaults import api_defaults
+    """Every setting of the tree (every LLMQTrainer keyword) is a flag, and so is every old spelling of a choice."""
+    from llmq_ray.settings import aliases, all_settings
 
     dests = {a.dest for a in cli.build_parser()._actions if a.option_strings}
-    missing = sorted(set(api_defaults()) - set(cli.API_ONLY) - dests)
+    missing = sorted(({s.name for s in all_settings()} | set(aliases())) - dests)
     assert not missing, f"settings without a flag: {missing}"
 
 
@@ -327,3 +326,52 @@ def test_a_periodic_eval_of_no_batches_and_a_negative_sample_are_refused(tmp_pat
     # the command's own sample: a negative length printed nothing, silently
     err = _cli_error(base + ["--sample-tokens", "-1"], capsys)
     assert err == "error: --sample-tokens=-1 must be an integer >= 0 (0: no sample)."
+
+
+def test_print_config_is_a_config_file_with_the_default_data(tmp_path, capsys):
+    """`--print-config > run.toml` then `--config run.toml`: with the default data the "data: ..." line goes to
+    stderr, so stdout is TOML alone; the run id is not pinned (a new one per run) and device/backend that stay
+    "auto" until Ray starts say so; the file resolves to the same settings."""
+    import tomllib
+
+    out = str(tmp_path / "out")
+    assert cli.main(["--device", "cpu", "--out-dir", out, "--steps", "3", "--print-config"]) == 0
+    captured = capsys.readouterr()
+    doc = tomllib.loads(captured.out)  # valid TOML: nothing but the settings on stdout
+    assert "data: " in captured.err and "data: " not in captured.out
+    assert doc["data"]["train_file"].endswith(".bin") and doc["optim"]["steps"] == 3
+    assert "run_id" not in doc["observe"] and "# run_id = (a new one per run" in captured.out
+    assert doc["parallel"]["device"] == "cpu" and doc["parallel"]["backend"] == "auto"
+    assert 'backend = "auto"  # resolved when the run starts' in captured.out
+    run = tmp_path / "run.toml"
+    run.write_text(captured.out)
+    assert cli.main(["--config", str(run), "--print-config"]) == 0
+    again = capsys.readouterr().out
+    assert again.split("\n")[1:] == captured.out.split("\n")[1:]  # the same settings (the first line names the file)
+
+
+def test_help_lists_the_presets_and_uses_the_readme_spellings(capsys):
+    """--help ends with the model presets; its usage line says --continue (the README's word), not --resume;
+    every old spelling of a merged choice is still offered beside the choice."""
+    from llmq_ray.model.config import PRESETS
+
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--help"])
+    text = capsys.readouterr().out
+    epilog = text[text.index("model presets"):]
+    assert all(name in epilog for name in PRESETS)
+    usage = text[:text.index("\n\n")]
+    assert "--continue" in usage and "--resume" not in usage
+    for flag in ("--fp8-weight-copies", "--persistent-quants", "--transient-quants", "--offload-quants",
+                 "--swiglu-fp8-scale", "--fp8-delayed-swiglu-scale", "--fp8-smooth-swiglu", "--zero-level",
+                 "--shard-gradients", "--shard-weights"):
+        assert flag in text, flag
+
+
+def test_a_misspelt_flag_is_one_line_without_the_usage_block(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--batch-sise", "4"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: unrecognized argument --batch-sise (did you mean "
+                                                   "'--batch-size'?)"), err

@@ -12,7 +12,9 @@ import pytest
 from llmq_ray.actors import collectives
 from llmq_ray.errors import ConfigError
 from llmq_ray.observe.runlog import read_log
-from llmq_ray.train.trainer import LLMQTrainer, parse_port_range
+from llmq_ray.settings.rules import port_range as parse_port_range
+from llmq_ray.train.trainer import LLMQTrainer
+from _helpers import train_settings
 
 
 def test_port_ranges_are_parsed_or_refused_in_one_sentence(tmp_path):
@@ -83,7 +85,9 @@ def test_a_rank_on_a_node_ray_reports_dead_is_named_as_such_not_as_a_hang(monkey
     err = c._explain_hang([0, 1], None, None)
     assert str(err) == "node 10.0.0.5 died during step 7 (Ray reports it dead), taking rank 1 with it."
     monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "aaa", "Alive": True}, {"NodeID": "bbb", "Alive": True}])
-    c.spec = type("Spec", (), {"step_timeout_s": 30.0})()
+    from _helpers import train_settings
+
+    c.plan = type("Plan", (), {"settings": train_settings(step_timeout_s=30.0)})()
     assert "hung in step 7, not even answering a status probe" in str(c._explain_hang([0, 1], None, None))
 
 

@@ -11,7 +11,7 @@ from llmq_ray.backends import cublaslt, get_backend
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.errors import ConfigError
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
@@ -29,7 +29,7 @@ def test_pointer_alignment():
 def test_deterministic_runs_get_untimed_gemms_and_the_deterministic_attention(deterministic):
     """make_backend gives a bit-reproducible run (--deterministic-attention) the deterministic attention provider
     and GEMM algorithms that do not depend on timings; the engine refuses a backend built otherwise."""
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, deterministic_attention=deterministic)
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, deterministic_attention=deterministic)
     backend = make_backend("triton", opts, "cpu")
     assert backend.gemm.tuning is (not deterministic)
     assert backend.attention.name == ("deterministic" if deterministic else "sdpa")

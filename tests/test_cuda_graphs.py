@@ -10,11 +10,11 @@ from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
 from llmq_ray.errors import ConfigError
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 
 
 def test_cuda_graphs_on_cpu_is_one_sentence():
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, use_cuda_graphs=True)
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, use_cuda_graphs=True)
     with pytest.raises(ConfigError, match=r"^--use-cuda-graphs needs a CUDA device; this worker runs on cpu\.$"):
         TrainEngine(PRESETS["tiny"], opts, get_backend("torch", "cpu"))
 
@@ -23,18 +23,17 @@ def test_cuda_graphs_on_cpu_is_one_sentence():
 def test_torch_backend_refuses_graphs():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, use_cuda_graphs=True)
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, use_cuda_graphs=True)
     with pytest.raises(ConfigError, match=r"does not work with --backend=torch"):
         TrainEngine(PRESETS["tiny"], opts, get_backend("torch", "cuda"))
 
 
 def test_cuda_graphs_flag_reaches_the_options():
     from llmq_ray.train.cli import build_parser, trainer_kwargs
-    from llmq_ray.train.run_defaults import OPTION_FIELDS, resolve_option_fields
+    from llmq_ray.settings import make_settings
 
     kw = trainer_kwargs(build_parser().parse_args(["--use-cuda-graphs", "--device", "cpu", "--synthetic-data"]))
-    opts = resolve_option_fields({k: v for k, v in kw.items() if k in OPTION_FIELDS}, "cpu")
-    assert opts.use_cuda_graphs
+    assert make_settings(**kw).speed.use_cuda_graphs
 
 
 def _bf16_ulp(t: torch.Tensor) -> torch.Tensor:
@@ -57,7 +56,7 @@ def _train(backend: str, graphs: bool, matmul_dtype, steps: int = 3, accumulatio
     ``documents``: --document-masking, with the model's EOS at random places of every micro-batch (the score bias
     is rebuilt inside the replayed graph from each micro-step's tokens)."""
     cfg = dataclasses.replace(PRESETS[base], num_layers=4, name=f"{base}-4layers", tie_word_embeddings=not untied)
-    opts = TrainOptions(model=base, batch_size=2, seq_len=256, grad_accumulation=accumulation,
+    opts = train_settings(model=base, batch_size=2, seq_len=256, grad_accumulation=accumulation,
                         model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16", opt_v_dtype="bf16",
                         use_cuda_graphs=graphs, steps=steps, overlap_update=overlap,
                         offload_opt_m=offload, offload_opt_v=offload, deterministic_attention=deterministic,

@@ -16,8 +16,9 @@ from llmq_ray.data_pipeline.shards import write_shard
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.config import PRESETS
-from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
-from llmq_ray.options import TrainOptions
+from llmq_ray.model import build_model
+from llmq_ray.model.build import Recompute
+from _helpers import checked_settings, train_settings
 from llmq_ray.train.preflight import data_eos_id, separator_seen
 
 EOS = 7
@@ -33,7 +34,7 @@ def _documents(lengths, seed=0):
 def _loss_and_grads(rows_in, rows_tgt, separator, recompute=None, cfg=CFG, attention="sdpa"):
     """Sum of target losses and the gradient of it, for a batch of equal-length rows."""
     inputs, targets = torch.stack(rows_in), torch.stack(rows_tgt)
-    model = LlamaModel(cfg, get_backend("torch", attention=attention), batch_size=inputs.shape[0],
+    model = build_model(cfg, get_backend("torch", attention=attention), batch_size=inputs.shape[0],
                        seq_len=inputs.shape[1],
                        document_separator=separator, recompute=recompute,
                        reset_positions=cfg.is_gpt2 and separator is not None)
@@ -51,7 +52,7 @@ def _packed(docs):
     return inputs, targets
 
 
-@pytest.mark.parametrize("recompute, cfg, attention", [(None, CFG, "sdpa"), (RecomputeOptions(block=True), CFG, "sdpa"),
+@pytest.mark.parametrize("recompute, cfg, attention", [(None, CFG, "sdpa"), (Recompute(block=True), CFG, "sdpa"),
                                                       (None, PRESETS["tiny-gpt2"], "sdpa"), (None, CFG, "deterministic")],
                          ids=["stored", "recomputed", "gpt2-reset-positions", "triton-backward"])
 def test_a_packed_window_equals_its_documents_run_alone(recompute, cfg, attention):
@@ -75,9 +76,9 @@ def test_a_packed_window_equals_its_documents_run_alone(recompute, cfg, attentio
 
 
 def test_engine_trains_with_document_masking_and_takes_the_model_eos_by_default():
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, learning_rate=3e-3, seed=1, document_masking=True)
+    opts = train_settings(model="tiny", batch_size=2, seq_len=32, learning_rate=3e-3, seed=1, document_masking=True)
     e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
-    assert e.model.document_separator == PRESETS["tiny"].eos_token_id
+    assert e.model.build.document_separator == PRESETS["tiny"].eos_token_id
     doc = torch.cat([torch.arange(10) % 5 + 20, torch.tensor([PRESETS["tiny"].eos_token_id])])
     x = doc.repeat(3)[:33].repeat(2, 1)
     losses = []
@@ -89,15 +90,19 @@ def test_engine_trains_with_document_masking_and_takes_the_model_eos_by_default(
 
 def test_document_masking_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="--document-separator=-1"):
-        TrainOptions(document_masking=True, document_separator=-1).validate()
+        checked_settings(document_masking=True, document_separator=-1)
     with pytest.raises(ConfigError, match="--document-separator=True must be a token id"):
-        TrainOptions(document_masking=True, document_separator=True).validate()
+        checked_settings(document_masking=True, document_separator=True)
     with pytest.raises(ConfigError, match=r"--document-separator=5 needs --document-masking"):
-        TrainOptions(document_separator=5).validate()
+        checked_settings(document_separator=5)
+    from llmq_ray.train.model_checks import check_model_settings
+
     with pytest.raises(ConfigError, match="with GPT-2 needs --reset-positions"):
-        LlamaModel(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=1, seq_len=8, document_separator=0)
+        check_model_settings(PRESETS["tiny-gpt2"], train_settings(model="tiny-gpt2", document_masking=True))
+    with pytest.raises(ValueError, match="learned positions needs them reset"):
+        build_model(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=1, seq_len=8, document_separator=0)
     with pytest.raises(ConfigError, match="--reset-positions needs --document-masking"):
-        TrainOptions(reset_positions=True).validate()
+        checked_settings(reset_positions=True)
 
 
 @pytest.mark.parametrize("n_q, n_kv, lengths", [(4, 2, ((5, 20, 30, 9), (64,))), (2, 2, ((1, 16, 15, 17, 15), (33, 31))),
@@ -192,7 +197,7 @@ def _model_on_a_faked_gpu(kernels):
     be.attention.DOCUMENT_KERNELS = kernels
     fake_triton = _FakeTriton()
     be.attention._triton = (fake_triton, fake_triton)
-    model = LlamaModel(CFG, be, batch_size=2, seq_len=6, dtype=torch.bfloat16, document_separator=EOS,
+    model = build_model(CFG, be, batch_size=2, seq_len=6, dtype=torch.bfloat16, document_separator=EOS,
                        attn_bwd_chunks=2)
     return model, be.attention._aten, fake_triton
 
@@ -216,7 +221,8 @@ def test_on_the_gpu_the_tile_skipping_triton_kernels_get_the_documents_and_no_bi
     assert model.documents.segments.tolist() == [[0] * 6, [0, 1, 2, 3, 4, 5]]
     assert model.documents.ends.tolist() == [[6] * 6, [1, 2, 3, 4, 5, 6]]
     triton_kernels.calls.clear()
-    model._attention_backward(model.acts.get("att", 0), model.acts.get("lse", 0), model.acts.get("qkv", 0))
+    model.attention.backward(model.d_qkv, model.d_att, model.acts.get("att", 0), model.acts.get("lse", 0),
+                             model.acts.get("qkv", 0))
     rows = [c[1] for c in triton_kernels.calls]
     assert [c[0] for c in triton_kernels.calls] == ["backward"] * 2 and cudnn.biases == []
     for name in ("segments", "starts", "ends"):
@@ -235,7 +241,8 @@ def test_with_cudnn_kernels_the_fused_path_gets_a_score_bias_built_from_the_segm
     model._forward_trunk(torch.tensor([[3, 4, 5, 6, 8, 9], [EOS] * 6]).reshape(-1))  # the next micro-step's inputs
     assert torch.equal(model.documents.bias.float(), _bias_of(torch.tensor([[0] * 6, [0, 1, 2, 3, 4, 5]])))
     fake.biases.clear()
-    model._attention_backward(model.acts.get("att", 0), model.acts.get("lse", 0), model.acts.get("qkv", 0))
+    model.attention.backward(model.d_qkv, model.d_att, model.acts.get("att", 0), model.acts.get("lse", 0),
+                             model.acts.get("qkv", 0))
     assert [tuple(b.shape) for b in fake.biases] == [(1, 1, 6, 6)] * 2
     assert torch.equal(torch.cat(fake.biases), model.documents.bias)
     plain = get_backend("torch").attention_document_mask(torch.zeros(2, 6, dtype=torch.int32), torch.bfloat16)
@@ -273,7 +280,7 @@ def _zero_rank(rank: int, port: int, out_path: str) -> None:
     from _helpers import gloo_group
 
     with gloo_group(rank, 2, port) as comm:
-        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=3,
+        opts = train_settings(model="tiny", batch_size=2, seq_len=16, grad_accumulation=1, zero_level=3,
                             document_masking=True, grad_clip=0.0)
         e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"), comm)
         losses = []
@@ -296,7 +303,7 @@ def test_document_masking_under_zero3_on_two_gloo_ranks_equals_one_process(tmp_p
     dist_losses, dist_params = torch.load(tmp_path / "rank0.pt")
 
     def one_process(masking: bool):
-        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=1,
+        opts = train_settings(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=1,
                             document_masking=masking, grad_clip=0.0)
         e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
         losses = []

@@ -7,10 +7,11 @@ gradients pointing the same way, recomputation still bit-identical, and the e5m2
 import pytest
 import torch
 
-from _helpers import perturb_norms_and_biases
+from _helpers import checked_settings, perturb_norms_and_biases, train_settings
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import ModelConfig
-from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
+from llmq_ray.model import build_model
+from llmq_ray.model.build import Recompute
 from llmq_ray.model.params import init_params
 
 CFG = ModelConfig("qwen2", 128, 352, 2, 4, 2, 1000, tie_word_embeddings=False, qkv_bias=True, name="fp8-test")
@@ -18,7 +19,7 @@ B, T = 2, 32
 
 
 def _run(matmul_dtype=None, gradient_dtype=None, recompute=None, lmhead_dtype=None, lmhead_chunks=1, cfg=CFG):
-    model = LlamaModel(cfg, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
+    model = build_model(cfg, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
                        matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype, recompute=recompute,
                        lmhead_dtype=lmhead_dtype, lmhead_chunks=lmhead_chunks)
     init_params(model.layout, model.params, seed=7)
@@ -90,7 +91,7 @@ def test_fp8_lm_head_chunks_and_eval_see_the_same_forward():
 @pytest.mark.parametrize("flag", ["norm", "att", "block"])
 def test_fp8_recompute_is_bit_identical(flag):
     base = _run("e4m3")
-    again = _run("e4m3", recompute=RecomputeOptions(**{flag: True}))
+    again = _run("e4m3", recompute=Recompute(**{flag: True}))
     # without recompute the forward keeps q(x^T) for the wgrad; with it the backward re-quantizes x: same bits
     assert base.lin.store_xt and not again.lin.store_xt
     assert torch.equal(base.loss_sum, again.loss_sum)
@@ -101,7 +102,7 @@ def test_fp8_recompute_is_bit_identical(flag):
 def test_second_micro_step_accumulates(matmul_dtype):
     """The first backward after zero_grads() overwrites the block weight gradients (no read of zeros); every
     later micro-step must add to them: grads(A then B) == grads(A) + grads(B)."""
-    model = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.float32 if not matmul_dtype
+    model = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.float32 if not matmul_dtype
                        else torch.bfloat16, matmul_dtype=matmul_dtype)
     init_params(model.layout, model.params, seed=7)
     gen = torch.Generator().manual_seed(9)
@@ -121,13 +122,13 @@ def test_fp8_keeps_no_bf16_copy_of_the_gemm_inputs_it_stores_transposed(monkeypa
     """e4m3 without recomputation stores q(x^T) of every block GEMM input for the wgrad, so ln1, ln2 and the
     swiglu output need no per-layer bf16 copy (one shared buffer each; the attention output stays per layer,
     its backward reads it): the same bits as keeping them, and (L-1) x N x (2C + I) bf16 values less."""
-    import llmq_ray.model.transformer as model_module
+    import llmq_ray.model.buffers as model_module
 
     shared = _run("e4m3")
     stores = shared.acts._store
     assert [len(stores[k]) for k in ("ln1", "ln2", "swiglu", "att", "up_gate")] == [1, 1, 1, 2, 2]
     assert len(_run().acts._store["ln1"]) == CFG.num_layers  # bf16 reads x in the wgrad: per layer
-    assert len(_run("e4m3", recompute=RecomputeOptions(norm=True)).acts._store["swiglu"]) == CFG.num_layers
+    assert len(_run("e4m3", recompute=Recompute(norm=True)).acts._store["swiglu"]) == CFG.num_layers
 
     keep_all = model_module.Activations.__init__
     monkeypatch.setattr(model_module.Activations, "__init__",
@@ -150,8 +151,8 @@ def test_delayed_swiglu_scale_measures_first_then_reuses_the_last_passes_absmax(
     of the same gradient do (e4m3 steps are 2^-3 relative, ~2^-5 on average: every parameter's gradient cosine
     >= 0.995; seen 0.9987 at the lowest, a norm weight)."""
     def model(delayed):
-        m = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                       matmul_dtype="e4m3", delayed_swiglu_scale=delayed)
+        m = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
+                       matmul_dtype="e4m3", swiglu_scale="delayed" if delayed else "current")
         init_params(m.layout, m.params, seed=7)
         perturb_norms_and_biases(m)
         m.zero_grads()
@@ -183,10 +184,9 @@ def test_delayed_swiglu_scale_measures_first_then_reuses_the_last_passes_absmax(
 
 def test_delayed_swiglu_scale_needs_e4m3():
     from llmq_ray.errors import ConfigError
-    from llmq_ray.options import TrainOptions
 
     with pytest.raises(ConfigError, match="--fp8-delayed-swiglu-scale needs --matmul-dtype e4m3"):
-        TrainOptions(model="tiny", fp8_delayed_swiglu_scale=True).validate()
+        checked_settings(model="tiny", fp8_swiglu_scale="delayed")
 
 
 def test_delayed_swiglu_scale_through_the_engine():
@@ -194,11 +194,10 @@ def test_delayed_swiglu_scale_through_the_engine():
     current scaling (losses within 1%, but not the same: from the second micro-step on the kept scales are used)."""
     from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.model.config import PRESETS
-    from llmq_ray.options import TrainOptions
 
     def losses(delayed):
-        opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, grad_accumulation=2, model_dtype="bf16",
-                            matmul_dtype="e4m3", fp8_delayed_swiglu_scale=delayed)
+        opts = train_settings(model="tiny", batch_size=2, seq_len=32, grad_accumulation=2, model_dtype="bf16",
+                            matmul_dtype="e4m3", fp8_swiglu_scale="delayed" if delayed else "current")
         e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
         assert (e.model.swiglu_out_amax is not None) == delayed
         gen = torch.Generator().manual_seed(5)
@@ -219,8 +218,8 @@ def test_delayed_swiglu_scale_is_not_replaced_by_an_evaluation_forward():
     """An eval forward (forward_loss) under --fp8-delayed-swiglu-scale quantizes at the kept scales but keeps
     them: the training forward after a periodic eval gives the same bits as with no eval in between."""
     def model():
-        m = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                       matmul_dtype="e4m3", delayed_swiglu_scale=True)
+        m = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
+                       matmul_dtype="e4m3", swiglu_scale="delayed")
         init_params(m.layout, m.params, seed=7)
         perturb_norms_and_biases(m)
         return m

@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from llmq_ray.backends import get_backend  # noqa: E402
 from llmq_ray.model.generate import Generator, load_for_generation, sample_next  # noqa: E402
-from llmq_ray.model.transformer import LlamaModel  # noqa: E402
+from llmq_ray.model import build_model  # noqa: E402
+from _helpers import train_settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N_NEW = 20
@@ -107,7 +108,7 @@ def test_cached_logits_equal_full_forward(case):
     cached = torch.cat(steps, dim=1)  # logits predicting tokens 1 .. P+N-1
     assert cached.shape == (b, p + N_NEW - 1, gen.cfg.vocab_size)
 
-    train = LlamaModel(gen.cfg, get_backend("torch"), batch_size=b, seq_len=full.shape[1], params=gen.params)
+    train = build_model(gen.cfg, get_backend("torch"), batch_size=b, seq_len=full.shape[1], params=gen.params)
     ours_full = train.logits_for(full)[:, :-1]
     torch.testing.assert_close(cached, ours_full, rtol=0, atol=1e-5)
     with torch.no_grad():
@@ -254,18 +255,17 @@ def test_trained_and_exported_model_generates_like_transformers(tmp_path):
     from llmq_ray.model.config import PRESETS
     from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.model.hf_io import export_hf
-    from llmq_ray.options import TrainOptions
 
     cfg = PRESETS["tiny"]
-    opts = TrainOptions(model="tiny", batch_size=4, seq_len=32, steps=30, learning_rate=3e-3, seed=3)
+    opts = train_settings(model="tiny", batch_size=4, seq_len=32, steps=30, learning_rate=3e-3, seed=3)
     engine = TrainEngine(cfg, opts, get_backend("torch"))
     gen = torch.Generator().manual_seed(0)
     pattern = torch.randint(0, cfg.vocab_size, (8,), generator=gen)
     data = pattern.repeat(40)  # a repeating sequence: a trained model predicts it, so outputs are not trivial
     losses = []
-    for step in range(opts.steps):
-        starts = torch.randint(0, data.numel() - opts.seq_len - 1, (opts.batch_size,), generator=gen)
-        window = torch.stack([data[s:s + opts.seq_len + 1] for s in starts.tolist()])
+    for step in range(opts.optim.steps):
+        starts = torch.randint(0, data.numel() - opts.data.seq_len - 1, (opts.data.batch_size,), generator=gen)
+        window = torch.stack([data[s:s + opts.data.seq_len + 1] for s in starts.tolist()])
         engine.micro_step(window[:, :-1], window[:, 1:])
         losses.append(engine.update(3e-3, step + 1).loss)
     assert losses[-1] < losses[0] - 1.0, losses  # it really trained

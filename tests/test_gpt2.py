@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from _helpers import our_model_from_hf, random_batch
+from _helpers import our_model_from_hf, random_batch, train_settings
 
 from llmq_ray.backends import get_backend
 from llmq_ray.engine.train_engine import TrainEngine
@@ -24,8 +24,9 @@ from llmq_ray.model.config import PRESETS, config_from_hf_dict
 from llmq_ray.model.generate import Generator
 from llmq_ray.model.hf_io import export_hf, hf_state_dict, load_hf_weights
 from llmq_ray.model.params import init_params
-from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
-from llmq_ray.options import TrainOptions
+from llmq_ray.model import build_model
+from llmq_ray.model.build import Recompute
+from _helpers import checked_settings, train_settings
 
 HF_KW = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=301, n_positions=64, bos_token_id=0, eos_token_id=0,
              architectures=["GPT2LMHeadModel"])
@@ -47,7 +48,7 @@ def _random_hf_model(seed: int = 0, **kw):
     return model
 
 
-def _our_model(hf_model, tmp_path, dtype=torch.float32, **kwargs) -> LlamaModel:
+def _our_model(hf_model, tmp_path, dtype=torch.float32, **kwargs):
     return our_model_from_hf(hf_model, tmp_path, B, T, dtype, **kwargs)
 
 
@@ -91,7 +92,7 @@ def test_logits_loss_and_every_gradient_match_transformers_fp32(hf_and_ours):
 
 def test_export_loads_in_transformers_with_our_logits_and_generation_matches(hf_and_ours, tmp_path):
     cfg = hf_and_ours[1].cfg
-    ours = LlamaModel(cfg, get_backend("torch"), batch_size=B, seq_len=T)
+    ours = build_model(cfg, get_backend("torch"), batch_size=B, seq_len=T)
     init_params(ours.layout, ours.params, seed=5)  # our own weights (biases zero, LayerNorms one) ...
     gen = torch.Generator().manual_seed(9)
     ours.params[ours.layout.decay_end:ours.layout.numel].add_(
@@ -144,8 +145,8 @@ def test_recompute_is_bit_identical(hf_and_ours, flag, tmp_path):
     inputs, targets = _batch(base.cfg.vocab_size)
     base.zero_grads()
     base.forward_backward(inputs, targets)
-    model = LlamaModel(base.cfg, get_backend("torch"), batch_size=B, seq_len=T, params=base.params.clone(),
-                       recompute=RecomputeOptions(**{flag: True}))
+    model = build_model(base.cfg, get_backend("torch"), batch_size=B, seq_len=T, params=base.params.clone(),
+                       recompute=Recompute(**{flag: True}))
     model.zero_grads()
     model.forward_backward(inputs, targets)
     assert torch.equal(model.loss_sum, base.loss_sum) and torch.equal(model.grads, base.grads), flag
@@ -172,7 +173,7 @@ def test_tiny_gpt2_trains_with_the_engine():
     """20 steps on a repeating token pattern: the loss falls by half, and the position table and the LayerNorm
     biases (initialised to 0) move, so their gradients reach the optimizer."""
     cfg = PRESETS["tiny-gpt2"]
-    opts = TrainOptions(model="tiny-gpt2", batch_size=4, seq_len=32, learning_rate=3e-3, seed=1)
+    opts = train_settings(model="tiny-gpt2", batch_size=4, seq_len=32, learning_rate=3e-3, seed=1)
     e = TrainEngine(cfg, opts, get_backend("torch"))
     pos, ln_b = e.layout.slots["pos_embed"], e.layout.slots["layers.0.ln1_b"]
     pos0 = e.params[pos.offset:pos.end].clone()
@@ -207,11 +208,15 @@ def test_gpt2_variants_that_change_the_math_are_refused_in_one_sentence(change, 
 
 def test_what_gpt2_does_not_take_yet_is_refused():
     cfg = PRESETS["tiny-gpt2"]
-    with pytest.raises(ConfigError, match="GPT-2's GELU MLP does not take it"):
-        LlamaModel(cfg, get_backend("torch"), batch_size=1, seq_len=8, matmul_dtype="e4m3",
-                   delayed_swiglu_scale=True)
-    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
-        LlamaModel(cfg, get_backend("torch"), batch_size=1, seq_len=cfg.max_position_embeddings + 1)
+    from llmq_ray.train.model_checks import check_model_settings
+
+    with pytest.raises(ConfigError, match="GPT-2's GELU MLP does not take it"):  # the user's sentence, before Ray
+        check_model_settings(cfg, train_settings(model="tiny-gpt2", matmul_dtype="e4m3", swiglu_fp8_scale="delayed"))
+    with pytest.raises(ValueError, match="GPT-2's GELU MLP has no SwiGLU"):  # the model's own assertion
+        build_model(cfg, get_backend("torch"), batch_size=1, seq_len=8, matmul_dtype="e4m3",
+                    swiglu_scale="delayed")
+    with pytest.raises(ValueError, match="is longer than the model's 256 positions"):
+        build_model(cfg, get_backend("torch"), batch_size=1, seq_len=cfg.max_position_embeddings + 1)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -220,7 +225,7 @@ def test_a_vocabulary_padded_inside_the_head_gives_the_unpadded_loss_and_gradien
     not be 16-byte aligned for cuBLAS): losses, dx and dW (accumulated onto what dW held) equal torch autograd's
     cross-entropy over the unpadded logits within 1e-6 relative (fp32), a masked row (-100) gives 0 loss and 0 dx,
     and the padded logits' gradient is exactly 0."""
-    from llmq_ray.model.lm_head import LMHead
+    from llmq_ray.model.layers.lm_head import LMHead
 
     be = get_backend("torch", torch.device("cpu"))
     n, c, v = 8, 16, 100

@@ -2,7 +2,7 @@
 
 Ground truth: transformers' Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM in fp32 with the same random weights, loss =
 mean cross-entropy over unmasked targets (ignore_index -100). Our model's gradients are sums over target
-tokens (see llmq_ray/model/transformer.py), so they are divided by the target count before comparing.
+tokens (see llmq_ray/model/decoder.py), so they are divided by the target count before comparing.
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from _helpers import our_model_from_hf, random_batch
+from _helpers import our_model_from_hf, random_batch, train_settings
 
 from llmq_ray.model.hf_io import export_hf, hf_state_dict
-from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
+from llmq_ray.model import build_model
+from llmq_ray.model.build import Recompute
 
 # Shapes: GQA and MHA, tied and untied heads, odd sizes, llama3 and linear rope scaling.
 HF_CASES = {
@@ -57,7 +58,7 @@ def _random_hf_model(case: str, seed: int = 0):
     return model
 
 
-def _our_model(hf_model, tmp_path, dtype=torch.float32, **kwargs) -> LlamaModel:
+def _our_model(hf_model, tmp_path, dtype=torch.float32, **kwargs):
     return our_model_from_hf(hf_model, tmp_path, B, T, dtype, **kwargs)
 
 
@@ -65,7 +66,7 @@ def _batch(vocab: int, seed: int = 1):
     return random_batch(vocab, B, T, seed)
 
 
-def _our_grads(model: LlamaModel, inputs, targets):
+def _our_grads(model, inputs, targets):
     model.zero_grads()
     model.forward_backward(inputs, targets)
     count = model.target_count.item()
@@ -131,7 +132,7 @@ def test_recompute_flags_are_bit_identical_and_save_memory(dtype, tmp_path):
     base_bytes = base.activation_bytes()["per_layer"]
     report = {"none": base_bytes}
     for flag in RECOMPUTE_FLAGS:
-        model = _our_model(hf, tmp_path / flag, dtype=dtype, recompute=RecomputeOptions(**{flag: True}))
+        model = _our_model(hf, tmp_path / flag, dtype=dtype, recompute=Recompute(**{flag: True}))
         model.zero_grads()
         model.forward_backward(inputs, targets)
         assert torch.equal(model.loss_sum, base.loss_sum), flag
@@ -186,7 +187,7 @@ def test_bad_batch_shape_is_a_clear_error(tmp_path):
 def _gpt2_hf_model():
     from test_gpt2 import _random_hf_model as random_gpt2
 
-    return random_gpt2()  # vocabulary 301: the padded LM head (llmq_ray/model/lm_head.py) trains here too
+    return random_gpt2()  # vocabulary 301: the padded LM head (llmq_ray/model/layers/lm_head.py) trains here too
 
 
 @pytest.mark.parametrize("family", ["qwen3-gqa-untied-narrow-heads", "llama-gqa-tied-rope-scaling", "gpt2"])
@@ -198,12 +199,11 @@ def test_hf_round_trip_load_train_two_steps_export_and_transformers_gives_our_lo
     from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.model.config import config_from_hf_dict
     from llmq_ray.model.hf_io import load_hf_weights
-    from llmq_ray.options import TrainOptions
 
     hf = _gpt2_hf_model() if family == "gpt2" else _random_hf_model(family)
     hf.save_pretrained(tmp_path / "hf")
     cfg = config_from_hf_dict(hf.config.to_dict())
-    opts = TrainOptions(model=str(tmp_path / "hf"), batch_size=B, seq_len=T, model_dtype="fp32",
+    opts = train_settings(model=str(tmp_path / "hf"), batch_size=B, seq_len=T, model_dtype="fp32",
                         master_dtype="fp32", opt_m_dtype="fp32", opt_v_dtype="fp32", learning_rate=1e-2)
     engine = TrainEngine(cfg, opts, get_backend("torch"), init_weights=False)
     load_hf_weights(str(tmp_path / "hf"), engine.layout, engine.params)

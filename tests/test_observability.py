@@ -15,12 +15,12 @@ import types
 import pytest
 import torch
 
-from _helpers import FakeTTY
+from _helpers import FakeTTY, train_settings
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -374,7 +374,7 @@ def _reachable_bytes(engine) -> int:
 def test_memory_table_adds_up_to_what_is_allocated(kw):
     from llmq_ray.observe.memory_table import TENSOR_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
 
-    opts = TrainOptions(batch_size=2, seq_len=64, **kw)
+    opts = train_settings(batch_size=2, seq_len=64, **kw)
     e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
     rows = memory_table(e)
     assert [n for n, _ in rows] == list(TENSOR_ROWS)  # CPU: no device rows
@@ -391,7 +391,7 @@ def test_memory_table_adds_up_to_what_is_allocated(kw):
     # the measured table and the model's own accounting agree (L+1 residuals included)
     assert t["activations"] == e.model.activation_bytes()["total"]
     fp8 = e.model.lin.fp8_bytes()
-    assert fp8 <= t["fp8"] <= fp8 + 4096 and (fp8 > 0) == (opts.matmul_dtype == "e4m3")
+    assert fp8 <= t["fp8"] <= fp8 + 4096 and (fp8 > 0) == (opts.numerics.matmul_dtype == "e4m3")
     assert t["scratch"] >= nb(e.model.logits) + nb(e.model.d_residual)
     if kw:
         assert t["master"] == 2 * t["weights"] and e.grads is None and t["grads"] > nb(e.grad_shard)
@@ -409,7 +409,7 @@ def test_memory_table_matches_cuda_allocated():
 
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    opts = TrainOptions(model="tiny-qwen", batch_size=4, seq_len=256, model_dtype="bf16", matmul_dtype="e4m3")
+    opts = train_settings(model="tiny-qwen", batch_size=4, seq_len=256, model_dtype="bf16", matmul_dtype="e4m3")
     e = TrainEngine(PRESETS["tiny-qwen"], opts, get_backend("torch", "cuda"))
     torch.cuda.synchronize()
     rows = memory_table(e)
@@ -518,7 +518,7 @@ def test_fp8_monitor_is_each_layers_largest_swiglu_output_over_the_step():
     """--fp8-monitor-every: per layer, the max over the step's micro-steps of max|SwiGLU output| (the FP8 down
     projection's input). The last layer's value is checked against its SwiGLU buffer, which the forward leaves
     holding that layer's output of the last micro-step."""
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
+    opts = train_settings(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
                         grad_accumulation=2, fp8_monitor_every=1)
     e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
     gen = torch.Generator().manual_seed(3)
@@ -538,7 +538,7 @@ def test_fp8_monitor_is_each_layers_largest_swiglu_output_over_the_step():
     assert all(v > 0 for v in got) and e.monitor_take() is None  # taken once
     # current scaling: each tensor's own maximum is its scale, nothing is clipped and nothing is counted
     assert taken["saturated_share"] is None and taken["saturated_elements"] == 0
-    bf16 = TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=32), get_backend("torch"))
+    bf16 = TrainEngine(PRESETS["tiny"], train_settings(model="tiny", batch_size=2, seq_len=32), get_backend("torch"))
     with pytest.raises(ConfigError, match="--fp8-monitor-every needs --matmul-dtype e4m3"):
         bf16.monitor_begin()
 

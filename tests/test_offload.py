@@ -19,7 +19,7 @@ from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
 from llmq_ray.engine.offload import StagedChunks, fixed_chunks
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 
 BASE = dict(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, model_dtype="bf16", master_dtype="fp32",
             opt_m_dtype="bf16", opt_v_dtype="bf16", opt_chunk_size=5000, zero_level=2, learning_rate=1e-3)
@@ -29,13 +29,13 @@ KEEP_3_CHUNKS = 3.5 * BASE["opt_chunk_size"] * 8 / 2**30
 
 
 def _train(backend: str = "torch", device: str = "cpu", **flags):
-    opts = TrainOptions(**{**BASE, **flags})
+    opts = train_settings(**{**BASE, **flags})
     engine = TrainEngine(PRESETS["tiny"], opts, get_backend(backend, device))
     gen = torch.Generator().manual_seed(0)
     losses = []
     for step in range(STEPS):
-        for _ in range(opts.grad_accumulation):
-            x = torch.randint(0, PRESETS["tiny"].vocab_size, (opts.batch_size, opts.seq_len + 1), generator=gen)
+        for _ in range(opts.data.grad_accumulation):
+            x = torch.randint(0, PRESETS["tiny"].vocab_size, (opts.data.batch_size, opts.data.seq_len + 1), generator=gen)
             engine.micro_step(x[:, :-1], x[:, 1:])
         losses.append(engine.update(1e-3, step + 1).loss)
     return losses, engine
@@ -197,8 +197,8 @@ def test_memory_table_moves_offloaded_state_to_host_rows():
     from llmq_ray.observe.memory_table import HOST_ROWS, format_memory_table, memory_dict, memory_table, tensor_bytes
 
     opts = dict(batch_size=2, seq_len=16, model_dtype="bf16", master_dtype="fp32", zero_level=2, opt_chunk_size=4096)
-    base = TrainEngine(PRESETS["tiny"], TrainOptions(**opts), get_backend("torch"))
-    off = TrainEngine(PRESETS["tiny"], TrainOptions(**opts, offload_master=True, offload_opt_m=True,
+    base = TrainEngine(PRESETS["tiny"], train_settings(**opts), get_backend("torch"))
+    off = TrainEngine(PRESETS["tiny"], train_settings(**opts, offload_master=True, offload_opt_m=True,
                                                     offload_opt_v=True, offload_gradients=True,
                                                     offload_residual=True), get_backend("torch"))
     a, b = memory_dict(memory_table(base)), memory_dict(memory_table(off))
@@ -227,22 +227,22 @@ def test_memory_table_moves_fp8_weight_copies():
     rows = {}
     for name, flags in (("layer", {}), ("persistent", dict(persistent_quants=True)),
                         ("host", dict(persistent_quants=True, offload_quants=True))):
-        e = TrainEngine(PRESETS["tiny"], TrainOptions(**opts, **flags), get_backend("torch"))
+        e = TrainEngine(PRESETS["tiny"], train_settings(**opts, **flags), get_backend("torch"))
         assert e.model.lin.quants == name
         rows[name] = memory_dict(memory_table(e))
     L = PRESETS["tiny"].num_layers
-    s = TrainEngine(PRESETS["tiny"], TrainOptions(**opts), get_backend("torch")).store
+    s = TrainEngine(PRESETS["tiny"], train_settings(**opts), get_backend("torch")).store
     layer_bytes = 2 * s.layer_bufs[0].numel()  # W_q and W^T_q: one byte per block-weight element each
     assert rows["persistent"]["fp8"] - rows["layer"]["fp8"] == (L - 2) * layer_bytes
     assert rows["host"]["fp8"] == rows["layer"]["fp8"]
     assert rows["host"]["host_fp8"] == L * layer_bytes and "host_fp8" not in rows["persistent"]
     # --transient-quants below ZeRO-3: the same two slots instead of the default all-layer copies
     z1 = dict(opts, zero_level=1)
-    default = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(**z1), get_backend("torch"))))
-    transient = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(**z1, transient_quants=True),
+    default = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], train_settings(**z1), get_backend("torch"))))
+    transient = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], train_settings(**z1, transient_quants=True),
                                                      get_backend("torch"))))
     assert default["fp8"] - transient["fp8"] == (L - 2) * layer_bytes
-    kept = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], TrainOptions(
+    kept = memory_dict(memory_table(TrainEngine(PRESETS["tiny"], train_settings(
         **z1, transient_quants=True, kept_quants_gib=KEEP_1_5_LAYERS), get_backend("torch"))))
     assert kept["fp8"] - transient["fp8"] == 2 * 43008 + 8192 * 2 + 4096 * 2 + 10240  # kept_copies_plan's choice
 
@@ -284,7 +284,7 @@ BAD = [(dict(use_zero_copy=True), "--use-zero-copy only applies with --offload-m
 @pytest.mark.parametrize("kwargs,message", BAD, ids=[m for _, m in BAD])
 def test_nonsense_offload_flags(kwargs, message):
     with pytest.raises(ConfigError) as info:
-        TrainOptions(**kwargs).validate()
+        checked_settings(**kwargs)
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
@@ -363,7 +363,7 @@ def test_transient_copies_quantize_each_layout_once_per_pass_and_absmax_once_per
     import dataclasses
 
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=4)
-    opts = TrainOptions(**{**BASE, "zero_level": 1, "matmul_dtype": "e4m3", "transient_quants": True,
+    opts = train_settings(**{**BASE, "zero_level": 1, "matmul_dtype": "e4m3", "transient_quants": True,
                            "kept_quants_gib": kept_layers * 2 * 43008 / 2**30})
     engine = TrainEngine(cfg, opts, get_backend("torch"))
     be, lin = engine.backend, engine.model.lin
@@ -382,14 +382,14 @@ def test_transient_copies_quantize_each_layout_once_per_pass_and_absmax_once_per
         setattr(be, name, wrapped)
     gen = torch.Generator().manual_seed(0)
     for step in range(2):
-        for _ in range(opts.grad_accumulation):
-            x = torch.randint(0, PRESETS["tiny"].vocab_size, (opts.batch_size, opts.seq_len + 1), generator=gen)
+        for _ in range(opts.data.grad_accumulation):
+            x = torch.randint(0, PRESETS["tiny"].vocab_size, (opts.data.batch_size, opts.data.seq_len + 1), generator=gen)
             engine.micro_step(x[:, :-1], x[:, 1:])
         engine.update(1e-3, step + 1)
     keys = sorted(lin.layer_of)
     kept = [key for key in keys if lin.layer_of[key][0] < kept_layers]
     assert sorted({key for key, _ in lin.kept}) == kept
-    passes = 2 * opts.grad_accumulation  # steps x micro-steps
+    passes = 2 * opts.data.grad_accumulation  # steps x micro-steps
     # once per step: the kept layers, and a layer left alone in its slot (layer 2 once layer 0, its slot's other
     # layer, is kept: the slot still holds its copies at the next pass); every pass: the others
     once = {0: [], 1: [0, 2]}[kept_layers]

@@ -33,8 +33,9 @@ def test_wheel_has_one_top_level_package_and_runs_from_itself(tmp_path):
         assert z.read(info).decode().split() == ["llmq_ray"]
         assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"llmq_ray"}
         for needed in ("llmq_ray/backends/cupy/kernels/adamw.cu", "llmq_ray/data_pipeline/corpora/tinyshakespeare.txt.gz",
-                       "llmq_ray/actors/worker.py", "llmq_ray/backends/triton/__init__.py", "llmq_ray/settings.py",
-                       "llmq_ray/engine/schedule.py", "llmq_ray/model/units.py", "llmq_ray/train/cli.py",
+                       "llmq_ray/actors/worker.py", "llmq_ray/backends/triton/__init__.py", "llmq_ray/settings/tree.py",
+                       "llmq_ray/engine/schedule.py", "llmq_ray/model/layers/units.py", "llmq_ray/parallel/data.py",
+                       "llmq_ray/train/cli.py",
                        "llmq_ray/observe/runlog.py", "llmq_ray/checkpoints/verify.py", "llmq_ray/backends/gemm.py"):
             assert needed in names, needed
         entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
@@ -48,7 +49,7 @@ def test_wheel_has_one_top_level_package_and_runs_from_itself(tmp_path):
              "assert llmq_ray.__file__.startswith(sys.argv[1]), llmq_ray.__file__\n"
              "for name in ('backends', 'actors', 'data_pipeline'):\n"
              "    assert importlib.util.find_spec(name) is None, name\n"
-             "import llmq_ray.backends, llmq_ray.actors.spec, llmq_ray.data_pipeline.shards\n"
+             "import llmq_ray.backends, llmq_ray.actors.plan, llmq_ray.data_pipeline.shards\n"
              "assert llmq_ray.backends.__file__.startswith(sys.argv[1])\n")
     p = subprocess.run([sys.executable, "-c", check, str(tmp_path / "site")], **run)
     assert p.returncode == 0, p.stderr

@@ -146,7 +146,7 @@ CASES = {
     "--log-file of another run": (["--log-file", "{d}/other-log.jsonl"], "is the log of another run"),
     "fresh run into another run's checkpoints": (["--checkpoint-dir", "{d}/ckpt"], "already holds checkpoints"),
     "bad flag value": (["--warmup", "30", "--steps", "10"], "--warmup must be an integer in [0, --steps)"),
-    "zero collective time-out": (["--collective-timeout-s", "0"], "--collective-timeout-s=0.0 must be a number of"),
+    "zero collective time-out": (["--collective-timeout-s", "0"], "--collective-timeout-s=0.0 must be a number > 0 (seconds"),
     "a value for --forward-env": (["--forward-env", "HF_HOME,FOO=bar"], "--forward-env: 'FOO=bar' is not the name"),
     "a Ray address nobody answers at": (["--ray-address", "127.0.0.1:1"],
                                         "--ray-address=127.0.0.1:1: no Ray cluster answers at 127.0.0.1:1"),

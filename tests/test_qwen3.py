@@ -15,7 +15,7 @@ import torch
 from llmq_ray.backends import get_backend
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.model.config import PRESETS, config_from_hf_dict
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 
 # non-embedding parameters of the Qwen3 dense models, as the Qwen3 technical report lists them (billions)
 NON_EMBEDDING = {"Qwen3-0.6B": 0.44, "Qwen3-1.7B": 1.4, "Qwen3-4B": 3.6, "Qwen3-8B": 6.95, "Qwen3-14B": 13.2}
@@ -51,7 +51,7 @@ def test_attention_bias_and_sliding_window_are_refused():
 def test_tiny_qwen3_trains_and_its_qk_norm_weights_learn():
     """20 steps on a repeating token pattern: the loss falls by half, and the QK-norm weights (initialised to
     ones) move, so their gradients reach the optimizer."""
-    opts = TrainOptions(model="tiny-qwen3", batch_size=4, seq_len=32, learning_rate=3e-3, seed=1)
+    opts = train_settings(model="tiny-qwen3", batch_size=4, seq_len=32, learning_rate=3e-3, seed=1)
     e = TrainEngine(PRESETS["tiny-qwen3"], opts, get_backend("torch"))
     slot = e.layout.slots["layers.0.q_norm_w"]
     assert torch.equal(e.params[slot.offset:slot.end], torch.ones(32))

@@ -35,6 +35,7 @@ from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError
 from llmq_ray.observe.runlog import read_log
 from llmq_ray.train.trainer import LLMQTrainer, Result
+from _helpers import faulty_trainer, train_settings
 
 FAST = dict(collective_timeout_s=15.0, call_timeout_s=60.0, use_ray_data=False, verbose=False)
 BASE = dict(model="tiny", steps=12, batch_size=2, seq_len=16, learning_rate=3e-3, warmup=2, device="cpu",
@@ -45,7 +46,7 @@ SHAPE = {1: dict(workers=1, grad_accumulation=2), 2: dict(workers=2, grad_accumu
 def _run(shards, out, world: int, **kw) -> Result:
     args = dict(BASE, train_file=shards.train, out_dir=str(out), **SHAPE[world], **FAST)
     args.update(kw)
-    return LLMQTrainer(**args).fit()
+    return faulty_trainer(**args).fit()
 
 
 @pytest.fixture(scope="module")
@@ -397,9 +398,8 @@ def test_engine_skips_an_update_above_the_limits():
     from llmq_ray.backends import get_backend
     from llmq_ray.model.config import PRESETS
     from llmq_ray.engine.train_engine import TrainEngine
-    from llmq_ray.options import TrainOptions
 
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, steps=4, learning_rate=1e-2, model_dtype="fp32")
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, steps=4, learning_rate=1e-2, model_dtype="fp32")
     engine = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
     g = torch.Generator().manual_seed(0)
     batch = lambda: (torch.randint(0, 512, (2, 16), generator=g), torch.randint(0, 512, (2, 16), generator=g))  # noqa: E731

@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from _helpers import trainer_from_cli
+from _helpers import faulty_trainer, trainer_from_cli
 
 from llmq_ray import storage
 from llmq_ray.observe.runlog import read_log
@@ -58,7 +58,7 @@ def test_the_step_after_a_save_does_not_wait_for_a_slow_upload(s3, ray_cluster, 
 
     monkeypatch.chdir(tmp_path)
     delay, store = 2.5, "s3://bucket/bg/slow"
-    res = LLMQTrainer(**BASE, workers=2, steps=5, train_file=shards.train, out_dir=str(tmp_path / "out"),
+    res = faulty_trainer(**BASE, workers=2, steps=5, train_file=shards.train, out_dir=str(tmp_path / "out"),
                       checkpoint_dir=store, fault={"kind": "upload_slow", "rank": 1, "step": 2, "seconds": delay}).fit()
     steps = {r["step"]: r for r in _records(res.log_file, "step")}
     assert sorted(steps) == [1, 2, 3, 4, 5]
@@ -94,7 +94,7 @@ def failed_upload(s3, ray_cluster, shards, tmp_path_factory):
     cwd = os.getcwd()
     os.chdir(out)
     try:
-        res = LLMQTrainer(**BASE, workers=2, steps=10, train_file=shards.train, out_dir=str(out / "out"),
+        res = faulty_trainer(**BASE, workers=2, steps=10, train_file=shards.train, out_dir=str(out / "out"),
                           checkpoint_dir=store,
                           # 0.2 s steps: step 2's upload is done before step 4's checkpoint is due
                           fault=[{"kind": "upload_fail", "rank": 0, "step": 4},

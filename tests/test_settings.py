@@ -1,19 +1,22 @@
-"""The settings tree (llmq_ray/settings.py) is the one definition of every option: the CLI, config files,
-TrainOptions and LLMQTrainer's keywords all follow it; a field without a flag, a drifted default or an unknown
-key fails here."""
+"""The settings tree (llmq_ray/settings/) is the one definition of every setting: the CLI, config files,
+``--print-config`` and LLMQTrainer's keywords all follow it; a field without a flag, a setting spelled a second
+time in another dataclass, or an unknown key fails here."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import inspect
+import os
 
 import numpy as np
 import pytest
 
-from llmq_ray.options import TrainOptions
-from llmq_ray.settings import NO_TRAIN_DEFAULT, RunSettings, all_settings, sections
+from llmq_ray.settings import RunSettings, aliases, all_settings, make_settings, sections
 from llmq_ray.train import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _actions():
@@ -59,25 +62,113 @@ def test_dotted_overrides_match_the_flat_flags():
         cli.build_parser().parse_args(["--speed.use_cuda_graphs", "maybe"])
 
 
-def test_train_options_are_generated_from_the_tree():
-    fields = {f.name: f for f in dataclasses.fields(TrainOptions)}
-    wanted = [s for s in all_settings() if not s.meta["runtime"] and not s.meta["command_only"]]
-    assert list(fields) == [s.name for s in wanted]
-    for s in wanted:
-        default = s.default if s.meta["train_default"] is NO_TRAIN_DEFAULT else s.meta["train_default"]
-        assert fields[s.name].default == default, s.name
-        assert fields[s.name].default != "auto", f"{s.name}: TrainOptions needs a concrete default"
+def _dataclass_fields_outside_the_settings() -> list[tuple[str, int, str, str]]:
+    """(file, line, class, field) of every field declared in a @dataclass outside llmq_ray/settings/ (the library's
+    folders, parsed with ast: a generated dataclass would hide from this, and none is left)."""
+    out = []
+    for top in ("llmq_ray", "actors", "backends", "data_pipeline", "examples"):
+        for root, _, files in os.walk(os.path.join(REPO, top)):
+            if os.path.join("llmq_ray", "settings") in root:
+                continue
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(root, f)
+                tree = ast.parse(open(path).read(), path)
+                for node in ast.walk(tree):
+                    if not isinstance(node, ast.ClassDef):
+                        continue
+                    decorated = any("dataclass" in ast.unparse(d) for d in node.decorator_list)
+                    if not decorated:
+                        continue
+                    for stmt in node.body:
+                        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                            out.append((os.path.relpath(path, REPO), stmt.lineno, node.name, stmt.target.id))
+    return out
 
 
-def test_trainer_keywords_are_the_runtime_settings_with_the_same_defaults():
+# fields that share a setting's name but hold something else (no default of their own to drift)
+NOT_SETTINGS = {("Result", "log_file"): "the path of the log the run wrote, an output of fit()",
+                ("DatasetSpec", "seq_len"): "the window length a shard reader was built with, a required argument"}
+
+
+def test_no_dataclass_outside_the_settings_spells_a_setting_again():
+    """Each setting is defined once: a dataclass elsewhere (a run plan, an engine's view, a model's build
+    description) that declares a field named like a setting would be a second definition, with a default of its
+    own that can drift (RuntimeSpec's ckpt_minutes was 0.0 where the tree said 30.0)."""
+    names = {s.name for s in all_settings()} | set(aliases())
+    found = [f"{path}:{line} {cls}.{field}" for path, line, cls, field in _dataclass_fields_outside_the_settings()
+             if field in names and (cls, field) not in NOT_SETTINGS]
+    assert not found, "dataclass fields named like a setting (read it from the settings tree): " + ", ".join(found)
+
+
+def test_the_check_finds_a_spelled_again_setting(tmp_path, monkeypatch):
+    """The check above looks where it should: a dataclass in the library with a setting's name is found."""
+    bad = os.path.join(REPO, "llmq_ray", "engine", "_probe_spelled_again.py")
+    with open(bad, "w") as f:
+        f.write("import dataclasses\n\n@dataclasses.dataclass\nclass Probe:\n    ckpt_minutes: float = 0.0\n")
+    try:
+        found = [x for x in _dataclass_fields_outside_the_settings() if x[2] == "Probe"]
+    finally:
+        os.remove(bad)
+    assert found and found[0][3] == "ckpt_minutes"
+
+
+def test_trainer_takes_settings_and_keywords_routed_by_name(tmp_path):
+    """LLMQTrainer(settings=None, **overrides): at most 5 named parameters; a keyword lands on its field, an old
+    boolean spelling on its choice, and a misspelt one is refused naming the closest setting."""
+    from llmq_ray.errors import ConfigError
     from llmq_ray.train.trainer import LLMQTrainer
 
-    params = {k: p for k, p in inspect.signature(LLMQTrainer.__init__).parameters.items()
-              if p.kind is p.KEYWORD_ONLY and k not in cli.API_ONLY}
-    runtime = {s.name: s for s in all_settings() if s.meta["runtime"]}
-    assert set(params) == set(runtime)
-    for name, p in params.items():
-        assert p.default == runtime[name].default, f"LLMQTrainer({name}=...) default {p.default!r} differs from the tree"
+    named = [k for k, p in inspect.signature(LLMQTrainer.__init__).parameters.items()
+             if k != "self" and p.kind is not p.VAR_KEYWORD]
+    assert len(named) <= 5 and named[0] == "settings", named
+    base = make_settings(model="tiny", steps=7)
+    t = LLMQTrainer(base, device="cpu", synthetic_data=True, out_dir=str(tmp_path), verbose=False, batch_size=3,
+                    shard_weights=True)
+    assert (t.settings.optim.steps, t.settings.data.batch_size, t.settings.parallel.zero_level) == (7, 3, 3)
+    assert base.data.batch_size == "auto"  # the caller's tree is not changed
+    with pytest.raises(ConfigError, match=r"^LLMQTrainer got an unknown setting 'lerning_rate' \(did you mean "
+                                          r"'learning_rate'\?\)"):
+        LLMQTrainer(lerning_rate=1e-3, device="cpu", synthetic_data=True, verbose=False)
+    with pytest.raises(ConfigError, match=r"settings=\.\.\.\) takes a RunSettings"):
+        LLMQTrainer({"steps": 3})
+
+
+def test_merged_choices_keep_their_old_spellings():
+    """One choice is one setting: the old booleans map onto it (flags, keywords and config keys alike)."""
+    assert make_settings(persistent_quants=True).memory.fp8_weight_copies == "persistent"
+    assert make_settings(transient_quants=True).memory.fp8_weight_copies == "layer"
+    assert make_settings(offload_quants=True).memory.fp8_weight_copies == "host"
+    assert make_settings(fp8_delayed_swiglu_scale=True).numerics.swiglu_fp8_scale == "delayed"
+    assert make_settings(fp8_delayed_swiglu_scale=False).numerics.swiglu_fp8_scale == "current"
+    assert make_settings(fp8_smooth_swiglu=True).numerics.swiglu_fp8_scale == "smooth"
+    assert make_settings(shard_gradients=True).parallel.zero_level == 2
+    assert make_settings(zero_level=3, shard_gradients=True).parallel.zero_level == 3  # never lowered
+    parse = lambda argv: make_settings(**cli.trainer_kwargs(cli.build_parser().parse_args(argv)))  # noqa: E731
+    assert parse(["--persistent-quants", "--offload-quants"]).memory.fp8_weight_copies == "host"
+    assert parse(["--shard-weights"]).parallel.zero_level == 3
+    assert parse(["--fp8-weight-copies", "layer"]).memory.fp8_weight_copies == "layer"
+    assert parse(["--swiglu-fp8-scale", "smooth"]).numerics.swiglu_fp8_scale == "smooth"
+
+
+def test_the_fast_fp8_recipe_is_what_e4m3_means():
+    """--matmul-dtype e4m3 resolves to the recipe that passed its loss checks: FP8 LM head, delayed SwiGLU
+    scale (SwiGLU models), persistent copies below ZeRO-3; each part turned off by naming another value."""
+    from llmq_ray.settings.defaults import resolve
+
+    def res(swiglu=True, **kw):
+        return resolve(make_settings(model_dtype="bf16", matmul_dtype="e4m3", **kw), "cuda", swiglu_mlp=swiglu,
+                       has_eval_file=False)
+
+    n = res().numerics
+    assert (n.lmhead_dtype, n.swiglu_fp8_scale) == ("e4m3", "delayed")
+    assert res().memory.fp8_weight_copies == "persistent" and res(zero_level=3).memory.fp8_weight_copies == "layer"
+    assert res(swiglu=False).numerics.swiglu_fp8_scale == "current"  # GPT-2's GELU MLP
+    off = res(lmhead_dtype="bf16", swiglu_fp8_scale="current").numerics
+    assert (off.lmhead_dtype, off.swiglu_fp8_scale) == (None, "current")
+    plain = resolve(make_settings(model_dtype="bf16"), "cuda", swiglu_mlp=True, has_eval_file=False).numerics
+    assert (plain.lmhead_dtype, plain.swiglu_fp8_scale) == (None, "auto")  # no FP8 recipe without e4m3
 
 
 def test_config_file_takes_section_short_names_and_refuses_unknown_keys(tmp_path):
@@ -127,8 +218,8 @@ def test_values_of_the_wrong_type_or_outside_the_choices_are_one_sentence(tmp_pa
     write_shard(str(tmp_path / "t.bin"), np.arange(1000, dtype=np.int32) % 512, 512)
     t = LLMQTrainer(**{**kw, "synthetic_data": False, "train_file": [tmp_path / "t.bin"], "out_dir": tmp_path / "p",
                        "warmup": "auto", "from_scratch": "auto", "resume": None, "steps": 30})
-    assert t.runtime["train_file"] == [str(tmp_path / "t.bin")] and t.runtime["out_dir"] == str(tmp_path / "p")
-    assert t.opts.warmup == 3 and t.opts.from_scratch is True and t.resume is None
+    assert t.settings.data.train_file == [str(tmp_path / "t.bin")] and t.settings.observe.out_dir == str(tmp_path / "p")
+    assert t.settings.optim.warmup == 3 and t.settings.model.from_scratch is True and t.resume is None
     f = tmp_path / "run.toml"  # a config file's values reach the trainer as TOML typed them
     f.write_text('[optim]\nlr = "1e-3"\n')
     assert cli.main(["--device", "cpu", "--synthetic-data", "--out-dir", str(tmp_path / "o"), "--config", str(f)]) == 2

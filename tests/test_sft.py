@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llmq_ray.data_pipeline.order import rank_order
-from _helpers import DEFAULT_SYSTEM, TEMPLATE, write_chatml_tokenizer
+from _helpers import DEFAULT_SYSTEM, TEMPLATE, train_settings, write_chatml_tokenizer
 
 from llmq_ray.data_pipeline.shards import open_shard
 from llmq_ray.data_pipeline.stream import EvalStream, TokenStream, build_spec
@@ -179,9 +179,9 @@ def _loss_and_grads(inputs, targets):
     from llmq_ray.backends import get_backend
     from llmq_ray.model.config import PRESETS
     from llmq_ray.model.params import init_params
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
 
-    model = LlamaModel(PRESETS["tiny"], get_backend("torch"), batch_size=1, seq_len=inputs.shape[1],
+    model = build_model(PRESETS["tiny"], get_backend("torch"), batch_size=1, seq_len=inputs.shape[1],
                        dtype=torch.float32)
     init_params(model.layout, model.params, seed=7)
     model.zero_grads()
@@ -214,9 +214,8 @@ def test_a_step_whose_targets_are_all_masked_divides_by_no_zero():
     from llmq_ray.backends import get_backend
     from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.model.config import PRESETS
-    from llmq_ray.options import TrainOptions
 
-    e = TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", batch_size=2, seq_len=8), get_backend("torch"))
+    e = TrainEngine(PRESETS["tiny"], train_settings(model="tiny", batch_size=2, seq_len=8), get_backend("torch"))
     x = torch.arange(16).view(2, 8) % 50
     e.micro_step(x, torch.full((2, 8), -100), last=True)
     stats = e.update(1e-3, 1)

@@ -1,4 +1,4 @@
-"""Smooth-SwiGLU (--fp8-smooth-swiglu, llmq_ray/model/smooth_swiglu.py) on the torch reference (CPU: exact
+"""Smooth-SwiGLU (--fp8-smooth-swiglu, llmq_ray/model/layers/smooth_swiglu.py) on the torch reference (CPU: exact
 emulation of the scaled FP8 GEMM).
 
 What must stay true: the per-channel factors are powers of two that put every channel's maximum in [1, 2) and
@@ -12,23 +12,25 @@ and the flag is refused where it does not apply, in one sentence.
 import pytest
 import torch
 
-from _helpers import perturb_norms_and_biases
+from _helpers import checked_settings, perturb_norms_and_biases, train_settings
 from kernel_checks import cosine as _cos
 from llmq_ray.backends import get_backend
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.model.params import init_params
-from llmq_ray.model.smooth_swiglu import SmoothSwiGLU
-from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
-from llmq_ray.options import TrainOptions
+from llmq_ray.model.layers.smooth_swiglu import SmoothSwiGLU
+from llmq_ray.model import build_model
+from llmq_ray.model.build import Recompute
+from _helpers import checked_settings, train_settings
 
 CFG = ModelConfig("qwen2", 128, 352, 2, 4, 2, 1000, tie_word_embeddings=False, qkv_bias=True, name="smooth-test")
 B, T = 2, 32
 
 
 def _model(matmul_dtype=None, smooth=False, recompute=None):
-    m = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                   matmul_dtype=matmul_dtype, recompute=recompute, smooth_swiglu=smooth)
+    m = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
+                   matmul_dtype=matmul_dtype, recompute=recompute,
+                    swiglu_scale="smooth" if smooth else "current")
     init_params(m.layout, m.params, seed=7)
     perturb_norms_and_biases(m)
     return m
@@ -180,7 +182,7 @@ def test_model_step_stays_within_fp8_noise_of_bf16():
 def test_wgrad_fold_back_is_needed(monkeypatch):
     """Mutation check of the test above: dropping the multiplication by c after the wgrad GEMM must break the
     down projection's gradient (so that test can fail)."""
-    from llmq_ray.model import linear
+    from llmq_ray.model.layers import linear
 
     batch = _tokens()
     bf16 = _step(_model(), batch)
@@ -202,7 +204,7 @@ def test_recompute_is_bit_identical(flag):
     factors and re-quantizes it: the same loss and gradient bits as storing it."""
     batch = _tokens()
     base = _step(_model("e4m3", True), batch)
-    again = _step(_model("e4m3", True, RecomputeOptions(**{flag: True})), batch)
+    again = _step(_model("e4m3", True, Recompute(**{flag: True})), batch)
     assert base.lin.store_xt and not again.lin.store_xt
     assert torch.equal(base.loss_sum, again.loss_sum)
     assert torch.equal(base.grads, again.grads), f"--recompute-{flag} changed the smooth FP8 gradients"
@@ -220,17 +222,22 @@ def test_second_micro_step_accumulates():
 
 def test_refused_where_it_does_not_apply():
     with pytest.raises(ConfigError, match="--fp8-smooth-swiglu needs --matmul-dtype e4m3"):
-        TrainOptions(model="tiny", fp8_smooth_swiglu=True).validate()
+        checked_settings(model="tiny", fp8_swiglu_scale="smooth")
     with pytest.raises(ConfigError, match="use one of them"):
-        TrainOptions(model="tiny", matmul_dtype="e4m3", fp8_smooth_swiglu=True,
-                     fp8_delayed_swiglu_scale=True).validate()
+        checked_settings(model="tiny", matmul_dtype="e4m3", fp8_smooth_swiglu=True,
+                     fp8_swiglu_scale="delayed")
     with pytest.raises(ConfigError, match="--use-cuda-graphs"):
-        TrainOptions(model="tiny", matmul_dtype="e4m3", fp8_smooth_swiglu=True, use_cuda_graphs=True).validate()
+        checked_settings(model="tiny", matmul_dtype="e4m3", fp8_smooth_swiglu=True, use_cuda_graphs=True)
     from llmq_ray.model.config import PRESETS
 
+    from llmq_ray.train.model_checks import check_model_settings
+
     with pytest.raises(ConfigError, match="GPT-2's GELU MLP does not take it"):
-        LlamaModel(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                   matmul_dtype="e4m3", smooth_swiglu=True)
+        check_model_settings(PRESETS["tiny-gpt2"], train_settings(model="tiny-gpt2", matmul_dtype="e4m3",
+                                                                  swiglu_fp8_scale="smooth"))
+    with pytest.raises(ValueError, match="GPT-2's GELU MLP has no SwiGLU"):
+        build_model(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
+                    matmul_dtype="e4m3", swiglu_scale="smooth")
 
 
 def test_through_the_engine_with_the_monitor():
@@ -242,7 +249,7 @@ def test_through_the_engine_with_the_monitor():
     from llmq_ray.model.config import PRESETS
 
     def run(smooth):
-        opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, grad_accumulation=2, model_dtype="bf16",
+        opts = train_settings(model="tiny", batch_size=2, seq_len=32, grad_accumulation=2, model_dtype="bf16",
                             matmul_dtype="e4m3", fp8_smooth_swiglu=smooth, fp8_monitor_every=1)
         e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
         assert (e.model.smooth is not None) == smooth
@@ -279,7 +286,7 @@ def test_zero3_one_rank_is_bit_identical_to_zero2(z3_only):
     cfg = dataclasses.replace(PRESETS["tiny"], num_layers=4, name="tiny4")
 
     def engine(zero, **kw):
-        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=zero,
+        opts = train_settings(model="tiny", batch_size=2, seq_len=16, grad_accumulation=2, zero_level=zero,
                             model_dtype="bf16", matmul_dtype="e4m3", fp8_smooth_swiglu=True, **kw)
         return TrainEngine(cfg, opts, get_backend("torch"))
 
@@ -307,8 +314,8 @@ def test_memory_table_counts_the_smooth_copy_as_fp8():
     from llmq_ray.model.config import PRESETS
     from llmq_ray.observe.memory_table import memory_dict, memory_table
 
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
-                        fp8_smooth_swiglu=True)
+    opts = train_settings(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
+                        fp8_swiglu_scale="smooth")
     e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
     cfg = PRESETS["tiny"]
     own = sum(t.numel() * t.element_size() for t in e.model.smooth.tensors())

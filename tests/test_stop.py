@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from _helpers import trainer_from_cli
+from _helpers import faulty_trainer, trainer_from_cli
 
 from llmq_ray.checkpoints.verify import validate_checkpoint
 from llmq_ray.errors import CheckpointError
@@ -106,7 +106,7 @@ def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster
 def _api_run(shards, out, **kw) -> LLMQTrainer:
     args = dict(model="tiny", train_file=shards.train, device="cpu", workers=1, batch_size=2, seq_len=16, steps=12,
                 learning_rate=3e-3, warmup=2, out_dir=str(out), export=False, final_eval=False, ckpt_minutes=0, **FAST)
-    return LLMQTrainer(**{**args, **kw})
+    return faulty_trainer(**{**args, **kw})
 
 
 def test_stopped_and_resumed_twice_is_one_run_in_one_log(ray_cluster, shards, tmp_path):
@@ -215,7 +215,7 @@ def test_resuming_on_fewer_workers_keeps_the_global_batch(ray_cluster, shards, t
     two = _api_run(shards, tmp_path / "two", workers=2, ckpt_interval=6).fit()
     ckpt = os.path.join(tmp_path / "two", "ckpt", "step_00000006")
     t = _api_run(shards, tmp_path / "one", workers=1, resume=ckpt, verbose=True, progress=False)
-    assert t.opts.grad_accumulation == 2
+    assert t.settings.data.grad_accumulation == 2
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("resuming step_00000006")]
     assert len(line) == 1 and "--grad-accumulation 2 instead of 1 keeps its global batch of 4 rows" in line[0]
     one = t.fit()
@@ -236,8 +236,8 @@ def test_api_with_no_data_arguments_trains_on_the_default_corpus(ray_cluster, tm
     monkeypatch.delenv("LLMQ_DATA_DIR", raising=False)
     t = LLMQTrainer(steps=2, batch_size=2, seq_len=32, out_dir=str(tmp_path / "out"), export=False,
                     final_eval=False, **FAST)
-    assert t.opts.model == "tiny-qwen" and t.runtime["device"] == "auto"
-    assert t.runtime["train_file"].startswith(str(tmp_path / "cache")) and t.runtime["eval_file"].endswith("eval.bin")
+    assert t.settings.model.model == "tiny-qwen" and t.settings.parallel.device == "auto"
+    assert t.settings.data.train_file.startswith(str(tmp_path / "cache")) and t.settings.data.eval_file.endswith("eval.bin")
     result = t.fit()
     assert [r["step"] for r in result.history] == [1, 2] and all(r["loss"] > 0 for r in result.history)
     dataset = next(r for r in read_log(result.log_file) if r["log"] == "dataset")
@@ -245,12 +245,13 @@ def test_api_with_no_data_arguments_trains_on_the_default_corpus(ray_cluster, tm
 
 
 SECOND_SIGNAL_SCRIPT = """
-import sys
+import json, os, sys
 from llmq_ray.train.trainer import LLMQTrainer
+os.environ["LLMQ_RAY_TEST_FAULT"] = json.dumps({"rank": 1, "step": int(sys.argv[4]), "kind": sys.argv[3],
+                                                "seconds": 600})
 t = LLMQTrainer(model="tiny", train_file=sys.argv[1], device="cpu", workers=2, batch_size=2, seq_len=16, steps=50,
                 ckpt_interval=5, out_dir=sys.argv[2], export=False, progress=False, use_ray_data=False,
-                collective_timeout_s=600.0, fault={"rank": 1, "step": int(sys.argv[4]), "kind": sys.argv[3],
-                                                   "seconds": 600})
+                collective_timeout_s=600.0)
 r = t.fit()
 sys.exit(r.stopped["exit_code"] if r.stopped else 0)
 """

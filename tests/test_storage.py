@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from _helpers import trainer_from_cli
+from _helpers import faulty_trainer, trainer_from_cli
 
 from llmq_ray import storage
 from llmq_ray.errors import ConfigError, DataError
@@ -168,7 +168,7 @@ def test_checkpoints_on_s3_are_written_pruned_and_resumed(s3, ray_cluster, shard
     store_uri = "s3://bucket/ckpts/run1"
     # 0.3 s steps: each background upload ends before the next checkpoint is due (none is deferred), so the
     # checkpoints are those of steps 2, 4, 6, 8 exactly
-    a = LLMQTrainer(**base, workers=2, out_dir=str(tmp_path / "a"), checkpoint_dir=store_uri,
+    a = faulty_trainer(**base, workers=2, out_dir=str(tmp_path / "a"), checkpoint_dir=store_uri,
                     fault={"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3}).fit()
     assert losses(a) == losses(ref)
     # steps 2, 4, 6, 8 written; keep the newest 2 (6, 8) and every multiple of 4 (4, 8): step 2 pruned
@@ -204,7 +204,7 @@ def test_a_tensor_parallel_run_checkpoints_to_s3_and_resumes_on_one_worker_bit_f
                 final_eval=False, export_dtype="fp32", ckpt_interval=2, collective_timeout_s=15.0,
                 call_timeout_s=60.0, use_ray_data=False, verbose=False, train_file=shards.train, grad_accumulation=2)
     store_uri = "s3://bucket/ckpts/tp2"
-    tp = LLMQTrainer(**base, workers=2, tensor_parallel=2, out_dir=str(tmp_path / "tp"), checkpoint_dir=store_uri,
+    tp = faulty_trainer(**base, workers=2, tensor_parallel=2, out_dir=str(tmp_path / "tp"), checkpoint_dir=store_uri,
                      fault={"kind": "slow_step", "rank": 0, "step": 0, "seconds": 0.3}).fit()
     assert storage.list_names(store_uri) == ["step_00000002", "step_00000004"]
     assert storage.list_names(f"{store_uri}/step_00000004") == ["manifest.json", "rank_00000.safetensors"]

@@ -1,4 +1,4 @@
-"""Tensor parallelism's groundwork (llmq_ray/engine/tensor_parallel.py): the plan's split of the fused block
+"""Tensor parallelism's groundwork (llmq_ray/parallel/tensor.py): the plan's split of the fused block
 weights reproduces the full block when each rank computes its part and the row-parallel partials are summed
 (GQA with more and with fewer KV heads than ranks), and the vocabulary-parallel cross-entropy equals the full one,
 losses and logit gradients, over a real gloo group; the model and the training engine on 2 and 4 gloo ranks
@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _helpers import gloo_group, spawn_gloo_ranks
+from _helpers import checked_settings, gloo_group, spawn_gloo_ranks, test_plan, train_settings
 
-from llmq_ray.engine.tensor_parallel import TensorParallelPlan
-from llmq_ray.model.lm_head import vocab_parallel_cross_entropy
+from llmq_ray.parallel.tensor import TensorParallelPlan
+from llmq_ray.parallel.tensor_pieces import vocab_parallel_cross_entropy
 from llmq_ray.engine.communicator import Communicator
 from llmq_ray.errors import ConfigError
 from llmq_ray.model.config import ModelConfig
@@ -200,26 +200,30 @@ TP_MODELS = {"qwen2": ModelConfig("qwen2", 64, 96, 2, 4, 1, 300, qkv_bias=True, 
 
 def _model_rank(rank: int, port: int, out: str) -> None:
     from llmq_ray.backends import get_backend
-    from llmq_ray.engine.tensor_parallel import TensorParallelRank, shard_params
+    from llmq_ray.parallel.tensor import TensorParallelRank, shard_params
+    from llmq_ray.parallel.tensor_pieces import TensorParallel
     from llmq_ray.model.params import ParamLayout
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
+    from llmq_ray.model.build import ModelPolicies
 
     with gloo_group(rank, 2, port) as comm:
         results = {}
         for name, cfg in TP_MODELS.items():
             torch.manual_seed(0)
-            full = LlamaModel(cfg, get_backend("torch"), batch_size=2, seq_len=16)
+            full = build_model(cfg, get_backend("torch"), batch_size=2, seq_len=16)
             full.params.normal_(0.0, 0.1)
             tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
             full.zero_grads()
             full.forward_backward(tokens[:, :-1], tokens[:, 1:])
             plan = TensorParallelPlan(cfg, 2)
             tp = TensorParallelRank(plan, rank, comm, kv_replica_comm=comm)  # 1 KV head: both ranks replicate it
-            local = LlamaModel(plan.local_config(), get_backend("torch"), batch_size=2, seq_len=16,
-                               params=shard_params(plan, full.layout, full.params, rank), tensor_parallel=tp)
+            tp_plan = TensorParallel(tp)
+            local = build_model(plan.local_config(), get_backend("torch"), batch_size=2, seq_len=16,
+                                params=shard_params(plan, full.layout, full.params, rank),
+                                policies=ModelPolicies(plan=tp_plan))
             local.zero_grads()
             local.forward_backward(tokens[:, :-1], tokens[:, 1:])
-            local.reduce_tensor_parallel_grads()
+            tp_plan.reduce_grads()
             want = shard_params(plan, full.layout, full.grads, rank)
             rel = {n: float((local.grads[s.offset:s.end] - want[s.offset:s.end]).norm()
                             / want[s.offset:s.end].norm().clamp(min=1e-30))
@@ -260,9 +264,8 @@ ENGINE_VARIANTS = {1: dict(zero_level=1), 2: dict(zero_level=2), 3: dict(zero_le
 
 
 def _engine_opts(accumulation: int, zero=1):
-    from llmq_ray.options import TrainOptions
 
-    return TrainOptions(model="tiny", batch_size=2, seq_len=16, grad_accumulation=accumulation, model_dtype="fp32",
+    return train_settings(model="tiny", batch_size=2, seq_len=16, grad_accumulation=accumulation, model_dtype="fp32",
                         master_dtype="fp32", opt_m_dtype="fp32", opt_v_dtype="fp32", learning_rate=3e-3,
                         grad_clip=0.5, seed=3, **ENGINE_VARIANTS[zero])
 
@@ -292,7 +295,7 @@ def _engine_rank(rank: int, world: int, tp_size: int, port: int, out: str) -> No
     local weights."""
     from llmq_ray.actors.collectives import tensor_parallel_groups
     from llmq_ray.backends import get_backend
-    from llmq_ray.engine.tensor_parallel import TensorParallelRank
+    from llmq_ray.parallel.tensor import TensorParallelRank
     from llmq_ray.engine.train_engine import TrainEngine
 
     with gloo_group(rank, world, port) as comm:
@@ -320,7 +323,7 @@ def test_tensor_parallel_engine_trains_as_one_process(tmp_path, world, tp_size):
     ranks), replicated on every rank of the group (1 KV head), and, at TP=4, 2 KV heads each on a pair of ranks
     (the KV-replica sets of ``kv_replica_rank_lists``)."""
     from llmq_ray.backends import get_backend
-    from llmq_ray.engine.tensor_parallel import shard_params
+    from llmq_ray.parallel.tensor import shard_params
     from llmq_ray.engine.train_engine import TrainEngine
 
     spawn_gloo_ranks(lambda r, port: (r, world, tp_size, port, str(tmp_path)), _engine_rank, world)
@@ -344,7 +347,7 @@ FP8 = {"bf16": dict(model_dtype="bf16", master_dtype="fp32"),
        "e4m3-head": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", lmhead_dtype="e4m3"),
        # Smooth-SwiGLU: each rank's channel factors are one process's for the same channels (every rank sees
        # all N rows of its slice of the SwiGLU output); only the per-tensor scale of h / c is per rank
-       "e4m3-smooth": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", fp8_smooth_swiglu=True)}
+       "e4m3-smooth": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", fp8_swiglu_scale="smooth")}
 
 
 FP8_STEPS = 3  # later steps amplify the rounding differences (lr 3e-3 on two memorized batches is chaotic)
@@ -356,7 +359,7 @@ def _fp8_rank(rank: int, world: int, port: int, out: str) -> None:
 
     from llmq_ray.actors.collectives import tensor_parallel_groups
     from llmq_ray.backends import get_backend
-    from llmq_ray.engine.tensor_parallel import TensorParallelRank
+    from llmq_ray.parallel.tensor import TensorParallelRank
     from llmq_ray.engine.train_engine import TrainEngine
 
     with gloo_group(rank, world, port) as comm:
@@ -412,13 +415,12 @@ def test_fp8_under_tensor_parallelism_stays_within_fp8s_own_noise(tmp_path):
                                            (dict(overlap_comm=True), "--overlap-comm")])
 def test_what_tensor_parallelism_does_not_run_with_yet_is_refused_in_one_sentence(change, words):
     from llmq_ray.backends import get_backend
-    from llmq_ray.engine.tensor_parallel import TensorParallelRank
+    from llmq_ray.parallel.tensor import TensorParallelRank
     from llmq_ray.engine.train_engine import TrainEngine
-    from llmq_ray.options import TrainOptions
 
     cfg = ENGINE_MODELS["qwen2-kv-split"]
     tp = TensorParallelRank(TensorParallelPlan(cfg, 2), 0, Communicator())
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, **change)
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, **change)
     with pytest.raises(ConfigError, match=f"--tensor-parallel=2 does not run with {re.escape(words)}"):
         TrainEngine(cfg, opts, get_backend("torch"), tensor_parallel=tp)
 
@@ -427,7 +429,7 @@ def test_what_tensor_parallelism_does_not_run_with_yet_is_refused_in_one_sentenc
 def test_unshard_params_inverts_the_split(size, kv):
     """Every rank's local buffer, put back together, is the full buffer bit for bit (KV heads split, replicated
     on 2 and on 4 ranks; QKV bias, untied head)."""
-    from llmq_ray.engine.tensor_parallel import shard_params, unshard_params
+    from llmq_ray.parallel.tensor import shard_params, unshard_params
     from llmq_ray.model.params import ParamLayout
 
     cfg = ModelConfig("qwen2", 64, 96, 2, 4, kv, 300, qkv_bias=True, tie_word_embeddings=False,
@@ -445,7 +447,7 @@ def _checkpoint_rank(rank: int, port: int, out: str) -> None:
     from llmq_ray.backends import get_backend
     from llmq_ray.checkpoints.resume import engine_checkpoint_tensors, load_engine_checkpoint, save_engine_checkpoint
     from llmq_ray.checkpoints.layout import step_dir
-    from llmq_ray.engine.tensor_parallel import TensorParallelRank
+    from llmq_ray.parallel.tensor import TensorParallelRank
     from llmq_ray.engine.train_engine import TrainEngine
 
     with gloo_group(rank, 2, port) as comm:
@@ -474,7 +476,7 @@ def test_a_tensor_parallel_checkpoint_resumes_on_one_process_bit_for_bit(tmp_pat
     give the TP run's losses within 1e-5; a TP=2 engine loads it back bit for bit too."""
     from llmq_ray.backends import get_backend
     from llmq_ray.checkpoints.resume import engine_checkpoint_tensors, load_engine_checkpoint
-    from llmq_ray.engine.tensor_parallel import shard_params
+    from llmq_ray.parallel.tensor import shard_params
     from llmq_ray.engine.train_engine import TrainEngine
 
     spawn_gloo_ranks(lambda r, port: (r, port, str(tmp_path)), _checkpoint_rank, 2)
@@ -497,7 +499,7 @@ def test_load_full_params_takes_the_whole_model_and_keeps_this_ranks_part():
     """HF weights come as the whole model's flat buffer: under tensor parallelism ``load_full_params`` cuts it
     by the plan (rank 1 of 2 here; no collective is involved)."""
     from llmq_ray.backends import get_backend
-    from llmq_ray.engine.tensor_parallel import TensorParallelRank, shard_params
+    from llmq_ray.parallel.tensor import TensorParallelRank, shard_params
     from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.model.params import ParamLayout
 
@@ -518,31 +520,32 @@ def test_sequence_parallelism_keeps_a_ranks_rows_of_the_residual_stream_and_refu
     GEMM inputs ln1 / ln2 all N; the per-layer activation bytes shrink by exactly the halved parts; a micro-batch
     whose B*T the group does not divide is refused in one sentence."""
     from llmq_ray.backends import get_backend
-    from llmq_ray.engine.tensor_parallel import TensorParallelRank
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.parallel.tensor import TensorParallelRank
+    from llmq_ray.parallel.tensor_pieces import TensorParallel
+    from llmq_ray.model import build_model
+    from llmq_ray.model.build import ModelPolicies
 
     cfg = ENGINE_MODELS["qwen2-kv-split"]
     plan = TensorParallelPlan(cfg, 2)
     be, n, c = get_backend("torch"), 2 * 16, cfg.hidden_size
-    one = LlamaModel(cfg, be, batch_size=2, seq_len=16)
-    two = LlamaModel(plan.local_config(), be, batch_size=2, seq_len=16,
-                     tensor_parallel=TensorParallelRank(plan, 1, Communicator()))
+    one = build_model(cfg, be, batch_size=2, seq_len=16)
+    two = build_model(plan.local_config(), be, batch_size=2, seq_len=16,
+                      policies=ModelPolicies(plan=TensorParallel(TensorParallelRank(plan, 1, Communicator()))))
     assert two.acts.residual[0].shape == (n // 2, c) and two.acts.rstd1[0].shape == (n // 2,)
     assert two.acts.get("residual_mid", 0).shape == (n // 2, c) and two.acts.get("ln1", 0).shape == (n, c)
     assert two.d_residual.shape == (n // 2, c) and two.final_ln.shape == (n, c)
     # per layer: the residual, residual_mid (C fp32 each) and two rstd per row are halved; qkv/att/MLP activations
     # are the local heads' and columns' (the group's share), checked against the plan's local config
-    local = LlamaModel(plan.local_config(), be, batch_size=2, seq_len=16)
+    local = build_model(plan.local_config(), be, batch_size=2, seq_len=16)
     halved = (n // 2) * (2 * c + 2) * 4
     assert two.acts.per_layer_bytes == local.acts.per_layer_bytes - halved, (two.acts.per_layer_bytes, halved)
     assert one.acts.per_layer_bytes > two.acts.per_layer_bytes
-    with pytest.raises(ConfigError, match=r"--tensor-parallel=2 must divide the micro-batch's batch\*seq_len = 15"):
-        LlamaModel(plan.local_config(), be, batch_size=1, seq_len=15,
-                   tensor_parallel=TensorParallelRank(plan, 0, Communicator()))
-    from llmq_ray.options import TrainOptions  # and before any actor starts, by the options
-
+    with pytest.raises(ValueError, match=r"a group of 2 ranks splits the 15 token rows of a micro-batch by sequence"):
+        build_model(plan.local_config(), be, batch_size=1, seq_len=15,
+                    policies=ModelPolicies(plan=TensorParallel(TensorParallelRank(plan, 0, Communicator()))))
+    # and before any actor starts, by the rules
     with pytest.raises(ConfigError, match=r"^--tensor-parallel=2 must divide --batch-size x --seq-len = 15 "):
-        TrainOptions(model="tiny", batch_size=1, seq_len=15, tensor_parallel=2).validate()
+        checked_settings(model="tiny", batch_size=1, seq_len=15, tensor_parallel=2)
 
 
 def test_placement_counts_whole_tensor_parallel_groups_per_node_and_refuses_split_groups():
@@ -550,14 +553,12 @@ def test_placement_counts_whole_tensor_parallel_groups_per_node_and_refuses_spli
     groups on one node count (GPUs 3 + 1 + 4 hold 2 + 0 + 4 workers of T=2); a group placed across two nodes
     ends the set-up in one sentence naming its workers."""
     from llmq_ray.actors.placement import check_tensor_parallel_placement, placeable_workers
-    from llmq_ray.actors.spec import RuntimeSpec
-    from llmq_ray.options import TrainOptions
+    from _helpers import test_plan
 
     nodes = [{"Alive": True, "Resources": {"GPU": g, "CPU": 32}} for g in (3, 1, 4)]
     nodes.append({"Alive": False, "Resources": {"GPU": 8, "CPU": 32}})
     for t, want in ((1, 8), (2, 6), (4, 4)):
-        spec = RuntimeSpec(opts=TrainOptions(model="tiny", tensor_parallel=t), device="cuda", world_size=8,
-                           cpus_per_worker=4)
+        spec = test_plan(model="tiny", tensor_parallel=t, device="cuda", world_size=8, cpus_per_worker=4)
         assert placeable_workers(spec, nodes) == want, (t, want)
     check_tensor_parallel_placement(["a", "a", "b", "b"], 2)
     with pytest.raises(ConfigError, match=r"--tensor-parallel=2: the workers 2-3 of one tensor-parallel group were "

@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from _helpers import exit_after, spawn_gloo_ranks
+from _helpers import exit_after, spawn_gloo_ranks, train_settings
 
 from llmq_ray.model.config import PRESETS
 
@@ -39,9 +39,8 @@ VARIANTS = {"overlap": dict(overlap_tensor_parallel=True), "e4m3": dict(matmul_d
 
 
 def _opts(zero: int, variant: str | None = None):
-    from llmq_ray.options import TrainOptions
 
-    return TrainOptions(model="tiny", batch_size=2, seq_len=256, grad_accumulation=MICRO, model_dtype="bf16",
+    return train_settings(model="tiny", batch_size=2, seq_len=256, grad_accumulation=MICRO, model_dtype="bf16",
                         master_dtype="fp32", zero_level=zero, learning_rate=3e-4, warmup=0, seed=5,
                         **(VARIANTS[variant] if variant else {}))
 
@@ -72,7 +71,7 @@ def _engine(zero: int, device, comm=None, tensor_parallel=None, variant: str | N
 @pytest.mark.parametrize("variant", [None, "e4m3"], ids=["bf16", "e4m3"])
 @pytest.mark.parametrize("zero", [1, 3])
 def test_a_tensor_parallel_group_of_one_trains_bit_for_bit_as_the_plain_engine(zero, variant):
-    from llmq_ray.engine.tensor_parallel import TensorParallelPlan, TensorParallelRank
+    from llmq_ray.parallel.tensor import TensorParallelPlan, TensorParallelRank
     from llmq_ray.engine.communicator import Communicator
 
     device = torch.device("cuda", 0)
@@ -89,7 +88,7 @@ def _tp_rank(rank: int, port: int, out: str) -> None:
     """Rank ``rank`` of a T=2 group on GPU ``rank``: ZeRO-1 and ZeRO-3 runs (losses, norms, the whole model's
     weights); rank 0 then runs the one-GPU reference."""
     from llmq_ray.actors.collectives import init_group, tensor_parallel_groups
-    from llmq_ray.engine.tensor_parallel import TensorParallelPlan, TensorParallelRank
+    from llmq_ray.parallel.tensor import TensorParallelPlan, TensorParallelRank
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

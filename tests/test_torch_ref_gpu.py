@@ -7,7 +7,7 @@ import torch
 from llmq_ray.backends import get_backend
 from llmq_ray.backends.torch_ref import TorchBackend
 from llmq_ray.model.config import ModelConfig
-from llmq_ray.model.transformer import LlamaModel
+from llmq_ray.model import build_model
 from llmq_ray.model.params import init_params
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +51,7 @@ def test_whole_model_bf16_cuda_follows_fp32_cpu():
     tokens = torch.randint(0, cfg.vocab_size, (b, t + 1))
     grads = {}
     for key, device, dtype in (("cpu32", "cpu", torch.float32), ("cuda16", "cuda", torch.bfloat16)):
-        model = LlamaModel(cfg, get_backend("torch", device), batch_size=b, seq_len=t, dtype=dtype)
+        model = build_model(cfg, get_backend("torch", device), batch_size=b, seq_len=t, dtype=dtype)
         init_params(model.layout, model.params, seed=3)
         model.zero_grads()
         model.forward_backward(tokens[:, :-1], tokens[:, 1:])

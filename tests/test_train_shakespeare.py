@@ -26,7 +26,7 @@ from llmq_ray.data_pipeline.text_inputs import TINY_SHAKESPEARE_BYTES, tiny_shak
 from llmq_ray.data_pipeline.tokenize import tokenize_files
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 from _engine_loop import train_steps
 
 
@@ -38,11 +38,11 @@ def test_tiny_qwen_learns_tiny_shakespeare(tmp_path, monkeypatch):
     assert shakespeare.startswith(str(tmp_path)) and os.path.getsize(shakespeare) == TINY_SHAKESPEARE_BYTES
     tokenize_files([shakespeare], str(tmp_path / "data"), shard_tokens=2048, eval_tokens=32768)
     cfg = PRESETS["tiny-qwen"]
-    opts = TrainOptions(model="tiny-qwen", batch_size=4, seq_len=64, steps=100, learning_rate=1e-2, warmup=10,
+    opts = train_settings(model="tiny-qwen", batch_size=4, seq_len=64, steps=100, learning_rate=1e-2, warmup=10,
                         lr_schedule="cosine", final_lr_fraction=0.1, weight_decay=0.0, seed=1)
     torch.manual_seed(0)
     engine = TrainEngine(cfg, opts, get_backend("torch"))
-    stream = TokenStream(str(tmp_path / "data" / "train-000.bin"), opts.seq_len, opts.batch_size, seed=0,
+    stream = TokenStream(str(tmp_path / "data" / "train-000.bin"), opts.data.seq_len, opts.data.batch_size, seed=0,
                          use_ray=False, vocab_size=cfg.vocab_size)
 
     def batches():

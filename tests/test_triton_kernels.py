@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from llmq_ray.backends import get_backend  # noqa: E402
 from llmq_ray.backends import torch_ref_optim  # noqa: E402
-from _helpers import bf16_stochastic_neighbours  # noqa: E402
+from _helpers import bf16_stochastic_neighbours, train_settings  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -523,13 +523,13 @@ def test_stochastic_round_unbiased_reproducible(tri):
 def test_tiny_model_gradients_triton_vs_torch(dtype):
     """The whole explicit forward/backward of the tiny preset through both backends."""
     from llmq_ray.model.config import PRESETS
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
     from llmq_ray.model.params import init_params
 
     cfg, b, t = PRESETS["tiny"], 2, 16
     results = {}
     for name in ("triton", "torch"):
-        model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=dtype)
+        model = build_model(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=dtype)
         flat = torch.zeros(model.layout.numel)
         init_params(model.layout, flat, seed=3)
         model.params[:model.layout.numel].copy_(flat.to(dtype))
@@ -554,14 +554,14 @@ def test_fp8_model_on_triton_holds_no_up_gate_gradient_buffer(delayed):
     buffer), and two micro-steps through both backends give the same loss within 1% and gradients with
     cosine >= 0.99 (the tolerance of the bf16 whole-model test above)."""
     from llmq_ray.model.config import PRESETS
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
     from llmq_ray.model.params import init_params
 
     cfg, b, t = PRESETS["tiny"], 2, 16
     results = {}
     for name in ("triton", "torch"):
-        model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.bfloat16,
-                           matmul_dtype="e4m3", delayed_swiglu_scale=delayed)
+        model = build_model(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.bfloat16,
+                           matmul_dtype="e4m3", swiglu_scale="delayed" if delayed else "current")
         flat = torch.zeros(model.layout.numel)
         init_params(model.layout, flat, seed=3)
         model.params[:model.layout.numel].copy_(flat.to(torch.bfloat16))
@@ -656,10 +656,9 @@ def test_deterministic_attention_option_in_the_engine():
     fp32 roundings into weight differences seen at 1.1e-5 and 2.1e-5 on an H100 (2026-11-28)."""
     from llmq_ray.model.config import PRESETS
     from llmq_ray.engine.train_engine import TrainEngine, make_backend
-    from llmq_ray.options import TrainOptions
 
     def run(backend="triton", **flags):
-        opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32", learning_rate=1e-3, **flags)
+        opts = train_settings(model="tiny", batch_size=2, seq_len=16, model_dtype="fp32", learning_rate=1e-3, **flags)
         engine = TrainEngine(PRESETS["tiny"], opts, make_backend(backend, opts, DEVICE))
         gen = torch.Generator().manual_seed(0)
         losses = []
@@ -886,12 +885,12 @@ def _model_loss_and_grads_both_backends(preset: str, perturbed: tuple, mask_some
     the same init with the slots ending in ``perturbed`` moved away from their init (so their gradients matter)."""
     from llmq_ray.model.config import PRESETS
     from llmq_ray.model.params import init_params
-    from llmq_ray.model.transformer import LlamaModel
+    from llmq_ray.model import build_model
 
     cfg, b, t = PRESETS[preset], 2, 16
     results = {}
     for name in ("triton", "torch"):
-        model = LlamaModel(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.float32)
+        model = build_model(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.float32)
         flat = torch.zeros(model.layout.numel)
         init_params(model.layout, flat, seed=3)
         gen = _gen(6)

@@ -18,11 +18,11 @@ import multiprocessing
 import pytest
 import torch
 
-from _helpers import exit_after, fp8_layer_copy_gib, spawn_gloo_ranks
+from _helpers import exit_after, fp8_layer_copy_gib, spawn_gloo_ranks, train_settings
 
 from llmq_ray.engine.train_engine import TrainEngine, make_backend
 from llmq_ray.model.config import PRESETS
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -42,7 +42,7 @@ def _train_rank(rank: int, port: int, matmul_dtype, out_dir: str) -> None:
     cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
     out = {}
     for name, flags in RUNS.items():
-        opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=2,
+        opts = train_settings(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=2,
                             model_dtype="bf16", matmul_dtype=matmul_dtype, opt_m_dtype="bf16",
                             opt_v_dtype="bf16", deterministic_attention=True, **flags)
         e = TrainEngine(cfg, opts, make_backend("triton", opts, device), comm)
@@ -100,12 +100,12 @@ def _kept_rank(rank: int, port: int, out_dir: str) -> None:
     cfg = dataclasses.replace(PRESETS["Qwen2.5-0.5B"], num_layers=4, name="qwen0.5b-4layers")
     out = {}
     for kept in (False, True):
-        opts = TrainOptions(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=2, zero_level=3,
+        opts = train_settings(model="Qwen2.5-0.5B", batch_size=2, seq_len=256, grad_accumulation=2, zero_level=3,
                             model_dtype="bf16", matmul_dtype="e4m3", opt_m_dtype="bf16", opt_v_dtype="bf16",
                             deterministic_attention=True, grad_clip=0.0)
         if kept:
             gib = fp8_layer_copy_gib(e, 1 if rank == 0 else cfg.num_layers)  # e: the run without
-            opts = dataclasses.replace(opts, kept_quants_gib=gib)
+            opts = train_settings(opts, kept_quants_gib=gib)
         e = TrainEngine(cfg, opts, make_backend("triton", opts, device), comm)
         gathered = []
         real_gather = e.store._gather

@@ -17,7 +17,7 @@ import torch
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
-from llmq_ray.options import TrainOptions
+from _helpers import checked_settings, train_settings
 from llmq_ray.model.params import ParamLayout
 from llmq_ray.engine.update_overlap import chunk_order, unit_ranges
 
@@ -28,17 +28,17 @@ STEPS = 3
 
 def _train(model: str = "tiny", backend: str = "torch", device: str = "cpu", **flags):
     cfg = PRESETS[model]
-    opts = TrainOptions(model=model, **{**BASE, **flags})
+    opts = train_settings(model=model, **{**BASE, **flags})
     engine = TrainEngine(cfg, opts, get_backend(backend, device))
     gen = torch.Generator().manual_seed(0)
     losses, evals = [], []
     for step in range(STEPS):
-        for _ in range(opts.grad_accumulation):
-            x = torch.randint(0, cfg.vocab_size, (opts.batch_size, opts.seq_len + 1), generator=gen).to(device)
+        for _ in range(opts.data.grad_accumulation):
+            x = torch.randint(0, cfg.vocab_size, (opts.data.batch_size, opts.data.seq_len + 1), generator=gen).to(device)
             engine.micro_step(x[:, :-1], x[:, 1:])
         losses.append(engine.update(1e-3, step + 1).loss)
         if step == 0:  # an eval right after an update: it must see the updated weights
-            x = torch.randint(0, cfg.vocab_size, (opts.batch_size, opts.seq_len + 1), generator=gen).to(device)
+            x = torch.randint(0, cfg.vocab_size, (opts.data.batch_size, opts.data.seq_len + 1), generator=gen).to(device)
             evals.append(engine.evaluate([(x[:, :-1], x[:, 1:])]))
     return losses, evals, engine
 
@@ -60,7 +60,7 @@ def test_chunk_order_covers_every_unit_once(model):
     assert covered[0][0] == 0 and covered[-1][1] == layout.numel
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # the units tile the flat buffer
     assert ("head" in units) == (not cfg.tie_word_embeddings)
-    engine = TrainEngine(cfg, TrainOptions(model=model, **BASE), get_backend("torch"))
+    engine = TrainEngine(cfg, train_settings(model=model, **BASE), get_backend("torch"))
     chunks = engine.optimizer.chunks
     order, ready_after = chunk_order(chunks, units)
     assert sorted(order) == list(range(len(chunks))) and order != list(range(len(chunks)))
@@ -99,7 +99,7 @@ def test_next_micro_step_zeroes_gradients_per_unit():
 
 @pytest.mark.parametrize("flags", [dict(zero_level=2), dict(zero_level=3)])
 def test_no_overlap_where_the_update_must_finish_first(flags):
-    assert TrainEngine(PRESETS["tiny"], TrainOptions(model="tiny", **BASE, **flags),
+    assert TrainEngine(PRESETS["tiny"], train_settings(model="tiny", **BASE, **flags),
                        get_backend("torch")).overlap is None
 
 

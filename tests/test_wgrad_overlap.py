@@ -12,13 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import perturb_norms_and_biases
+from _helpers import perturb_norms_and_biases, train_settings
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
-from llmq_ray.model.transformer import LlamaModel, RecomputeOptions
-from llmq_ray.options import TrainOptions
+from llmq_ray.model import build_model
+from llmq_ray.model.build import Recompute
+from _helpers import checked_settings, train_settings
 from llmq_ray.model.params import init_params
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.engine.wgrad_overlap import WgradOverlap, enable_wgrad_overlap
@@ -27,8 +28,8 @@ CFG = PRESETS["tiny"]
 B, T = 2, 16
 
 
-def _model(overlap: bool, recompute: RecomputeOptions = RecomputeOptions()) -> LlamaModel:
-    model = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.float32, recompute=recompute)
+def _model(overlap: bool, recompute: Recompute = Recompute()):
+    model = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.float32, recompute=recompute)
     init_params(model.layout, model.params, seed=7)
     perturb_norms_and_biases(model)
     if overlap:
@@ -36,7 +37,7 @@ def _model(overlap: bool, recompute: RecomputeOptions = RecomputeOptions()) -> L
     return model
 
 
-def _grads(model: LlamaModel, micro_steps: int = 2):
+def _grads(model, micro_steps: int = 2):
     gen = torch.Generator().manual_seed(5)
     model.zero_grads()
     for _ in range(micro_steps):  # the second micro-step accumulates into the gradients
@@ -47,9 +48,9 @@ def _grads(model: LlamaModel, micro_steps: int = 2):
     return model.grads.clone(), (model.loss_sum / model.target_count).item()
 
 
-RECOMPUTE = {"stored": RecomputeOptions(), "norm": RecomputeOptions(norm=True),
-             "swiglu": RecomputeOptions(swiglu=True), "ffn": RecomputeOptions(ffn=True),
-             "att": RecomputeOptions(att=True), "block": RecomputeOptions(block=True)}
+RECOMPUTE = {"stored": Recompute(), "norm": Recompute(norm=True),
+             "swiglu": Recompute(swiglu=True), "ffn": Recompute(ffn=True),
+             "att": Recompute(att=True), "block": Recompute(block=True)}
 
 
 @pytest.mark.parametrize("recompute", sorted(RECOMPUTE))
@@ -85,7 +86,7 @@ def test_the_recompute_wait_is_needed():
 
 
 def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
-    model = LlamaModel(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
+    model = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
                        matmul_dtype="e4m3")
     with pytest.raises(ConfigError, match="e4m3"):
         enable_wgrad_overlap(model, sm_count=100)
@@ -101,7 +102,7 @@ def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
     (dict(offload_residual=True), "--offload-residual"),
 ])
 def test_the_option_refuses_what_it_cannot_run(bad, message):
-    opts = TrainOptions(model="tiny", batch_size=2, seq_len=16, **{"overlap_wgrad_sms": 100, **bad})
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, **{"overlap_wgrad_sms": 100, **bad})
     with pytest.raises(ConfigError, match=message):
         opts.validate()
 
@@ -110,15 +111,18 @@ def test_the_flag_reaches_the_engine_and_keeps_the_results():
     """--overlap-wgrad-sms from the command line to the engine's model (on the CPU each wgrad runs at once, so
     two steps of two micro-steps give the same weights; the GPU tests below check the side stream)."""
     from llmq_ray.train.cli import build_parser, trainer_kwargs
-    from llmq_ray.train.run_defaults import OPTION_FIELDS, resolve_option_fields
+    from llmq_ray.model.config import PRESETS
+    from llmq_ray.settings import make_settings
+    from llmq_ray.settings.defaults import resolve
+    from llmq_ray.settings.rules import validate
 
     weights = {}
     for sms in (0, 64):
         argv = ["--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--synthetic-data",
                 "--device", "cpu", "--overlap-wgrad-sms", str(sms)]
         kw = trainer_kwargs(build_parser().parse_args(argv))
-        opts = resolve_option_fields({k: v for k, v in kw.items() if k in OPTION_FIELDS}, "cpu").validate()
-        assert opts.overlap_wgrad_sms == sms
+        opts = validate(resolve(make_settings(**kw), "cpu", presets=PRESETS, has_eval_file=False, swiglu_mlp=True))
+        assert opts.speed.overlap_wgrad_sms == sms
         engine = TrainEngine(CFG, opts, get_backend("torch"))
         assert (engine.model.lin.overlap is not None) == bool(sms)
         gen = torch.Generator().manual_seed(5)
@@ -184,7 +188,7 @@ def test_gpu_side_stream_gradients_match_the_plain_order():
     grads = []
     for overlap in (False, True):
         be = get_backend("triton", "cuda")
-        model = LlamaModel(cfg, be, batch_size=2, seq_len=256, dtype=torch.bfloat16)
+        model = build_model(cfg, be, batch_size=2, seq_len=256, dtype=torch.bfloat16)
         init_params(model.layout, model.params, seed=7)
         if overlap:
             enable_wgrad_overlap(model, sm_count=100)

@@ -39,6 +39,7 @@ from llmq_ray.checkpoints.local import (begin_checkpoint, discard_tmp, finalize_
 from llmq_ray.checkpoints.retention import apply_retention
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import CheckpointError
+from llmq_ray.settings.overrides import flat
 
 __all__ = ["engine_checkpoint_tensors", "restore_engine", "save_engine_checkpoint", "load_engine_checkpoint",
            "data_state_for_rank", "save_checkpoint", "fp8_scale_state_json", "restore_fp8_scale_state"]
@@ -148,7 +149,7 @@ def save_engine_checkpoint(ckpt_dir: str, step: int, engine: TrainEngine, *,
     state = engine_checkpoint_tensors(engine)
     scales = _group_fp8_scale_states(engine)
     write = dict(fp8_scale_state=scales, tensor_parallel=len(scales),
-                 config=engine.full_cfg, options=engine.opts, data_state=data_state, rng=rng_state(engine.opts.seed),
+                 config=engine.full_cfg, options=flat(engine.settings), data_state=data_state, rng=rng_state(engine.settings.optim.seed),
                  extra=extra, keep_n=keep_n, major_every=major_every)
     if engine.tp is None:
         return save_checkpoint(ckpt_dir, step, [(engine.shard_start, engine.shard_end, state)], **write)
@@ -174,7 +175,7 @@ def load_engine_checkpoint(folder: str, engine: TrainEngine, *, restore_global_r
     ``restore_engine``) and return the manifest; the caller restores its data stream from
     ``data_state_for_rank(manifest, rank, world_size)`` and continues at ``manifest["step"]``."""
     if engine.tp is not None:  # the whole model's state (one data-parallel rank), this rank's part of it
-        from llmq_ray.engine.tensor_parallel import shard_params
+        from llmq_ray.parallel.tensor import shard_params
         from llmq_ray.model.params import ParamLayout
 
         if engine.comm.world_size != 1:

@@ -6,7 +6,7 @@ directly. It knows nothing about Ray: distribution enters only through a ``Commu
 
 A step is ``micro_step`` x grad_accumulation, then ``update``:
 
-* gradients are *sums* over target tokens (see llmq_ray/model/transformer.py), accumulated in one flat buffer;
+* gradients are *sums* over target tokens (see llmq_ray/model/decoder.py), accumulated in one flat buffer;
 * at the update (ZeRO-1) the flat gradient buffer is reduce-scattered, so each rank holds the summed
   gradient of its own shard; the squared norm of that shard is all-reduced into the global norm;
 * grad_scale = clip_coefficient / total_target_tokens is folded into the AdamW kernel (no extra pass);
@@ -19,13 +19,13 @@ the all-gather per-unit broadcasts beside the next forward (llmq_ray/engine/upda
 ZeRO-2 (``--zero-level=2`` or ``--shard-gradients``): no full gradient buffer. The backward writes each
 layer's gradients into a two-layer scratch, reduced (summed) onto the owners of their pieces while the next
 layer's backward runs, and each owner adds its pieces into a shard-sized accumulator ``grad_shard`` (model
-dtype, [S]) that the update uses directly (llmq_ray/engine/zero3.py, ``ResidentGradShards``). The weights stay
+dtype, [S]) that the update uses directly (llmq_ray/parallel/data.py, ``ResidentGradShards``). The weights stay
 whole on every rank, as under ZeRO-1. Gradient memory per rank: S + two layers + the embedding/LM head's
 [V, C] scratch, against the full N under ZeRO-1.
 
 ZeRO-3 (``--zero-level=3`` or ``--shard-weights``): no full buffers at all. The rank keeps its shard of the
 weights; the model gathers each layer one layer ahead and its gradients are reduced onto their owners as
-the backward produces them, straight into ``grad_shard`` (see llmq_ray/engine/zero3.py). The optimizer shard, and
+the backward produces them, straight into ``grad_shard`` (see llmq_ray/parallel/data.py). The optimizer shard, and
 so the checkpoint format, is the same as under ZeRO-1/2.
 
 Node scope (``--zero-scope node``): the shards are split among the workers of one node and every node holds
@@ -36,11 +36,11 @@ norm over one copy of the shards (``all_reduce_over_shards``).
 Host offloading (``--offload-*``, llmq_ray/engine/offload.py): the optimizer state and ``grad_shard`` may live in
 pinned host memory; the optimizer and the accumulation stream them through the device in chunks.
 
-Tensor parallelism (``tensor_parallel=``, a ``TensorParallelRank`` of llmq_ray/engine/tensor_parallel.py;
+Tensor parallelism (``tensor_parallel=``, a ``TensorParallelRank`` of llmq_ray/parallel/tensor.py;
 ``--tensor-parallel``): the model is this rank's part of the block weights (``plan.local_config()``), its flat
 buffers -- and the ZeRO shards of any level -- are in that local layout, and ``comm`` is the *data-parallel*
 group's. The weights start as the full model's init cut by the plan (the same values as one process); the
-gradients each rank holds a part of are summed over the group (``reduce_tensor_parallel_grads``: at the update
+gradients each rank holds a part of are summed over the group (``TensorParallel.reduce_grads``: at the update
 under ZeRO-1, before each per-layer reduce under ZeRO-2/3), and the squared
 gradient norm counts a replicated parameter once (its square divided by its number of copies, then summed over
 the group), so clipping and the reported norm equal one process's.
@@ -51,23 +51,27 @@ Everything stays on the device until ``update`` returns its small stats tensor: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from llmq_ray.backends.base import Backend
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
-from llmq_ray.model.transformer import LlamaModel
+from llmq_ray.model import family_of
+from llmq_ray.model.build import ModelBuild, ModelPolicies
 from llmq_ray.engine.communicator import Communicator
-from llmq_ray.engine.offload import StagedChunks, fixed_chunks, host_zeros
+from llmq_ray.engine.offload import HostWeightCopies, OffloadedResiduals, StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.engine.optim import ShardedAdamW, clip_coefficient
-from llmq_ray.options import DTYPES, TrainOptions
+from llmq_ray.settings import RunSettings
+from llmq_ray.settings.rules import validate
 from llmq_ray.model.params import ParamLayout, init_params
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.engine.update_overlap import UpdateOverlap
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
 from llmq_ray.engine.grad_reduce import LastBackwardReduce
-from llmq_ray.engine.zero3 import ResidentGradShards, ShardedWeights
+from llmq_ray.parallel.data import ResidentGradShards, ShardedWeights
+from llmq_ray.parallel.tensor_pieces import TensorParallel
 
 
 @dataclasses.dataclass
@@ -98,117 +102,145 @@ def available_device_bytes(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def backend_components(opts: TrainOptions) -> dict:
+def backend_components(settings: RunSettings) -> dict:
     """The backend components the options ask for (backends/base.py): the GEMM provider (--gemm; None = the
     backend's default), the attention provider and GEMM timing. A bit-reproducible run (--deterministic-attention)
     takes the deterministic attention backward and GEMM algorithms that do not depend on timings."""
-    return dict(gemm=opts.gemm, attention="deterministic" if opts.deterministic_attention else "sdpa",
-                gemm_tuning=not opts.deterministic_attention)
+    return dict(gemm=settings.speed.gemm, attention="deterministic" if settings.speed.deterministic_attention else "sdpa",
+                gemm_tuning=not settings.speed.deterministic_attention)
 
 
-def make_backend(name: str, opts: TrainOptions, device) -> Backend:
-    """The kernel backend ``name`` on ``device`` with the components ``opts`` ask for."""
+def make_backend(name: str, settings: RunSettings, device) -> Backend:
+    """The kernel backend ``name`` on ``device`` with the components ``settings`` ask for."""
     from llmq_ray.backends import get_backend
 
-    return get_backend(name, device, **backend_components(opts))
+    return get_backend(name, device, **backend_components(settings))
 
 
-def _document_separator(opts, cfg) -> int | None:
-    """The token that ends a document under --document-masking (None: masking off); the trainer fills
-    --document-separator from the data's meta.json, an engine built directly falls back to the model's EOS."""
-    if not opts.document_masking:
-        return None
-    sep = opts.document_separator if opts.document_separator is not None else cfg.eos_token_id
-    if sep is None:
-        raise ConfigError("--document-masking needs --document-separator: the model's config names no EOS token.")
-    return int(sep)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
+
+
+def model_build(settings: RunSettings, cfg: ModelConfig, schedule: Schedule,
+                tensor_parallel=None) -> tuple[ModelBuild, ModelPolicies]:
+    """What the model is built for (``ModelBuild``) and what the engine applies to it from outside
+    (``ModelPolicies``: the offloaded residual stream, host-kept FP8 weight copies, the tensor-parallel plan), from
+    the run's settings: the one place where the engine reads settings for the model (llmq_ray/model/build.py).
+
+    Where the settings were not resolved (llmq_ray/settings/defaults.py), "auto" FP8 weight copies are persistent
+    below ZeRO-3 and per layer under it, and an "auto" SwiGLU FP8 scale is the current one. The document separator: the settings', else (an engine built directly) the
+    model's EOS token."""
+    data, memory, numerics = settings.data, settings.memory, settings.numerics
+    scale = numerics.swiglu_fp8_scale  # "auto" unresolved: the current scale
+    copies = memory.fp8_weight_copies
+    if copies == "auto":
+        copies = "persistent" if settings.parallel.zero_level < 3 else "layer"
+    separator = None
+    if data.document_masking:
+        separator = data.document_separator if data.document_separator is not None else cfg.eos_token_id
+        if separator is None:
+            raise ConfigError("--document-masking needs --document-separator: the model's config names no EOS token.")
+        separator = int(separator)
+    build = ModelBuild(batch_size=data.batch_size, seq_len=data.seq_len, dtype=numerics.torch_dtype,
+                       recompute=memory.recompute, matmul_dtype=numerics.matmul_dtype,
+                       gradient_dtype=numerics.gradient_dtype,
+                       weight_copies="persistent" if copies == "host" else copies,
+                       swiglu_scale="current" if scale == "auto" else scale, lmhead_chunks=memory.lmhead_chunks,
+                       lmhead_dtype="e4m3" if numerics.lmhead_dtype == "e4m3" else None,
+                       attn_bwd_chunks=memory.attn_bwd_chunks, document_separator=separator,
+                       reset_positions=data.reset_positions)
+    policies = ModelPolicies(
+        residuals=(functools.partial(OffloadedResiduals, stream=schedule.stream("residual"))
+                   if memory.offload_residual else None),
+        block_linears=(functools.partial(HostWeightCopies, stream=schedule.stream("fp8-copies"))
+                       if copies == "host" else None),
+        plan=TensorParallel(tensor_parallel) if tensor_parallel is not None else None)
+    return build, policies
 
 
 class TrainEngine:
     """Model, gradients and the local optimizer shard of one rank.
 
     Buffers: ``params`` and (ZeRO-1) ``grads`` are flat, padded to shard_size * world_size (model dtype; ``grads``
-    is None under ZeRO-2/3, ``params`` under ZeRO-3, see llmq_ray/engine/zero3.py); rank r owns
+    is None under ZeRO-2/3, ``params`` under ZeRO-3, see llmq_ray/parallel/data.py); rank r owns
     [r*S, (r+1)*S) of the optimizer state (clipped to the layout's length). With one worker under ZeRO-1 the
     update returns while it still runs on a side stream (``overlap``, llmq_ray/engine/update_overlap.py): read the
     weights through ``full_params()`` (or call ``join_update()`` first), not ``params`` directly.
     """
 
-    def __init__(self, cfg: ModelConfig, opts: TrainOptions, backend: Backend, comm: Communicator | None = None,
+    def __init__(self, cfg: ModelConfig, settings: RunSettings, backend: Backend, comm: Communicator | None = None,
                  *, init_weights: bool = True, tensor_parallel=None):
-        opts.validate()
+        validate(settings)  # the rules hold (the trainer checked them; programs and tests may build engines directly)
         self.tp = tensor_parallel
         full_cfg = cfg
         if tensor_parallel is not None:
-            _check_tensor_parallel(opts, tensor_parallel)
-            tensor_parallel.overlap = opts.overlap_tensor_parallel
+            _check_tensor_parallel(settings, tensor_parallel)
+            tensor_parallel.overlap = settings.speed.overlap_tensor_parallel
             cfg = tensor_parallel.plan.local_config()
-        self.cfg, self.opts, self.backend = cfg, opts, backend
+        self.cfg, self.settings, self.backend = cfg, settings, backend
         self.full_cfg = full_cfg  # the whole model's (``cfg`` is this rank's part under tensor parallelism)
         self.comm = comm or Communicator()
-        if opts.use_zero_copy and backend.device.type == "cuda":
+        if settings.memory.use_zero_copy and backend.device.type == "cuda":
             # Seen on the H100: Triton 3.6 refuses pinned host pointers at launch ("cannot be accessed from
             # Triton"), and the CuPy AdamW kernel on torch-pinned host tensors hits an illegal memory access.
             # Until the host state is allocated as mapped memory with its device alias, CUDA runs stream.
             raise ConfigError("--use-zero-copy is not supported on CUDA yet (the kernels cannot read this pinned "
                               "host memory directly); drop it: the offloaded state streams through the GPU.")
-        made_for = backend_components(opts)
+        made_for = backend_components(settings)
         has = dict(gemm=backend.gemm.name, attention=backend.attention.name, gemm_tuning=backend.gemm.tuning)
-        if opts.gemm is None:
+        if settings.speed.gemm is None:
             has.pop("gemm")
         if any(has[k] != made_for[k] for k in has):
             raise ConfigError(f"the {backend.name} backend was built with {has}, but these options need "
-                              f"{ {k: made_for[k] for k in has} }: build it with make_backend(name, opts, device).")
-        dtype = opts.torch_dtype
+                              f"{ {k: made_for[k] for k in has} }: build it with make_backend(name, settings, device).")
+        dtype = settings.numerics.torch_dtype
         self.device = backend.device
         world, rank = self.comm.world_size, self.comm.rank
         layout = ParamLayout(cfg)
         self.shard_size = -(-layout.numel // world)
         self.shard_start = min(rank * self.shard_size, layout.numel)
         self.shard_end = min((rank + 1) * self.shard_size, layout.numel)
-        self.zero3 = opts.effective_zero_level >= 3
+        self.zero3 = settings.parallel.zero_level >= 3
         # every side stream and event of this process, and the policies around each unit (engine/schedule.py)
         self.schedule = Schedule(backend.device)
-        model_kw = dict(schedule=self.schedule, batch_size=opts.batch_size, seq_len=opts.seq_len, dtype=dtype, recompute=opts.recompute,
-                        lmhead_chunks=opts.lmhead_chunks, matmul_dtype=opts.matmul_dtype,
-                        gradient_dtype=opts.gradient_dtype, offload_residual=opts.offload_residual,
-                        attn_bwd_chunks=opts.attn_bwd_chunks, quants=opts.quants_placement,
-                        lmhead_dtype="e4m3" if opts.lmhead_dtype == "e4m3" else None,
-                        delayed_swiglu_scale=opts.fp8_delayed_swiglu_scale, smooth_swiglu=opts.fp8_smooth_swiglu,
-                        document_separator=_document_separator(opts, cfg), reset_positions=opts.reset_positions,
-                        tensor_parallel=tensor_parallel)
-        if self.zero3:  # only this rank's shard of the weights (llmq_ray/engine/zero3.py)
+        build, policies = model_build(settings, cfg, self.schedule, tensor_parallel)
+        self.tp_plan = policies.plan  # tensor parallelism: sums the gradients each rank holds a part of
+        tp_sums = self.tp_plan.reduce_grads if self.tp_plan is not None else None  # ZeRO-2/3: before each reduce
+
+        def make_model(**buffers):
+            return family_of(cfg)(cfg, backend, build, schedule=self.schedule, policies=policies, **buffers)
+
+        if self.zero3:  # only this rank's shard of the weights (llmq_ray/parallel/data.py)
             self.store = ShardedWeights(layout, self.comm, self.shard_size, dtype, backend.device,
-                                        sink=self._add_grad_piece)
-            self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
+                                        sink=self._add_grad_piece, before_reduce=tp_sums)
+            self.model = make_model(weights=self.store)
             self.params = self.grads = None
             if init_weights and tensor_parallel is not None:  # the full model's init, cut by the plan, this shard
-                local = _tensor_parallel_init(full_cfg, tensor_parallel, opts.seed, dtype, backend.device)
+                local = _tensor_parallel_init(full_cfg, tensor_parallel, settings.optim.seed, dtype, backend.device)
                 n = self.shard_end - self.shard_start
                 self.store.params_shard[:n].copy_(local[self.shard_start:self.shard_end])
                 self.store.after_update()
             elif init_weights:
-                init_params(layout, self.store.params_shard, opts.seed, start=rank * self.shard_size)
+                init_params(layout, self.store.params_shard, settings.optim.seed, start=rank * self.shard_size)
                 self.store.after_update()
         else:  # the full flat weights, padded so that every rank's shard has equal size
             padded = self.shard_size * world
             params = torch.zeros(padded, dtype=dtype, device=backend.device)
-            if opts.effective_zero_level == 2:  # gradients reduced per layer into grad_shard (zero3.py)
+            if settings.parallel.zero_level == 2:  # gradients reduced per layer into grad_shard (parallel/data.py)
                 self.store, self.grads = ResidentGradShards(layout, self.comm, self.shard_size, params,
-                                                            sink=self._add_grad_piece), None
-                self.model = LlamaModel(cfg, backend, weights=self.store, **model_kw)
+                                                            sink=self._add_grad_piece, before_reduce=tp_sums), None
+                self.model = make_model(weights=self.store)
             else:  # ZeRO-1: the full flat gradient buffer too
                 self.store, self.grads = None, torch.zeros(padded, dtype=dtype, device=backend.device)
-                self.model = LlamaModel(cfg, backend, params=params, grads=self.grads, **model_kw)
+                self.model = make_model(params=params, grads=self.grads)
             self.params = params
             if init_weights and tensor_parallel is not None:  # the full model's init, cut by the plan
-                self.params[:layout.numel].copy_(_tensor_parallel_init(full_cfg, tensor_parallel, opts.seed, dtype,
+                self.params[:layout.numel].copy_(_tensor_parallel_init(full_cfg, tensor_parallel, settings.optim.seed, dtype,
                                                                        backend.device))
             elif init_weights:
-                init_params(layout, self.params, opts.seed)
+                init_params(layout, self.params, settings.optim.seed)
         self.layout = self.model.layout
-        if tensor_parallel is not None and self.store is not None:  # ZeRO-2/3: the group's sums before each reduce
-            self.store.before_reduce = self.model.reduce_tensor_parallel_grads
+        if self.store is not None:  # a layer whose FP8 copies are current needs no gather (ZeRO-3)
+            self.store.layer_needed = self.model.needs_weights
         # tensor parallelism: (start, end, copies) of the local flat ranges every copy holds whole
         self._replicated = _replicated_ranges(self.layout, tensor_parallel) if tensor_parallel is not None else []
         self.optimizer = self._make_optimizer()
@@ -217,31 +249,31 @@ class TrainEngine:
         self._monitor_saturated: torch.Tensor | None = None  # [L] int64: its FP8 inputs at the FP8 maximum
         self._monitor_elements = 0  # per layer, the elements counted into _monitor_saturated
         self.overlap = None  # the update on a side stream, overlapped with the next forward (update_overlap.py)
-        if opts.overlap_update and opts.effective_zero_level == 1 and (world == 1 or opts.overlap_comm):
+        if settings.speed.overlap_update and settings.parallel.zero_level == 1 and (world == 1 or settings.speed.overlap_comm):
             self.overlap = UpdateOverlap(self.layout, self.optimizer, self.model.store, self.schedule, self.comm,
                                          self.shard_size)
         # ZeRO-1 on several ranks: the last micro-step's backward reduces each layer onto its owners (grad_reduce.py)
         self.grad_reduce = None
-        if world > 1 and opts.effective_zero_level == 1 and opts.overlap_comm and not opts.overlap_wgrad_sms:
+        if world > 1 and settings.parallel.zero_level == 1 and settings.speed.overlap_comm and not settings.speed.overlap_wgrad_sms:
             self.grad_reduce = self.schedule.add(LastBackwardReduce(self.layout, self.comm, self.grads,
                                                                     self.shard_size))
         self._grads_reduced = False  # the last micro-step left each rank's shard of ``grads`` summed
         # ZeRO-2: the reduced gradient of this rank's shard, accumulated over the micro-steps of a step
         # (in host memory with --offload-gradients: each micro-step's shard is added in, streamed by chunks).
         self.grad_shard = self._grad_staging = None
-        if opts.effective_zero_level >= 2:
-            if opts.offload_gradients:
+        if settings.parallel.zero_level >= 2:
+            if settings.memory.offload_gradients:
                 self.grad_shard = host_zeros(self.shard_size, dtype, backend.device)
                 self._grad_staging = StagedChunks(backend.device, {"acc": dtype},
-                                                  min(opts.opt_chunk_size, self.shard_size), self.schedule,
+                                                  min(settings.memory.opt_chunk_size, self.shard_size), self.schedule,
                                                   "gradients")
             else:
                 self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=backend.device)
-        if opts.overlap_wgrad_sms:  # before any graph is captured: the graph keeps the order it was captured in
-            enable_wgrad_overlap(self.model, opts.overlap_wgrad_sms)
+        if settings.speed.overlap_wgrad_sms:  # before any graph is captured: the graph keeps the order it was captured in
+            enable_wgrad_overlap(self.model, settings.speed.overlap_wgrad_sms)
         # --use-cuda-graphs: the forward + backward of a micro-step replayed from a graph (llmq_ray/engine/cuda_graphs.py)
         self._forward_backward = self.model.forward_backward
-        if opts.use_cuda_graphs:
+        if settings.speed.use_cuda_graphs:
             from llmq_ray.engine.cuda_graphs import MicroStepGraphs
             self._forward_backward = MicroStepGraphs(self.model, self.overlap, self.grad_reduce).forward_backward
         self._keep_quants()
@@ -258,7 +290,7 @@ class TrainEngine:
         """--kept-quants-gib: FP8 weight copies kept for the step beside the per-layer slots
         (BlockLinears.keep_copies). A number whose copies do not fit in what set-up left free on the GPU is refused
         in one sentence (instead of an out-of-memory error from inside the allocation)."""
-        g = self.opts.kept_quants_gib
+        g = self.settings.memory.kept_quants_gib
         if not g:
             return
         budget = self._device_budget(g)
@@ -281,21 +313,21 @@ class TrainEngine:
         self.model.lin.keep_copies(plan)
 
     def _make_optimizer(self) -> ShardedAdamW:
-        o = self.opts
-        offload = [k for k, on in (("master", o.offload_master), ("m", o.offload_opt_m), ("v", o.offload_opt_v))
+        o = self.settings
+        offload = [k for k, on in (("master", o.memory.offload_master), ("m", o.memory.offload_opt_m), ("v", o.memory.offload_opt_v))
                    if on]
         params, offset = ((self.store.params_shard, self.shard_start) if self.zero3 else (self.params, 0))
         return ShardedAdamW(self.backend, self.layout, params, self.shard_start, self.shard_end, params_offset=offset,
-                            master_dtype=DTYPES[o.master_dtype], m_dtype=DTYPES[o.opt_m_dtype],
-                            v_dtype=DTYPES[o.opt_v_dtype], beta1=o.beta_1, beta2=o.beta_2, eps=o.adam_eps,
-                            weight_decay=o.weight_decay, seed=o.seed, chunk=o.opt_chunk_size, offload=offload,
-                            zero_copy=o.use_zero_copy, grads_on_host=o.offload_gradients, schedule=self.schedule)
+                            master_dtype=_DTYPES[o.numerics.master_dtype], m_dtype=_DTYPES[o.numerics.opt_m_dtype],
+                            v_dtype=_DTYPES[o.numerics.opt_v_dtype], beta1=o.optim.beta_1, beta2=o.optim.beta_2, eps=o.optim.adam_eps,
+                            weight_decay=o.optim.weight_decay, seed=o.optim.seed, chunk=o.memory.opt_chunk_size, offload=offload,
+                            zero_copy=o.memory.use_zero_copy, grads_on_host=o.memory.offload_gradients, schedule=self.schedule)
 
     @property
     def captures_collectives(self) -> bool:
         """Whether CUDA graphs hold NCCL collectives (the last micro-step's per-layer reduces): the process group
         must then not be destroyed (actors/collectives.py, ``destroy_group``)."""
-        return self.grad_reduce is not None and self.opts.use_cuda_graphs
+        return self.grad_reduce is not None and self.settings.speed.use_cuda_graphs
 
     # ------------------------------------------------------------------ weights, whatever the ZeRO level
     def full_params(self) -> torch.Tensor:
@@ -313,7 +345,7 @@ class TrainEngine:
         every rank's ``local`` [local layout numel] (weights or one optimizer state, device or host), as a CPU
         tensor on the ranks that ``keep`` it, None on the others. A collective over the group, joined slot by
         slot (``join_parts``: the device holds T x one slot at a time)."""
-        from llmq_ray.engine.tensor_parallel import join_parts
+        from llmq_ray.parallel.tensor import join_parts
 
         return join_parts(self.tp.plan, ParamLayout(self.full_cfg), local[:self.layout.numel], self.tp.comm,
                           self.device, keep=keep, start=start, end=end)
@@ -323,7 +355,7 @@ class TrainEngine:
         then call ``reset_optimizer_from_params`` to rebuild the master from them. Collective under ZeRO-3.
         Under tensor parallelism ``flat`` is the whole model's (its layout's numel), cut here by the plan."""
         if self.tp is not None:
-            from llmq_ray.engine.tensor_parallel import shard_params
+            from llmq_ray.parallel.tensor import shard_params
 
             full_layout = ParamLayout(self.full_cfg)
             if flat.numel() < full_layout.numel:
@@ -399,7 +431,7 @@ class TrainEngine:
     def host_tensors(self) -> list[torch.Tensor]:
         """Everything this engine keeps in host memory because of an --offload-* flag (memory table)."""
         out = self.optimizer.host_tensors() + self.model.acts.residual.host_tensors() + self.model.lin.host_tensors()
-        if self.opts.offload_gradients and self.grad_shard is not None:
+        if self.settings.memory.offload_gradients and self.grad_shard is not None:
             out.append(self.grad_shard)
         return out
 
@@ -416,7 +448,7 @@ class TrainEngine:
         (in the overlap's order, so the first layers of the next forward wait least). "auto": as many bytes as
         the device has free now (set-up has allocated the weights, gradients, activations and scratch of a
         step) less ``AUTO_RESIDENT_MARGIN`` for what a step allocates on the fly."""
-        g = self.opts.opt_resident_gib
+        g = self.settings.memory.opt_resident_gib
         if not g:
             return
         budget = self._device_budget(g)
@@ -474,7 +506,7 @@ class TrainEngine:
         """The collected monitor (a device sync; call it after the update's), or None: {"swiglu_absmax": [L]
         floats, the largest |SwiGLU output| per layer over the step's micro-steps; "saturated_share": [L] floats,
         the share of those outputs' FP8 values at the FP8 maximum over the micro-steps at delayed scales
-        (``LlamaModel.count_saturated_swiglu_fp8``), or None when none was (current scales: nothing is
+        (``LlamaModel.count_saturated_swiglu_fp8``, llmq_ray/model/llama.py), or None when none was (current scales: nothing is
         clipped); "saturated_elements", what that share is over (0 with None)}."""
         if self._monitor is None:
             return None
@@ -500,7 +532,7 @@ class TrainEngine:
         totals = torch.stack([model.loss_sum.double(), model.target_count.double()])
         comm.all_reduce_sum(totals)  # over the data-parallel ranks (a tensor-parallel group shares one loss)
         if self.tp is not None and self.store is None:  # ZeRO-1: the parts of the norm / QK-norm weights and
-            model.reduce_tensor_parallel_grads()          # replicated KV rows, summed (ZeRO-2/3: before each reduce)
+            self.tp_plan.reduce_grads()                   # replicated KV rows, summed (ZeRO-2/3: before each reduce)
         if self.grad_shard is not None:  # ZeRO-2/3: reduced during every backward already
             shard = self.grad_shard
         else:  # ZeRO-1: reduce once, at the end of the step (unless the last backward did, layer by layer)
@@ -520,7 +552,7 @@ class TrainEngine:
         comm.all_reduce_over_shards(norm_sq)  # every shard once, also when nodes hold copies of them
         count = totals[1].clamp(min=1.0).float()
         norm = norm_sq.sqrt() / count
-        coef = clip_coefficient(norm, self.opts.grad_clip)
+        coef = clip_coefficient(norm, self.settings.optim.grad_clip)
         finite = torch.isfinite(coef)
         stats = torch.stack([totals[0].float() / count, norm, totals[1].float(), finite.float()]).tolist()
         self.micro_steps_done = 0
@@ -556,19 +588,19 @@ class TrainEngine:
         return loss_sum, int(count)
 
 
-def _check_tensor_parallel(opts: TrainOptions, tp) -> None:
-    """What tensor parallelism does not run with yet (``TrainOptions.validate`` names them, one sentence each;
+def _check_tensor_parallel(settings: RunSettings, tp) -> None:
+    """What tensor parallelism does not run with yet (llmq_ray/settings/rules.py names them, one sentence each;
     this only checks that the options' tensor-parallel size is the group's)."""
-    if opts.tensor_parallel not in (1, tp.plan.size):
-        raise ConfigError(f"--tensor-parallel={opts.tensor_parallel} but the engine was given a group of "
+    if settings.parallel.tensor_parallel not in (1, tp.plan.size):
+        raise ConfigError(f"--tensor-parallel={settings.parallel.tensor_parallel} but the engine was given a group of "
                           f"{tp.plan.size}.")
-    dataclasses.replace(opts, tensor_parallel=tp.plan.size).validate()
+    validate(dataclasses.replace(settings, parallel=dataclasses.replace(settings.parallel, tensor_parallel=tp.plan.size)))
 
 
 def _tensor_parallel_init(full_cfg: ModelConfig, tp, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     """This rank's local flat weights: the whole model's ``init_params`` (the values one process starts from),
     cut by the plan. Makes the whole model once, on the device (a temporary the size of the full weights)."""
-    from llmq_ray.engine.tensor_parallel import shard_params
+    from llmq_ray.parallel.tensor import shard_params
 
     full_layout = ParamLayout(full_cfg)
     full = torch.empty(full_layout.numel, dtype=dtype, device=device)
@@ -578,7 +610,7 @@ def _tensor_parallel_init(full_cfg: ModelConfig, tp, seed: int, dtype: torch.dty
 
 def _replicated_ranges(layout: ParamLayout, tp) -> list[tuple[int, int, int]]:
     """(start, end, copies) of the ranges of the local flat buffer that several ranks of the tensor-parallel group
-    hold whole (after ``reduce_tensor_parallel_grads`` their gradients are equal on those ranks): every norm
+    hold whole (after ``TensorParallel.reduce_grads`` their gradients are equal on those ranks): every norm
     weight, and the K/V rows of replicated KV heads (the embedding and LM head are split by vocabulary)."""
     out = []
     for name, slot in layout.slots.items():

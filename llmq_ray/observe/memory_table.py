@@ -149,7 +149,7 @@ def memory_table(engine, device_rows: bool = True) -> list[tuple[str, int]]:
     if host:
         offloaded = set(getattr(opt, "offloaded", ()))
         opt_host = lambda name: [getattr(opt, name)] if name in offloaded else []  # noqa: E731
-        grads_host = [engine.grad_shard] if getattr(engine.opts, "offload_gradients", False) else []
+        grads_host = [engine.grad_shard] if engine.settings.memory.offload_gradients else []
         h = _Counter(torch.device("cpu"))
         rows += [("host_master", h.claim(opt_host("master"))), ("host_adam_m", h.claim(opt_host("m"))),
                  ("host_adam_v", h.claim(opt_host("v"))), ("host_grads", h.claim(grads_host)),

@@ -1,9 +1,9 @@
 """The train command: ``python examples/train.py [flags]`` (also installed as ``llmq-train``).
 
-Flags follow llm.q's names; each maps onto a keyword argument of ``LLMQTrainer`` (a ``TrainOptions`` field such
-as ``--grad-accumulation`` -> ``grad_accumulation``, or a runtime argument such as ``--checkpoint-dir``). The
-CLI keeps no defaults of its own: a flag not given is not passed on, so the API and the CLI share one set of
-defaults (``llmq_ray/train/run_defaults.py``), which ``--help`` prints. ``--config run.toml`` reads settings from a file
+Flags follow llm.q's names; each is a setting of the tree (llmq_ray/settings/tree.py), ``--grad-accumulation`` ->
+``grad_accumulation``, and the old boolean spellings of a merged choice stay as aliases (``--persistent-quants`` is
+``--fp8-weight-copies persistent``, ``--shard-weights`` is ``--zero-level 3``). The CLI keeps no defaults of its
+own: a flag not given is not passed on, so the API and the CLI share the tree's defaults, which ``--help`` prints. ``--config run.toml`` reads settings from a file
 (``llmq_ray/train/config_file.py``; flags on the command line win) and ``--print-config`` prints the resolved ones. Defaults that say "auto" suit the machine:
 on a CPU a tiny Qwen-vocabulary model, fp32, the torch backend and a run of about two minutes; on a GPU
 Qwen2.5-0.5B from scratch in bf16 with the fastest backend. With no ``--train-file`` the run uses the
@@ -29,22 +29,22 @@ from llmq_ray.errors import LLMQError
 
 AUTO = "auto"
 CLI_ONLY = {"config": None, "print_config": False}  # the flags of this command alone (beside its command-only settings)
-API_ONLY = ("verbose", "fault", "handle_signals", "cli")  # trainer keywords with no flag: for programs and tests
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but an unknown flag is answered with the closest valid one."""
+    """argparse, but an error is one line (no usage block before it) and an unknown flag is answered with the
+    closest valid one."""
 
     def error(self, message: str):  # noqa: D401 - argparse's hook
         if message.startswith("unrecognized arguments:"):
-            from llmq_ray.train.config_file import closest
+            from llmq_ray.settings import closest
 
             flags = [o for a in self._actions for o in a.option_strings]
             unknown = message.split(":", 1)[1].split()
             first = next((u.split("=")[0] for u in unknown if u.startswith("--")), None)
             if first:
                 message = f"unrecognized argument {first}{closest(first, flags)}"
-        super().error(message)
+        self.exit(2, f"error: {message} (`{self.prog} --help` lists every flag)\n")
 
 
 def gib_or_auto(text: str) -> float | str:
@@ -59,7 +59,9 @@ def gib_or_auto(text: str) -> float | str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
-        prog="llmq-train" if os.path.basename(sys.argv[0]) == "llmq-train" else "examples/train.py", description="Train a Llama-family model with llmq-ray (one Ray worker per GPU).",
+        prog="llmq-train" if os.path.basename(sys.argv[0]) == "llmq-train" else "examples/train.py",
+        description="Train a Llama / Qwen / GPT-2 model with llmq-ray (one Ray worker per GPU).",
+        epilog=_presets_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS)  # a flag not given is not passed on: the trainer's default applies
     g = p.add_argument_group("config file")
     g.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (keys: the flags' names with "
@@ -69,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(p)
     _add_defaults_to_help(p)
     return p
+
+
+def _presets_epilog() -> str:
+    """The model presets, for the end of ``--help`` (``--model NAME``)."""
+    import textwrap
+
+    from llmq_ray.model.config import PRESETS
+
+    return "model presets (--model NAME; an HF folder or an HF id in the local cache works too):\n" + \
+        textwrap.fill(", ".join(PRESETS), width=100, initial_indent="  ", subsequent_indent="  ")
 
 
 def parse_bool(text: str) -> bool:
@@ -85,9 +97,10 @@ _PARSERS = {"int": int, "float": float, "str": str, "gib_or_auto": gib_or_auto}
 
 
 def _add_settings(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting of the tree (llmq_ray/settings.py), section by section: ``--name-with-dashes`` (or,
-    for a boolean that defaults to True, its ``--no-...`` form), the llm.q aliases, and the dotted spelling
-    ``--<section>.<name>`` (booleans take true/false there)."""
+    """One flag per setting of the tree (llmq_ray/settings/tree.py), section by section: ``--name-with-dashes``
+    (or, for a boolean that defaults to True, its ``--no-...`` form), the llm.q aliases, the dotted spelling
+    ``--<section>.<name>`` (booleans take true/false there) and the old boolean spellings of a choice
+    (``--persistent-quants``), each setting its choice's value."""
     from llmq_ray.settings import all_settings, sections
 
     docs = {name: (cls.__doc__ or "").strip().rstrip(".") for name, cls in sections()}
@@ -118,15 +131,21 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
                 kw[key] = m[key]
         if kw.get("choices") and s.default == AUTO and AUTO not in kw["choices"]:
             kw["choices"] = (AUTO, *kw["choices"])
-        g.add_argument(s.dashed, *m["flags"], **kw)
+        names = [*m["flags"], s.dashed] if s.name == "resume" else [s.dashed, *m["flags"]]  # usage: --continue
+        g.add_argument(*names, **kw)
         g.add_argument(f"--{s.dotted}", **{**kw, "help": argparse.SUPPRESS})
+        for old, (on, off) in m["aliases"].items():
+            g.add_argument("--" + old.replace("_", "-"), dest=old, action="store_true",
+                           help=f"the same as --{s.name.replace('_', '-')} {on}")
 
 
 def _add_defaults_to_help(parser: argparse.ArgumentParser) -> None:
-    """Append each flag's default, read from the trainer (``run_defaults.api_defaults``), to its help."""
-    from llmq_ray.train.run_defaults import api_defaults
+    """Append each flag's default, read from the tree (the "auto" ones described by llmq_ray/settings/defaults.py),
+    to its help."""
+    from llmq_ray.settings import all_settings
+    from llmq_ray.settings.defaults import auto_help
 
-    defaults = {**api_defaults(), **CLI_ONLY}
+    defaults = {**{s.name: s.default for s in all_settings()}, **auto_help(), **CLI_ONLY}
     for a in parser._actions:
         if (not a.option_strings or a.dest == "help" or a.nargs == 0 or a.dest not in defaults
                 or a.help == argparse.SUPPRESS or "default" in (a.help or "")):
@@ -138,10 +157,10 @@ def _add_defaults_to_help(parser: argparse.ArgumentParser) -> None:
 
 
 def config_keys() -> set[str]:
-    """The settings a config file may hold: every keyword of LLMQTrainer but the API-only ones."""
-    from llmq_ray.train.run_defaults import api_defaults
+    """The keys a config file may hold: every setting of the tree, and the old boolean spellings of a choice."""
+    from llmq_ray.settings import aliases, all_settings
 
-    return set(api_defaults()) - set(API_ONLY)
+    return {s.name for s in all_settings()} | set(aliases())
 
 
 def trainer_kwargs(args: argparse.Namespace) -> dict:
@@ -194,18 +213,22 @@ def main(argv: Optional[list[str]] = None) -> int:
             except ConfigError as exc:
                 raise ConfigError(f"--config {args.config}: {exc}") from None
             kwargs = {**config, **kwargs}  # the command line wins
-        trainer = LLMQTrainer(cli=True, **kwargs)
-        if getattr(args, "print_config", False):
+        if getattr(args, "print_config", False):  # stdout is the TOML alone (`--print-config > run.toml`)
+            import contextlib
+
             from llmq_ray.train.config_file import resolved_toml
 
+            with contextlib.redirect_stdout(sys.stderr):
+                trainer = LLMQTrainer(cli=True, **kwargs)
             print(resolved_toml(trainer.resolved_settings(), getattr(args, "config", None) or ""), end="")
             return 0
+        trainer = LLMQTrainer(cli=True, **kwargs)
         result = trainer.fit()
         if result.stopped:
             return result.stopped["exit_code"]  # its line ("stopped by SIGTERM after step N; ...") is printed
         if result.export_path and args.sample_tokens > 0:
-            print_sample(result.export_path, args.prompt, args.sample_tokens, trainer.opts.seed,
-                         trainer.spec.device if trainer.spec else "cpu")
+            print_sample(result.export_path, args.prompt, args.sample_tokens, trainer.settings.optim.seed,
+                         trainer.plan.settings.parallel.device if trainer.plan else "cpu")
     except LLMQError as exc:
         print(f"error: {exc}", file=sys.stderr)
         from llmq_ray.actors.failures import WorkerError

@@ -1,6 +1,6 @@
 """Run settings from a TOML file, with the command line on top: ``--config run.toml --steps 5``.
 
-A config file holds the settings of the tree (llmq_ray/settings.py): ``LLMQTrainer`` keyword arguments (the CLI
+A config file holds the settings of the tree (llmq_ray/settings/tree.py): ``LLMQTrainer`` keyword arguments (the CLI
 flags' names with underscores) at the top level or in any table, and in a section's own table also the short
 names of the dotted flags (``[optim] lr`` is ``--optim.lr``, ``[checkpoints] interval`` is ``--ckpt-interval``)::
 
@@ -21,18 +21,14 @@ we print need no library (JSON's escaping of strings, numbers and booleans is va
 
 from __future__ import annotations
 
-import difflib
 import json
 import sys
-from typing import Any, Iterable
+from typing import Any
 
 from llmq_ray.errors import ConfigError
+from llmq_ray.settings import closest  # one definition, shared with the CLI and LLMQTrainer
 
 
-def closest(name: str, valid: Iterable[str]) -> str:
-    """' (did you mean X?)' for the valid name closest to ``name``, or '' when none is close."""
-    match = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def read_config(path: str, valid: set[str], short: dict[tuple[str, str], str] | None = None) -> dict[str, Any]:
@@ -93,7 +89,19 @@ def resolved_toml(settings: dict[str, Any], source: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
+_AT_START = {  # settings still "auto" after the pre-flight: what decides them when the run starts
+    "device": "cuda when the Ray cluster has GPUs, else cpu",
+    "backend": "triton on cuda, torch on cpu",
+    "kept_quants_gib": "the device memory set-up leaves free",
+    "opt_resident_gib": "the device memory set-up leaves free",
+}
+
+
 def _line(key: str, value: Any) -> str:
+    if value == "auto" and key in _AT_START:
+        return f"{key} = \"auto\"  # resolved when the run starts: {_AT_START[key]}"
+    if key == "run_id" and value is None:
+        return "# run_id = (a new one per run: <UTC time>-<random>)"
     if value is None:
         return f"# {key} = (none)"
     if isinstance(value, (bool, int, float, str)):
