@@ -350,6 +350,8 @@ class GPUWorker:
         flat = self._whole_model_weights(keep=write)
         if not write:
             return None
+        import torch
+
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype] if dtype else flat.dtype
         from llmq_ray.model.tokenizer_files import tokenizer_source_for_export
 

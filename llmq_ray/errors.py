@@ -10,7 +10,12 @@ class LLMQError(Exception):
 
 
 class ConfigError(LLMQError, ValueError):
-    """A model config, preset, flag or flag combination is wrong."""
+    """A setting, flag or combination of them is wrong."""
+
+
+class ModelConfigError(ConfigError):
+    """A model's config.json, preset name or model folder cannot be used (raised by llmq_ray/model/, which knows
+    no flags; a ConfigError, so callers that catch those catch it too)."""
 
 
 class DataError(LLMQError, ValueError):

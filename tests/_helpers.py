@@ -159,7 +159,7 @@ def our_model_from_hf(hf_model, tmp_path, batch: int, seq: int, dtype=torch.floa
     folder = tmp_path / "hf"
     hf_model.save_pretrained(folder)
     cfg = config_from_hf_dict(hf_model.config.to_dict())
-    model = build_model(cfg, get_backend("torch"), batch_size=batch, seq_len=seq, dtype=dtype, **kwargs)
+    model = build_model(cfg, get_backend("torch"), batch=batch, seq=seq, dtype=dtype, **kwargs)
     load_hf_weights(str(folder), model.layout, model.params)
     return model
 

@@ -372,7 +372,7 @@ def model_grads(cfg, backend_name, b, t, dtype):
     from llmq_ray.model.params import init_params
 
     be = get_backend(backend_name, DEV)
-    model = build_model(cfg, be, batch_size=b, seq_len=t, dtype=dtype)
+    model = build_model(cfg, be, batch=b, seq=t, dtype=dtype)
     flat = torch.zeros(model.layout.numel, dtype=torch.float32)
     init_params(model.layout, flat, seed=3)
     views = model.layout.views(flat)
@@ -438,8 +438,8 @@ def fp8_run(backend, matmul_dtype=None, gradient_dtype=None, lmhead_dtype=None, 
     from llmq_ray.model.params import init_params
 
     cfg = fp8_model_config()
-    model = build_model(cfg, get_backend(backend, "cuda"), batch_size=FP8_B, seq_len=FP8_T, dtype=torch.bfloat16,
-                       matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype, lmhead_dtype=lmhead_dtype,
+    model = build_model(cfg, get_backend(backend, "cuda"), batch=FP8_B, seq=FP8_T, dtype=torch.bfloat16,
+                       block_dtype=matmul_dtype, grad_fp8=gradient_dtype, head_dtype=lmhead_dtype,
                        swiglu_scale="smooth" if smooth_swiglu else "current")
     init_params(model.layout, model.params, seed=11)
     perturb_norms_and_biases(model)

@@ -375,3 +375,20 @@ def test_a_misspelt_flag_is_one_line_without_the_usage_block(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: unrecognized argument --batch-sise (did you mean "
                                                    "'--batch-size'?)"), err
+
+
+def test_every_flag_of_before_the_settings_redesign_is_still_offered():
+    """The redesign merged choices and moved fields, but no spelling a user or a script had may go away: every
+    option string of the command line before it (recorded in tests/data) is still accepted, with a value where it
+    took one, and the old booleans of a merged choice land on that choice."""
+    path = os.path.join(os.path.dirname(__file__), "data", "cli_flags_2026-12-01.txt")
+    before = [x for x in open(path).read().split("\n") if x and not x.startswith("#")]
+    actions = {o: a for a in cli.build_parser()._actions for o in a.option_strings}
+    missing = [f for f in before if f not in actions]
+    assert not missing and len(before) > 200, missing
+    kw = cli.trainer_kwargs(cli.build_parser().parse_args(["--memory.transient_quants", "true",
+                                                           "--parallel.shard_weights", "true"]))
+    from llmq_ray.settings import make_settings
+
+    s = make_settings(**kw)
+    assert s.memory.fp8_weight_copies == "layer" and s.parallel.zero_level == 3

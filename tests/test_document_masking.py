@@ -34,10 +34,10 @@ def _documents(lengths, seed=0):
 def _loss_and_grads(rows_in, rows_tgt, separator, recompute=None, cfg=CFG, attention="sdpa"):
     """Sum of target losses and the gradient of it, for a batch of equal-length rows."""
     inputs, targets = torch.stack(rows_in), torch.stack(rows_tgt)
-    model = build_model(cfg, get_backend("torch", attention=attention), batch_size=inputs.shape[0],
-                       seq_len=inputs.shape[1],
-                       document_separator=separator, recompute=recompute,
-                       reset_positions=cfg.is_gpt2 and separator is not None)
+    model = build_model(cfg, get_backend("torch", attention=attention), batch=inputs.shape[0],
+                       seq=inputs.shape[1],
+                       separator=separator, recompute=recompute,
+                       restart_positions=cfg.is_gpt2 and separator is not None)
     torch.manual_seed(1)
     model.params.normal_(0.0, 0.08)
     model.zero_grads()
@@ -78,7 +78,7 @@ def test_a_packed_window_equals_its_documents_run_alone(recompute, cfg, attentio
 def test_engine_trains_with_document_masking_and_takes_the_model_eos_by_default():
     opts = train_settings(model="tiny", batch_size=2, seq_len=32, learning_rate=3e-3, seed=1, document_masking=True)
     e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
-    assert e.model.build.document_separator == PRESETS["tiny"].eos_token_id
+    assert e.model.build.separator == PRESETS["tiny"].eos_token_id
     doc = torch.cat([torch.arange(10) % 5 + 20, torch.tensor([PRESETS["tiny"].eos_token_id])])
     x = doc.repeat(3)[:33].repeat(2, 1)
     losses = []
@@ -91,7 +91,7 @@ def test_engine_trains_with_document_masking_and_takes_the_model_eos_by_default(
 def test_document_masking_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="--document-separator=-1"):
         checked_settings(document_masking=True, document_separator=-1)
-    with pytest.raises(ConfigError, match="--document-separator=True must be a token id"):
+    with pytest.raises(ConfigError, match="--document-separator=True must be an integer, not bool"):
         checked_settings(document_masking=True, document_separator=True)
     with pytest.raises(ConfigError, match=r"--document-separator=5 needs --document-masking"):
         checked_settings(document_separator=5)
@@ -100,7 +100,7 @@ def test_document_masking_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="with GPT-2 needs --reset-positions"):
         check_model_settings(PRESETS["tiny-gpt2"], train_settings(model="tiny-gpt2", document_masking=True))
     with pytest.raises(ValueError, match="learned positions needs them reset"):
-        build_model(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=1, seq_len=8, document_separator=0)
+        build_model(PRESETS["tiny-gpt2"], get_backend("torch"), batch=1, seq=8, separator=0)
     with pytest.raises(ConfigError, match="--reset-positions needs --document-masking"):
         checked_settings(reset_positions=True)
 
@@ -197,8 +197,8 @@ def _model_on_a_faked_gpu(kernels):
     be.attention.DOCUMENT_KERNELS = kernels
     fake_triton = _FakeTriton()
     be.attention._triton = (fake_triton, fake_triton)
-    model = build_model(CFG, be, batch_size=2, seq_len=6, dtype=torch.bfloat16, document_separator=EOS,
-                       attn_bwd_chunks=2)
+    model = build_model(CFG, be, batch=2, seq=6, dtype=torch.bfloat16, separator=EOS,
+                       attention_chunks=2)
     return model, be.attention._aten, fake_triton
 
 
@@ -336,10 +336,10 @@ def test_a_separator_that_masks_nothing_is_refused_before_ray(tmp_path):
     with pytest.raises(ConfigError, match=r"^document_separator=7 never occurs in the first tokens of "
                                           r"train_file .*train-\*\.bin, so nothing would be masked"):
         LLMQTrainer(document_separator=7, **kw)
-    assert LLMQTrainer(document_separator=9, **kw).opts.document_separator == 9
+    assert LLMQTrainer(document_separator=9, **kw).settings.data.document_separator == 9
     (tmp_path / "meta.json").write_text(json.dumps({"eos_id": 151643}))
     with pytest.raises(ConfigError, match=r"^document_masking: the end-of-document token 151643 named by the "
                                           r"meta\.json .* was the data tokenized for another model\?$"):
         LLMQTrainer(**kw)
     (tmp_path / "meta.json").write_text(json.dumps({"eos_id": 6}))
-    assert LLMQTrainer(**kw).opts.document_separator == 6
+    assert LLMQTrainer(**kw).settings.data.document_separator == 6

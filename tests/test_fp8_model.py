@@ -19,9 +19,9 @@ B, T = 2, 32
 
 
 def _run(matmul_dtype=None, gradient_dtype=None, recompute=None, lmhead_dtype=None, lmhead_chunks=1, cfg=CFG):
-    model = build_model(cfg, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                       matmul_dtype=matmul_dtype, gradient_dtype=gradient_dtype, recompute=recompute,
-                       lmhead_dtype=lmhead_dtype, lmhead_chunks=lmhead_chunks)
+    model = build_model(cfg, get_backend("torch"), batch=B, seq=T, dtype=torch.bfloat16,
+                       block_dtype=matmul_dtype, grad_fp8=gradient_dtype, recompute=recompute,
+                       head_dtype=lmhead_dtype, head_chunks=lmhead_chunks)
     init_params(model.layout, model.params, seed=7)
     perturb_norms_and_biases(model)
     gen = torch.Generator().manual_seed(3)
@@ -102,8 +102,8 @@ def test_fp8_recompute_is_bit_identical(flag):
 def test_second_micro_step_accumulates(matmul_dtype):
     """The first backward after zero_grads() overwrites the block weight gradients (no read of zeros); every
     later micro-step must add to them: grads(A then B) == grads(A) + grads(B)."""
-    model = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.float32 if not matmul_dtype
-                       else torch.bfloat16, matmul_dtype=matmul_dtype)
+    model = build_model(CFG, get_backend("torch"), batch=B, seq=T, dtype=torch.float32 if not matmul_dtype
+                       else torch.bfloat16, block_dtype=matmul_dtype)
     init_params(model.layout, model.params, seed=7)
     gen = torch.Generator().manual_seed(9)
     a, b = (torch.randint(0, CFG.vocab_size, (B, T + 1), generator=gen) for _ in range(2))
@@ -151,8 +151,8 @@ def test_delayed_swiglu_scale_measures_first_then_reuses_the_last_passes_absmax(
     of the same gradient do (e4m3 steps are 2^-3 relative, ~2^-5 on average: every parameter's gradient cosine
     >= 0.995; seen 0.9987 at the lowest, a norm weight)."""
     def model(delayed):
-        m = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                       matmul_dtype="e4m3", swiglu_scale="delayed" if delayed else "current")
+        m = build_model(CFG, get_backend("torch"), batch=B, seq=T, dtype=torch.bfloat16,
+                       block_dtype="e4m3", swiglu_scale="delayed" if delayed else "current")
         init_params(m.layout, m.params, seed=7)
         perturb_norms_and_biases(m)
         m.zero_grads()
@@ -185,19 +185,19 @@ def test_delayed_swiglu_scale_measures_first_then_reuses_the_last_passes_absmax(
 def test_delayed_swiglu_scale_needs_e4m3():
     from llmq_ray.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--fp8-delayed-swiglu-scale needs --matmul-dtype e4m3"):
-        checked_settings(model="tiny", fp8_swiglu_scale="delayed")
+    with pytest.raises(ConfigError, match="--swiglu-fp8-scale delayed needs --matmul-dtype e4m3"):
+        checked_settings(model="tiny", swiglu_fp8_scale="delayed")
 
 
 def test_delayed_swiglu_scale_through_the_engine():
-    """The flag reaches the model through TrainOptions, and 3 steps of 2 micro-steps train within FP8 noise of
+    """The setting reaches the model through the engine's build description, and 3 steps of 2 micro-steps train within FP8 noise of
     current scaling (losses within 1%, but not the same: from the second micro-step on the kept scales are used)."""
     from llmq_ray.engine.train_engine import TrainEngine
     from llmq_ray.model.config import PRESETS
 
     def losses(delayed):
         opts = train_settings(model="tiny", batch_size=2, seq_len=32, grad_accumulation=2, model_dtype="bf16",
-                            matmul_dtype="e4m3", fp8_swiglu_scale="delayed" if delayed else "current")
+                            matmul_dtype="e4m3", swiglu_fp8_scale="delayed" if delayed else "current")
         e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
         assert (e.model.swiglu_out_amax is not None) == delayed
         gen = torch.Generator().manual_seed(5)
@@ -218,8 +218,8 @@ def test_delayed_swiglu_scale_is_not_replaced_by_an_evaluation_forward():
     """An eval forward (forward_loss) under --fp8-delayed-swiglu-scale quantizes at the kept scales but keeps
     them: the training forward after a periodic eval gives the same bits as with no eval in between."""
     def model():
-        m = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                       matmul_dtype="e4m3", swiglu_scale="delayed")
+        m = build_model(CFG, get_backend("torch"), batch=B, seq=T, dtype=torch.bfloat16,
+                       block_dtype="e4m3", swiglu_scale="delayed")
         init_params(m.layout, m.params, seed=7)
         perturb_norms_and_biases(m)
         return m

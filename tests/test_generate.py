@@ -108,7 +108,7 @@ def test_cached_logits_equal_full_forward(case):
     cached = torch.cat(steps, dim=1)  # logits predicting tokens 1 .. P+N-1
     assert cached.shape == (b, p + N_NEW - 1, gen.cfg.vocab_size)
 
-    train = build_model(gen.cfg, get_backend("torch"), batch_size=b, seq_len=full.shape[1], params=gen.params)
+    train = build_model(gen.cfg, get_backend("torch"), batch=b, seq=full.shape[1], params=gen.params)
     ours_full = train.logits_for(full)[:, :-1]
     torch.testing.assert_close(cached, ours_full, rtol=0, atol=1e-5)
     with torch.no_grad():

@@ -92,7 +92,7 @@ def test_logits_loss_and_every_gradient_match_transformers_fp32(hf_and_ours):
 
 def test_export_loads_in_transformers_with_our_logits_and_generation_matches(hf_and_ours, tmp_path):
     cfg = hf_and_ours[1].cfg
-    ours = build_model(cfg, get_backend("torch"), batch_size=B, seq_len=T)
+    ours = build_model(cfg, get_backend("torch"), batch=B, seq=T)
     init_params(ours.layout, ours.params, seed=5)  # our own weights (biases zero, LayerNorms one) ...
     gen = torch.Generator().manual_seed(9)
     ours.params[ours.layout.decay_end:ours.layout.numel].add_(
@@ -145,7 +145,7 @@ def test_recompute_is_bit_identical(hf_and_ours, flag, tmp_path):
     inputs, targets = _batch(base.cfg.vocab_size)
     base.zero_grads()
     base.forward_backward(inputs, targets)
-    model = build_model(base.cfg, get_backend("torch"), batch_size=B, seq_len=T, params=base.params.clone(),
+    model = build_model(base.cfg, get_backend("torch"), batch=B, seq=T, params=base.params.clone(),
                        recompute=Recompute(**{flag: True}))
     model.zero_grads()
     model.forward_backward(inputs, targets)
@@ -157,7 +157,7 @@ def test_e4m3_gradients_follow_bf16(hf_and_ours, tmp_path):
     hf, _ = hf_and_ours
     runs = {}
     for mm in (None, "e4m3"):
-        model = _our_model(hf, tmp_path / str(mm), dtype=torch.bfloat16, matmul_dtype=mm)
+        model = _our_model(hf, tmp_path / str(mm), dtype=torch.bfloat16, block_dtype=mm)
         inputs, targets = _batch(model.cfg.vocab_size)
         model.zero_grads()
         model.forward_backward(inputs, targets)
@@ -213,10 +213,10 @@ def test_what_gpt2_does_not_take_yet_is_refused():
     with pytest.raises(ConfigError, match="GPT-2's GELU MLP does not take it"):  # the user's sentence, before Ray
         check_model_settings(cfg, train_settings(model="tiny-gpt2", matmul_dtype="e4m3", swiglu_fp8_scale="delayed"))
     with pytest.raises(ValueError, match="GPT-2's GELU MLP has no SwiGLU"):  # the model's own assertion
-        build_model(cfg, get_backend("torch"), batch_size=1, seq_len=8, matmul_dtype="e4m3",
+        build_model(cfg, get_backend("torch"), batch=1, seq=8, block_dtype="e4m3",
                     swiglu_scale="delayed")
     with pytest.raises(ValueError, match="is longer than the model's 256 positions"):
-        build_model(cfg, get_backend("torch"), batch_size=1, seq_len=cfg.max_position_embeddings + 1)
+        build_model(cfg, get_backend("torch"), batch=1, seq=cfg.max_position_embeddings + 1)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

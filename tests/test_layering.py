@@ -161,3 +161,47 @@ print("ok")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def _model_raises(name: str) -> list[str]:
+    """file:line of every ``raise <name>(...)`` under llmq_ray/model/ (parsed with ast)."""
+    found = []
+    for root, _, files in os.walk(os.path.join(REPO, "llmq_ray", "model")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                for node in ast.walk(ast.parse(open(path).read(), path)):
+                    if isinstance(node, ast.Raise) and node.exc is not None:
+                        call = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                        if isinstance(call, ast.Name) and call.id == name:
+                            found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    return found
+
+
+def test_the_model_raises_no_settings_error():
+    """The model asserts its invariants (ValueError, flag-free); the rules between settings are checked once, in
+    llmq_ray/settings/rules.py and llmq_ray/train/model_checks.py, before Ray starts. A model file that cannot be
+    used is a ModelConfigError (a ConfigError subclass of its own, naming the file, not a flag)."""
+    assert not _model_raises("ConfigError"), _model_raises("ConfigError")
+    assert _model_raises("ModelConfigError") and _model_raises("ValueError")  # the scan sees raises at all
+
+
+def test_no_block_code_under_model_names_parallelism_or_offloading():
+    """Tensor parallelism and offloading are applied from outside (llmq_ray/parallel/, llmq_ray/engine/): under
+    llmq_ray/model/ those words may appear in comments and docstrings only, never in code."""
+    import io
+    import re
+    import tokenize
+
+    found = []
+    for root, _, files in os.walk(os.path.join(REPO, "llmq_ray", "model")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            with open(path) as fh:
+                toks = list(tokenize.generate_tokens(io.StringIO(fh.read()).readline))
+            for i, tok in enumerate(toks):
+                if tok.type == tokenize.NAME and re.search(r"tensor_parallel|offload", tok.string):
+                    found.append(f"{os.path.relpath(path, REPO)}:{tok.start[0]} {tok.string}")
+    assert not found, found

@@ -149,7 +149,7 @@ def test_recompute_flags_are_bit_identical_and_save_memory(dtype, tmp_path):
 def test_lmhead_chunks_agree(tmp_path):
     hf = _random_hf_model("qwen2-mha-tied")
     one = _our_model(hf, tmp_path / "1")
-    four = _our_model(hf, tmp_path / "4", lmhead_chunks=4)
+    four = _our_model(hf, tmp_path / "4", head_chunks=4)
     inputs, targets = _batch(one.cfg.vocab_size)
     loss1, g1 = _our_grads(one, inputs, targets)
     loss4, g4 = _our_grads(four, inputs, targets)

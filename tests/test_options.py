@@ -53,9 +53,9 @@ def test_lmhead_chunks_must_divide_rows_and_seq_len_must_fit():
     with pytest.raises(ConfigError, match="--lmhead-chunks=3 must divide --batch-size x --seq-len = 32"):
         checked_settings(model="tiny", batch_size=2, seq_len=16, lmhead_chunks=3)
     with pytest.raises(ValueError, match="3 LM-head chunks must be >= 1 and divide the 32 rows"):  # the model's own
-        build_model(cfg, get_backend("torch"), batch_size=2, seq_len=16, lmhead_chunks=3)
+        build_model(cfg, get_backend("torch"), batch=2, seq=16, head_chunks=3)
     with pytest.raises(ValueError, match="a window of 4096 tokens is longer than the model's"):
-        build_model(cfg, get_backend("torch"), batch_size=1, seq_len=4096)
+        build_model(cfg, get_backend("torch"), batch=1, seq=4096)
 
 
 def test_unknown_backend_and_preset_are_clear_errors():
@@ -63,5 +63,5 @@ def test_unknown_backend_and_preset_are_clear_errors():
 
     with pytest.raises(ConfigError, match="--backend='nope' is not a known backend"):
         get_backend("nope")
-    with pytest.raises(ConfigError, match="--model='no-such-model'"):
+    with pytest.raises(ConfigError, match="model 'no-such-model' is neither a preset"):
         resolve_model("no-such-model")

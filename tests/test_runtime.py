@@ -277,7 +277,7 @@ def test_workers_taking_every_free_cpu_get_a_warning(monkeypatch):
         and "Ray Data" in warning and warning.count(".") == 1 and warning.endswith("read in the workers).")
     assert data_cpu_warning(test_plan(**spec, use_ray_data=False), settle_s=0.0) is None
     free["CPU"] = 3.0
-    assert data_cpu_warning(spec, settle_s=0.0) is None
+    assert data_cpu_warning(test_plan(**spec), settle_s=0.0) is None
 
 
 def test_gpu_workers_default_cpus_count_the_free_cpus():
@@ -326,7 +326,8 @@ def test_live_wandb_offline_and_memory_table_through_the_trainer(ray_cluster, sh
     result = LLMQTrainer(model="tiny", train_file=train, eval_file=evalf, steps=3, batch_size=2, seq_len=16,
                          device="cpu", workers=2, out_dir=str(out), export=False, collective_timeout_s=60.0,
                          call_timeout_s=120.0, verbose=False, wandb_project="llmq-test", wandb_run_name="t",
-                         log_gpu_util=1, model_dtype="bf16", matmul_dtype="e4m3", fp8_monitor_every=2).fit()
+                         log_gpu_util=1, model_dtype="bf16", matmul_dtype="e4m3", swiglu_fp8_scale="current",
+                         fp8_monitor_every=2).fit()
     assert result.metrics["steps"] == 3
     runs = [d for d in os.listdir(out / "wandb") if d.startswith("offline-run-")]
     assert len(runs) == 1

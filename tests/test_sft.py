@@ -181,7 +181,7 @@ def _loss_and_grads(inputs, targets):
     from llmq_ray.model.params import init_params
     from llmq_ray.model import build_model
 
-    model = build_model(PRESETS["tiny"], get_backend("torch"), batch_size=1, seq_len=inputs.shape[1],
+    model = build_model(PRESETS["tiny"], get_backend("torch"), batch=1, seq=inputs.shape[1],
                        dtype=torch.float32)
     init_params(model.layout, model.params, seed=7)
     model.zero_grads()

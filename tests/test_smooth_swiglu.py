@@ -28,8 +28,8 @@ B, T = 2, 32
 
 
 def _model(matmul_dtype=None, smooth=False, recompute=None):
-    m = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                   matmul_dtype=matmul_dtype, recompute=recompute,
+    m = build_model(CFG, get_backend("torch"), batch=B, seq=T, dtype=torch.bfloat16,
+                   block_dtype=matmul_dtype, recompute=recompute,
                     swiglu_scale="smooth" if smooth else "current")
     init_params(m.layout, m.params, seed=7)
     perturb_norms_and_biases(m)
@@ -221,13 +221,14 @@ def test_second_micro_step_accumulates():
 
 
 def test_refused_where_it_does_not_apply():
-    with pytest.raises(ConfigError, match="--fp8-smooth-swiglu needs --matmul-dtype e4m3"):
-        checked_settings(model="tiny", fp8_swiglu_scale="smooth")
-    with pytest.raises(ConfigError, match="use one of them"):
-        checked_settings(model="tiny", matmul_dtype="e4m3", fp8_smooth_swiglu=True,
-                     fp8_swiglu_scale="delayed")
+    with pytest.raises(ConfigError, match="--swiglu-fp8-scale smooth needs --matmul-dtype e4m3"):
+        checked_settings(model="tiny", swiglu_fp8_scale="smooth")
+    # smooth and delayed were two flags that had to exclude each other; now they are two values of one choice
+    assert checked_settings(model="tiny", model_dtype="bf16", matmul_dtype="e4m3",
+                            fp8_smooth_swiglu=True).numerics.swiglu_fp8_scale == "smooth"
     with pytest.raises(ConfigError, match="--use-cuda-graphs"):
-        checked_settings(model="tiny", matmul_dtype="e4m3", fp8_smooth_swiglu=True, use_cuda_graphs=True)
+        checked_settings(model="tiny", model_dtype="bf16", matmul_dtype="e4m3", fp8_smooth_swiglu=True,
+                         use_cuda_graphs=True)
     from llmq_ray.model.config import PRESETS
 
     from llmq_ray.train.model_checks import check_model_settings
@@ -236,8 +237,8 @@ def test_refused_where_it_does_not_apply():
         check_model_settings(PRESETS["tiny-gpt2"], train_settings(model="tiny-gpt2", matmul_dtype="e4m3",
                                                                   swiglu_fp8_scale="smooth"))
     with pytest.raises(ValueError, match="GPT-2's GELU MLP has no SwiGLU"):
-        build_model(PRESETS["tiny-gpt2"], get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                    matmul_dtype="e4m3", swiglu_scale="smooth")
+        build_model(PRESETS["tiny-gpt2"], get_backend("torch"), batch=B, seq=T, dtype=torch.bfloat16,
+                    block_dtype="e4m3", swiglu_scale="smooth")
 
 
 def test_through_the_engine_with_the_monitor():
@@ -315,7 +316,7 @@ def test_memory_table_counts_the_smooth_copy_as_fp8():
     from llmq_ray.observe.memory_table import memory_dict, memory_table
 
     opts = train_settings(model="tiny", batch_size=2, seq_len=32, model_dtype="bf16", matmul_dtype="e4m3",
-                        fp8_swiglu_scale="smooth")
+                        swiglu_fp8_scale="smooth")
     e = TrainEngine(PRESETS["tiny"], opts, get_backend("torch"))
     cfg = PRESETS["tiny"]
     own = sum(t.numel() * t.element_size() for t in e.model.smooth.tensors())

@@ -225,7 +225,7 @@ def test_resuming_on_fewer_workers_keeps_the_global_batch(ray_cluster, shards, t
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
 
     kept = _api_run(shards, tmp_path / "one-b", workers=1, resume=ckpt, allow_batch_change=True)
-    assert kept.opts.grad_accumulation == 1  # opted out: the batch is halved, as asked
+    assert kept.settings.data.grad_accumulation == 1  # opted out: the batch is halved, as asked
     with pytest.raises(Exception, match=r"global batch of 4 rows .* cannot keep with a whole grad_accumulation"):
         _api_run(shards, tmp_path / "one-c", workers=1, batch_size=3, resume=ckpt)
 

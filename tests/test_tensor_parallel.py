@@ -210,7 +210,7 @@ def _model_rank(rank: int, port: int, out: str) -> None:
         results = {}
         for name, cfg in TP_MODELS.items():
             torch.manual_seed(0)
-            full = build_model(cfg, get_backend("torch"), batch_size=2, seq_len=16)
+            full = build_model(cfg, get_backend("torch"), batch=2, seq=16)
             full.params.normal_(0.0, 0.1)
             tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
             full.zero_grads()
@@ -218,7 +218,7 @@ def _model_rank(rank: int, port: int, out: str) -> None:
             plan = TensorParallelPlan(cfg, 2)
             tp = TensorParallelRank(plan, rank, comm, kv_replica_comm=comm)  # 1 KV head: both ranks replicate it
             tp_plan = TensorParallel(tp)
-            local = build_model(plan.local_config(), get_backend("torch"), batch_size=2, seq_len=16,
+            local = build_model(plan.local_config(), get_backend("torch"), batch=2, seq=16,
                                 params=shard_params(plan, full.layout, full.params, rank),
                                 policies=ModelPolicies(plan=tp_plan))
             local.zero_grads()
@@ -347,7 +347,7 @@ FP8 = {"bf16": dict(model_dtype="bf16", master_dtype="fp32"),
        "e4m3-head": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", lmhead_dtype="e4m3"),
        # Smooth-SwiGLU: each rank's channel factors are one process's for the same channels (every rank sees
        # all N rows of its slice of the SwiGLU output); only the per-tensor scale of h / c is per rank
-       "e4m3-smooth": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", fp8_swiglu_scale="smooth")}
+       "e4m3-smooth": dict(model_dtype="bf16", master_dtype="fp32", matmul_dtype="e4m3", swiglu_fp8_scale="smooth")}
 
 
 FP8_STEPS = 3  # later steps amplify the rounding differences (lr 3e-3 on two memorized batches is chaotic)
@@ -369,7 +369,7 @@ def _fp8_rank(rank: int, world: int, port: int, out: str) -> None:
             groups = tensor_parallel_groups(comm, 2, per_node=2, kv_replicas=plan.kv_replicas)
             for what, change in FP8.items():
                 tp = TensorParallelRank(plan, groups.tp.rank, groups.tp, kv_replica_comm=groups.kv_replica)
-                engine = TrainEngine(cfg, dataclasses.replace(_engine_opts(2), **change), get_backend("torch"),
+                engine = TrainEngine(cfg, train_settings(_engine_opts(2), **change), get_backend("torch"),
                                      tensor_parallel=tp)
                 results[name, what] = _engine_steps(engine, cfg, [0, 1], last=FP8_STEPS)
         torch.save(results, f"{out}/rank{rank}.pt")
@@ -399,7 +399,7 @@ def test_fp8_under_tensor_parallelism_stays_within_fp8s_own_noise(tmp_path):
     assert torch.load(tmp_path / "rank1.pt") == got  # the group reports one loss and norm
     for name, cfg in ENGINE_MODELS.items():
         for what, change in FP8.items():
-            one = TrainEngine(cfg, dataclasses.replace(_engine_opts(2), **change), get_backend("torch"))
+            one = TrainEngine(cfg, train_settings(_engine_opts(2), **change), get_backend("torch"))
             want = np.array(_engine_steps(one, cfg, [0, 1], last=FP8_STEPS))
             have = np.array(got[name, what])
             loss_bar, norm_bar = {"bf16": (3e-4, 3e-2), "e4m3-head": (3e-3, 8e-2)}.get(what, (3e-3, 5e-2))
@@ -528,20 +528,20 @@ def test_sequence_parallelism_keeps_a_ranks_rows_of_the_residual_stream_and_refu
     cfg = ENGINE_MODELS["qwen2-kv-split"]
     plan = TensorParallelPlan(cfg, 2)
     be, n, c = get_backend("torch"), 2 * 16, cfg.hidden_size
-    one = build_model(cfg, be, batch_size=2, seq_len=16)
-    two = build_model(plan.local_config(), be, batch_size=2, seq_len=16,
+    one = build_model(cfg, be, batch=2, seq=16)
+    two = build_model(plan.local_config(), be, batch=2, seq=16,
                       policies=ModelPolicies(plan=TensorParallel(TensorParallelRank(plan, 1, Communicator()))))
     assert two.acts.residual[0].shape == (n // 2, c) and two.acts.rstd1[0].shape == (n // 2,)
     assert two.acts.get("residual_mid", 0).shape == (n // 2, c) and two.acts.get("ln1", 0).shape == (n, c)
     assert two.d_residual.shape == (n // 2, c) and two.final_ln.shape == (n, c)
     # per layer: the residual, residual_mid (C fp32 each) and two rstd per row are halved; qkv/att/MLP activations
     # are the local heads' and columns' (the group's share), checked against the plan's local config
-    local = build_model(plan.local_config(), be, batch_size=2, seq_len=16)
+    local = build_model(plan.local_config(), be, batch=2, seq=16)
     halved = (n // 2) * (2 * c + 2) * 4
     assert two.acts.per_layer_bytes == local.acts.per_layer_bytes - halved, (two.acts.per_layer_bytes, halved)
     assert one.acts.per_layer_bytes > two.acts.per_layer_bytes
     with pytest.raises(ValueError, match=r"a group of 2 ranks splits the 15 token rows of a micro-batch by sequence"):
-        build_model(plan.local_config(), be, batch_size=1, seq_len=15,
+        build_model(plan.local_config(), be, batch=1, seq=15,
                     policies=ModelPolicies(plan=TensorParallel(TensorParallelRank(plan, 0, Communicator()))))
     # and before any actor starts, by the rules
     with pytest.raises(ConfigError, match=r"^--tensor-parallel=2 must divide --batch-size x --seq-len = 15 "):

@@ -51,7 +51,7 @@ def test_whole_model_bf16_cuda_follows_fp32_cpu():
     tokens = torch.randint(0, cfg.vocab_size, (b, t + 1))
     grads = {}
     for key, device, dtype in (("cpu32", "cpu", torch.float32), ("cuda16", "cuda", torch.bfloat16)):
-        model = build_model(cfg, get_backend("torch", device), batch_size=b, seq_len=t, dtype=dtype)
+        model = build_model(cfg, get_backend("torch", device), batch=b, seq=t, dtype=dtype)
         init_params(model.layout, model.params, seed=3)
         model.zero_grads()
         model.forward_backward(tokens[:, :-1], tokens[:, 1:])

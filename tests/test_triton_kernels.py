@@ -529,7 +529,7 @@ def test_tiny_model_gradients_triton_vs_torch(dtype):
     cfg, b, t = PRESETS["tiny"], 2, 16
     results = {}
     for name in ("triton", "torch"):
-        model = build_model(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=dtype)
+        model = build_model(cfg, get_backend(name, DEVICE), batch=b, seq=t, dtype=dtype)
         flat = torch.zeros(model.layout.numel)
         init_params(model.layout, flat, seed=3)
         model.params[:model.layout.numel].copy_(flat.to(dtype))
@@ -560,8 +560,8 @@ def test_fp8_model_on_triton_holds_no_up_gate_gradient_buffer(delayed):
     cfg, b, t = PRESETS["tiny"], 2, 16
     results = {}
     for name in ("triton", "torch"):
-        model = build_model(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.bfloat16,
-                           matmul_dtype="e4m3", swiglu_scale="delayed" if delayed else "current")
+        model = build_model(cfg, get_backend(name, DEVICE), batch=b, seq=t, dtype=torch.bfloat16,
+                           block_dtype="e4m3", swiglu_scale="delayed" if delayed else "current")
         flat = torch.zeros(model.layout.numel)
         init_params(model.layout, flat, seed=3)
         model.params[:model.layout.numel].copy_(flat.to(torch.bfloat16))
@@ -890,7 +890,7 @@ def _model_loss_and_grads_both_backends(preset: str, perturbed: tuple, mask_some
     cfg, b, t = PRESETS[preset], 2, 16
     results = {}
     for name in ("triton", "torch"):
-        model = build_model(cfg, get_backend(name, DEVICE), batch_size=b, seq_len=t, dtype=torch.float32)
+        model = build_model(cfg, get_backend(name, DEVICE), batch=b, seq=t, dtype=torch.float32)
         flat = torch.zeros(model.layout.numel)
         init_params(model.layout, flat, seed=3)
         gen = _gen(6)

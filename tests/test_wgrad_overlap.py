@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import perturb_norms_and_biases, train_settings
+from _helpers import checked_settings, perturb_norms_and_biases, train_settings
 from llmq_ray.backends import get_backend
 from llmq_ray.model.config import PRESETS
 from llmq_ray.engine.train_engine import TrainEngine
 from llmq_ray.errors import ConfigError
 from llmq_ray.model import build_model
 from llmq_ray.model.build import Recompute
-from _helpers import checked_settings, train_settings
+from llmq_ray.settings.rules import validate
 from llmq_ray.model.params import init_params
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.engine.wgrad_overlap import WgradOverlap, enable_wgrad_overlap
@@ -29,7 +29,7 @@ B, T = 2, 16
 
 
 def _model(overlap: bool, recompute: Recompute = Recompute()):
-    model = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.float32, recompute=recompute)
+    model = build_model(CFG, get_backend("torch"), batch=B, seq=T, dtype=torch.float32, recompute=recompute)
     init_params(model.layout, model.params, seed=7)
     perturb_norms_and_biases(model)
     if overlap:
@@ -86,8 +86,8 @@ def test_the_recompute_wait_is_needed():
 
 
 def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
-    model = build_model(CFG, get_backend("torch"), batch_size=B, seq_len=T, dtype=torch.bfloat16,
-                       matmul_dtype="e4m3")
+    model = build_model(CFG, get_backend("torch"), batch=B, seq=T, dtype=torch.bfloat16,
+                       block_dtype="e4m3")
     with pytest.raises(ConfigError, match="e4m3"):
         enable_wgrad_overlap(model, sm_count=100)
     with pytest.raises(ConfigError, match="--overlap-wgrad-sms=0 must be between 1 and"):
@@ -95,7 +95,7 @@ def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(overlap_wgrad_sms=-1), "--overlap-wgrad-sms=-1 must be 0"),
+    (dict(overlap_wgrad_sms=-1), "--overlap-wgrad-sms=-1 must be an integer >= 0"),
     (dict(model_dtype="bf16", matmul_dtype="e4m3"), "does not apply with --matmul-dtype=e4m3"),
     (dict(zero_level=3), "--zero-level 3"),
     (dict(zero_level=2), "--zero-level 2"),
@@ -104,7 +104,7 @@ def test_only_for_the_model_dtype_path_and_a_valid_sm_count():
 def test_the_option_refuses_what_it_cannot_run(bad, message):
     opts = train_settings(model="tiny", batch_size=2, seq_len=16, **{"overlap_wgrad_sms": 100, **bad})
     with pytest.raises(ConfigError, match=message):
-        opts.validate()
+        validate(opts)
 
 
 def test_the_flag_reaches_the_engine_and_keeps_the_results():
@@ -188,7 +188,7 @@ def test_gpu_side_stream_gradients_match_the_plain_order():
     grads = []
     for overlap in (False, True):
         be = get_backend("triton", "cuda")
-        model = build_model(cfg, be, batch_size=2, seq_len=256, dtype=torch.bfloat16)
+        model = build_model(cfg, be, batch=2, seq=256, dtype=torch.bfloat16)
         init_params(model.layout, model.params, seed=7)
         if overlap:
             enable_wgrad_overlap(model, sm_count=100)

@@ -69,7 +69,7 @@ def test_zero3_one_rank_is_bit_identical_to_zero2(model, common, z3_only, quants
     assert torch.equal(z3.full_params(), z2.full_params())
     assert torch.equal(z3.grad_shard, z2.grad_shard)
     # eval goes through the same gathers
-    batches = [_batch(99, 0, z2.opts)]
+    batches = [_batch(99, 0, z2.settings)]
     assert z3.evaluate(batches) == z2.evaluate(batches)
 
 

@@ -64,7 +64,7 @@ from llmq_ray.engine.communicator import Communicator
 from llmq_ray.engine.offload import HostWeightCopies, OffloadedResiduals, StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.engine.optim import ShardedAdamW, clip_coefficient
 from llmq_ray.settings import RunSettings
-from llmq_ray.settings.rules import validate
+from llmq_ray.settings.rules import copies_placement, validate
 from llmq_ray.model.params import ParamLayout, init_params
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.engine.update_overlap import UpdateOverlap
@@ -131,23 +131,21 @@ def model_build(settings: RunSettings, cfg: ModelConfig, schedule: Schedule,
     model's EOS token."""
     data, memory, numerics = settings.data, settings.memory, settings.numerics
     scale = numerics.swiglu_fp8_scale  # "auto" unresolved: the current scale
-    copies = memory.fp8_weight_copies
-    if copies == "auto":
-        copies = "persistent" if settings.parallel.zero_level < 3 else "layer"
+    copies = copies_placement(settings)
     separator = None
     if data.document_masking:
         separator = data.document_separator if data.document_separator is not None else cfg.eos_token_id
         if separator is None:
             raise ConfigError("--document-masking needs --document-separator: the model's config names no EOS token.")
         separator = int(separator)
-    build = ModelBuild(batch_size=data.batch_size, seq_len=data.seq_len, dtype=numerics.torch_dtype,
-                       recompute=memory.recompute, matmul_dtype=numerics.matmul_dtype,
-                       gradient_dtype=numerics.gradient_dtype,
+    build = ModelBuild(batch=data.batch_size, seq=data.seq_len, dtype=numerics.torch_dtype,
+                       recompute=memory.recompute, block_dtype=numerics.matmul_dtype,
+                       grad_fp8=numerics.gradient_dtype,
                        weight_copies="persistent" if copies == "host" else copies,
-                       swiglu_scale="current" if scale == "auto" else scale, lmhead_chunks=memory.lmhead_chunks,
-                       lmhead_dtype="e4m3" if numerics.lmhead_dtype == "e4m3" else None,
-                       attn_bwd_chunks=memory.attn_bwd_chunks, document_separator=separator,
-                       reset_positions=data.reset_positions)
+                       swiglu_scale="current" if scale == "auto" else scale, head_chunks=memory.lmhead_chunks,
+                       head_dtype="e4m3" if numerics.lmhead_dtype == "e4m3" else None,
+                       attention_chunks=memory.attn_bwd_chunks, separator=separator,
+                       restart_positions=data.reset_positions)
     policies = ModelPolicies(
         residuals=(functools.partial(OffloadedResiduals, stream=schedule.stream("residual"))
                    if memory.offload_residual else None),

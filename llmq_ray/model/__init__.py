@@ -27,7 +27,7 @@ def family_of(cfg):
 def build_model(cfg, backend, build=None, *, params=None, grads=None, weights=None, schedule=None, policies=None,
                 **fields):
     """The model of ``cfg``'s family for ``build`` (a ``ModelBuild``; or, without one, its fields as keywords:
-    ``build_model(cfg, backend, batch_size=2, seq_len=16, dtype=torch.bfloat16)``)."""
+    ``build_model(cfg, backend, batch=2, seq=16, dtype=torch.bfloat16)``)."""
     from llmq_ray.model.build import ModelBuild
 
     if build is None:

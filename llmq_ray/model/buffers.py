@@ -63,7 +63,7 @@ class Activations:
 
     def __init__(self, cfg: ModelConfig, build: ModelBuild, device: torch.device,
                  unread_by_backward: frozenset = frozenset(), rows: int | None = None, residuals=None):
-        batch, seq, dtype, recompute = build.batch_size, build.seq_len, build.dtype, build.recompute
+        batch, seq, dtype, recompute = build.batch, build.seq, build.dtype, build.recompute
         n, c, L = batch * seq, cfg.hidden_size, cfg.num_layers
         r = n if rows is None else rows
         shapes = {

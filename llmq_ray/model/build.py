@@ -58,37 +58,37 @@ class Recompute:
 
 @dataclasses.dataclass(frozen=True)
 class ModelBuild:
-    """How one process runs a model: every micro-batch is ``batch_size`` x ``seq_len`` tokens (N = their product).
+    """How one process runs a model: every micro-batch is ``batch`` x ``seq`` tokens (N = their product).
 
     ``dtype``: the model dtype of weights, gradients and activations. ``recompute``: a ``Recompute`` (or anything
-    with its six booleans; stored resolved). ``matmul_dtype`` "e4m3" runs the four block GEMMs in FP8 (None: the
-    model dtype), ``gradient_dtype`` their gradient operands' FP8 format ("e4m3" / "e5m2"); ``weight_copies``
+    with its six booleans; stored resolved). ``block_dtype`` "e4m3" runs the four block GEMMs in FP8 (None: the
+    model dtype), ``grad_fp8`` their gradient operands' FP8 format ("e4m3" / "e5m2"); ``weight_copies``
     where the FP8 weight copies are made (llmq_ray/model/layers/linear.py): "persistent" (every layer, once per
     step) or "layer" (two device slots, made per layer). ``swiglu_scale``: the scale of the down projection's FP8
     input -- "current" (its own absmax), "delayed" (the last pass's, llmq_ray/model/llama.py) or "smooth"
-    (per-channel factors, llmq_ray/model/layers/smooth_swiglu.py); SwiGLU families only. ``lmhead_chunks``: row
-    chunks of the LM head (the [N, V] logits never exist), ``lmhead_dtype`` "e4m3" for its FP8 GEMMs.
-    ``attn_bwd_chunks``: the attention backward in that many slices of the batch. ``document_separator``: a token
-    id that ends a document (attention stays inside documents; None: off); ``reset_positions``: learned positions
+    (per-channel factors, llmq_ray/model/layers/smooth_swiglu.py); SwiGLU families only. ``head_chunks``: row
+    chunks of the LM head (the [N, V] logits never exist), ``head_dtype`` "e4m3" for its FP8 GEMMs.
+    ``attention_chunks``: the attention backward in that many slices of the batch. ``separator``: a token
+    id that ends a document (attention stays inside documents; None: off); ``restart_positions``: learned positions
     restart at each document (GPT-2)."""
 
-    batch_size: int
-    seq_len: int
+    batch: int
+    seq: int
     dtype: torch.dtype = torch.float32
     recompute: Any = None
-    matmul_dtype: str | None = None
-    gradient_dtype: str | None = None
+    block_dtype: str | None = None
+    grad_fp8: str | None = None
     weight_copies: str = "persistent"
     swiglu_scale: str = "current"
-    lmhead_chunks: int = 1
-    lmhead_dtype: str | None = None
-    attn_bwd_chunks: int = 1
-    document_separator: int | None = None
-    reset_positions: bool = False
+    head_chunks: int = 1
+    head_dtype: str | None = None
+    attention_chunks: int = 1
+    separator: int | None = None
+    restart_positions: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", Recompute.of(self.recompute))
-        b, t = self.batch_size, self.seq_len
+        b, t = self.batch, self.seq
 
         def need(ok: bool, sentence: str) -> None:
             if not ok:
@@ -96,26 +96,26 @@ class ModelBuild:
 
         need(isinstance(b, int) and isinstance(t, int) and b >= 1 and t >= 1,
              f"a micro-batch of {b} x {t} tokens: both must be integers >= 1")
-        need(self.lmhead_chunks >= 1 and (b * t) % self.lmhead_chunks == 0,
-             f"{self.lmhead_chunks} LM-head chunks must be >= 1 and divide the {b * t} rows of a micro-batch")
-        need(self.attn_bwd_chunks >= 1 and b % self.attn_bwd_chunks == 0,
-             f"{self.attn_bwd_chunks} attention-backward chunks must be >= 1 and divide the batch of {b}")
-        need(self.matmul_dtype in (None, "e4m3"), f"block GEMMs in {self.matmul_dtype!r}: None or 'e4m3'")
-        need(self.gradient_dtype in (None, "e4m3", "e5m2"), f"FP8 gradients in {self.gradient_dtype!r}")
-        need(self.lmhead_dtype in (None, "e4m3"), f"an LM head in {self.lmhead_dtype!r}: None or 'e4m3'")
+        need(self.head_chunks >= 1 and (b * t) % self.head_chunks == 0,
+             f"{self.head_chunks} LM-head chunks must be >= 1 and divide the {b * t} rows of a micro-batch")
+        need(self.attention_chunks >= 1 and b % self.attention_chunks == 0,
+             f"{self.attention_chunks} attention-backward chunks must be >= 1 and divide the batch of {b}")
+        need(self.block_dtype in (None, "e4m3"), f"block GEMMs in {self.block_dtype!r}: None or 'e4m3'")
+        need(self.grad_fp8 in (None, "e4m3", "e5m2"), f"FP8 gradients in {self.grad_fp8!r}")
+        need(self.head_dtype in (None, "e4m3"), f"an LM head in {self.head_dtype!r}: None or 'e4m3'")
         need(self.weight_copies in WEIGHT_COPIES, f"FP8 weight copies {self.weight_copies!r}: one of {WEIGHT_COPIES}")
         need(self.swiglu_scale in SWIGLU_SCALES, f"SwiGLU scale {self.swiglu_scale!r}: one of {SWIGLU_SCALES}")
-        need(not self.reset_positions or self.document_separator is not None,
+        need(not self.restart_positions or self.separator is not None,
              "positions restart at document starts: that needs a document separator")
 
     @property
     def rows(self) -> int:
         """N = batch_size * seq_len, the token rows of a micro-batch."""
-        return self.batch_size * self.seq_len
+        return self.batch * self.seq
 
     @property
     def fp8(self) -> bool:
-        return self.matmul_dtype == "e4m3"
+        return self.block_dtype == "e4m3"
 
     @property
     def store_xt(self) -> bool:

@@ -19,7 +19,7 @@ import math
 import os
 from typing import Any
 
-from llmq_ray.errors import ConfigError
+from llmq_ray.errors import ModelConfigError
 
 SUPPORTED_ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama",
                            "GPT2LMHeadModel": "gpt2"}
@@ -109,7 +109,7 @@ class ModelConfig:
     def validate(self) -> None:
         def need(cond: bool, msg: str):
             if not cond:
-                raise ConfigError(f"model config {self.name!r}: {msg}")
+                raise ModelConfigError(f"model config {self.name!r}: {msg}")
 
         need(self.architecture in SUPPORTED_ARCHITECTURES.values(),
              f"architecture {self.architecture!r} is not one of {sorted(SUPPORTED_ARCHITECTURES.values())}")
@@ -209,16 +209,16 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     """Build a ModelConfig from the dict of an HF config.json; ``source`` names the file in errors."""
     archs = d.get("architectures") or []
     if not archs:
-        raise ConfigError(f"{source}: no 'architectures' entry; expected one of {sorted(SUPPORTED_ARCHITECTURES)}.")
+        raise ModelConfigError(f"{source}: no 'architectures' entry; expected one of {sorted(SUPPORTED_ARCHITECTURES)}.")
     arch = archs[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConfigError(f"{source}: architecture {arch!r} is not supported; "
+        raise ModelConfigError(f"{source}: architecture {arch!r} is not supported; "
                           f"llmq-ray trains {sorted(SUPPORTED_ARCHITECTURES)}.")
     kind = SUPPORTED_ARCHITECTURES[arch]
 
     def req(key: str):
         if key not in d or d[key] is None:
-            raise ConfigError(f"{source}: required key {key!r} is missing.")
+            raise ModelConfigError(f"{source}: required key {key!r} is missing.")
         return d[key]
 
     if kind == "gpt2":
@@ -231,11 +231,11 @@ def config_from_hf_dict(d: dict[str, Any], source: str = "config.json") -> Model
     if kind in ("llama", "qwen3"):
         qkv_bias = False
         if d.get("attention_bias", False):  # in HF Llama / Qwen3 it also adds an o_proj bias, which we do not have
-            raise ConfigError(f"{source}: attention_bias=true is not supported.")
+            raise ModelConfigError(f"{source}: attention_bias=true is not supported.")
         if d.get("mlp_bias", False):
-            raise ConfigError(f"{source}: mlp_bias=true is not supported.")
+            raise ModelConfigError(f"{source}: mlp_bias=true is not supported.")
         if kind == "qwen3" and d.get("use_sliding_window", False):
-            raise ConfigError(f"{source}: use_sliding_window=true is not supported (full attention only).")
+            raise ModelConfigError(f"{source}: use_sliding_window=true is not supported (full attention only).")
     else:
         qkv_bias = True
     rope_theta = d.get("rope_theta")
@@ -273,14 +273,14 @@ def _gpt2_from_hf_dict(d: dict[str, Any], source: str, req) -> ModelConfig:
     key is absent): the variants that change the math are refused in one sentence each."""
     act = d.get("activation_function", "gelu_new")
     if act != "gelu_new":
-        raise ConfigError(f"{source}: activation_function {act!r} is not supported (GPT-2 here uses 'gelu_new', "
+        raise ModelConfigError(f"{source}: activation_function {act!r} is not supported (GPT-2 here uses 'gelu_new', "
                           f"the tanh approximation of GELU).")
     if d.get("scale_attn_by_inverse_layer_idx", False):
-        raise ConfigError(f"{source}: scale_attn_by_inverse_layer_idx=true is not supported.")
+        raise ModelConfigError(f"{source}: scale_attn_by_inverse_layer_idx=true is not supported.")
     if d.get("reorder_and_upcast_attn", False):
-        raise ConfigError(f"{source}: reorder_and_upcast_attn=true is not supported.")
+        raise ModelConfigError(f"{source}: reorder_and_upcast_attn=true is not supported.")
     if not d.get("scale_attn_weights", True):
-        raise ConfigError(f"{source}: scale_attn_weights=false is not supported (scores are scaled by 1/sqrt(D)).")
+        raise ModelConfigError(f"{source}: scale_attn_weights=false is not supported (scores are scaled by 1/sqrt(D)).")
     c, heads = int(req("n_embd")), int(req("n_head"))
     eos = d.get("eos_token_id")
     if isinstance(eos, list):
@@ -298,12 +298,12 @@ def load_hf_config(path: str) -> ModelConfig:
     """Read ``path`` (a config.json, or a folder containing one)."""
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise ConfigError(f"{file}: no such config file (expected an HF model folder with config.json).")
+        raise ModelConfigError(f"{file}: no such config file (expected an HF model folder with config.json).")
     try:
         with open(file) as f:
             d = json.load(f)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{file}: not valid JSON ({exc}).") from exc
+        raise ModelConfigError(f"{file}: not valid JSON ({exc}).") from exc
     cfg = config_from_hf_dict(d, source=file)
     return dataclasses.replace(cfg, name=os.path.basename(os.path.dirname(os.path.abspath(file))) or cfg.name)
 
@@ -381,7 +381,7 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
-    """Turn ``--model`` into (config, weights folder or None).
+    """Turn a model name (the ``--model`` setting) into (config, weights folder or None).
 
     ``spec`` is a preset name (no weights), a local folder with config.json (+ safetensors), or an HF model id
     found in the local HF cache (never downloaded here).
@@ -397,8 +397,8 @@ def resolve_model(spec: str) -> tuple[ModelConfig, str | None]:
 
             folder = snapshot_download(spec, local_files_only=True)
         except Exception as exc:  # noqa: BLE001 - any failure means "not in the cache"
-            raise ConfigError(f"--model={spec!r} is neither a preset ({', '.join(PRESETS)}) nor a local folder, "
+            raise ModelConfigError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a local folder, "
                               f"and it is not in the local HF cache; download it first "
                               f"(huggingface-cli download {spec}).") from exc
         return load_hf_config(folder), folder
-    raise ConfigError(f"--model={spec!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with config.json.")
+    raise ModelConfigError(f"model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with config.json.")

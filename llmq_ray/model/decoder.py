@@ -71,16 +71,16 @@ class Decoder:
     def __init__(self, cfg: ModelConfig, backend: Backend, build: ModelBuild, *, params: torch.Tensor | None = None,
                  grads: torch.Tensor | None = None, weights=None, schedule: UnitHooks | None = None,
                  policies: ModelPolicies | None = None):
-        if build.seq_len > cfg.max_position_embeddings:
-            raise ValueError(f"a window of {build.seq_len} tokens is longer than the model's "
+        if build.seq > cfg.max_position_embeddings:
+            raise ValueError(f"a window of {build.seq} tokens is longer than the model's "
                              f"{cfg.max_position_embeddings} positions")
         self.cfg, self.backend, self.build = cfg, backend, build
         self.policies = policies = policies or ModelPolicies()
         self.schedule = schedule if schedule is not None else UnitHooks(backend.device)
         self.device, self.dtype = backend.device, build.dtype
-        self.batch_size, self.seq_len = build.batch_size, build.seq_len
+        self.batch_size, self.seq_len = build.batch, build.seq
         self.recompute = build.recompute
-        self.lmhead_chunks, self.attn_bwd_chunks = build.lmhead_chunks, build.attn_bwd_chunks
+        self.lmhead_chunks, self.attn_bwd_chunks = build.head_chunks, build.attention_chunks
         n, c, dtype, dev = build.rows, cfg.hidden_size, build.dtype, backend.device
         # the token rows [row0, row1) this process keeps of the residual stream (all N unless a plan splits them)
         row0, row1 = policies.plan.rows(n) if policies.plan is not None else (0, n)
@@ -112,8 +112,8 @@ class Decoder:
         self.final_ln = empty(n, c)  # the head's input: all N rows (gathered when a plan splits them)
         self.final_rstd = empty(self.rows, dt=torch.float32)
         self.scratch_nc = empty(n, c)  # attention-out / MLP-out projection before the residual add
-        self.head = LMHead(backend, cfg.vocab_size, c, n // build.lmhead_chunks, build.lmhead_chunks, dtype,
-                           fp8=build.lmhead_dtype == "e4m3")
+        self.head = LMHead(backend, cfg.vocab_size, c, n // build.head_chunks, build.head_chunks, dtype,
+                           fp8=build.head_dtype == "e4m3")
         self.logits = self.head.logits
         self.losses = empty(n, dt=torch.float32)
         # backward buffers, shared by all layers
@@ -121,11 +121,11 @@ class Decoder:
         self.d_ln = empty(n, c)  # a norm's output gradient (the GEMM input gradient above it)
         self.d_swiglu = empty(n, cfg.intermediate_size)  # the down projection's input gradient
         self.d_up_gate = self._mlp_in_grad_buffer(n)
-        self.d_att = empty(build.batch_size, build.seq_len, cfg.num_heads, cfg.head_dim)
-        self.d_qkv = empty(build.batch_size, build.seq_len, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        self.d_att = empty(build.batch, build.seq, cfg.num_heads, cfg.head_dim)
+        self.d_qkv = empty(build.batch, build.seq, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         linears = policies.block_linears or BlockLinears
         self.lin = linears(backend, weights.w, {k: slot.shape for k, slot in self.layout.slots.items()},
-                           cfg.num_layers, n, build.matmul_dtype, build.gradient_dtype, store_xt=store_xt,
+                           cfg.num_layers, n, build.block_dtype, build.grad_fp8, store_xt=store_xt,
                            quants=build.weight_copies, sharded=not getattr(weights, "weights_resident", False),
                            names=block_weights(cfg))
         # the pieces a plan may replace (llmq_ray/parallel/tensor.py): the projections by name, the norm kind,

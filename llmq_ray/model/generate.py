@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from llmq_ray.model.config import ModelConfig, resolve_model
-from llmq_ray.errors import ConfigError
+from llmq_ray.errors import ModelConfigError
 from llmq_ray.model.params import ParamLayout, init_params
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -255,7 +255,7 @@ def load_for_generation(model_dir_or_preset: str, device: str | torch.device = "
     cache, or a preset name (random weights from ``init_params(seed)``, for smoke tests only)."""
     if isinstance(dtype, str):
         if dtype.lower() not in _DTYPES:
-            raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}.")
+            raise ModelConfigError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}.")
         dtype = _DTYPES[dtype.lower()]
     from llmq_ray.model.hf_io import load_hf_weights
 

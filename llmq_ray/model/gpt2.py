@@ -41,11 +41,11 @@ class GPT2Model(Decoder):
     def __init__(self, cfg, backend, build, **kw):
         if build.swiglu_scale != "current":
             raise ValueError(f"a {build.swiglu_scale!r} SwiGLU scale: GPT-2's GELU MLP has no SwiGLU")
-        if build.document_separator is not None and not build.reset_positions:
+        if build.separator is not None and not build.restart_positions:
             raise ValueError("document masking with learned positions needs them reset at every document start")
         super().__init__(cfg, backend, build, **kw)
         self.final_mean = torch.empty(build.rows, dtype=torch.float32, device=self.device)
-        self.positions = LearnedPositions(backend, build.seq_len)
+        self.positions = LearnedPositions(backend, build.seq)
         self._apply_plan()
 
     def _mlp_in_grad_buffer(self, n: int) -> torch.Tensor:

@@ -80,7 +80,7 @@ import torch
 
 from llmq_ray import storage
 from llmq_ray.model.config import ModelConfig
-from llmq_ray.errors import CheckpointError, ConfigError
+from llmq_ray.errors import CheckpointError, ModelConfigError
 from llmq_ray.model.params import ParamLayout
 from llmq_ray.model.weight_files import INDEX_FILE, SINGLE_FILE, find_tensor_files
 
@@ -360,12 +360,12 @@ def export_hf(out_dir: str, cfg: ModelConfig, layout: ParamLayout, flat: torch.T
     memory at a time. Returns the absolute path of ``out_dir``.
     """
     if dtype not in _DTYPE_NAMES:
-        raise ConfigError(f"export dtype {dtype} is not supported; use one of bfloat16, float16, float32.")
+        raise ModelConfigError(f"export dtype {dtype} is not supported; use one of bfloat16, float16, float32.")
     if dataclasses.replace(layout.cfg, name=cfg.name) != cfg:
         raise ValueError(f"export_hf: the layout was built for config {layout.cfg.name!r}, which differs from "
                          f"the config {cfg.name!r} being exported")
     if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias:
-        raise ConfigError(f"model config {cfg.name!r}: a llama model with QKV bias has no HF equivalent "
+        raise ModelConfigError(f"model config {cfg.name!r}: a llama model with QKV bias has no HF equivalent "
                           f"(HF's attention_bias also adds an o_proj bias); it cannot be exported.")
     _check_flat(layout, flat)
     tok_files: list[str] = []
@@ -373,7 +373,7 @@ def export_hf(out_dir: str, cfg: ModelConfig, layout: ParamLayout, flat: torch.T
         if os.path.isdir(tokenizer_source):
             tok_files = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_source, f))]
         if not tok_files:
-            raise ConfigError(f"tokenizer source {tokenizer_source!r} is not a folder with tokenizer files "
+            raise ModelConfigError(f"tokenizer source {tokenizer_source!r} is not a folder with tokenizer files "
                               f"(expected some of {', '.join(TOKENIZER_FILES[:5])}).")
 
     out_dir = os.path.abspath(out_dir)

@@ -94,6 +94,15 @@ def numerics_rules(s: RunSettings) -> None:
           "parameter) is meant to stay on the GPU.")
 
 
+def copies_placement(s: RunSettings) -> str:
+    """Where the FP8 weight copies live: ``--fp8-weight-copies``, its "auto" read as what it resolves to
+    (persistent below ZeRO-3, per layer under it)."""
+    copies = s.memory.fp8_weight_copies
+    if copies == AUTO:
+        return "persistent" if s.parallel.zero_level < 3 else "layer"
+    return copies
+
+
 def memory_rules(s: RunSettings) -> None:
     m, n, zero = s.memory, s.numerics, s.parallel.zero_level
     _need(not m.offload_master or n.master_dtype != n.model_dtype,
@@ -110,7 +119,7 @@ def memory_rules(s: RunSettings) -> None:
           f"--fp8-weight-copies {copies} only applies with --matmul-dtype e4m3 (it places the FP8 weight copies).")
     k, g = m.kept_quants_gib, m.opt_resident_gib
     _need(_gib_or_auto(k), f"--kept-quants-gib={k!r} must be a number >= 0 or 'auto'.")
-    _need(not k or (n.matmul_dtype == "e4m3" and copies == "layer"),
+    _need(not k or (n.matmul_dtype == "e4m3" and copies_placement(s) == "layer"),
           "--kept-quants-gib only applies to per-layer FP8 weight copies (--matmul-dtype e4m3 with "
           "--fp8-weight-copies layer, the ZeRO-3 default).")
     _need(_gib_or_auto(g), f"--opt-resident-gib={g!r} must be a number >= 0 or 'auto'.")
@@ -130,7 +139,7 @@ def speed_rules(s: RunSettings) -> None:
     _need(not sp.use_cuda_graphs or (zero < 2 and not m.offload_residual and m.fp8_weight_copies != "host"),
           f"--use-cuda-graphs cannot capture --zero-level {zero if zero > 1 else '2/3'}, --offload-residual or "
           "--fp8-weight-copies host (their per-layer copies and collectives run on side streams); drop one of them.")
-    _need(not sp.use_cuda_graphs or m.fp8_weight_copies != "layer" or zero >= 3,
+    _need(not sp.use_cuda_graphs or s.numerics.matmul_dtype != "e4m3" or copies_placement(s) != "layer",
           "--use-cuda-graphs cannot capture --fp8-weight-copies layer (which layers need quantizing is decided on "
           "the host at every pass); drop one of them.")
     _need(not sp.overlap_wgrad_sms or s.numerics.matmul_dtype in (None, s.numerics.model_dtype),

@@ -137,6 +137,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         for old, (on, off) in m["aliases"].items():
             g.add_argument("--" + old.replace("_", "-"), dest=old, action="store_true",
                            help=f"the same as --{s.name.replace('_', '-')} {on}")
+            g.add_argument(f"--{s.section}.{old}", dest=old, type=parse_bool, help=argparse.SUPPRESS)
 
 
 def _add_defaults_to_help(parser: argparse.ArgumentParser) -> None:

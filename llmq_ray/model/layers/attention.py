@@ -13,7 +13,7 @@ the exact deterministic reference); this module decides only what they are given
 RoPE tables (``rope_cos``, ``rope_sin`` [T, D/2] fp32) are made once from the config's inverse frequencies.
 Learned-position families (GPT-2) get none: their positions are added at the embedding.
 
-Document masking (``ModelBuild.document_separator``): a window packs several documents, each ending with the
+Document masking (``ModelBuild.separator``): a window packs several documents, each ending with the
 separator token, and a token attends only to earlier tokens of its own document. ``Documents`` keeps the
 document index of every token (``segments`` [B, T] int32) and, for learned positions with ``reset_positions``,
 each token's position inside its document (``positions`` [B, T] int64), both recomputed on the device from the
@@ -39,12 +39,12 @@ class Documents:
     micro-batch of the last forward; ``mask`` is what the attention kernels take (backends/attention.py)."""
 
     def __init__(self, backend: Backend, build: ModelBuild, learned_positions: bool):
-        b, t, dev = build.batch_size, build.seq_len, backend.device
-        self.separator = build.document_separator
+        b, t, dev = build.batch, build.seq, backend.device
+        self.separator = build.separator
         self.segments = torch.zeros(b, t, dtype=torch.int32, device=dev)
         self.mask = backend.attention_document_mask(self.segments, build.dtype)
         self.positions = (torch.zeros(b, t, dtype=torch.int64, device=dev)
-                          if build.reset_positions and learned_positions else None)
+                          if build.restart_positions and learned_positions else None)
 
     def refresh(self, tokens: torch.Tensor) -> None:
         """From tokens [N]: document index = separators strictly before each token; position = t minus the start
@@ -68,13 +68,13 @@ class Attention:
 
     def __init__(self, backend: Backend, cfg: ModelConfig, build: ModelBuild, rope: bool):
         self.be, self.cfg = backend, cfg
-        self.batch_size, self.chunks = build.batch_size, build.attn_bwd_chunks
+        self.batch_size, self.chunks = build.batch, build.attention_chunks
         self.rope = rope
         self.documents = (Documents(backend, build, learned_positions=not rope)
-                          if build.document_separator is not None else None)
+                          if build.separator is not None else None)
         self.rope_cos = self.rope_sin = None
         if rope:
-            angles = torch.arange(build.seq_len, dtype=torch.float32)[:, None] * cfg.rope_inv_freq()[None, :]
+            angles = torch.arange(build.seq, dtype=torch.float32)[:, None] * cfg.rope_inv_freq()[None, :]
             self.rope_cos, self.rope_sin = angles.cos().to(backend.device), angles.sin().to(backend.device)
 
     @property

@@ -327,7 +327,7 @@ class BlockLinears(Policy):
         """out[N, OC] = x[N, K] W^T (+ bias). FP8 needs x_amax = max|x| (fp32 0-d device tensor), or
         ``x_quantized``: the producer of x wrote ``x_quant_buffers`` itself (x is then only read for its shape).
         ``weight_fp8`` (FP8): (an FP8 copy [OC, K], its descale) the caller made, used instead of W's own
-        (Smooth-SwiGLU's W diag(c), llmq_ray/model/smooth_swiglu.py)."""
+        (Smooth-SwiGLU's W diag(c), llmq_ray/model/layers/smooth_swiglu.py)."""
         if not self.fp8:
             self.be.matmul(out, x, self.w[key], transpose_b=True, bias=bias)
             return
