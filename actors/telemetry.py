@@ -10,6 +10,8 @@ outside a Ray worker process (plain unit tests) everything here is a no-op.
 
 from __future__ import annotations
 
+import math
+
 import os
 
 _GAUGES: dict = {}
@@ -90,3 +92,25 @@ def memory_bytes(device) -> int:
         return int(psutil.Process(os.getpid()).memory_info().rss)
     except Exception:  # noqa: BLE001
         return 0
+
+
+def merge_fp8_monitors(monitors: list[list[float]]) -> tuple[list[float], int]:
+    """The ranks' FP8 monitors ([L] floats each) -> (per layer the largest over ranks, the index of the largest
+    layer). NaN wins everywhere (an overflow must not hide behind another rank's finite value, as Python's max
+    would let it depending on the order)."""
+    per_layer = [math.nan if any(math.isnan(v) for v in vs) else max(vs) for vs in zip(*monitors)]
+    nan_layers = [i for i, v in enumerate(per_layer) if math.isnan(v)]
+    top = nan_layers[0] if nan_layers else max(range(len(per_layer)), key=per_layer.__getitem__)
+    return per_layer, top
+
+
+def merge_saturated_shares(monitors: list[dict]) -> list[float] | None:
+    """The ranks' saturated shares ({"saturated_share": [L] or None, "saturated_elements": n} each) -> per layer
+    the share over all ranks' elements (a rank that counted none adds nothing); None when no rank counted any
+    (no pass at delayed scales: not measured, rather than zero)."""
+    counted = [m for m in monitors if m["saturated_elements"]]
+    if not counted:
+        return None
+    total = sum(m["saturated_elements"] for m in counted)
+    return [sum(m["saturated_elements"] * m["saturated_share"][i] for m in counted) / total
+            for i in range(len(counted[0]["saturated_share"]))]

@@ -51,6 +51,16 @@ CONFIGS = {
     "gpt2-fp32-1w": (["--model", "tiny-gpt2"], 1),
     "gpt2-fp32-zero1": (["--model", "tiny-gpt2"], 2),
     "gpt2-bf16-recompute-block": (["--model", "tiny-gpt2", "--model-dtype", "bf16", "--recompute-block"], 1),
+    # configurations only the redesigned command line has (2026-12-02): the e4m3 recipe of before, spelled out now
+    # that the delayed SwiGLU scale is e4m3's default (compare with the rows above of the same name without the
+    # suffix), and GPT-2 under ZeRO-2/3 (compare with gpt2-fp32-zero1)
+    "qwen2-bf16-e4m3-current": (["--model", "tiny", "--model-dtype", "bf16", "--matmul-dtype", "e4m3",
+                                 "--lmhead-dtype", "bf16", "--swiglu-fp8-scale", "current"], 1),
+    "qwen2-bf16-e4m3-zero3-current": (["--model", "tiny", "--model-dtype", "bf16", "--matmul-dtype", "e4m3",
+                                       "--lmhead-dtype", "bf16", "--swiglu-fp8-scale", "current", "--zero-level",
+                                       "3"], 2),
+    "gpt2-fp32-zero2": (["--model", "tiny-gpt2", "--zero-level", "2"], 2),
+    "gpt2-fp32-zero3": (["--model", "tiny-gpt2", "--zero-level", "3"], 2),
     "qwen2-fp32-zero1-resumed": (["--model", "tiny"], 2),
     "qwen3-bf16-zero3-resumed": (["--model", "tiny-qwen3", "--model-dtype", "bf16", "--zero-level", "3"], 2),
 }
@@ -109,10 +119,15 @@ def run(out_path: str, only: list[str] | None) -> int:
     return 1 if failed else 0
 
 
-def compare(a_path: str, b_path: str) -> int:
+def compare(a_path: str, b_path: str, pairs: list[str] | None = None) -> int:
+    """``pairs``: "A=B" compares configuration A of the first file with B of the second (default: each name with
+    itself)."""
     a, b = (json.load(open(p)) for p in (a_path, b_path))
     bad = 0
-    for name in a:
+    names = [tuple(x.split("=", 1)) for x in pairs] if pairs else [(n, n) for n in a]
+    for name, other in names:
+        if other != name:
+            b = dict(b, **{name: b.get(other, {"error": f"no {other}"})})
         if name not in b:
             print(f"{name:32s} missing in {b_path}")
             bad += 1
@@ -143,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="compare two files of `run`")
     c.add_argument("a")
     c.add_argument("b")
+    c.add_argument("--pairs", nargs="*", help="A=B: configuration A of the first file against B of the second")
     args = p.parse_args(argv)
-    return run(args.out, args.only) if args.cmd == "run" else compare(args.a, args.b)
+    return run(args.out, args.only) if args.cmd == "run" else compare(args.a, args.b, args.pairs)
 
 
 if __name__ == "__main__":

@@ -554,13 +554,13 @@ def test_fp8_monitor_counts_the_values_saturated_at_a_delayed_scale():
 
 
 def test_fp8_monitors_of_the_ranks_merge_with_nan_winning():
-    from llmq_ray.actors.coordinator import merge_fp8_monitors
+    from llmq_ray.actors.telemetry import merge_fp8_monitors
 
     assert merge_fp8_monitors([[1.0, 7.0, 2.0], [3.0, 5.0, 2.5]]) == ([3.0, 7.0, 2.5], 1)
     for monitors in ([[1.0, 5.0], [float("nan"), 9.0]], [[float("nan"), 9.0], [1.0, 5.0]]):
         per_layer, top = merge_fp8_monitors(monitors)  # whatever the rank order
         assert math.isnan(per_layer[0]) and per_layer[1] == 9.0 and top == 0
-    from llmq_ray.actors.coordinator import merge_saturated_shares
+    from llmq_ray.actors.telemetry import merge_saturated_shares
 
     # the share over all ranks' elements; a rank that counted nothing (a pass at current scales) adds nothing,
     # and none counting anything is "not measured" (None), not a share of 0

@@ -51,7 +51,6 @@ Everything stays on the device until ``update`` returns its small stats tensor: 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -59,19 +58,19 @@ from llmq_ray.backends.base import Backend
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.errors import ConfigError
 from llmq_ray.model import family_of
-from llmq_ray.model.build import ModelBuild, ModelPolicies
 from llmq_ray.engine.communicator import Communicator
-from llmq_ray.engine.offload import HostWeightCopies, OffloadedResiduals, StagedChunks, fixed_chunks, host_zeros
+from llmq_ray.engine.model_setup import backend_components, model_build
+from llmq_ray.engine.model_setup import make_backend  # noqa: F401 - where callers have always found it
+from llmq_ray.engine.offload import StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.engine.optim import ShardedAdamW, clip_coefficient
 from llmq_ray.settings import RunSettings
-from llmq_ray.settings.rules import copies_placement, validate
+from llmq_ray.settings.rules import validate
 from llmq_ray.model.params import ParamLayout, init_params
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.engine.update_overlap import UpdateOverlap
 from llmq_ray.engine.wgrad_overlap import enable_wgrad_overlap
 from llmq_ray.engine.grad_reduce import LastBackwardReduce
 from llmq_ray.parallel.data import ResidentGradShards, ShardedWeights
-from llmq_ray.parallel.tensor_pieces import TensorParallel
 
 
 @dataclasses.dataclass
@@ -102,57 +101,7 @@ def available_device_bytes(device: torch.device) -> int:
     return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
-def backend_components(settings: RunSettings) -> dict:
-    """The backend components the options ask for (backends/base.py): the GEMM provider (--gemm; None = the
-    backend's default), the attention provider and GEMM timing. A bit-reproducible run (--deterministic-attention)
-    takes the deterministic attention backward and GEMM algorithms that do not depend on timings."""
-    return dict(gemm=settings.speed.gemm, attention="deterministic" if settings.speed.deterministic_attention else "sdpa",
-                gemm_tuning=not settings.speed.deterministic_attention)
-
-
-def make_backend(name: str, settings: RunSettings, device) -> Backend:
-    """The kernel backend ``name`` on ``device`` with the components ``settings`` ask for."""
-    from llmq_ray.backends import get_backend
-
-    return get_backend(name, device, **backend_components(settings))
-
-
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
-
-
-def model_build(settings: RunSettings, cfg: ModelConfig, schedule: Schedule,
-                tensor_parallel=None) -> tuple[ModelBuild, ModelPolicies]:
-    """What the model is built for (``ModelBuild``) and what the engine applies to it from outside
-    (``ModelPolicies``: the offloaded residual stream, host-kept FP8 weight copies, the tensor-parallel plan), from
-    the run's settings: the one place where the engine reads settings for the model (llmq_ray/model/build.py).
-
-    Where the settings were not resolved (llmq_ray/settings/defaults.py), "auto" FP8 weight copies are persistent
-    below ZeRO-3 and per layer under it, and an "auto" SwiGLU FP8 scale is the current one. The document separator: the settings', else (an engine built directly) the
-    model's EOS token."""
-    data, memory, numerics = settings.data, settings.memory, settings.numerics
-    scale = numerics.swiglu_fp8_scale  # "auto" unresolved: the current scale
-    copies = copies_placement(settings)
-    separator = None
-    if data.document_masking:
-        separator = data.document_separator if data.document_separator is not None else cfg.eos_token_id
-        if separator is None:
-            raise ConfigError("--document-masking needs --document-separator: the model's config names no EOS token.")
-        separator = int(separator)
-    build = ModelBuild(batch=data.batch_size, seq=data.seq_len, dtype=numerics.torch_dtype,
-                       recompute=memory.recompute, block_dtype=numerics.matmul_dtype,
-                       grad_fp8=numerics.gradient_dtype,
-                       weight_copies="persistent" if copies == "host" else copies,
-                       swiglu_scale="current" if scale == "auto" else scale, head_chunks=memory.lmhead_chunks,
-                       head_dtype="e4m3" if numerics.lmhead_dtype == "e4m3" else None,
-                       attention_chunks=memory.attn_bwd_chunks, separator=separator,
-                       restart_positions=data.reset_positions)
-    policies = ModelPolicies(
-        residuals=(functools.partial(OffloadedResiduals, stream=schedule.stream("residual"))
-                   if memory.offload_residual else None),
-        block_linears=(functools.partial(HostWeightCopies, stream=schedule.stream("fp8-copies"))
-                       if copies == "host" else None),
-        plan=TensorParallel(tensor_parallel) if tensor_parallel is not None else None)
-    return build, policies
 
 
 class TrainEngine:

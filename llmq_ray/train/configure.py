@@ -9,6 +9,7 @@ llmq_ray/train/preflight.py.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import warnings
@@ -26,6 +27,41 @@ def _absolute(path: str) -> str:
     """A local path made absolute (the actors may run in another folder); a URI as it is (never os.path)."""
     return path if storage.is_remote(path) else os.path.abspath(path)
 
+
+
+def fastest_backend(device: str) -> str:
+    """triton on CUDA when that backend is present in this install, else the torch reference."""
+    if device == "cuda" and importlib.util.find_spec("llmq_ray.backends.triton") is not None:
+        return "triton"
+    return "torch"
+
+
+# environment variables every worker gets from the driver's shell (Ray does not pass them on by itself): object
+# store credentials and endpoints, the collectives' and torch's knobs, W&B, our own (LLMQ_*; LLMQ_RAY_CACHE as a default only)
+FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "HF_", "NCCL_", "GLOO_", "TORCH_", "WANDB_", "LLMQ_")
+
+
+def new_run_id() -> str:
+    """A run's default name: its start time in UTC and 6 random hex digits (``20261126-031904-a1b2c3``)."""
+    import secrets
+    import time
+
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def forwarded_env(names: Optional[str]) -> dict:
+    """{name: value} of the driver's environment that the coordinator and every worker get: the variables with
+    a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated), except that
+    the driver's ``LLMQ_RAY_CACHE`` travels as ``LLMQ_RAY_DRIVER_CACHE``, so a node whose own environment sets
+    ``LLMQ_RAY_CACHE`` keeps its own cache folder. ``LLMQ_RAY_FORWARDED`` lists them all, so the coordinator
+    passes the same set on to the workers."""
+    wanted = set(forward_env_names(names))
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in wanted}
+    env.pop("LLMQ_RAY_FORWARDED", None)
+    if "LLMQ_RAY_CACHE" in env:  # a default only: a node's own LLMQ_RAY_CACHE wins (storage.cache_root)
+        env[storage.DRIVER_CACHE_ENV] = env.pop("LLMQ_RAY_CACHE")
+    env["LLMQ_RAY_FORWARDED"] = ",".join(sorted(env))
+    return env
 
 
 class RunConfiguration:

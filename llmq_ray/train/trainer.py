@@ -1,4 +1,6 @@
-"""``LLMQTrainer``: a whole training run on Ray in one call, or step by step for custom loops.
+"""``LLMQTrainer``: a whole training run on Ray in one call, or step by step for custom loops (its pre-flight is
+llmq_ray/train/configure.py, its early stops llmq_ray/train/stopping.py, both base classes; ``Result`` is
+llmq_ray/train/result.py's).
 
     from llmq_ray.train.trainer import LLMQTrainer
     result = LLMQTrainer(model="tiny-qwen", train_file="data/ts/train-*.bin", eval_file="data/ts/eval.bin",
@@ -43,10 +45,8 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
-import contextlib
 import dataclasses
-import importlib.util
+import json
 import os
 import sys
 import threading
@@ -59,9 +59,12 @@ from llmq_ray.actors.plan import RunPlan
 from llmq_ray import storage
 from llmq_ray.errors import ConfigError, LLMQError
 from llmq_ray.settings import AUTO, RunSettings
-from llmq_ray.settings.rules import forward_env_names, parallel_rules, port_range
-from llmq_ray.train.configure import RunConfiguration, _absolute
+from llmq_ray.settings.rules import parallel_rules, port_range
+from llmq_ray.train.configure import RunConfiguration, _absolute, fastest_backend, new_run_id
+from llmq_ray.train.configure import forwarded_env  # noqa: F401 - part of this module's interface (tests, programs)
+from llmq_ray.train.result import Result, tune_metrics, tune_reporter
 from llmq_ray.train.ray_target import resolve_ray_target
+from llmq_ray.train.stopping import RunStopping
 from llmq_ray.train.run_lock import RunLock, lock_beside, lock_inside
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
@@ -69,92 +72,7 @@ __all__ = ["LLMQTrainer", "Result", "WorkerError"]
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@dataclasses.dataclass
-class Result:
-    """What ``fit()`` returns.
-
-    metrics: {"steps", "train_loss" (last step), "eval_loss" (final eval; None without eval file),
-              "tokens_per_s", "step_seconds", "worker_seconds" (mean over steps after the first),
-              "restarts" (automatic restarts after a worker failure), "skipped_steps" (updates skipped: a
-              non-finite gradient, or a spike with skip_update_on_spike), "warnings" (warning records logged)}
-    checkpoint_paths: the checkpoints this run wrote that retention kept.
-    history: one dict per optimizer step {"step" (1-based, as on the console), "lr", "loss", "norm", "tokens",
-             "seconds", "tokens_per_s", "sol", "worker_seconds", "ray_overhead_seconds", ...}; evals: one dict per
-             evaluation ("step": the steps done before it).
-    """
-
-    metrics: dict
-    history: list
-    evals: list
-    export_path: Optional[str]
-    checkpoint_paths: list
-    log_file: Optional[str]
-    stopped: Optional[dict] = None  # a run stopped early (see LLMQTrainer.stop): None when it finished
-
-
-def fastest_backend(device: str) -> str:
-    """triton on CUDA when that backend is present in this install, else the torch reference."""
-    if device == "cuda" and importlib.util.find_spec("llmq_ray.backends.triton") is not None:
-        return "triton"
-    return "torch"
-
-
-def tune_reporter():
-    """``ray.tune.report`` when this process runs a Ray Tune trial (``LLMQTrainer(...).fit()`` inside a Tune
-    trainable, e.g. a learning-rate sweep), else None: each step's metrics then reach Tune as they happen, so
-    its schedulers (ASHA, PBT) can stop or compare trials while they train."""
-    try:
-        from ray import tune
-
-        with warnings.catch_warnings():  # outside a trial Ray warns that it was asked; that is the answer we want
-            warnings.simplefilter("ignore")
-            ctx = tune.get_context()
-            if ctx is None or ctx.get_trial_id() is None:
-                return None
-    except Exception:  # noqa: BLE001 - outside a trial (or no Tune installed): nothing to report to
-        return None
-    return tune.report
-
-
-def tune_metrics(record: dict, evaluation: Optional[dict] = None) -> dict:
-    """What one step reports to Tune: the step record's numbers (step counted from 1, loss, grad norm, lr,
-    tokens/s) and, after a periodic eval, its loss."""
-    out = {"step": int(record["step"]), "loss": record["loss"], "norm": record.get("norm"),
-           "lr": record.get("lr"), "tokens_per_s": record.get("tokens_per_s")}
-    if evaluation and evaluation.get("loss") is not None:
-        out["eval_loss"] = evaluation["loss"]
-    return {k: v for k, v in out.items() if v is not None}
-
-
-# environment variables every worker gets from the driver's shell (Ray does not pass them on by itself): object
-# store credentials and endpoints, the collectives' and torch's knobs, W&B, our own (LLMQ_*; LLMQ_RAY_CACHE as a default only)
-FORWARDED_PREFIXES = ("AWS_", "GOOGLE_", "GCS_", "AZURE_", "HF_", "NCCL_", "GLOO_", "TORCH_", "WANDB_", "LLMQ_")
-
-
-def new_run_id() -> str:
-    """A run's default name: its start time in UTC and 6 random hex digits (``20261126-031904-a1b2c3``)."""
-    import secrets
-    import time
-
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-def forwarded_env(names: Optional[str]) -> dict:
-    """{name: value} of the driver's environment that the coordinator and every worker get: the variables with
-    a ``FORWARDED_PREFIXES`` prefix and those named in ``names`` (--forward-env, comma-separated), except that
-    the driver's ``LLMQ_RAY_CACHE`` travels as ``LLMQ_RAY_DRIVER_CACHE``, so a node whose own environment sets
-    ``LLMQ_RAY_CACHE`` keeps its own cache folder. ``LLMQ_RAY_FORWARDED`` lists them all, so the coordinator
-    passes the same set on to the workers."""
-    wanted = set(forward_env_names(names))
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES) or k in wanted}
-    env.pop("LLMQ_RAY_FORWARDED", None)
-    if "LLMQ_RAY_CACHE" in env:  # a default only: a node's own LLMQ_RAY_CACHE wins (storage.cache_root)
-        env[storage.DRIVER_CACHE_ENV] = env.pop("LLMQ_RAY_CACHE")
-    env["LLMQ_RAY_FORWARDED"] = ",".join(sorted(env))
-    return env
-
-
-class LLMQTrainer(RunConfiguration):
+class LLMQTrainer(RunConfiguration, RunStopping):
     """A training run over one Ray worker actor per GPU (or per CPU worker); see the module docstring."""
 
     def __init__(self, settings: Optional[RunSettings] = None, *, verbose: bool = True, handle_signals: bool = True,
@@ -560,167 +478,6 @@ class LLMQTrainer(RunConfiguration):
         bar.close()
 
     # ------------------------------------------------------------------ stopping
-    @property
-    def stop_requested(self) -> bool:
-        """True once ``request_stop()`` was called or a stop signal arrived (custom loops poll this)."""
-        return self._stop_requested.is_set()
-
-    def request_stop(self, signum: Optional[int] = None) -> None:
-        """Ask the run to stop after the step under way: ``fit()`` then writes a checkpoint of it (unless
-        ``checkpoint_on_exit=False``), the log's "stopped" record, and returns with ``Result.stopped``. Safe to
-        call from another thread or a signal handler (it only sets a flag and tells the coordinator from a
-        helper thread). In a step-level loop, ``train_step()`` returns None from then on; call ``stop()``."""
-        if self._stop_signal is None:
-            self._stop_signal = signum  # a signal after request_stop() still sets the exit code
-        self._stop_requested.set()  # wakes the notifier thread (started with the coordinator): no work here
-
-    def _notify_coordinator_on_stop(self) -> None:
-        """Daemon thread: when a stop is requested, tell the coordinator (in its probe group, beside a running
-        step) so that a queued step is not started. A thread of its own, started before any signal can come,
-        because a signal handler must not start threads or call Ray."""
-        from llmq_ray.actors.worker import PROBE_GROUP
-
-        while not self._stop_requested.wait(0.5):
-            if self.coordinator is None:
-                return  # the run ended without a stop
-        coordinator = self.coordinator
-        if coordinator is not None:
-            try:
-                coordinator.request_stop.options(concurrency_group=PROBE_GROUP).remote()
-            except Exception:  # noqa: BLE001 - the coordinator may be gone; the driver stops anyway
-                pass
-
-    def stop(self) -> dict:
-        """Stop now: a checkpoint of the last completed update (unless ``checkpoint_on_exit=False`` or it
-        exists already), the log's "end" record (reason "stopped"), the workers shut down. Returns
-        {"signal" (name, or "request_stop()"), "step", "checkpoint" (path or None), "written", "exit_code"
-        (128 + the signal number; 0 for request_stop()), "line" (also printed to stderr)}."""
-        from llmq_ray.train.stop_signals import EXIT_CODE_REQUEST, EXIT_CODES, signal_name
-
-        self._stop_requested.set()
-        name = self._stop_reason or signal_name(self._stop_signal)
-        info = {"step": self._steps_done, "checkpoint": None, "written": False, "note": ""}
-        if self.coordinator is not None:
-            info = self._get(self.coordinator.stop.remote(name, self.settings.checkpoints.checkpoint_on_exit), "stop")
-            self._ended = True
-        ckpt = info["checkpoint"]
-        if ckpt:
-            what = (f"checkpoint {os.path.basename(ckpt)} written" if info["written"]
-                    else f"checkpoint {os.path.basename(ckpt)} (written before)")
-            tail = f"{what} in {os.path.dirname(ckpt)}; resume with --continue"
-        else:
-            tail = f"no checkpoint ({info['note'] or 'none asked for'})"
-        line = f"stopped by {name} after step {info['step']}; {tail}"
-        code = EXIT_CODES.get(self._stop_signal, EXIT_CODE_REQUEST) if self._stop_signal else EXIT_CODE_REQUEST
-        self._stopped = {"signal": name, "step": info["step"], "checkpoint": ckpt, "written": info["written"],
-                         "exit_code": code, "line": line}
-        self._say(line, sys.stderr)
-        self.close()
-        return self._stopped
-
-    def _abandon(self, signum: int) -> dict:
-        """A second stop signal: kill the actors at once (a checkpoint being written is left as a temporary
-        folder, which no reader takes for a checkpoint; the previous one stays valid), write the log's "end"
-        record from here, and report it."""
-        import ray
-
-        from llmq_ray.train.stop_signals import EXIT_CODES, signal_name
-
-        first = signal_name(self._stop_signal)
-        step = self._steps_done
-        if self.coordinator is not None:
-            try:
-                ray.kill(self.coordinator)  # its workers and placement group go with it
-            except Exception:  # noqa: BLE001
-                pass
-            self.coordinator = None
-        if self._stopped is not None:  # the stop had completed (a second signal while closing): it stands
-            return self._stopped
-        from llmq_ray.checkpoints.layout import CheckpointWarning
-        from llmq_ray.checkpoints.verify import find_latest_valid
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CheckpointWarning)
-            try:
-                newest = find_latest_valid(self.checkpoint_dir, verify_checksums=False)
-            except Exception:  # noqa: BLE001 - a report, not a reason to fail now
-                newest = None
-        valid = (f"the newest valid checkpoint is {os.path.basename(newest)}" if newest
-                 else "there is no valid checkpoint")
-        note = (f"a second {signal_name(signum)} abandoned the stop (a checkpoint being written is left as a "
-                f"temporary folder, never taken for a checkpoint); {valid}")
-        self._append_end({"reason": "stopped", "signal": first, "step": step, "checkpoint": None,
-                          "checkpoint_written": False, "note": note})
-        line = f"stopped by {first} after step {step}; {note}" + ("; resume with --continue" if newest else "")
-        self._say(line, sys.stderr)
-        return {"signal": first, "step": step, "checkpoint": None, "written": False,
-                "exit_code": EXIT_CODES.get(self._stop_signal or signum, 128 + signum), "line": line}
-
-    def _log_path(self) -> str:
-        return _absolute(self.settings.observe.log_file or storage.join(self.settings.observe.out_dir, "log.jsonl"))
-
-    def _append_end(self, fields: dict) -> None:
-        """Write the "end" record into the log file from the driver (the coordinator is gone)."""
-        if self._ended:
-            return
-        self._ended = True
-        path = self._log_path()
-        try:
-            there = storage.size_of(path) is not None if storage.is_remote(path) else os.path.isfile(path)
-        except OSError:  # the store is gone too: nothing more to do
-            return
-        if not there or (self.info is None and not self.resume_from):
-            return  # this run never wrote its log (a file there is an earlier run's): nothing to end
-        from llmq_ray.observe.runlog import append_records
-
-        try:
-            append_records(path, [{"log": "end", **fields}])
-        except (OSError, ValueError):
-            pass
-
-    def _end_failed(self, error: str) -> None:
-        """The log's "end" record of a run that failed (through the coordinator while it lives)."""
-        if self._ended:
-            return
-        if self.coordinator is not None:
-            import ray
-
-            try:
-                ray.get(self.coordinator.end.remote("failed", error=error), timeout=30)
-                self._ended = True
-                return
-            except Exception:  # noqa: BLE001 - the coordinator failed too: write it from here
-                pass
-        self._append_end({"reason": "failed", "step": self._steps_done, "error": error})
-
-    def stop_on_signals(self):
-        """Context manager for step-level loops: SIGTERM / SIGINT / SIGHUP call ``request_stop()`` while it is
-        active (``fit()`` uses it too)::
-
-            with t.stop_on_signals():
-                for _ in range(n):
-                    if t.train_step() is None:   # a stop was requested
-                        break
-                if t.stop_requested:
-                    t.stop()                     # checkpoint, "stopped" record, workers shut down
-        """
-        return self._stop_signals(True)
-
-    @contextlib.contextmanager
-    def _stop_signals(self, enabled: bool):
-        from llmq_ray.train.stop_signals import SignalStop
-
-        if not enabled or self._signals is not None:
-            yield
-            return
-        self._signals = SignalStop(self.request_stop)
-        self._signals.install()
-        try:
-            yield
-        finally:
-            self._signals.restore()
-            self._signals = None
-
     def _step_timeout(self) -> float:
         """How long one train_step call on the coordinator may take: a step, a checkpoint, and room for the
         automatic restarts (set-up, loading, the lost steps trained again). A backstop only: the
