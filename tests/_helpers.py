@@ -257,7 +257,7 @@ def faulty_trainer(fault=None, **kwargs):
     return FaultyTrainer(**kwargs)
 
 
-def test_plan(world_size: int = 1, **overrides):
+def make_plan(world_size: int = 1, **overrides):
     """A ``RunPlan`` of ``world_size`` workers over ``train_settings(**overrides)`` (placement checks in tests)."""
     from llmq_ray.actors.plan import RunPlan
 

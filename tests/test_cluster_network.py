@@ -72,6 +72,7 @@ def test_a_rank_on_a_node_ray_reports_dead_is_named_as_such_not_as_a_hang(monkey
     import ray
 
     from llmq_ray.actors import coordinator as coord_mod
+    from llmq_ray.actors import coordinator_checkpoints as recovery
     from llmq_ray.actors.failures import dead_nodes_of
 
     nodes = [{"node_id": "aaa", "ip": "10.0.0.4"}, {"node_id": "bbb", "ip": "10.0.0.5"}]
@@ -79,7 +80,7 @@ def test_a_rank_on_a_node_ray_reports_dead_is_named_as_such_not_as_a_hang(monkey
     assert dead_nodes_of(nodes, [0, 1]) == [1]
     c = coord_mod.Coordinator.__new__(coord_mod.Coordinator)  # only what _explain_hang reads
     c.workers, c.nodes, c.step = [None, None], nodes, 6
-    monkeypatch.setattr(coord_mod, "probe_activities", lambda workers, ranks, died=None: {0: {"step": 6, "at": 3,
+    monkeypatch.setattr(recovery, "probe_activities", lambda workers, ranks, died=None: {0: {"step": 6, "at": 3,
                                                                                "what": "in a collective",
                                                                                "seconds": 40.0}, 1: None})
     err = c._explain_hang([0, 1], None, None)

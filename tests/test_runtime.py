@@ -21,7 +21,7 @@ from llmq_ray.actors.failures import WorkerError
 from llmq_ray.errors import CheckpointError, ConfigError, DataError
 from llmq_ray.observe.runlog import read_log
 from llmq_ray.train.trainer import LLMQTrainer, Result
-from _helpers import faulty_trainer, test_plan
+from _helpers import faulty_trainer, make_plan
 
 FAST = dict(collective_timeout_s=60.0, call_timeout_s=120.0, use_ray_data=False, verbose=False)
 
@@ -236,20 +236,20 @@ def test_bad_inputs_end_in_one_sentence(ray_cluster, shards, tmp_path, monkeypat
     import ray
 
     from llmq_ray.actors.placement import check_resources
-    from _helpers import test_plan
+    from _helpers import make_plan
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "CPU": 32.0})
     with pytest.raises(ConfigError, match=r"--gpus=4 asks for more GPUs than the Ray cluster has \(2\)"):
-        check_resources(test_plan(device="cuda", world_size=4))
+        check_resources(make_plan(device="cuda", world_size=4))
     # workers that take every CPU while Ray Data reads the train file: its read tasks would never get a CPU and
     # the run would hang at its first batch -- refused; with --no-ray-data or random tokens, or one CPU spare, fine
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"GPU": 2.0, "CPU": 16.0})
     taking_all = dict(device="cuda", world_size=2, cpus_per_worker=8, train_file=train)
     with pytest.raises(ConfigError, match=r"^--gpus=2 with --cpus-per-worker=8 takes all 16 CPUs of the Ray cluster "
                                           r"and leaves none for the Ray Data tasks"):
-        check_resources(test_plan(**taking_all))
+        check_resources(make_plan(**taking_all))
     for fine in (dict(use_ray_data=False), dict(synthetic_data=True, train_file=None), dict(cpus_per_worker=7)):
-        check_resources(test_plan(**{**taking_all, **fine}))
+        check_resources(make_plan(**{**taking_all, **fine}))
     monkeypatch.undo()
     # the same through the trainer on the test session's cluster (4 CPUs): refused before any actor starts, in
     # the keyword arguments' names
@@ -266,18 +266,18 @@ def test_workers_taking_every_free_cpu_get_a_warning(monkeypatch):
     import ray
 
     from llmq_ray.actors.placement import data_cpu_warning
-    from _helpers import test_plan
+    from _helpers import make_plan
 
     free = {"CPU": 2.0}
     monkeypatch.setattr(ray, "available_resources", lambda: dict(free))
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0})
     spec = dict(device="cpu", world_size=2, cpus_per_worker=1, train_file="x.bin")
-    warning = data_cpu_warning(test_plan(**spec), settle_s=0.0)
+    warning = data_cpu_warning(make_plan(**spec), settle_s=0.0)
     assert warning.startswith("warning: the workers take 2 CPU(s) and 2 of the cluster's 16 are free now") \
         and "Ray Data" in warning and warning.count(".") == 1 and warning.endswith("read in the workers).")
-    assert data_cpu_warning(test_plan(**spec, use_ray_data=False), settle_s=0.0) is None
+    assert data_cpu_warning(make_plan(**spec, use_ray_data=False), settle_s=0.0) is None
     free["CPU"] = 3.0
-    assert data_cpu_warning(test_plan(**spec), settle_s=0.0) is None
+    assert data_cpu_warning(make_plan(**spec), settle_s=0.0) is None
 
 
 def test_gpu_workers_default_cpus_count_the_free_cpus():

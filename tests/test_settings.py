@@ -95,7 +95,7 @@ NOT_SETTINGS = {("Result", "log_file"): "the path of the log the run wrote, an o
 def test_no_dataclass_outside_the_settings_spells_a_setting_again():
     """Each setting is defined once: a dataclass elsewhere (a run plan, an engine's view, a model's build
     description) that declares a field named like a setting would be a second definition, with a default of its
-    own that can drift (RuntimeSpec's ckpt_minutes was 0.0 where the tree said 30.0)."""
+    own that can drift (the run spec of before had a ckpt_minutes of 0.0 where the tree said 30.0)."""
     names = {s.name for s in all_settings()} | set(aliases())
     found = [f"{path}:{line} {cls}.{field}" for path, line, cls, field in _dataclass_fields_outside_the_settings()
              if field in names and (cls, field) not in NOT_SETTINGS]

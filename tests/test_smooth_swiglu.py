@@ -242,7 +242,7 @@ def test_refused_where_it_does_not_apply():
 
 
 def test_through_the_engine_with_the_monitor():
-    """The flag reaches the model through TrainOptions; 3 steps of 2 micro-steps train within FP8 noise of plain
+    """The setting reaches the model through the engine's build description; 3 steps of 2 micro-steps train within FP8 noise of plain
     e4m3 (losses within 1%); the FP8 monitor reports the unsmoothed max|SwiGLU out|, not the smoothed [1, 2):
     on the first step layer 0's is plain e4m3's exactly (same weights, same input), the later layers' within
     FP8 noise (their inputs went through a differently rounded layer 0)."""

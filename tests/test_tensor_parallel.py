@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _helpers import checked_settings, gloo_group, spawn_gloo_ranks, test_plan, train_settings
+from _helpers import checked_settings, gloo_group, spawn_gloo_ranks, make_plan, train_settings
 
 from llmq_ray.parallel.tensor import TensorParallelPlan
 from llmq_ray.parallel.tensor_pieces import vocab_parallel_cross_entropy
@@ -553,12 +553,12 @@ def test_placement_counts_whole_tensor_parallel_groups_per_node_and_refuses_spli
     groups on one node count (GPUs 3 + 1 + 4 hold 2 + 0 + 4 workers of T=2); a group placed across two nodes
     ends the set-up in one sentence naming its workers."""
     from llmq_ray.actors.placement import check_tensor_parallel_placement, placeable_workers
-    from _helpers import test_plan
+    from _helpers import make_plan
 
     nodes = [{"Alive": True, "Resources": {"GPU": g, "CPU": 32}} for g in (3, 1, 4)]
     nodes.append({"Alive": False, "Resources": {"GPU": 8, "CPU": 32}})
     for t, want in ((1, 8), (2, 6), (4, 4)):
-        spec = test_plan(model="tiny", tensor_parallel=t, device="cuda", world_size=8, cpus_per_worker=4)
+        spec = make_plan(model="tiny", tensor_parallel=t, device="cuda", world_size=8, cpus_per_worker=4)
         assert placeable_workers(spec, nodes) == want, (t, want)
     check_tensor_parallel_placement(["a", "a", "b", "b"], 2)
     with pytest.raises(ConfigError, match=r"--tensor-parallel=2: the workers 2-3 of one tensor-parallel group were "

@@ -653,7 +653,10 @@ def test_deterministic_attention_option_in_the_engine():
 
     On a GPU the weights are compared within 1e-4: the run without the flag picks its GEMM algorithms by timing
     and uses cuDNN's attention backward, neither reproducible from run to run, and two Adam steps turn those
-    fp32 roundings into weight differences seen at 1.1e-5 and 2.1e-5 on an H100 (2026-11-28)."""
+    fp32 roundings into weight differences seen at 1.1e-5 and 2.1e-5 on an H100 (2026-11-28). On the CPU the two
+    backwards also sum in different orders (Triton's interpreter against the reference); with triton 3.9 and
+    numpy 2.4 the weights differ by 1.06e-5 of max |w| after the two Adam steps (measured 2026-12-02, also on the
+    code before that day's redesign), so the CPU bound on the weights is 2e-5; the losses stay within 1e-5."""
     from llmq_ray.model.config import PRESETS
     from llmq_ray.engine.train_engine import TrainEngine, make_backend
 
@@ -672,7 +675,7 @@ def test_deterministic_attention_option_in_the_engine():
     det_losses, det = run(deterministic_attention=True)
     assert det.backend.attention.deterministic and not base.backend.attention.deterministic
     assert det_losses == pytest.approx(base_losses, rel=1e-5)
-    assert_close(det.full_params(), base.full_params(), 1e-5 if DEVICE == "cpu" else 1e-4, "weights after 2 steps")
+    assert_close(det.full_params(), base.full_params(), 2e-5 if DEVICE == "cpu" else 1e-4, "weights after 2 steps")
     ref_losses, ref = run("torch", deterministic_attention=True)
     assert ref.backend.attention.deterministic
     assert ref_losses == pytest.approx(base_losses, rel=1e-5)
