@@ -15,7 +15,7 @@ from _helpers import checked_settings, train_settings
 
 def test_cuda_graphs_on_cpu_is_one_sentence():
     opts = train_settings(model="tiny", batch_size=2, seq_len=16, use_cuda_graphs=True)
-    with pytest.raises(ConfigError, match=r"^--use-cuda-graphs needs a CUDA device; this worker runs on cpu\.$"):
+    with pytest.raises(ConfigError, match=r"^CUDA graphs need a CUDA device; this worker runs on cpu\.$"):
         TrainEngine(PRESETS["tiny"], opts, get_backend("torch", "cpu"))
 
 
@@ -24,7 +24,7 @@ def test_torch_backend_refuses_graphs():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     opts = train_settings(model="tiny", batch_size=2, seq_len=16, use_cuda_graphs=True)
-    with pytest.raises(ConfigError, match=r"does not work with --backend=torch"):
+    with pytest.raises(ConfigError, match=r"do not work with the torch backend"):
         TrainEngine(PRESETS["tiny"], opts, get_backend("torch", "cuda"))
 
 

@@ -205,3 +205,24 @@ def test_no_block_code_under_model_names_parallelism_or_offloading():
                 if tok.type == tokenize.NAME and re.search(r"tensor_parallel|offload", tok.string):
                     found.append(f"{os.path.relpath(path, REPO)}:{tok.start[0]} {tok.string}")
     assert not found, found
+
+
+def test_no_flag_name_in_the_errors_below_the_train_layer():
+    """The model, the parallelisms and the engine receive settings, never flags: an error they raise says what does
+    not fit in their own words (the settings' rules and the train layer name the flags, before Ray starts)."""
+    import re
+
+    flag = re.compile(r"--[a-z][a-z0-9]+(-[a-z0-9]+)*")
+    found = []
+    for layer in ("model", "parallel", "engine"):
+        for root, _, files in os.walk(os.path.join(REPO, "llmq_ray", layer)):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(root, f)
+                for node in ast.walk(ast.parse(open(path).read(), path)):
+                    if isinstance(node, ast.Raise) and node.exc is not None:
+                        for sub in ast.walk(node.exc):
+                            if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and flag.search(sub.value):
+                                found.append(f"{os.path.relpath(path, REPO)}:{node.lineno} {flag.search(sub.value)[0]}")
+    assert not found, found

@@ -539,7 +539,7 @@ def test_fp8_monitor_is_each_layers_largest_swiglu_output_over_the_step():
     # current scaling: each tensor's own maximum is its scale, nothing is clipped and nothing is counted
     assert taken["saturated_share"] is None and taken["saturated_elements"] == 0
     bf16 = TrainEngine(PRESETS["tiny"], train_settings(model="tiny", batch_size=2, seq_len=32), get_backend("torch"))
-    with pytest.raises(ConfigError, match="--fp8-monitor-every needs --matmul-dtype e4m3"):
+    with pytest.raises(ValueError, match="the FP8 monitor reports the scales of FP8 block GEMMs"):
         bf16.monitor_begin()
 
 

@@ -301,7 +301,7 @@ def test_offload_on_cuda_is_bit_identical(backend):
             # ZeRO-1: the update runs on a side stream (update_overlap.py), kept chunks first
             dict(offload_master=True, offload_opt_m=True, offload_opt_v=True, opt_resident_gib=KEEP_3_CHUNKS,
                  zero_level=1)]
-    with pytest.raises(ConfigError, match="--use-zero-copy is not supported on CUDA yet"):
+    with pytest.raises(ConfigError, match="zero-copy access to offloaded state is not supported on CUDA yet"):
         _train(backend, "cuda", **dict(everything, use_zero_copy=True))
     zero1_ref = _train(backend, "cuda", zero_level=1)  # ZeRO-1 accumulates in the GEMMs: its own reference
     for flags in runs:
@@ -345,9 +345,9 @@ def test_kept_copies_that_do_not_fit_are_refused_in_one_sentence(monkeypatch):
 
     monkeypatch.setattr(engine_module, "available_device_bytes", lambda device: 1000)
     flags = dict(matmul_dtype="e4m3", zero_level=1, transient_quants=True)
-    with pytest.raises(ConfigError, match=r"^--kept-quants-gib=1\.0: its 0\.00 GiB of FP8 weight copies do not fit "
-                                          r"in the 0\.00 GiB of device memory set-up left free; pass a smaller "
-                                          r"number or 'auto'\.$"):
+    with pytest.raises(ConfigError, match=r"^1\.0 GiB of kept FP8 weight copies \(0\.00 GiB as planned\) do not fit "
+                                          r"in the 0\.00 GiB of device memory set-up left free; keep fewer, or let "
+                                          r"the run choose \('auto'\)\.$"):
         _train("torch", "cuda", kept_quants_gib=1.0, **flags)
     _, e = _train("torch", "cuda", kept_quants_gib="auto", **flags)
     assert e.model.lin.kept == {}  # less than the margin free: nothing kept

@@ -280,7 +280,7 @@ def test_memory_bytes(layout):
     n = layout.numel
     assert make_opt(layout, flat, master=F32, m=F32, v=BF16).memory_bytes() == n * (4 + 4 + 2)
     assert make_opt(layout, flat, master=BF16, m=BF16, v=BF16).memory_bytes() == n * (2 + 2)  # no master copy
-    with pytest.raises(ConfigError, match="--master-dtype"):
+    with pytest.raises(ValueError, match="the master weights must be fp32 or bf16"):
         make_opt(layout, flat, master=torch.float16)
 
 

@@ -162,7 +162,7 @@ def test_tensor_parallel_sizes_that_do_not_fit_are_one_sentence_before_any_actor
     from llmq_ray.errors import ConfigError
 
     cases = [(dict(workers=3, tensor_parallel=2), "tensor_parallel=2 must divide the number of workers (3"),
-             (dict(workers=8, tensor_parallel=8), "tensor_parallel=8 must divide the model's 4 attention heads"),
+             (dict(workers=8, tensor_parallel=8), "tensor_parallel=8: a tensor-parallel group of 8 must divide the model's 4 attention heads"),
              (dict(workers=2, tensor_parallel=2, overlap_comm=True),
               "tensor_parallel=2 does not run with overlap_comm")]  # the API's names (api_names)
     for kw, words in cases:
@@ -388,7 +388,7 @@ def test_spike_guard_zscores_limits_and_state():
     h = SpikeGuard(window=4, threshold=3.0)
     h.load_state(json.loads(json.dumps(g.state())))
     assert h.limits() == g.limits() and h.observe(9.0, 1.0) == g.observe(9.0, 1.0)
-    with pytest.raises(ValueError, match="--spike-window=1"):
+    with pytest.raises(ValueError, match="a spike window of 1 steps"):
         SpikeGuard(window=1)
 
 

@@ -53,10 +53,10 @@ class MicroStepGraphs:
     def __init__(self, model: Decoder, overlap: UpdateOverlap | None = None,
                  grad_reduce: LastBackwardReduce | None = None):
         if model.device.type != "cuda":
-            raise ConfigError(f"--use-cuda-graphs needs a CUDA device; this worker runs on {model.device}.")
+            raise ConfigError(f"CUDA graphs need a CUDA device; this worker runs on {model.device}.")
         if not model.backend.graph_capturable:
-            raise ConfigError(f"--use-cuda-graphs does not work with --backend={model.backend.name}: its kernels "
-                              f"sync with the host inside a step; use --backend=triton.")
+            raise ConfigError(f"CUDA graphs do not work with the {model.backend.name} backend: its kernels sync with "
+                              f"the host inside a step; the triton backend's do not.")
         self.model, self.overlap, self.grad_reduce = model, overlap, grad_reduce
         shape = (model.batch_size, model.seq_len)
         self.inputs = torch.zeros(shape, dtype=torch.int64, device=model.device)

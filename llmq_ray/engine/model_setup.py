@@ -49,7 +49,8 @@ def model_build(settings: RunSettings, cfg: ModelConfig, schedule: Schedule,
     if data.document_masking:
         separator = data.document_separator if data.document_separator is not None else cfg.eos_token_id
         if separator is None:
-            raise ConfigError("--document-masking needs --document-separator: the model's config names no EOS token.")
+            raise ConfigError("document masking needs a separator token: neither the settings nor the model's config "
+                              "name one (no EOS token).")
         separator = int(separator)
     build = ModelBuild(batch=data.batch_size, seq=data.seq_len, dtype=numerics.torch_dtype,
                        recompute=memory.recompute, block_dtype=numerics.matmul_dtype,

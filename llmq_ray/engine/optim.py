@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 
 from llmq_ray.backends import fp8_moment
-from llmq_ray.errors import CheckpointError, ConfigError
+from llmq_ray.errors import CheckpointError
 from llmq_ray.engine.offload import StagedChunks, fixed_chunks, host_zeros
 from llmq_ray.lr_schedule import SCHEDULES, learning_rate_at  # noqa: F401 - re-exported (schedules live there)
 from llmq_ray.model.params import ParamLayout
@@ -109,12 +109,12 @@ class ShardedAdamW:
                  beta2: float = 0.95, eps: float = 1e-8, weight_decay: float = 0.1, seed: int = 0,
                  params_offset: int = 0, chunk: int = DEFAULT_CHUNK, offload: Iterable[str] = (),
                  zero_copy: bool = False, grads_on_host: bool = False, schedule=None):
-        for flag, dt in (("--master-dtype", master_dtype), ("--opt-m-dtype", m_dtype), ("--opt-v-dtype", v_dtype)):
-            if dt not in _DTYPES and not (flag == "--opt-m-dtype" and dt == fp8_moment.DTYPE):
-                raise ConfigError(f"{flag}: optimizer state must be fp32 or bf16, got {dt}.")
+        # (the settings' rules, llmq_ray/settings/rules.py, say these to the user; here they are invariants)
+        for name, dt in (("master weights", master_dtype), ("first moment", m_dtype), ("second moment", v_dtype)):
+            if dt not in _DTYPES and not (name == "first moment" and dt == fp8_moment.DTYPE):
+                raise ValueError(f"ShardedAdamW: the {name} must be fp32 or bf16, got {dt}")
         if m_dtype == fp8_moment.DTYPE and "m" in set(offload):
-            raise ConfigError("--opt-m-dtype=e4m3 cannot be combined with --offload-opt-m: the 8-bit first "
-                              "moment (1 byte per parameter) is meant to stay on the GPU.")
+            raise ValueError("ShardedAdamW: the 8-bit first moment is not offloaded (it stays on the device)")
         if params_flat.dim() != 1:
             raise ValueError(f"ShardedAdamW: params_flat must be 1-D, got shape {tuple(params_flat.shape)}")
         if not (0 <= start <= end <= layout.numel):
@@ -123,7 +123,7 @@ class ShardedAdamW:
             raise ValueError(f"ShardedAdamW: params_flat (offset {params_offset}, {params_flat.numel()} elements) "
                              f"does not hold the shard [{start}, {end})")
         if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 and eps >= 0.0 and weight_decay >= 0.0):
-            raise ConfigError(f"AdamW hyperparameters out of range: beta1={beta1}, beta2={beta2}, eps={eps}, "
+            raise ValueError(f"AdamW hyperparameters out of range: beta1={beta1}, beta2={beta2}, eps={eps}, "
                               f"weight_decay={weight_decay} (need 0 <= beta < 1, eps >= 0, weight decay >= 0).")
         self.backend = backend
         self.layout = layout
@@ -134,7 +134,7 @@ class ShardedAdamW:
         if offload - {"master", "m", "v"}:
             raise ValueError(f"ShardedAdamW: offload names must be master, m or v, got {sorted(offload)}")
         if chunk < 1:
-            raise ConfigError(f"--opt-chunk-size={chunk} must be >= 1.")
+            raise ValueError(f"ShardedAdamW: chunks of {chunk} elements; must be >= 1")
         self.params = params_flat[start - params_offset:end - params_offset]  # view: updated in place
         n = end - start
         device = params_flat.device
@@ -156,8 +156,8 @@ class ShardedAdamW:
         self.v = state("v", v_dtype)
         self.offloaded = {k for k in ("master", "m", "v") if k in offload and getattr(self, k) is not None}
         if self.master is None and "master" in offload:
-            raise ConfigError("--offload-master needs a separate master copy: set --master-dtype different from "
-                              "--model-dtype (e.g. --model-dtype bf16 --master-dtype fp32).")
+            raise ValueError("ShardedAdamW: offloading the master weights needs a master copy (a master dtype "
+                             "other than the weights')")
         # [(global lo, global hi, decay)]: the decay runs cut at global multiples of ``chunk``. Every kernel
         # call (and every stochastic-rounding seed) is per chunk, offloaded or not, so both give the same bits.
         self.runs = layout.decay_runs(start, end)
@@ -200,7 +200,7 @@ class ShardedAdamW:
         ``state_tensors`` copies the kept chunks back first, ``load_state_tensors`` refreshes them.
         Not with ``grads_on_host`` or ``zero_copy`` (their chunks stream through the device anyway)."""
         if self.grads_on_host or self.zero_copy:
-            raise ConfigError("--opt-resident-gib cannot be combined with --offload-gradients or --use-zero-copy.")
+            raise ValueError("ShardedAdamW: resident chunks do not combine with host gradients or zero-copy")
         self._check_order(order, "keep_resident")
         self.sync()
         self.resident_at, self.resident, self._kept_order = {}, {}, []

@@ -63,9 +63,9 @@ class SpikeGuard:
 
     def __init__(self, window: int = 128, threshold: float = 6.0):
         if not isinstance(window, int) or window < 2:
-            raise ValueError(f"--spike-window={window!r} must be an integer >= 2.")
+            raise ValueError(f"a spike window of {window!r} steps: must be an integer >= 2")
         if not threshold > 0:
-            raise ValueError(f"--spike-threshold={threshold!r} must be > 0.")
+            raise ValueError(f"a spike threshold of {threshold!r}: must be > 0")
         self.window, self.threshold = window, float(threshold)
         self.loss = ZScoreWindow(window)
         self.norm = ZScoreWindow(window)

@@ -130,8 +130,8 @@ class TrainEngine:
             # Seen on the H100: Triton 3.6 refuses pinned host pointers at launch ("cannot be accessed from
             # Triton"), and the CuPy AdamW kernel on torch-pinned host tensors hits an illegal memory access.
             # Until the host state is allocated as mapped memory with its device alias, CUDA runs stream.
-            raise ConfigError("--use-zero-copy is not supported on CUDA yet (the kernels cannot read this pinned "
-                              "host memory directly); drop it: the offloaded state streams through the GPU.")
+            raise ConfigError("zero-copy access to offloaded state is not supported on CUDA yet (the kernels cannot "
+                              "read this pinned host memory directly); without it the state streams through the GPU.")
         made_for = backend_components(settings)
         has = dict(gemm=backend.gemm.name, attention=backend.attention.name, gemm_tuning=backend.gemm.tuning)
         if settings.speed.gemm is None:
@@ -254,9 +254,9 @@ class TrainEngine:
             planned = sum(rows * cols for _, _, (rows, cols) in plan)
             free = available_device_bytes(self.device)
             if planned > free:
-                raise ConfigError(f"--kept-quants-gib={g}: its {planned / 2**30:.2f} GiB of FP8 weight copies do not "
-                                  f"fit in the {free / 2**30:.2f} GiB of device memory set-up left free; pass a "
-                                  f"smaller number or 'auto'.")
+                raise ConfigError(f"{g} GiB of kept FP8 weight copies ({planned / 2**30:.2f} GiB as planned) do not "
+                                  f"fit in the {free / 2**30:.2f} GiB of device memory set-up left free; keep fewer, "
+                                  f"or let the run choose ('auto').")
         self.model.lin.keep_copies(plan)
 
     def _make_optimizer(self) -> ShardedAdamW:
@@ -443,8 +443,7 @@ class TrainEngine:
         current scaling that value is quantized to exactly the FP8 maximum and nothing is clipped; what the
         maxima show is the range the rest of the layer's values must share."""
         if not getattr(self.model.lin, "fp8", False):
-            raise ConfigError("--fp8-monitor-every needs --matmul-dtype e4m3: it reports the scales of the FP8 "
-                              "down projection.")
+            raise ValueError("the FP8 monitor reports the scales of FP8 block GEMMs; this model's are not FP8")
         self._monitor = torch.zeros(self.cfg.num_layers, dtype=torch.float32, device=self.model.amax.device)
         self._monitor_saturated = torch.zeros(self.cfg.num_layers, dtype=torch.int64, device=self.model.amax.device)
         self._monitor_elements = 0
@@ -539,8 +538,8 @@ def _check_tensor_parallel(settings: RunSettings, tp) -> None:
     """What tensor parallelism does not run with yet (llmq_ray/settings/rules.py names them, one sentence each;
     this only checks that the options' tensor-parallel size is the group's)."""
     if settings.parallel.tensor_parallel not in (1, tp.plan.size):
-        raise ConfigError(f"--tensor-parallel={settings.parallel.tensor_parallel} but the engine was given a group of "
-                          f"{tp.plan.size}.")
+        raise ValueError(f"the settings' tensor-parallel size is {settings.parallel.tensor_parallel} but the engine "
+                         f"was given a group of {tp.plan.size}")
     validate(dataclasses.replace(settings, parallel=dataclasses.replace(settings.parallel, tensor_parallel=tp.plan.size)))
 
 

@@ -109,10 +109,9 @@ def enable_wgrad_overlap(model, sm_count: int, mode: str = "stream", delay_cycle
     ``schedule`` (default: the model's own schedule when it is the engine's, else a new one), each sized for
     ``sm_count`` SMs (1 .. this GPU's SM count); before the first micro-step."""
     if model.lin.fp8:
-        raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply with "
-                          "--matmul-dtype e4m3")
+        raise ConfigError("the wgrad overlap runs the model-dtype GEMMs; it does not apply to FP8 block GEMMs")
     if not model.WGRAD_OVERLAP:
-        raise ConfigError("--overlap-wgrad-sms is built for the Llama-family block; GPT-2 does not take it yet.")
+        raise ConfigError("the wgrad overlap is built for the Llama-family block; GPT-2 does not take it yet.")
     if model.grads is None:
         raise ConfigError("the wgrad overlap needs the full gradient buffer of ZeRO-1 (ZeRO-2/3 reduce each "
                           "layer's gradients as soon as its backward ends)")
@@ -121,8 +120,8 @@ def enable_wgrad_overlap(model, sm_count: int, mode: str = "stream", delay_cycle
     device = schedule.device
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
     if sm_count < 1 or (sms and sm_count > sms):
-        raise ConfigError(f"--overlap-wgrad-sms={sm_count} must be between 1 and this GPU's SM count "
-                          f"({sms or 'any'})")
+        raise ConfigError(f"a wgrad side stream of {sm_count} SMs: the count must be between 1 and this GPU's SM "
+                          f"count ({sms or 'any'})")
     overlap = WgradOverlap(schedule, sm_count, mode, delay_cycles)
     model.use_wgrad_overlap(overlap)
     return overlap

@@ -86,7 +86,7 @@ class Generator:
         if cfg.is_gpt2 and max_len > cfg.max_position_embeddings:
             raise ValueError(f"the prompt plus the tokens to generate ({max_len}) exceed GPT-2's learned position "
                              f"table ({cfg.max_position_embeddings} positions); ask for fewer new tokens "
-                             f"(--sample-tokens) or give a shorter prompt.")
+                             f"or give a shorter prompt.")
         if not cfg.is_gpt2 and (self._cos is None or self._cos.shape[0] < max_len):
             angles = torch.arange(max_len, dtype=torch.float32)[:, None] * cfg.rope_inv_freq()[None, :]
             self._cos, self._sin = angles.cos().to(self.device), angles.sin().to(self.device)

@@ -60,16 +60,16 @@ class TensorParallelPlan:
             if not cond:
                 raise ConfigError(msg)
 
-        need(isinstance(t, int) and t >= 1, f"--tensor-parallel={t!r} must be an integer >= 1.")
-        need(not cfg.is_gpt2, "--tensor-parallel does not take GPT-2 yet (its biased row-parallel projections and "
+        need(isinstance(t, int) and t >= 1, f"a tensor-parallel group of {t!r}: its size must be an integer >= 1.")
+        need(not cfg.is_gpt2, "tensor parallelism does not take GPT-2 yet (its biased row-parallel projections and "
                               "learned positions have no split here).")
         need(cfg.num_heads % t == 0,
-             f"--tensor-parallel={t} must divide the model's {cfg.num_heads} attention heads.")
+             f"a tensor-parallel group of {t} must divide the model's {cfg.num_heads} attention heads.")
         need(cfg.num_kv_heads % t == 0 or t % cfg.num_kv_heads == 0,
-             f"--tensor-parallel={t} and the model's {cfg.num_kv_heads} key/value heads: one must divide the other "
-             f"(more ranks than KV heads replicate each KV head on --tensor-parallel / {cfg.num_kv_heads} ranks).")
+             f"a tensor-parallel group of {t} and the model's {cfg.num_kv_heads} key/value heads: one must divide the "
+             f"other (more ranks than KV heads replicate each KV head on {t} / {cfg.num_kv_heads} ranks).")
         need(cfg.intermediate_size % t == 0,
-             f"--tensor-parallel={t} must divide the model's intermediate size {cfg.intermediate_size}.")
+             f"a tensor-parallel group of {t} must divide the model's intermediate size {cfg.intermediate_size}.")
 
     # ---------------------------------------------------------------- heads
     @property

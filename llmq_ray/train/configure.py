@@ -178,7 +178,10 @@ class RunConfiguration:
         if s.parallel.tensor_parallel > 1:  # the model's split (heads, MLP width), before any actor starts
             from llmq_ray.parallel.tensor import TensorParallelPlan
 
-            TensorParallelPlan(cfg, s.parallel.tensor_parallel)
+            try:
+                TensorParallelPlan(cfg, s.parallel.tensor_parallel)
+            except ConfigError as exc:  # the plan says what does not fit; the sentence names the flag
+                raise ConfigError(f"--tensor-parallel={s.parallel.tensor_parallel}: {exc}") from None
         if s.data.seq_len > cfg.max_position_embeddings:
             raise ConfigError(f"--seq-len={s.data.seq_len} exceeds the model's max_position_embeddings "
                               f"({cfg.max_position_embeddings}).")
