@@ -11,7 +11,7 @@ from llmq_ray.backends.base import Backend
 from llmq_ray.engine.offload import HostWeightCopies, OffloadedResiduals
 from llmq_ray.engine.schedule import Schedule
 from llmq_ray.errors import ConfigError
-from llmq_ray.model.build import ModelBuild, ModelPolicies
+from llmq_ray.model.build import ModelBuild, ModelPolicies, Recompute
 from llmq_ray.model.config import ModelConfig
 from llmq_ray.parallel.tensor_pieces import TensorParallel
 from llmq_ray.settings import RunSettings
@@ -53,7 +53,9 @@ def model_build(settings: RunSettings, cfg: ModelConfig, schedule: Schedule,
                               "name one (no EOS token).")
         separator = int(separator)
     build = ModelBuild(batch=data.batch_size, seq=data.seq_len, dtype=numerics.torch_dtype,
-                       recompute=memory.recompute, block_dtype=numerics.matmul_dtype,
+                       recompute=Recompute(swiglu=memory.recompute_swiglu, norm=memory.recompute_norm,
+                                           ffn=memory.recompute_ffn, qkv=memory.recompute_qkv,
+                                           att=memory.recompute_att, block=memory.recompute_block), block_dtype=numerics.matmul_dtype,
                        grad_fp8=numerics.gradient_dtype,
                        weight_copies="persistent" if copies == "host" else copies,
                        swiglu_scale="current" if scale == "auto" else scale, head_chunks=memory.lmhead_chunks,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from llmq_ray.settings.fields import AUTO, Setting, check_range, check_type, closest, flatten, plain_path, setting
 from llmq_ray.settings.tree import (CheckpointSettings, DataSettings, MemorySettings, ModelSettings, NumericsSettings,
-                                    ObserveSettings, OptimSettings, ParallelSettings, RecomputeOptions, RunSettings,
+                                    ObserveSettings, OptimSettings, ParallelSettings, RunSettings,
                                     SpeedSettings, sections)
 
-__all__ = ["AUTO", "RunSettings", "RecomputeOptions", "Setting", "all_settings", "by_name", "sections", "setting",
+__all__ = ["AUTO", "RunSettings", "Setting", "all_settings", "by_name", "sections", "setting",
            "check_types", "plain_path", "closest", "make_settings", "aliases", "ModelSettings", "DataSettings",
            "OptimSettings", "NumericsSettings", "MemorySettings", "SpeedSettings", "ParallelSettings",
            "CheckpointSettings", "ObserveSettings"]

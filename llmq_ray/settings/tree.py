@@ -195,13 +195,6 @@ class MemorySettings:
         "rounding seeds)", ge=1)
 
     @property
-    def recompute(self) -> "RecomputeOptions":
-        """The recompute flags as the model reads them, their implications applied (``RecomputeOptions``)."""
-        return RecomputeOptions(swiglu=self.recompute_swiglu, norm=self.recompute_norm, ffn=self.recompute_ffn,
-                                qkv=self.recompute_qkv, att=self.recompute_att,
-                                block=self.recompute_block).resolved()
-
-    @property
     def offloads_optimizer(self) -> bool:
         return self.offload_master or self.offload_opt_m or self.offload_opt_v
 
@@ -396,26 +389,6 @@ class RunSettings:
     parallel: ParallelSettings = dataclasses.field(default_factory=ParallelSettings)
     checkpoints: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
     observe: ObserveSettings = dataclasses.field(default_factory=ObserveSettings)
-
-
-@dataclass(frozen=True)
-class RecomputeOptions:
-    """llm.q's recompute flags as the model reads them (``MemorySettings.recompute``); ``resolved()`` applies their
-    implications: ffn implies swiglu, att implies qkv, block implies all of them and the mid-block residual."""
-
-    swiglu: bool = False
-    norm: bool = False
-    ffn: bool = False
-    qkv: bool = False
-    att: bool = False
-    block: bool = False
-
-    def resolved(self) -> "RecomputeOptions":
-        block = self.block
-        ffn = self.ffn or block
-        att = self.att or block
-        return RecomputeOptions(swiglu=self.swiglu or ffn, norm=self.norm or block, ffn=ffn,
-                                qkv=self.qkv or att, att=att, block=block)
 
 
 def sections() -> list[tuple[str, type]]:
