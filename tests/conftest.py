@@ -34,6 +34,11 @@ installed, there are 2+ cores and no CUDA; most of it is end-to-end Ray runs tha
 two processes share two cores. On a CUDA machine it stays one process (the GPU tests would share one GPU); so it
 does where pytest-xdist is missing (the GPU machine's image), which is why this is not in pyproject's addopts.
 
+The suite's time budget (``SUITE_BUDGET_S``, stated in the README): at the end of a full run (no -k, no -m but
+pyproject's, no path but tests/) ``pytest_terminal_summary`` prints the run's wall time against it and the five slowest
+tests (set-up + call + tear-down, as the pytest-xdist controller receives them); a line to read, never an assertion.
+What the suite spends its time on, measured: docs/performance.md ("The test suite's running time").
+
 ``s3`` (module scope): a real S3 server (moto's server mode) on a random local port, with the bucket
 "bucket"; yields a pyarrow S3FileSystem to administer it (see its docstring). Skips without moto[server].
 """
@@ -42,11 +47,16 @@ import os
 import pathlib
 import shutil
 import tempfile
+import time
 from typing import NamedTuple
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# every Ray instance the tests start (the session's, a CLI run's own, each node of a simulated cluster) would start
+# one idle Python worker per CPU for its first driver; the run's actors never use them (their runtime_env sets
+# thread counts, so Ray starts processes of their own), and on 2 cores each idle one costs 0.4-0.6 s of CPU
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # Triton reads TRITON_INTERPRET when it is first imported, and any test module (or library code under test)
 # may be the first to import it: on a machine without CUDA, turn the interpreter on before any of them.
@@ -82,6 +92,46 @@ def pytest_cmdline_main(config) -> None:
 
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(RAY_TMP_ROOT, ignore_errors=True)
+
+
+# --- the suite's time budget (a line to read at the end of a full run; timing never fails a test) ---
+SUITE_BUDGET_S = 600
+SLOWEST_SHOWN = 5
+_test_seconds: dict[str, float] = {}
+_session_started: list[float] = []
+
+
+def pytest_sessionstart(session) -> None:
+    _session_started.append(time.monotonic())
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Sums set-up, call and tear-down per test; in the pytest-xdist controller these are the workers' reports."""
+    _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def _is_full_run(config) -> bool:
+    """No test selection of the user's: no -k, no -m but pyproject's "not gpu", no --lf/--sw, and no path but the
+    tests folder or the root."""
+    opt = config.option
+    if opt.keyword or opt.markexpr not in ("", "not gpu") or getattr(opt, "lf", False) \
+            or getattr(opt, "stepwise", False):
+        return False
+    root = pathlib.Path(str(config.rootpath)).resolve()
+    here = pathlib.Path(__file__).resolve().parent
+    return all(pathlib.Path(arg).resolve() in (root, here) for arg in config.args)
+
+
+@pytest.hookimpl(trylast=True)  # after --durations' table: the last line above pytest's own summary
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if hasattr(config, "workerinput") or not _session_started or not _is_full_run(config):
+        return
+    total = time.monotonic() - _session_started[0]
+    slowest = sorted(_test_seconds.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]
+    verdict = "within" if total <= SUITE_BUDGET_S else "OVER"
+    terminalreporter.write_line(
+        f"suite time: {total:.0f} s for {len(_test_seconds)} tests run, {verdict} the {SUITE_BUDGET_S} s budget "
+        f"(README, Tests); slowest: " + "; ".join(f"{nodeid} {sec:.0f} s" for nodeid, sec in slowest))
 
 
 def session_ray_temp_dir() -> str:

@@ -9,6 +9,10 @@ token frequencies stops), which needs working gradients through attention and ev
 machine (2026-11-27/28): B=4 x 64 for 100 steps gave a mean of 4.68 over the last 10 steps in ~32 s; 80 steps of
 8 x 64 (this test until 2026-11-28) 4.72 in ~50 s; 80 steps of 4 x 64 only 5.04, 60 of 8 x 64 5.13.
 
+This is the suite's one compute-bound test (about 37 s alone on 2 cores, near 60 s beside the rest of the suite): its
+cost is the LM head's FLOPs per token, and fewer tokens do not learn enough (60 or 70 steps of 4 x 64 at learning rates
+of 1.5e-2 and 2e-2 ended at 5.65 and 5.72).
+
 The text is the copy in the repository (data_pipeline/corpora/tinyshakespeare.txt.gz), found the way the
 tokenize command finds it, with $LLMQ_DATA_DIR unset and a fresh cache folder: no file outside the repository
 is read and nothing is downloaded.
