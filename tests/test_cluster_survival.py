@@ -31,7 +31,11 @@ STEPS = 10
 COMMON = dict(model="tiny", device="cpu", workers=2, backend="torch", batch_size=2, seq_len=16, steps=STEPS,
               warmup=0, export=False, final_eval=False, eval_every_n_steps=0, verbose=False, use_ray_data=False,
               ckpt_interval=2, ckpt_minutes=0, ckpt_keep_n=5, step_timeout_s=60.0, collective_timeout_s=20.0)
-# rank 0 sleeps 0.3 s per step (in every group) so the watcher removes the node while the run is under way
+# rank 0 sleeps 0.3 s per step (in every group) so the watcher removes the node while the run is under way, and 2 s
+# per step from 0-based step 4 on in the first group only (after the step-4 checkpoint the watcher waits for): on a
+# loaded machine the watcher's poll of the store and Ray's removal of a raylet take seconds, and the first group's
+# remaining steps must not all finish before the node is gone (seen: no elastic record, with a second suite beside)
+HOLD = {"rank": 0, "step": 4, "kind": "slow_step", "seconds": 2.0}
 SLOW = {"rank": 0, "step": 0, "kind": "slow_step", "seconds": 0.3, "every_group": True}
 
 
@@ -47,7 +51,7 @@ def bucket(s3, shards):
 
 def _scenario(tmp_path, name: str, nodes: int, **extra) -> dict:
     kwargs = dict(COMMON, train_file=extra.pop("train_file"), out_dir=f"s3://bucket/survival/{name}/out",
-                  checkpoint_dir=f"s3://bucket/survival/{name}/ckpt", fault=SLOW, **extra.pop("kwargs", {}))
+                  checkpoint_dir=f"s3://bucket/survival/{name}/ckpt", fault=[HOLD, SLOW], **extra.pop("kwargs", {}))
     spec = dict(root=str(tmp_path / "nodes"), nodes=nodes, kwargs=kwargs, **extra)
     spec_path, out_path = tmp_path / "spec.json", tmp_path / "out.json"
     spec_path.write_text(json.dumps(spec))
