@@ -36,7 +36,7 @@ does where pytest-xdist is missing (the GPU machine's image), which is why this 
 
 The suite's time budget (``SUITE_BUDGET_S``, stated in the README): at the end of a full run (no -k, no -m but
 pyproject's, no path but tests/) ``pytest_terminal_summary`` prints the run's wall time against it and the five slowest
-tests (set-up + call + tear-down, as the pytest-xdist controller receives them); a line to read, never an assertion.
+tests (set-up + call + tear-down, from the reports pytest keeps); a line to read, never an assertion.
 What the suite spends its time on, measured: docs/performance.md ("The test suite's running time").
 
 ``s3`` (module scope): a real S3 server (moto's server mode) on a random local port, with the bucket
@@ -97,17 +97,11 @@ def pytest_unconfigure(config) -> None:
 # --- the suite's time budget (a line to read at the end of a full run; timing never fails a test) ---
 SUITE_BUDGET_S = 600
 SLOWEST_SHOWN = 5
-_test_seconds: dict[str, float] = {}
 _session_started: list[float] = []
 
 
 def pytest_sessionstart(session) -> None:
     _session_started.append(time.monotonic())
-
-
-def pytest_runtest_logreport(report) -> None:
-    """Sums set-up, call and tear-down per test; in the pytest-xdist controller these are the workers' reports."""
-    _test_seconds[report.nodeid] = _test_seconds.get(report.nodeid, 0.0) + report.duration
 
 
 def _is_full_run(config) -> bool:
@@ -127,10 +121,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if hasattr(config, "workerinput") or not _session_started or not _is_full_run(config):
         return
     total = time.monotonic() - _session_started[0]
-    slowest = sorted(_test_seconds.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]
+    seconds: dict[str, float] = {}  # set-up + call + tear-down per test, from the reports pytest keeps
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if hasattr(report, "when") and hasattr(report, "nodeid"):
+                seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+    slowest = sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]
     verdict = "within" if total <= SUITE_BUDGET_S else "OVER"
     terminalreporter.write_line(
-        f"suite time: {total:.0f} s for {len(_test_seconds)} tests run, {verdict} the {SUITE_BUDGET_S} s budget "
+        f"suite time: {total:.0f} s for {len(seconds)} tests run, {verdict} the {SUITE_BUDGET_S} s budget "
         f"(README, Tests); slowest: " + "; ".join(f"{nodeid} {sec:.0f} s" for nodeid, sec in slowest))
 
 
