@@ -124,7 +124,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     seconds: dict[str, float] = {}  # set-up + call + tear-down per test, from the reports pytest keeps
     for reports in terminalreporter.stats.values():
         for report in reports:
-            if hasattr(report, "when") and hasattr(report, "nodeid"):
+            if isinstance(report, pytest.TestReport):  # not a module's CollectReport (a skip at import has no duration)
                 seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
     slowest = sorted(seconds.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]
     verdict = "within" if total <= SUITE_BUDGET_S else "OVER"
