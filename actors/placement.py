@@ -13,6 +13,8 @@ A CPU run's workers are ``CPUWorker`` actors: the same class under the name that
 
 from __future__ import annotations
 
+import os
+
 from llmq_ray.actors.failures import WorkerError, gather
 from llmq_ray.actors.plan import RunPlan
 from llmq_ray.actors.worker import PROBE_GROUP, GPUWorker, worker_env
@@ -178,7 +180,9 @@ def create_workers(plan: RunPlan, wait_s: float = PLACEMENT_TIMEOUT_S, on_wait=N
         check_resources(plan)
     bundle = bundle_of(plan)
     strategy = "STRICT_PACK" if plan.settings.parallel.device == "cuda" and n <= _max_gpus_per_node() else "PACK"
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name="")
+    # each group a name of its own (a rebuilt group is made while Ray may still be removing the last one)
+    name = f"{plan.placement_name}-{os.urandom(3).hex()}" if plan.placement_name else ""
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy=strategy, name=name)
     t0 = time.monotonic()
     told = False
     while not ray.wait([pg.ready()], timeout=max(min(2.0, t0 + wait_s - time.monotonic()), 0.0))[0]:
@@ -218,3 +222,25 @@ def create_workers(plan: RunPlan, wait_s: float = PLACEMENT_TIMEOUT_S, on_wait=N
         info["local_rank"] = seen.get(info["node_id"], 0)
         seen[info["node_id"]] = info["local_rank"] + 1
     return pg, workers, nodes
+
+
+def release_coordinator(coordinator, placement_name: str) -> None:
+    """Kill ``coordinator`` (an actor handle; it may be dead already) and remove the placement groups of the run
+    (named ``placement_name-...`` by ``create_workers``) that are still there. A placement group that an actor created belongs to the job, not to
+    that actor: a coordinator that was killed (or whose process died) leaves its workers' group behind, holding
+    their CPUs and GPUs until the driver exits, so a coordinator started again could not place its workers."""
+    import ray
+    from ray.util.placement_group import get_placement_group, placement_group_table, remove_placement_group
+
+    try:
+        ray.kill(coordinator)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+    if not placement_name:
+        return
+    for entry in placement_group_table().values():
+        if entry.get("name", "").startswith(placement_name + "-") and entry.get("state") != "REMOVED":
+            try:
+                remove_placement_group(get_placement_group(entry["name"]))
+            except Exception:  # noqa: BLE001 - removed meanwhile
+                pass

@@ -29,6 +29,9 @@ class RunPlan:
     # the test hook: faults injected on purpose (actors/fault_injection.py lists the kinds), read by the trainer
     # from the environment variable LLMQ_RAY_TEST_FAULT; None in real runs
     fault: Optional[object] = None
+    # the name of the run's worker placement groups ("" for none): Ray ties a group that an actor made to the job,
+    # not to that actor, so the driver removes a lost coordinator's group by this name (actors/placement.py)
+    placement_name: str = ""
 
     @property
     def checkpoints_on(self) -> bool:

@@ -108,3 +108,28 @@ def test_answers_takes_host_port_forms():
         assert answers(address) and answers(f"localhost:{port}")
     assert not answers(f"127.0.0.1:{_closed_port()}")
     assert not answers("no-port-here") and not answers("127.0.0.1:notaport")
+
+
+@pytest.mark.parametrize("dashboard", [True, False])
+def test_a_fresh_local_instance_starts_the_dashboard_unless_told_not_to(tmp_path, monkeypatch, dashboard):
+    """A trainer that starts its own local Ray binds the dashboard to loopback; ``dashboard=False``
+    (``--no-dashboard``) starts that Ray without it. The trainer's own ``ray.init`` call is captured, not run."""
+    import ray
+
+    from llmq_ray.train.trainer import LLMQTrainer
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no ray_current_cluster there: a fresh local instance
+    trainer = LLMQTrainer(model="tiny", device="cpu", synthetic_data=True, out_dir=str(tmp_path / "out"),
+                          verbose=False, ray_address="local", dashboard=dashboard)
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    trainer._init_ray()
+    (kwargs,) = calls
+    assert kwargs["address"] == "local"
+    if dashboard:
+        assert kwargs["dashboard_host"] == "127.0.0.1" and "include_dashboard" not in kwargs
+    else:
+        assert kwargs["include_dashboard"] is False and "dashboard_host" not in kwargs
+    trainer.close()  # ray.is_initialized is still patched: this shuts no Ray down (the session's stays up)

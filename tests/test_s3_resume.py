@@ -132,11 +132,11 @@ def test_a_failed_upload_leaves_the_previous_checkpoint_valid(failed_upload):
 # ---------------------------------------------------------------------------------------------------- acceptance
 def _cli_in_its_own_session(args: list[str], cwd, env: dict) -> subprocess.Popen:
     """``python -m llmq_ray.train.cli ARGS`` in a session of its own: the driver, the Ray it starts
-    (RAY_ADDRESS=local: never one of the other Ray instances on this machine) and its workers form one process
-    group, which the test kills as a whole."""
+    (RAY_ADDRESS=local: never one of the other Ray instances on this machine; without its dashboard, which is not
+    what is tested) and its workers form one process group, which the test kills as a whole."""
     env = {**os.environ, **env, "PYTHONPATH": REPO, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "local"}
-    return subprocess.Popen([sys.executable, "-m", "llmq_ray.train.cli", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "llmq_ray.train.cli", *args, "--no-dashboard"], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -71,7 +71,8 @@ def test_sigterm_checkpoints_the_last_step_and_continue_is_bit_exact(ray_cluster
     steps = 100
     ref = _trainer_from_cli(_argv(shards, tmp_path / "ref", steps)).fit()
     out = tmp_path / "run"
-    train = [os.path.join(REPO, "examples", "train.py"), *_argv(shards, out, steps)]
+    # --no-dashboard: this driver starts a Ray of its own, and the dashboard's processes are not what is tested
+    train = [os.path.join(REPO, "examples", "train.py"), *_argv(shards, out, steps), "--no-dashboard"]
     # rank 0 sleeps 0.1 s a step (the test hook; the losses do not change): the run is still going at step 20
     slow = {"LLMQ_RAY_TEST_FAULT": json.dumps({"rank": 0, "step": 0, "kind": "slow_step", "seconds": 0.1,
                                                "every_group": True})}
@@ -251,7 +252,7 @@ os.environ["LLMQ_RAY_TEST_FAULT"] = json.dumps({"rank": 1, "step": int(sys.argv[
                                                 "seconds": 600})
 t = LLMQTrainer(model="tiny", train_file=sys.argv[1], device="cpu", workers=2, batch_size=2, seq_len=16, steps=50,
                 ckpt_interval=5, out_dir=sys.argv[2], export=False, progress=False, use_ray_data=False,
-                collective_timeout_s=600.0)
+                collective_timeout_s=600.0, dashboard=False)
 r = t.fit()
 sys.exit(r.stopped["exit_code"] if r.stopped else 0)
 """
@@ -353,5 +354,12 @@ def test_a_coordinator_that_dies_is_started_again_from_the_last_checkpoint(ray_c
     resumes = [r for r in records if r["log"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 4 and resumes[0]["path"].startswith(str(out / "ckpt"))
     assert [r["reason"] for r in records if r["log"] == "end"] == ["finished"]
+    # the killed coordinator's placement group (Ray ties it to the job, not to the actor that made it) is gone:
+    # left behind, it would hold its workers' CPUs until this process exits
+    from ray.util.placement_group import placement_group_table
+
+    name = trainer.plan.placement_name + "-"
+    assert [e["state"] for e in placement_group_table().values() if e["name"].startswith(name)] == \
+        ["REMOVED", "REMOVED"]
     reference = _api_run(shards, tmp_path / "ref", steps=10).fit()
     assert [r["loss"] for r in steps_as_one_run(records)] == [r["loss"] for r in reference.history]

@@ -80,7 +80,7 @@ def test_a_run_on_s3_shards_trains_exactly_as_on_local_ones(s3, ray_cluster, sha
               "--seq-len", "16", "--steps", "4", "--eval-every-n-steps", "0", "--no-export", "--sample-tokens", "0",
               "--no-progress"]
     p = _cli(common + ["--train-file", "s3://bucket/run/train*.bin", "--eval-file", "s3://bucket/run/eval.bin",
-                       "--out-dir", str(tmp_path / "s3")], tmp_path)
+                       "--out-dir", str(tmp_path / "s3"), "--no-dashboard"], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     monkeypatch.chdir(tmp_path)
     local = common + ["--train-file", shards.train, "--eval-file", shards.eval, "--out-dir", str(tmp_path / "local")]

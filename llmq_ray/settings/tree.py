@@ -267,6 +267,9 @@ class ParallelSettings:
         "inter-node all-reduce of the shard; for clusters whose network is slower than NVLink)",
         choices=('world', 'node'))
     ray_address: str | None = setting(None, "address of a running Ray cluster")
+    dashboard: bool = setting(
+        True,
+        "start the run's own local Ray without its dashboard (saves its processes; no effect when joining a cluster)")
     rendezvous_port_range: str | None = setting(
         None,
         "LO-HI: the rendezvous port of the process group is taken from this range on rank 0's node (for firewalled "

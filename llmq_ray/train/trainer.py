@@ -117,7 +117,7 @@ class LLMQTrainer(RunConfiguration, RunStopping):
                 # a fresh local instance: declare more CPUs than the workers take (Ray Data needs spare ones)
                 workers = self.settings.parallel.workers or self.settings.parallel.gpus or 1
                 kwargs.update(num_cpus=max(os.cpu_count() or 1, workers * (self.settings.parallel.cpus_per_worker or 1) + 2),
-                              dashboard_host="127.0.0.1")
+                              **({"dashboard_host": "127.0.0.1"} if self.settings.parallel.dashboard else {"include_dashboard": False}))
             from llmq_ray.observe.ray_console import without_token_auth_notice
 
             with without_token_auth_notice():  # auth as Ray decides; its notice on every start is dropped
@@ -170,7 +170,7 @@ class LLMQTrainer(RunConfiguration, RunStopping):
         fault = os.environ.get(FAULT_ENV)  # the test hook (actors/fault_injection.py): tests only
         return RunPlan(settings=s, world_size=world, resume_from=self.resume_from,
                        rendezvous_ports=port_range(p.rendezvous_port_range),
-                       fault=json.loads(fault) if fault else None)
+                       fault=json.loads(fault) if fault else None, placement_name=f"llmq-{ob.run_id}-{os.urandom(4).hex()}")
 
     def start(self) -> dict:
         """Join/start Ray, place the workers and build their engines (done lazily by every other call). Refused
@@ -282,6 +282,7 @@ class LLMQTrainer(RunConfiguration, RunStopping):
         step the new coordinator goes on from; re-raises ``lost`` when restarts are off or used up."""
         import ray
 
+        from llmq_ray.actors.placement import release_coordinator
         from llmq_ray.checkpoints.layout import CheckpointWarning
         from llmq_ray.checkpoints.verify import find_latest_valid
 
@@ -289,10 +290,7 @@ class LLMQTrainer(RunConfiguration, RunStopping):
         limit = self.settings.checkpoints.max_restarts
         if not self.plan.checkpoints_on or self._coordinator_restarts > limit:
             raise lost
-        try:
-            ray.kill(self.coordinator)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        release_coordinator(self.coordinator, self.plan.placement_name)  # and the workers' placement group
         self.coordinator = None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", CheckpointWarning)
@@ -577,7 +575,9 @@ class LLMQTrainer(RunConfiguration, RunStopping):
                 ray.get(self.coordinator.shutdown.remote(), timeout=60)
             except Exception:  # noqa: BLE001 - best effort: it may be the thing that failed
                 pass
-            ray.kill(self.coordinator)
+            from llmq_ray.actors.placement import release_coordinator
+
+            release_coordinator(self.coordinator, self.plan.placement_name)  # a lost one's group too
             self.coordinator = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
