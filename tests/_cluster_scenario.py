@@ -1,27 +1,32 @@
-"""One multi-node run on a simulated Ray cluster, in a process of its own (tests/test_cluster_survival.py runs it).
+"""Multi-node runs on one simulated Ray cluster, in a process of its own (tests/test_cluster_survival.py runs it).
 
-    python tests/_cluster_scenario.py SPEC_JSON OUT_JSON
+    python tests/_cluster_scenario.py SPEC_JSON OUT_FOLDER
 
 ``ray.cluster_utils.Cluster`` starts one raylet per "node" on this machine: a head node with no CPUs (the driver
-and the coordinator, which takes none) and ``spec["nodes"]`` worker nodes of one CPU each, so each holds exactly
-one CPU worker (``spec["cpus_per_node"]`` CPUs and workers instead, e.g. 2 for a tensor-parallel group of 2 per
-node). Every worker node has a disk of its own: its raylet (and so every process it starts: the workers, Ray's
+and the coordinator, which takes none), started once for all of ``spec["scenarios"]``, which run one after the
+other. Each scenario gets fresh worker nodes -- ``scenario["nodes"]`` of one CPU each, so each holds exactly one CPU
+worker (``scenario["cpus_per_node"]`` CPUs and workers instead, e.g. 2 for a tensor-parallel group of 2 per node)
+-- and its nodes are removed when it ends, so what one scenario did to its nodes (one lost, one drained) never
+reaches the next. One head for all saves a process, a Ray head and the imports per scenario (about 5 CPU-seconds
+each on the 2-core CI machine). Every worker node has a disk of its own: its raylet (and so every process it starts: the workers, Ray's
 agents) runs in a mount namespace of its own (``unshare --mount``) with a fresh tmpfs mounted on
 ``ROOT/disks``, where its cache (``LLMQ_RAY_CACHE``: fetched shards, staged checkpoints) and ``TMPDIR`` live;
 no other node, the driver included, sees that tmpfs. The run reads its shards from and writes its checkpoints
 and log to s3:// (the S3 server's address comes in the environment), so a file one node wrote and another read
 would fail the run. Where mount namespaces are not allowed (no CAP_SYS_ADMIN), each node gets a folder of its
-own on the shared disk instead and the output says ``"private_disks": false``. With ``spec["remove_after_step"]``
+own on the shared disk instead and the output says ``"private_disks": false``. With ``scenario["remove_after_step"]``
 a watcher thread waits until the checkpoint of that step is on the store, then removes one node that holds a
 worker (``allow_graceful=False``: its raylet and workers are killed, as when a machine is lost), and with
-``spec["add_after_remove"]`` adds a fresh node after that many seconds; with ``spec["drain_after_step"]`` it
-sends Ray's drain notice (reason: preemption, 60 s deadline) for such a node instead.
+``scenario["add_after_remove"]`` adds a fresh node after that many seconds; with ``scenario["drain_after_step"]``
+it sends Ray's drain notice (reason: preemption, 60 s deadline) for such a node instead.
 
-Writes {"history": per-step records, "log": the run's log records, "error": the error sentence or None,
+Writes, for each scenario, OUT_FOLDER/<its name>.json: {"history": per-step records, "log": the run's log
+records, "error": the error sentence or None,
 "removed_at" / "drained_at": seconds into the run or None, "stopped": ``Result.stopped``, "private_disks": bool,
 "disk_files": {node index: the files on that node's own disk at the end, as its raylet sees them, for the nodes
-still alive}, "head_disk_files": what the driver sees under ROOT/disks} to OUT_JSON. A process of its own because a Cluster cannot share
-a process with the test session's Ray instance.
+still alive}, "head_disk_files": what the driver sees under ROOT/disks}; a scenario that raised writes
+{"crash": its traceback} and the next one runs. A process of its own because a Cluster cannot share a process
+with the test session's Ray instance.
 """
 
 from __future__ import annotations
@@ -109,24 +114,19 @@ def _node_of_a_worker(cluster, trainer=None):
     return None
 
 
-def main(spec_path: str, out_path: str) -> None:
+def run_scenario(cluster, scenario: dict, disks: str, private: bool, next_index) -> dict:
+    """One run on fresh worker nodes of ``cluster`` (see the module docstring); returns its output record. The
+    nodes it added are removed before it returns. ``next_index()``: a node index no earlier node had."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from llmq_ray.errors import LLMQError
     from llmq_ray.observe.runlog import read_log
     from llmq_ray.train.trainer import LLMQTrainer
 
-    spec = json.load(open(spec_path))
-    disks = os.path.join(spec["root"], "disks")
-    private = _private_disks_allowed(disks)
-    if private:
-        _start_raylets_on_own_disks(disks)
-    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
-                                                                _system_config=SYSTEM_CONFIG))
     nodes = {}  # node index -> the Ray node
 
-    def add_node(i: int):
+    def add_node():
+        i = next_index()
         own = os.path.join(disks, f"node{i}")  # on the node's tmpfs (or, without namespaces, a folder of its own)
         env = {"LLMQ_RAY_CACHE": os.path.join(own, "cache"), "TMPDIR": os.path.join(own, "tmp")}
         if private:
@@ -134,22 +134,23 @@ def main(spec_path: str, out_path: str) -> None:
         else:
             os.makedirs(env["LLMQ_RAY_CACHE"], exist_ok=True)
             os.makedirs(env["TMPDIR"], exist_ok=True)
-        nodes[i] = cluster.add_node(num_cpus=spec.get("cpus_per_node", 1), env_vars=env)
+        nodes[i] = cluster.add_node(num_cpus=scenario.get("cpus_per_node", 1), env_vars=env)
         return nodes[i]
 
-    for i in range(spec["nodes"]):
-        add_node(i)
+    for _ in range(scenario["nodes"]):
+        add_node()
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     deadline = time.monotonic() + 60  # the driver's view of the cluster's resources lags the nodes' start by a moment
-    while ray.cluster_resources().get("CPU", 0) < spec["nodes"] * spec.get("cpus_per_node", 1) \
+    while ray.cluster_resources().get("CPU", 0) < scenario["nodes"] * scenario.get("cpus_per_node", 1) \
             and time.monotonic() < deadline:
         time.sleep(0.1)
     out = {"history": [], "log": [], "error": None, "removed_at": None, "private_disks": private}
+    kwargs = dict(scenario["kwargs"])
     t0 = time.monotonic()
+    trainer = None
 
     def remove_one():
-        while not _manifest_on_store(spec["kwargs"]["checkpoint_dir"], spec["remove_after_step"]):
+        while not _manifest_on_store(kwargs["checkpoint_dir"], scenario["remove_after_step"]):
             if time.monotonic() - t0 > 120:
                 return
             time.sleep(0.1)
@@ -158,14 +159,14 @@ def main(spec_path: str, out_path: str) -> None:
             return
         cluster.remove_node(node, allow_graceful=False)
         out["removed_at"] = time.monotonic() - t0
-        if spec.get("add_after_remove") is not None:
-            time.sleep(spec["add_after_remove"])
-            add_node(spec["nodes"])
+        if scenario.get("add_after_remove") is not None:
+            time.sleep(scenario["add_after_remove"])
+            add_node()
 
     def drain_one():  # Ray's drain notice for a node of ours, as a cloud's preemption warning gives it
         from ray.core.generated import autoscaler_pb2
 
-        while not _manifest_on_store(spec["kwargs"]["checkpoint_dir"], spec["drain_after_step"]):
+        while not _manifest_on_store(kwargs["checkpoint_dir"], scenario["drain_after_step"]):
             if time.monotonic() - t0 > 120:
                 return
             time.sleep(0.1)
@@ -176,37 +177,78 @@ def main(spec_path: str, out_path: str) -> None:
         out["drained_at"] = time.monotonic() - t0 if accepted else f"refused: {why}"
 
     watcher = None
-    if spec.get("drain_after_step"):
+    if scenario.get("drain_after_step"):
         watcher = threading.Thread(target=drain_one, daemon=True)
-        watcher.start()
-    if spec.get("remove_after_step"):
+    if scenario.get("remove_after_step"):
         watcher = threading.Thread(target=remove_one, daemon=True)
-        watcher.start()
-    fault = spec["kwargs"].pop("fault", None)
+    fault = kwargs.pop("fault", None)
     if fault:  # the test hook (actors/fault_injection.py): read by the trainer when the run starts
         os.environ["LLMQ_RAY_TEST_FAULT"] = json.dumps(fault)
-    trainer = LLMQTrainer(**spec["kwargs"])
+    else:
+        os.environ.pop("LLMQ_RAY_TEST_FAULT", None)
     try:
-        result = trainer.fit()
-        out["history"] = result.history
-        out["stopped"] = result.stopped
-        log = result.log_file
-    except LLMQError as exc:
-        out["error"] = str(exc)
-        log = trainer._log_path()
-    out["log"] = read_log(log)
-    if watcher is not None:
-        watcher.join(timeout=5)
-    out["disk_files"] = {}  # each live node's own disk, seen through its raylet's /proc/PID/root
-    for i, node in nodes.items():
-        raylets = node.all_processes.get("raylet") or []  # none left for a removed node
-        if raylets and raylets[0].process.poll() is None:
-            out["disk_files"][i] = _files_under(f"/proc/{raylets[0].process.pid}/root{disks}/node{i}")
-    out["head_disk_files"] = _files_under(disks)
-    with open(out_path, "w") as f:
-        json.dump(out, f, default=str)
-    ray.shutdown()
-    cluster.shutdown()
+        trainer = LLMQTrainer(**kwargs)
+        if watcher is not None:
+            watcher.start()
+        try:
+            result = trainer.fit()
+            out["history"] = result.history
+            out["stopped"] = result.stopped
+            log = result.log_file
+        except LLMQError as exc:
+            out["error"] = str(exc)
+            log = trainer._log_path()
+        out["log"] = read_log(log)
+        if watcher is not None:
+            watcher.join(timeout=5)
+        out["disk_files"] = {}  # each live node's own disk, seen through its raylet's /proc/PID/root
+        for i, node in nodes.items():
+            raylets = node.all_processes.get("raylet") or []  # none left for a removed node
+            if raylets and raylets[0].process.poll() is None:
+                out["disk_files"][i] = _files_under(f"/proc/{raylets[0].process.pid}/root{disks}/node{i}")
+        out["head_disk_files"] = _files_under(disks)
+        return out
+    finally:
+        os.environ.pop("LLMQ_RAY_TEST_FAULT", None)
+        if watcher is not None and watcher.is_alive():
+            watcher.join(timeout=30)
+        for node in nodes.values():  # this scenario's nodes go (their raylets tell the GCS so as they stop) ...
+            if node in cluster.worker_nodes:
+                cluster.remove_node(node, allow_graceful=True)
+        deadline = time.monotonic() + 60  # ... and the next one starts once the GCS counts only the head alive
+        while len([n for n in ray.nodes() if n["Alive"]]) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
+def main(spec_path: str, out_folder: str) -> None:
+    import itertools
+    import traceback
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    spec = json.load(open(spec_path))
+    disks = os.path.join(spec["root"], "disks")
+    private = _private_disks_allowed(disks)
+    if private:
+        _start_raylets_on_own_disks(disks)
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
+                                                                _system_config=SYSTEM_CONFIG))
+    ray.init(address=cluster.address, log_to_driver=False)
+    counter = itertools.count()
+    try:
+        for scenario in spec["scenarios"]:
+            try:
+                out = run_scenario(cluster, scenario, disks, private, lambda: next(counter))
+            except Exception:  # noqa: BLE001 - the test of this scenario fails with it; the next one runs
+                out = {"crash": traceback.format_exc()}
+            path = os.path.join(out_folder, f"{scenario['name']}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(out, f, default=str)
+            os.replace(path + ".tmp", path)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -90,6 +90,15 @@ def pytest_cmdline_main(config) -> None:
             config.option.dist = "loadfile"
 
 
+def pytest_configure(config) -> None:
+    """In a pytest-xdist process: torch's own compute in this process (the engine tests, the reference runs) on
+    its share of the cores, cores / processes threads: two processes of two threads each on two cores cost about a
+    fifth more CPU for the same work (the threads wait on each other), and the suite is CPU-bound."""
+    processes = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if processes > 1 and not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(RAY_TMP_ROOT, ignore_errors=True)
 
