@@ -1,15 +1,16 @@
 """Multi-node runs on one simulated Ray cluster, in a process of its own (tests/test_cluster_survival.py runs it).
 
-    python tests/_cluster_scenario.py SPEC_JSON OUT_FOLDER
+    python tests/_cluster_scenario.py ROOT     (then one scenario spec file's path per line on stdin)
 
 ``ray.cluster_utils.Cluster`` starts one raylet per "node" on this machine: a head node with no CPUs (the driver
-and the coordinator, which takes none), started once for all of ``spec["scenarios"]``, which run one after the
+and the coordinator, which takes none), started once; then the scenarios named on stdin run one after the
 other. Each scenario gets fresh worker nodes -- ``scenario["nodes"]`` of one CPU each, so each holds exactly one CPU
 worker (``scenario["cpus_per_node"]`` CPUs and workers instead, e.g. 2 for a tensor-parallel group of 2 per node)
 -- and its nodes are removed when it ends, so what one scenario did to its nodes (one lost, one drained) never
-reaches the next. One head for all saves a process, a Ray head and the imports per scenario (about 5 CPU-seconds
-each on the 2-core CI machine). Every worker node has a disk of its own: its raylet (and so every process it starts: the workers, Ray's
-agents) runs in a mount namespace of its own (``unshare --mount``) with a fresh tmpfs mounted on
+reaches the next. One head for all saves a process and a Ray head per scenario (what a scenario costs is mostly
+its processes: each worker about 3.5 CPU-seconds on the 2-core CI machine, each node's raylet with its dashboard
+and runtime-env agents about 3). Every worker node has a disk of its own: its raylet (and so every process it
+starts: the workers, Ray's agents) runs in a mount namespace of its own (``unshare --mount``) with a fresh tmpfs mounted on
 ``ROOT/disks``, where its cache (``LLMQ_RAY_CACHE``: fetched shards, staged checkpoints) and ``TMPDIR`` live;
 no other node, the driver included, sees that tmpfs. The run reads its shards from and writes its checkpoints
 and log to s3:// (the S3 server's address comes in the environment), so a file one node wrote and another read
@@ -20,13 +21,12 @@ worker (``allow_graceful=False``: its raylet and workers are killed, as when a m
 ``scenario["add_after_remove"]`` adds a fresh node after that many seconds; with ``scenario["drain_after_step"]``
 it sends Ray's drain notice (reason: preemption, 60 s deadline) for such a node instead.
 
-Writes, for each scenario, OUT_FOLDER/<its name>.json: {"history": per-step records, "log": the run's log
-records, "error": the error sentence or None,
-"removed_at" / "drained_at": seconds into the run or None, "stopped": ``Result.stopped``, "private_disks": bool,
-"disk_files": {node index: the files on that node's own disk at the end, as its raylet sees them, for the nodes
-still alive}, "head_disk_files": what the driver sees under ROOT/disks}; a scenario that raised writes
-{"crash": its traceback} and the next one runs. A process of its own because a Cluster cannot share a process
-with the test session's Ray instance.
+Writes, for each scenario, its spec's path with ``.out.json`` for ``.json``: {"history": per-step records, "log":
+the run's log records, "error": the error sentence or None, "removed_at" / "drained_at": seconds into the run or
+None, "stopped": ``Result.stopped``, "private_disks": bool, "disk_files": {node index: the files on that node's own
+disk at the end, as its raylet sees them, for the nodes still alive}, "head_disk_files": what the driver sees under
+ROOT/disks}, and prints ``done <spec file name>``; a scenario that raised writes {"crash": its traceback} and the
+next one runs. A process of its own because a Cluster cannot share a process with the test session's Ray instance.
 """
 
 from __future__ import annotations
@@ -220,15 +220,17 @@ def run_scenario(cluster, scenario: dict, disks: str, private: bool, next_index)
             time.sleep(0.2)
 
 
-def main(spec_path: str, out_folder: str) -> None:
+def main(root: str) -> None:
+    """Start the head node, then run each scenario whose spec file's path comes on a line of stdin: its output goes
+    to the path of the spec with ``.out.json`` for ``.json``, then ``done <spec file name>`` is printed. Ends at the
+    end of stdin."""
     import itertools
     import traceback
 
     import ray
     from ray.cluster_utils import Cluster
 
-    spec = json.load(open(spec_path))
-    disks = os.path.join(spec["root"], "disks")
+    disks = os.path.join(root, "disks")
     private = _private_disks_allowed(disks)
     if private:
         _start_raylets_on_own_disks(disks)
@@ -236,20 +238,23 @@ def main(spec_path: str, out_folder: str) -> None:
                                                                 _system_config=SYSTEM_CONFIG))
     ray.init(address=cluster.address, log_to_driver=False)
     counter = itertools.count()
+    print("ready", flush=True)
     try:
-        for scenario in spec["scenarios"]:
+        for line in sys.stdin:
+            spec_path = line.strip()
             try:
-                out = run_scenario(cluster, scenario, disks, private, lambda: next(counter))
+                out = run_scenario(cluster, json.load(open(spec_path)), disks, private, lambda: next(counter))
             except Exception:  # noqa: BLE001 - the test of this scenario fails with it; the next one runs
                 out = {"crash": traceback.format_exc()}
-            path = os.path.join(out_folder, f"{scenario['name']}.json")
+            path = spec_path[:-len(".json")] + ".out.json"
             with open(path + ".tmp", "w") as f:
                 json.dump(out, f, default=str)
             os.replace(path + ".tmp", path)
+            print(f"done {os.path.basename(spec_path)}", flush=True)
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])

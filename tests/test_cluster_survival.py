@@ -10,17 +10,20 @@ nothing is shared through a local disk.
 (c) no spare, no elastic: the restart says what it waits for and gives up after ``restart_wait_s``;
 (d) Ray's drain notice (a preemption warning) for a node of ours: a checkpoint at the step boundary and a clean stop.
 
-The scenarios run one after the other in one process of their own (tests/_cluster_scenario.py; a Cluster cannot
-share a process with the session's Ray instance) on one head node, each on fresh worker nodes: the ``scenarios``
-fixture runs those of the selected tests once for the module, and each test checks its own.
+The scenarios run one after the other on one head node, each on fresh worker nodes, in one process of their own
+(tests/_cluster_scenario.py, the module's ``cluster`` fixture; a Cluster cannot share a process with the session's
+Ray instance): each test sends its scenario there and checks what came back.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -50,52 +53,74 @@ def bucket(s3, shards):
     return "s3://bucket/survival/data/train.bin"
 
 
-# each scenario: the nodes it starts on and what happens to one of them (tests/_cluster_scenario.py), by test
-SCENARIOS = {
-    "test_a_lost_node_is_replaced_by_a_spare_and_the_losses_stay_those_of_the_uninterrupted_run":
-        dict(name="spare", nodes=3, remove_after_step=4),
-    "test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch":
-        dict(name="elastic", nodes=2, remove_after_step=4, kwargs=dict(elastic=True, restart_wait_s=60.0)),
-    "test_elastic_tensor_parallel_goes_on_with_the_whole_groups_left":
-        dict(name="elastic-tp", nodes=2, cpus_per_node=2, remove_after_step=4,
-             kwargs=dict(workers=4, tensor_parallel=2, elastic=True, restart_wait_s=60.0)),
-    "test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up":
-        dict(name="waiting", nodes=2, remove_after_step=4, kwargs=dict(restart_wait_s=7.0)),
-    "test_a_drain_notice_for_a_node_of_ours_stops_the_run_with_a_checkpoint_as_sigterm_does":
-        dict(name="drain", nodes=2, drain_after_step=2, kwargs=dict(steps=40)),
-}
+class _ClusterProcess:
+    """tests/_cluster_scenario.py serving this module: one simulated cluster's head, in a process of its own."""
+
+    def __init__(self, root):
+        self.root = root
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
+        env.pop("RAY_ADDRESS", None)
+        self.stderr_path = root / "cluster.stderr"
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "_cluster_scenario.py"),
+                                          str(root / "nodes")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True, env=env)
+        self.lines: queue.Queue = queue.Queue()  # its stdout, line by line ("" at the end)
+        threading.Thread(target=self._read, daemon=True).start()
+        self._wait_for("ready", 180)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def _wait_for(self, word: str, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                line = None
+            assert line, (f"the cluster process {'ended' if line == '' else f'said no {word!r} within {seconds:.0f} s'}: "
+                          + self.stderr_path.read_text(errors="replace")[-5000:])
+            if line.strip() == word:
+                return
+
+    def run(self, spec: dict) -> dict:
+        """Run one scenario on fresh nodes of the cluster; returns its output."""
+        path = self.root / f"{spec['name']}.json"
+        path.write_text(json.dumps(spec))
+        self.proc.stdin.write(f"{path}\n")
+        self.proc.stdin.flush()
+        self._wait_for(f"done {path.name}", 300)  # named: a scenario that outlasted an earlier test is not this one
+        return json.loads((self.root / f"{spec['name']}.out.json").read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="module")
-def scenarios(request, bucket, tmp_path_factory) -> dict:
-    """{scenario name: its output (tests/_cluster_scenario.py)} for the scenarios of this module's selected tests,
-    run one after the other on one simulated cluster in one process."""
-    selected = {item.originalname for item in request.session.items if item.module.__name__ == __name__}
-    root = tmp_path_factory.mktemp("survival")
-    specs = []
-    for test, scenario in SCENARIOS.items():
-        if test in selected:
-            name = scenario["name"]
-            kwargs = dict(COMMON, train_file=bucket, out_dir=f"s3://bucket/survival/{name}/out",
-                          checkpoint_dir=f"s3://bucket/survival/{name}/ckpt", fault=[HOLD, SLOW],
-                          **scenario.get("kwargs", {}))
-            specs.append({**scenario, "kwargs": kwargs})
-    spec_path, out = root / "spec.json", root / "out"
-    out.mkdir()
-    spec_path.write_text(json.dumps({"root": str(root / "nodes"), "scenarios": specs}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "_cluster_scenario.py"), str(spec_path),
-                           str(out)], env=env, capture_output=True, text=True, timeout=300 * max(len(specs), 1))
-    results = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
-    results["_process"] = f"exit {proc.returncode}: " + proc.stdout[-3000:] + proc.stderr[-5000:]
-    return results
+def cluster(s3, tmp_path_factory):
+    """The simulated cluster the scenarios of this module run on, one after the other (started once the S3
+    server's address and credentials are in the environment, which its processes inherit)."""
+    served = _ClusterProcess(tmp_path_factory.mktemp("survival"))
+    try:
+        yield served
+    finally:
+        served.close()
 
 
-def _scenario(scenarios: dict, name: str) -> dict:
-    """The output of scenario ``name``; a scenario that did not finish fails its test with what the process said."""
-    out = scenarios.get(name)
-    assert out is not None, f"scenario {name} wrote no output; " + scenarios["_process"]
+def _scenario(cluster: _ClusterProcess, bucket: str, name: str, **scenario) -> dict:
+    """Scenario ``name`` (the nodes it starts on, what happens to one of them: tests/_cluster_scenario.py) of the
+    COMMON run on ``bucket``'s shards with its own prefix on the store; fails its test if the scenario raised."""
+    kwargs = dict(COMMON, train_file=bucket, out_dir=f"s3://bucket/survival/{name}/out",
+                  checkpoint_dir=f"s3://bucket/survival/{name}/ckpt", fault=[HOLD, SLOW], **scenario.pop("kwargs", {}))
+    out = cluster.run(dict(scenario, name=name, kwargs=kwargs))
     assert "crash" not in out, out.get("crash")
     return out
 
@@ -123,8 +148,8 @@ def _kinds(log: list, kind: str) -> list:
 
 
 def test_a_lost_node_is_replaced_by_a_spare_and_the_losses_stay_those_of_the_uninterrupted_run(
-        scenarios, reference):
-    out = _scenario(scenarios, "spare")
+        cluster, bucket, reference):
+    out = _scenario(cluster, bucket, "spare", nodes=3, remove_after_step=4)
     assert out["error"] is None and out["removed_at"] is not None, _story(out)
     assert [r["step"] for r in out["history"]] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in out["history"]] == reference  # bit for bit: fp32 on CPU, same world size
@@ -157,22 +182,24 @@ def _assert_elastic_run(out: dict, reference, worlds: tuple[int, int], saved_wor
     assert [r["tokens"] for r in out["history"]] == [2 * 2 * 16] * STEPS
 
 
-def test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch(scenarios, reference):
-    out = _scenario(scenarios, "elastic")
+def test_elastic_goes_on_with_the_workers_left_and_keeps_the_global_batch(cluster, bucket, reference):
+    out = _scenario(cluster, bucket, "elastic", nodes=2, remove_after_step=4,
+                    kwargs=dict(elastic=True, restart_wait_s=60.0))
     _assert_elastic_run(out, reference, worlds=(2, 1), saved_world=2)
 
 
-def test_elastic_tensor_parallel_goes_on_with_the_whole_groups_left(scenarios, reference):
+def test_elastic_tensor_parallel_goes_on_with_the_whole_groups_left(cluster, bucket, reference):
     """--tensor-parallel 2 on 2 nodes of 2 CPU workers (one group per node, 2 data-parallel ranks): losing a node
     loses one whole group, and --elastic goes on with the group left (1 data-parallel rank, twice the micro-steps):
     the same global batch, so the losses stay those of the uninterrupted 2-worker run (T=1) within 1e-5."""
-    out = _scenario(scenarios, "elastic-tp")
+    out = _scenario(cluster, bucket, "elastic-tp", nodes=2, cpus_per_node=2, remove_after_step=4,
+                    kwargs=dict(workers=4, tensor_parallel=2, elastic=True, restart_wait_s=60.0))
     # a T=2 x DP=2 checkpoint holds one shard file per data-parallel rank: it looks like a 2-worker one
     _assert_elastic_run(out, reference, worlds=(4, 2), saved_world=2)
 
 
-def test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up(scenarios):
-    out = _scenario(scenarios, "waiting")
+def test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up(cluster, bucket):
+    out = _scenario(cluster, bucket, "waiting", nodes=2, remove_after_step=4, kwargs=dict(restart_wait_s=7.0))
     assert out["error"] is not None and out["removed_at"] is not None
     # the API's names (the CLI says --elastic and --restart-wait-s)
     assert "; restart 1/3 gave up: Ray could not place 2 worker(s) of {CPU: 1} within 7 s: the cluster's alive " \
@@ -185,8 +212,8 @@ def test_without_elastic_the_restart_says_what_it_waits_for_and_gives_up(scenari
     assert _kinds(out["log"], "end")[-1]["reason"] == "failed"
 
 
-def test_a_drain_notice_for_a_node_of_ours_stops_the_run_with_a_checkpoint_as_sigterm_does(scenarios):
-    out = _scenario(scenarios, "drain")
+def test_a_drain_notice_for_a_node_of_ours_stops_the_run_with_a_checkpoint_as_sigterm_does(cluster, bucket):
+    out = _scenario(cluster, bucket, "drain", nodes=2, drain_after_step=2, kwargs=dict(steps=40))
     assert out["error"] is None and isinstance(out.get("drained_at"), float), _story(out)
     stopped = out["stopped"]
     assert stopped is not None and 2 <= stopped["step"] < 40, stopped

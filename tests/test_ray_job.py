@@ -90,6 +90,9 @@ def _steps(log: list) -> dict:
 
 def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exact(
         job_cluster, s3, ray_cluster, shards, tmp_path):
+    """Near or over 60 s beside the rest of the suite: it pays for the module's simulated cluster (a head with the
+    dashboard's job server, which ``ray job`` needs) and runs two jobs -- each a driver, a job supervisor and a
+    ``ray job`` command of its own -- and the reference run; the job's 24 slowed steps leave the stop time to land."""
     from llmq_ray.train.trainer import LLMQTrainer
 
     dashboard, address = job_cluster["dashboard"], job_cluster["address"]

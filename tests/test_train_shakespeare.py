@@ -5,13 +5,14 @@ The corpus is tokenized with the real tokenize command (Qwen BPE from the qwen-t
 the test within CI's CPU budget (the 151936-row LM head costs ~0.1 GFLOP per token here) it trains on the first
 train shard of 2048 tokens: 100 steps of 4 x 64 tokens are ~12 passes over it. So this is largely memorization,
 and that is the point: the loss must fall far below the unigram level (~7 nats, where a model that only learned
-token frequencies stops), which needs working gradients through attention and every block. Seen on the CPU
-machine (2026-11-27/28): B=4 x 64 for 100 steps gave a mean of 4.68 over the last 10 steps in ~32 s; 80 steps of
-8 x 64 (this test until 2026-11-28) 4.72 in ~50 s; 80 steps of 4 x 64 only 5.04, 60 of 8 x 64 5.13.
+token frequencies stops), which needs working gradients through attention and every block. Measured on the 2-core
+CPU machine: B=4 x 64 for 100 steps ends at a mean of 4.68 over the last 10 steps; 80 steps of 4 x 64 only reach
+5.04, 60 of 8 x 64 5.13, and 60 or 70 steps of 4 x 64 at learning rates of 1.5e-2 and 2e-2 5.65 and 5.72: fewer
+tokens do not learn enough.
 
-This is the suite's one compute-bound test (about 37 s alone on 2 cores, near 60 s beside the rest of the suite): its
-cost is the LM head's FLOPs per token, and fewer tokens do not learn enough (60 or 70 steps of 4 x 64 at learning rates
-of 1.5e-2 and 2e-2 ended at 5.65 and 5.72).
+This is the suite's one compute-bound test, and over 60 s beside the rest of the suite (about 50 s alone on 2
+cores; under pytest-xdist it runs on its process's one core, which costs a fifth less CPU than two threads that
+wait on each other): its cost is the LM head's FLOPs per token, about 30 GFLOP a step.
 
 The text is the copy in the repository (data_pipeline/corpora/tinyshakespeare.txt.gz), found the way the
 tokenize command finds it, with $LLMQ_DATA_DIR unset and a fresh cache folder: no file outside the repository

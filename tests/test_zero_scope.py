@@ -179,7 +179,11 @@ def test_node_scope_matches_one_worker_and_its_checkpoint_resumes_on_one(two_nod
     4 (see test_runtime.py's equality test): the per-step losses agree within 1e-5 for ZeRO-1, 2 and 3 under node
     scope, and the gradient norms too (the norm counts each shard once, not once per node). The ZeRO-2 run
     checkpoints at step 2: two shard files (the first node's), four data states; one worker resumes it and
-    trains steps 3-4 as the uninterrupted one-worker run did."""
+    trains steps 3-4 as the uninterrupted one-worker run did.
+
+    Over 60 s beside the rest of the suite (about 50 CPU-seconds): five runs with fourteen worker processes in
+    all, which is what it takes -- each ZeRO level's node-scope path is its own run of 4 workers on 2 nodes, and the
+    one-worker reference and the resume are one worker each; the 4 steps cost a fraction of a second."""
     import ray
 
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
