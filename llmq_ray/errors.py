@@ -24,3 +24,8 @@ class DataError(LLMQError, ValueError):
 
 class CheckpointError(LLMQError, RuntimeError):
     """A checkpoint or weights file is missing, incomplete, corrupt or of another model."""
+
+
+class RayStartError(LLMQError, RuntimeError):
+    """The local Ray instance a run starts for itself did not come up (a machine too busy for Ray's fixed
+    start-up wait, several times over)."""

@@ -40,12 +40,8 @@ def test_a_cpu_run_prints_none_of_rays_routine_lines(shards, tmp_path):
             "--workers", "1", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--train-file", shards.train,
             "--eval-file", shards.eval, "--no-export", "--no-progress", "--sample-tokens", "0",
             "--out-dir", str(tmp_path / "out")]
-    try:
-        for attempt in range(2):  # Ray waits a fixed 30 s for its new node (ray/_private/node.py): a busy machine
-            p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
-            if "node timed out during startup" not in p.stdout + p.stderr:  # may exceed it once; try again
-                break
-            shutil.rmtree(tmp_path / "out", ignore_errors=True)
+    try:  # (a start of Ray's that exceeds its fixed 30 s on a busy machine is tried again by the trainer itself)
+        p = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=400)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     text = p.stdout + p.stderr

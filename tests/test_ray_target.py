@@ -133,3 +133,44 @@ def test_a_fresh_local_instance_starts_the_dashboard_unless_told_not_to(tmp_path
     else:
         assert kwargs["include_dashboard"] is False and "dashboard_host" not in kwargs
     trainer.close()  # ray.is_initialized is still patched: this shuts no Ray down (the session's stays up)
+
+
+def test_a_fresh_start_that_timed_out_is_tried_again_then_refused_in_one_sentence(monkeypatch, capsys):
+    """Ray gives a fresh local node a fixed 30 s to register (a busy machine exceeds it, Ray raises a bare
+    Exception): ``start_ray`` shuts the half-started instance down and starts it again, up to START_ATTEMPTS
+    times, then raises one RayStartError sentence; joining a cluster, and any other failure, is not retried."""
+    import ray
+
+    from llmq_ray.errors import RayStartError
+    from llmq_ray.train.ray_target import START_ATTEMPTS, start_ray
+
+    timed_out = Exception("The current node timed out during startup. This could happen because some of the raylet "
+                          "failed to startup or the GCS has become overloaded.")
+    calls = {"init": [], "shutdown": 0}
+
+    def init_failing(times, error=timed_out):
+        def init(**kwargs):
+            calls["init"].append(kwargs)
+            if len(calls["init"]) <= times:
+                raise error
+        return init
+
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1))
+    monkeypatch.setattr(ray, "init", init_failing(2))
+    start_ray({"address": "local", "num_cpus": 4, "dashboard_host": None}, fresh=True)
+    assert calls["init"] == [{"address": "local", "num_cpus": 4}] * 3 and calls["shutdown"] == 2
+    assert capsys.readouterr().err.count("did not register within 30 s (a busy machine); starting it again") == 2
+
+    calls.update(init=[], shutdown=0)
+    monkeypatch.setattr(ray, "init", init_failing(99))
+    with pytest.raises(RayStartError, match=rf"^the local Ray instance did not start: its node did not register "
+                                            rf"within Ray's 30 s, {START_ATTEMPTS} times; this machine is too busy"):
+        start_ray({"address": "local"}, fresh=True)
+    assert len(calls["init"]) == START_ATTEMPTS == calls["shutdown"]
+
+    for fresh, error in ((False, timed_out), (True, ValueError("something else"))):
+        calls.update(init=[], shutdown=0)
+        monkeypatch.setattr(ray, "init", init_failing(99, error))
+        with pytest.raises(type(error)) as info:
+            start_ray({"address": "10.0.0.1:6379"}, fresh=fresh)
+        assert info.value is error and len(calls["init"]) == 1 and calls["shutdown"] == 0

@@ -234,10 +234,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         from llmq_ray.actors.failures import WorkerError
 
-        # 1: the run failed (its workers were up: a worker lost, a checkpoint that could not be written); 2: the
-        # input is at fault, found before the run started
+        from llmq_ray.errors import RayStartError
+
+        # 1: the run failed (its workers were up: a worker lost, a checkpoint that could not be written; or Ray did
+        # not start); 2: the input is at fault, found before the run started
         started = trainer is not None and trainer.info is not None
-        return 1 if isinstance(exc, WorkerError) or started else 2
+        return 1 if isinstance(exc, (WorkerError, RayStartError)) or started else 2
     except KeyboardInterrupt:  # before fit() took over the signals (e.g. while the default data is tokenized)
         print("interrupted", file=sys.stderr)
         return 130

@@ -17,6 +17,10 @@ happen before it calls ``ray.init``:
 
 Ray's own lookup of that file is private API that has moved between Ray releases, so the few lines that find it
 follow Ray 2.x's rule here instead of importing it.
+
+``start_ray`` is the trainer's ``ray.init``: Ray gives a fresh local node a fixed 30 s to register with its own
+GCS (``ray/_private/node.py``, not configurable), which a busy machine can exceed; that start alone is tried again
+(up to ``START_ATTEMPTS`` times) before the run is refused in one sentence instead of Ray's traceback.
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from llmq_ray.errors import ConfigError
+from llmq_ray.errors import ConfigError, RayStartError
 from llmq_ray.net import accepts_tcp
 
 ANSWER_TIMEOUT_S = 2.0  # a TCP connect to the named cluster's GCS port: a live one answers in milliseconds
+START_ATTEMPTS = 3      # starts of a fresh local Ray whose node did not register in Ray's fixed 30 s
+NODE_START_TIMED_OUT = "timed out during startup"  # Ray's words for that (its Exception, ray/_private/node.py)
 
 
 @dataclass(frozen=True)
@@ -110,3 +116,28 @@ def resolve_ray_target(ray_address: Optional[str], environ: Mapping[str, str] = 
     raise ConfigError(f"Ray's address file {path} names a cluster at {recorded} that does not answer (its "
                       f"`ray start` is gone): start it again, delete the file (as `ray stop` does), or pass "
                       f"--ray-address=local for a fresh Ray instance.")
+
+
+def start_ray(kwargs: Mapping, fresh: bool) -> None:
+    """``ray.init(**kwargs)`` (None values left out), without Ray's token-auth notice. ``fresh``: it starts a new
+    local instance, whose start alone is tried again when its node timed out registering (see the module
+    docstring); any other failure, and any failure to join a cluster, is raised as Ray raised it."""
+    import ray
+
+    from llmq_ray.observe.ray_console import without_token_auth_notice
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            with without_token_auth_notice():  # auth as Ray decides; its notice on every start is dropped
+                ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+            return
+        except Exception as exc:  # noqa: BLE001 - Ray raises a bare Exception for this one
+            if not fresh or NODE_START_TIMED_OUT not in str(exc):
+                raise
+            ray.shutdown()  # the processes of the start that timed out
+            if attempt == START_ATTEMPTS:
+                raise RayStartError(f"the local Ray instance did not start: its node did not register within Ray's "
+                                    f"30 s, {START_ATTEMPTS} times; this machine is too busy for Ray to start, "
+                                    f"try again when it is less loaded.") from None
+            print(f"llmq-ray: Ray's local node did not register within 30 s (a busy machine); starting it again "
+                  f"({attempt + 1}/{START_ATTEMPTS}).", file=sys.stderr, flush=True)

@@ -63,7 +63,7 @@ from llmq_ray.settings.rules import parallel_rules, port_range
 from llmq_ray.train.configure import RunConfiguration, _absolute, fastest_backend, new_run_id
 from llmq_ray.train.configure import forwarded_env  # noqa: F401 - part of this module's interface (tests, programs)
 from llmq_ray.train.result import Result, tune_metrics, tune_reporter
-from llmq_ray.train.ray_target import resolve_ray_target
+from llmq_ray.train.ray_target import resolve_ray_target, start_ray
 from llmq_ray.train.stopping import RunStopping
 from llmq_ray.train.run_lock import RunLock, lock_beside, lock_inside
 
@@ -118,10 +118,7 @@ class LLMQTrainer(RunConfiguration, RunStopping):
                 workers = self.settings.parallel.workers or self.settings.parallel.gpus or 1
                 kwargs.update(num_cpus=max(os.cpu_count() or 1, workers * (self.settings.parallel.cpus_per_worker or 1) + 2),
                               **({"dashboard_host": "127.0.0.1"} if self.settings.parallel.dashboard else {"include_dashboard": False}))
-            from llmq_ray.observe.ray_console import without_token_auth_notice
-
-            with without_token_auth_notice():  # auth as Ray decides; its notice on every start is dropped
-                ray.init(**{k: v for k, v in kwargs.items() if v is not None})
+            start_ray(kwargs, fresh=not target.joins)  # a start that timed out on a busy machine is tried again
             self._started_ray = True
             if self._signals is not None:
                 self._signals.install()  # ray.init replaced SIGTERM's handler with one that exits mid-call
@@ -278,10 +275,9 @@ class LLMQTrainer(RunConfiguration, RunStopping):
     def _replace_coordinator(self, lost: CoordinatorLost) -> int:
         """The coordinator died (its process was killed, or its node lost while the driver lives on): start a
         new one that resumes from the newest valid checkpoint (or from the start when there is none yet), up to
-        --max-restarts times. Its workers and placement group died with it (Ray's fate sharing). Returns the
-        step the new coordinator goes on from; re-raises ``lost`` when restarts are off or used up."""
-        import ray
-
+        --max-restarts times. Its workers died with it (Ray's fate sharing); their placement group, which Ray ties
+        to the job, is removed here. Returns the step the new coordinator goes on from; re-raises ``lost`` when
+        restarts are off or used up."""
         from llmq_ray.actors.placement import release_coordinator
         from llmq_ray.checkpoints.layout import CheckpointWarning
         from llmq_ray.checkpoints.verify import find_latest_valid
