@@ -225,10 +225,11 @@ def create_workers(plan: RunPlan, wait_s: float = PLACEMENT_TIMEOUT_S, on_wait=N
 
 
 def release_coordinator(coordinator, placement_name: str) -> None:
-    """Kill ``coordinator`` (an actor handle; it may be dead already) and remove the placement groups of the run
-    (named ``placement_name-...`` by ``create_workers``) that are still there. A placement group that an actor created belongs to the job, not to
-    that actor: a coordinator that was killed (or whose process died) leaves its workers' group behind, holding
-    their CPUs and GPUs until the driver exits, so a coordinator started again could not place its workers."""
+    """Kill ``coordinator`` (an actor handle; it may be dead already) and remove the run's placement groups
+    (named ``placement_name-...`` by ``create_workers``) that are still there. A placement group that an actor
+    created belongs to the job, not to that actor: a coordinator that was killed (or whose process died) leaves its
+    workers' group behind, holding their CPUs and GPUs until the driver exits, so a coordinator started again could
+    not place its workers."""
     import ray
     from ray.util.placement_group import get_placement_group, placement_group_table, remove_placement_group
 

@@ -116,8 +116,11 @@ class LLMQTrainer(RunConfiguration, RunStopping):
             if not target.joins:
                 # a fresh local instance: declare more CPUs than the workers take (Ray Data needs spare ones)
                 workers = self.settings.parallel.workers or self.settings.parallel.gpus or 1
-                kwargs.update(num_cpus=max(os.cpu_count() or 1, workers * (self.settings.parallel.cpus_per_worker or 1) + 2),
-                              **({"dashboard_host": "127.0.0.1"} if self.settings.parallel.dashboard else {"include_dashboard": False}))
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, workers * (self.settings.parallel.cpus_per_worker or 1) + 2)
+                if self.settings.parallel.dashboard:
+                    kwargs["dashboard_host"] = "127.0.0.1"
+                else:
+                    kwargs["include_dashboard"] = False
             start_ray(kwargs, fresh=not target.joins)  # a start that timed out on a busy machine is tried again
             self._started_ray = True
             if self._signals is not None:
