@@ -58,6 +58,7 @@ import os
 import time
 
 from llmq_ray.actors import telemetry
+from llmq_ray.actors.actor_env import apply_env
 from llmq_ray.actors.telemetry import merge_fp8_monitors, merge_saturated_shares
 from llmq_ray.actors.coordinator_checkpoints import CheckpointsAndRecovery, _is_checkpoint
 from llmq_ray.actors.failures import WorkerError, gather, probe_activities
@@ -76,7 +77,8 @@ from llmq_ray.settings.overrides import flat
 class Coordinator(CheckpointsAndRecovery):
     """Owns the placement group and the workers of one run (they die with it)."""
 
-    def __init__(self, plan: RunPlan):
+    def __init__(self, plan: RunPlan, env: dict | None = None):
+        apply_env(env)  # the driver's forwarded variables, before anything here reads one (actors/actor_env.py)
         self.plan = plan
         self.settings = plan.settings
         self.nodes: list = []  # per rank, once placed: {"node_id", "ip", ...}

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 
+from llmq_ray.actors.actor_env import actor_options
 from llmq_ray.actors.failures import WorkerError, gather
 from llmq_ray.actors.plan import RunPlan
 from llmq_ray.actors.worker import PROBE_GROUP, GPUWorker, worker_env
 from llmq_ray.errors import ConfigError
+from llmq_ray.settings.rules import forward_env_names
 
 PLACEMENT_TIMEOUT_S = 120.0
 
@@ -203,13 +205,15 @@ def create_workers(plan: RunPlan, wait_s: float = PLACEMENT_TIMEOUT_S, on_wait=N
                                                                  if room >= n else "") + ".")
     bundles = bundles_by_node(pg, n)  # rank r runs in bundle bundles[r]: a node's ranks are consecutive
     k = plan.settings.parallel.cpus_per_worker
-    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker if plan.settings.parallel.device == "cuda" else CPUWorker)
+    gpu = plan.settings.parallel.device == "cuda"
+    env = worker_env(k)
+    start_opts = actor_options(env, gpu=gpu, forward_env=forward_env_names(plan.settings.parallel.forward_env))
+    remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(GPUWorker if gpu else CPUWorker)
     workers = []
     for rank in range(n):
-        opts = dict(num_cpus=k, num_gpus=1 if plan.settings.parallel.device == "cuda" else 0, max_restarts=0,
-                    runtime_env={"env_vars": worker_env(k)},
+        opts = dict(num_cpus=k, num_gpus=1 if gpu else 0, max_restarts=0, **start_opts,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundles[rank]))
-        workers.append(remote_cls.options(**opts).remote(rank, plan))
+        workers.append(remote_cls.options(**opts).remote(rank, plan, env))
     try:
         nodes = gather([w.node.remote() for w in workers], PLACEMENT_TIMEOUT_S, "start-up")
     except WorkerError:

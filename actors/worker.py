@@ -16,10 +16,12 @@ writes data-parallel shard r // T of it (``_full_layout_shard``). The coordinato
 sync until the update's small stats tensor is read. The result is a small dict.
 
 Placement and devices (see ``actors/placement.py``): each worker sits in a {GPU: 1, CPU: k} bundle.
-The actor's ``runtime_env`` sets ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so that every worker on
+A GPU worker's ``runtime_env`` sets ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so that every worker on
 a node sees all its GPUs (per-actor CUDA_VISIBLE_DEVICES masking is known to make NCCL slow); the worker
 then picks its own GPU: the one Ray assigned to its bundle when Ray reports it, else ``cuda:<local_rank>``.
-``OMP_NUM_THREADS`` = k and ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` are set in the same runtime_env.
+``OMP_NUM_THREADS`` = k and ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` come with the rest of ``worker_env``: as a
+constructor argument that ``__init__`` applies first (a CPU worker has no runtime_env unless it must,
+actors/actor_env.py says when and why).
 
 Imports: torch, the engine and the collectives are imported inside the methods that run in the worker's own
 process (``setup`` first), never at the top: the coordinator imports this module to create the actors, and
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING
 from llmq_ray import storage
 
 from llmq_ray.actors import telemetry
+from llmq_ray.actors.actor_env import apply_env
 from llmq_ray.actors.fault_injection import FaultInjector
 from llmq_ray.actors.plan import RunPlan
 from llmq_ray.model.config import resolve_model
@@ -59,7 +62,7 @@ PROBE_GROUP = "probe"  # the concurrency group of ``GPUWorker.activity``
 
 
 def worker_env(cpus_per_worker: int) -> dict:
-    """The env_vars of a worker's runtime_env: the variables the driver forwarded to the coordinator (listed in
+    """A worker's environment (actors/actor_env.py: what of it goes through runtime_env): the variables the driver forwarded to the coordinator (listed in
     ``LLMQ_RAY_FORWARDED``, see llmq_ray/train/trainer.py ``forwarded_env``; they win over the defaults below,
     so a user's NCCL_* setting is kept) and the defaults a worker needs."""
     env = {
@@ -119,7 +122,8 @@ def pick_cuda_device(local_rank: int) -> "torch.device":
 class GPUWorker:
     """One rank of a run (wrap with ``ray.remote`` and a placement-group strategy; see actors/placement.py)."""
 
-    def __init__(self, rank: int, plan: RunPlan):
+    def __init__(self, rank: int, plan: RunPlan, env: dict | None = None):
+        apply_env(env)  # worker_env's variables, before torch is imported below (actors/actor_env.py)
         self.rank, self.plan = rank, plan
         telemetry.set_run_id(plan.settings.observe.run_id)  # the run_id tag of every metric this worker publishes
         self.faults = FaultInjector(plan.fault, rank)  # tests only: does nothing without plan.fault

@@ -57,6 +57,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # one idle Python worker per CPU for its first driver; the run's actors never use them (their runtime_env sets
 # thread counts, so Ray starts processes of their own), and on 2 cores each idle one costs 0.4-0.6 s of CPU
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# the suite starts some 600 Python processes (Ray actors, gloo ranks, CLI runs); with PYTHONDONTWRITEBYTECODE set
+# (some images set it) each one compiles llmq-ray's sources again, 0.1 CPU-s apiece: let them keep the bytecode
+# (in __pycache__/ folders, which .gitignore lists)
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
+    import sys
+
+    sys.dont_write_bytecode = False
 
 # Triton reads TRITON_INTERPRET when it is first imported, and any test module (or library code under test)
 # may be the first to import it: on a machine without CUDA, turn the interpreter on before any of them.

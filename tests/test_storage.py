@@ -130,6 +130,30 @@ def test_the_drivers_environment_reaches_the_workers(monkeypatch):
     assert w["NCCL_SOCKET_IFNAME"] == "eth1" and w["OMP_NUM_THREADS"] == "2" and "UNRELATED" not in w
 
 
+def test_only_what_a_process_needs_at_start_goes_through_rays_runtime_env(monkeypatch, tmp_path):
+    """An actor with a runtime_env starts through Ray's setup process (about 0.6 CPU-s more per actor): a CPU
+    actor gets one only for the --forward-env names and for PYTHONPATH when llmq-ray is not installed from this
+    checkout; everything else is a constructor argument that ``apply_env`` puts into os.environ; a GPU worker
+    keeps all of it in its runtime_env (Ray reads RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES before __init__)."""
+    from llmq_ray.actors import actor_env
+    from llmq_ray.actors.actor_env import PACKAGE_PARENT, actor_options, apply_env, installed_from, start_env
+
+    env = {"PYTHONPATH": PACKAGE_PARENT, "AWS_SECRET_ACCESS_KEY": "s", "OMP_NUM_THREADS": "2", "LD_LIBRARY_PATH": "/x"}
+    assert installed_from(PACKAGE_PARENT), "the suite runs on an install of this checkout (pip install -e .)"
+    assert not installed_from(str(tmp_path))
+    assert actor_options(env, gpu=False) == {}  # no setup process, no secret in the actor's runtime_env
+    assert start_env(env, gpu=False, forward_env=["LD_LIBRARY_PATH", "UNSET"]) == {"LD_LIBRARY_PATH": "/x"}
+    assert actor_options(env, gpu=True) == {"runtime_env": {"env_vars": env}}
+    monkeypatch.setattr(actor_env, "installed_from", lambda folder: False)  # a source checkout on PYTHONPATH
+    assert start_env(env, gpu=False) == {"PYTHONPATH": PACKAGE_PARENT}
+    monkeypatch.delenv("LLMQ_TEST_APPLIED", raising=False)
+    apply_env({"LLMQ_TEST_APPLIED": "1"})
+    assert os.environ.pop("LLMQ_TEST_APPLIED") == "1"
+    import llmq_ray
+
+    assert os.path.join(PACKAGE_PARENT, "llmq_ray", "__init__.py") == os.path.abspath(llmq_ray.__file__)
+
+
 def test_a_nodes_own_cache_folder_wins_over_the_drivers(monkeypatch):
     from llmq_ray.train.trainer import forwarded_env
 

@@ -53,13 +53,14 @@ import threading
 import warnings
 from typing import Optional
 
+from llmq_ray.actors.actor_env import PACKAGE_PARENT, actor_options
 from llmq_ray.actors.failures import CoordinatorLost, WorkerError, wrap_error
 from llmq_ray.actors.fault_injection import ENV as FAULT_ENV
 from llmq_ray.actors.plan import RunPlan
 from llmq_ray import storage
 from llmq_ray.errors import ConfigError, LLMQError
 from llmq_ray.settings import AUTO, RunSettings
-from llmq_ray.settings.rules import parallel_rules, port_range
+from llmq_ray.settings.rules import forward_env_names, parallel_rules, port_range
 from llmq_ray.train.configure import RunConfiguration, _absolute, fastest_backend, new_run_id
 from llmq_ray.train.configure import forwarded_env  # noqa: F401 - part of this module's interface (tests, programs)
 from llmq_ray.train.result import Result, tune_metrics, tune_reporter
@@ -68,8 +69,6 @@ from llmq_ray.train.stopping import RunStopping
 from llmq_ray.train.run_lock import RunLock, lock_beside, lock_inside
 
 __all__ = ["LLMQTrainer", "Result", "WorkerError"]
-
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class LLMQTrainer(RunConfiguration, RunStopping):
@@ -244,7 +243,7 @@ class LLMQTrainer(RunConfiguration, RunStopping):
         warning = data_cpu_warning(self.plan)
         if warning:
             self._say(warning, sys.stderr)
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)}
         env.update(forwarded_env(self.settings.parallel.forward_env))  # credentials, endpoints, NCCL/GLOO, W&B...
         self._coordinator_env = env
         self._keep_earlier_outputs()
@@ -272,8 +271,9 @@ class LLMQTrainer(RunConfiguration, RunStopping):
         here = ray.get_runtime_context().get_node_id()
         # the probe group runs Coordinator.progress beside a running call (the eval bar polls it)
         return ray.remote(concurrency_groups={PROBE_GROUP: 1})(Coordinator).options(
-            num_cpus=0, max_restarts=0, runtime_env={"env_vars": self._coordinator_env},
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True)).remote(plan)
+            num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
+            **actor_options(self._coordinator_env, gpu=False, forward_env=forward_env_names(
+                self.settings.parallel.forward_env))).remote(plan, self._coordinator_env)
 
     def _replace_coordinator(self, lost: CoordinatorLost) -> int:
         """The coordinator died (its process was killed, or its node lost while the driver lives on): start a
