@@ -6,10 +6,13 @@
   except the one all-reduce of the reduced shard across nodes, and the two sums mean what the engine needs
   (``all_reduce_sum`` over the whole run, ``all_reduce_over_shards`` over one copy of the shards), and a
   placement of 3 + 1 workers is refused by every rank alike;
+* the same 4 processes train the engine under node scope at ZeRO-1, 2 and 3, each rank on its own micro-batch:
+  the same per-step losses and norms as one process taking the 4 micro-batches (grad_accumulation 4);
 * a simulated 2-node Ray cluster (``ray.cluster_utils.Cluster``, 2 CPUs a node, so PACK puts 2 of the 4
-  workers on each): node scope gives the same per-step losses and norms as one worker with the same global
-  batch for ZeRO-1, 2 and 3; a checkpoint it writes (the first node's 2 shards, the 4 workers' data states)
-  resumes on one worker and goes on as the one-worker run does.
+  workers on each): node scope through the trainer (placement, the nodes found, the communicator built from
+  them) gives the same per-step losses and norms as one worker with the same global batch; a checkpoint it
+  writes (the first node's 2 shards, the 4 workers' data states) resumes on one worker and goes on as the
+  one-worker run does.
 """
 
 from __future__ import annotations
@@ -81,9 +84,40 @@ def _comm_rank(rank: int, port: int, out_dir: str) -> None:
             node_scope(world, "AAAB"[rank], "10.0.0.4" if rank < 3 else "10.0.0.5")
         except ConfigError as exc:
             out["refused"] = str(exc)
+        for zero in ENGINE_ZERO_LEVELS:  # rank g takes micro-batch g of the one process's 4
+            out[f"zero{zero}"] = _engine_steps(_engine(zero, 1, c), [g])
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         destroy_group()
+
+
+ENGINE_ZERO_LEVELS = (1, 2, 3)
+ENGINE_STEPS = 4  # enough updates for each ZeRO level's sharded optimizer state to shape the weights
+
+
+def _engine(zero: int, accumulation: int, comm=None):
+    """The tiny preset's engine in fp32 (so node scope and one process agree to float summation order)."""
+    from llmq_ray.backends import get_backend
+    from llmq_ray.engine.train_engine import TrainEngine
+    from llmq_ray.model.config import PRESETS
+    from _helpers import train_settings
+
+    opts = train_settings(model="tiny", batch_size=2, seq_len=16, grad_accumulation=accumulation, zero_level=zero,
+                          model_dtype="fp32", master_dtype="fp32", opt_m_dtype="fp32", opt_v_dtype="fp32",
+                          learning_rate=3e-3, grad_clip=0.5, seed=3)
+    return TrainEngine(PRESETS["tiny"], opts, get_backend("torch"), comm)
+
+
+def _engine_steps(engine, micro_batches) -> list:
+    """(loss, grad norm) of ENGINE_STEPS updates, each over ``micro_batches`` (indices of fixed random batches)."""
+    out = []
+    for step in range(ENGINE_STEPS):
+        for i, micro in enumerate(micro_batches):
+            x = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(micro))
+            engine.micro_step(x[:, :-1], x[:, 1:], last=i + 1 == len(micro_batches))
+        stats = engine.update(3e-3, step + 1)
+        out.append((stats.loss, stats.grad_norm))
+    return out
 
 
 def test_node_scope_collectives_on_two_nodes_of_two_gloo_ranks(tmp_path):
@@ -121,6 +155,11 @@ def test_node_scope_collectives_on_two_nodes_of_two_gloo_ranks(tmp_path):
         assert out["single_node_is_world"], g
         assert out["refused"].startswith("--zero-scope node needs the same number of workers on every node, but the "
                                          "4 workers were placed 3 on 10.0.0.4, 1 on 10.0.0.5;"), g
+    for zero in ENGINE_ZERO_LEVELS:  # the loss and the norm (each shard counted once, not once per node)
+        want = np.array(_engine_steps(_engine(zero, 4), [0, 1, 2, 3]))
+        assert want[-1, 0] < want[0, 0] - 0.1, want  # it trained
+        for g, out in enumerate(res):
+            np.testing.assert_allclose(np.array(out[f"zero{zero}"]), want, rtol=1e-5, err_msg=f"ZeRO-{zero} rank {g}")
 
 
 # ---------------------------------------------------------------------------------------------------- 2-node Ray
@@ -176,29 +215,23 @@ def _losses(result) -> np.ndarray:
 
 def test_node_scope_matches_one_worker_and_its_checkpoint_resumes_on_one(two_nodes, shards, tmp_path):
     """4 workers on 2 nodes x grad_accumulation 1 read the same windows per step as 1 worker x grad_accumulation
-    4 (see test_runtime.py's equality test): the per-step losses agree within 1e-5 for ZeRO-1, 2 and 3 under node
-    scope, and the gradient norms too (the norm counts each shard once, not once per node). The ZeRO-2 run
-    checkpoints at step 2: two shard files (the first node's), four data states; one worker resumes it and
-    trains steps 3-4 as the uninterrupted one-worker run did.
-
-    Over 60 s beside the rest of the suite (about 50 CPU-seconds): five runs with fourteen worker processes in
-    all, which is what it takes -- each ZeRO level's node-scope path is its own run of 4 workers on 2 nodes, and the
-    one-worker reference and the resume are one worker each; the 4 steps cost a fraction of a second."""
+    4 (see test_runtime.py's equality test): under node scope (ZeRO-2, whose gradient shards are reduced inside
+    each node, then across nodes) the per-step losses agree within 1e-5, and the gradient norms too (the norm
+    counts each shard once, not once per node). The run checkpoints at step 2: two shard files (the first
+    node's), four data states; one worker resumes it and trains steps 3-4 as the uninterrupted one-worker run
+    did. (ZeRO-1 and ZeRO-3 under node scope: the engine test above, in the same 4 processes as the collectives.)"""
     import ray
 
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     ref, _ = _fit(shards, tmp_path / "ref", workers=1, grad_accumulation=4)
     assert _losses(ref)[-1] < _losses(ref)[0]  # it trains
     ckpt = tmp_path / "ckpt"
-    for zero in (1, 2, 3):
-        extra = dict(checkpoint_dir=str(ckpt), ckpt_interval=2) if zero == 2 else {}
-        res, info = _fit(shards, tmp_path / f"z{zero}", workers=4, grad_accumulation=1, zero_level=zero,
-                   zero_scope="node", **extra)
-        assert [n["node_id"] for n in info["nodes"]].count(info["nodes"][0]["node_id"]) == 2, info["nodes"]
-        assert len({n["node_id"] for n in info["nodes"]}) == 2, info["nodes"]
-        np.testing.assert_allclose(_losses(res), _losses(ref), rtol=1e-5, err_msg=f"ZeRO-{zero}")
-        np.testing.assert_allclose([r["norm"] for r in res.history], [r["norm"] for r in ref.history], rtol=1e-4,
-                                   err_msg=f"ZeRO-{zero}")
+    res, info = _fit(shards, tmp_path / "z2", workers=4, grad_accumulation=1, zero_level=2, zero_scope="node",
+                     checkpoint_dir=str(ckpt), ckpt_interval=2)
+    assert [n["node_id"] for n in info["nodes"]].count(info["nodes"][0]["node_id"]) == 2, info["nodes"]
+    assert len({n["node_id"] for n in info["nodes"]}) == 2, info["nodes"]
+    np.testing.assert_allclose(_losses(res), _losses(ref), rtol=1e-5)
+    np.testing.assert_allclose([r["norm"] for r in res.history], [r["norm"] for r in ref.history], rtol=1e-4)
     from llmq_ray.checkpoints.layout import read_manifest
 
     folder = ckpt / "step_00000002"

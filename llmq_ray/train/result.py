@@ -5,6 +5,7 @@ happen (``tune_reporter``, ``tune_metrics``).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from typing import Optional
 
@@ -35,7 +36,10 @@ class Result:
 def tune_reporter():
     """``ray.tune.report`` when this process runs a Ray Tune trial (``LLMQTrainer(...).fit()`` inside a Tune
     trainable, e.g. a learning-rate sweep), else None: each step's metrics then reach Tune as they happen, so
-    its schedulers (ASHA, PBT) can stop or compare trials while they train."""
+    its schedulers (ASHA, PBT) can stop or compare trials while they train. A trial's process has imported
+    ray.tune before it calls the trainable; any other process has not, and is spared the import (1-2 s)."""
+    if "ray.tune" not in sys.modules:
+        return None
     try:
         from ray import tune
 
