@@ -17,6 +17,7 @@ from llmq_ray.actors.checkpointing import (UploadFailed, load_group_checkpoint, 
                                            save_group_checkpoint, stage_group_checkpoint, upload_failed_message)
 from llmq_ray.actors.failures import (WorkerError, dead_nodes_of, find_hung_ranks, probe_activities,
                                       wait_for_dead_nodes)
+from llmq_ray.actors.fault_injection import next_group_faults
 from llmq_ray.actors.placement import TooFewWorkers
 from llmq_ray.errors import ConfigError
 from llmq_ray.observe.runlog import checkpoint_line
@@ -226,10 +227,8 @@ class CheckpointsAndRecovery:
             self.log.end("restarts_exhausted", step=self.step, error=str(final), restarts=self.restarts)
             raise final from None
         self.restarts += 1
-        faults = self.plan.fault if isinstance(self.plan.fault, list) else [self.plan.fault or {}]
-        kept = [f for f in faults if f.get("every_group")]  # a test hook fires in the first group unless it says so
-        if len(kept) < len(faults):
-            self.plan = dataclasses.replace(self.plan, fault=kept or None)
+        if self.plan.fault:  # the test hook: what fires in the next group (actors/fault_injection.py)
+            self.plan = dataclasses.replace(self.plan, fault=next_group_faults(self.plan.fault))
         folder, skipped = restart_point(self.checkpoints + ([self.origin] if self.origin else []), failed_step)
         lines = [self._warn(failed_step, "failure", f"{exc} -- restart {self.restarts}/{limit} from "
                             f"{folder or 'scratch (no checkpoint yet)'}")]

@@ -25,8 +25,9 @@ uploading      ``upload_fail``             the background upload of its shard of
 eval_batch     ``slow_eval``               sleeps ``seconds`` before each eval batch (any step)
 =============  ==========================  ============================================================
 
-A restarted group runs without the fault unless the dict has ``"every_group": True`` (the coordinator drops it from
-the plan after the first group).
+A fault fires in the first group of workers; ``"group": g`` makes it fire in the group started by the g-th
+restart instead (one run can then fail in two ways one after the other), and ``"every_group": True`` in every
+group. ``next_group_faults`` is what the coordinator keeps in the plan when it restarts the group.
 """
 
 from __future__ import annotations
@@ -43,13 +44,26 @@ KINDS = ("raise", "kill", "hang", "slow_step", "nan", "save_full", "save_kill", 
 ENV = "LLMQ_RAY_TEST_FAULT"  # the fault dict as JSON, for runs started as a command (tests only)
 
 
+def _as_list(spec) -> list:
+    return spec if isinstance(spec, list) else [spec] if spec else []
+
+
+def next_group_faults(spec):
+    """The faults of ``spec`` (``RunPlan.fault``) that the group after a restart gets: those of every group, and
+    those of a later group (counted from the new one). None when no fault is left."""
+    specs = _as_list(spec)
+    kept = [f for f in specs if f.get("every_group")]
+    kept += [dict(f, group=int(f["group"]) - 1) for f in specs if not f.get("every_group") and int(f.get("group", 0)) > 0]
+    return kept or None
+
+
 class FaultInjector:
     """The faults of ``spec`` (``RunPlan.fault``: a dict, a list of such dicts, or None) that concern worker
     ``rank``."""
 
     def __init__(self, spec, rank: int):
-        specs = spec if isinstance(spec, list) else [spec] if spec else []
-        self.specs = [dict(f) for f in specs if int(f.get("rank", -1)) == rank]
+        self.specs = [dict(f) for f in _as_list(spec) if int(f.get("rank", -1)) == rank
+                      and (f.get("every_group") or int(f.get("group", 0)) == 0)]
         self.rank = rank
         self._upload_failed = False
         for f in self.specs:

@@ -28,10 +28,10 @@ Usage::
 
 ``shards`` (session scope): the small token files the runtime tests train on (see its docstring).
 
-``pytest_cmdline_main``: without a ``-n`` of the user's, the suite runs in two processes (pytest-xdist,
-``--dist loadfile``: each module in one process, so its shared fixtures are made once) where pytest-xdist is
-installed, there are 2+ cores and no CUDA; most of it is end-to-end Ray runs that spend half their time waiting, so
-two processes share two cores. On a CUDA machine it stays one process (the GPU tests would share one GPU); so it
+``pytest_cmdline_main``: without a ``-n`` of the user's, the suite runs in ``XDIST_PROCESSES`` processes (one more
+than the cores, at most 4; pytest-xdist, ``--dist loadfile``: each module in one process, so its shared fixtures are
+made once) where pytest-xdist is installed, there are 2+ cores and no CUDA; most of it is end-to-end Ray runs whose
+waits a third process fills. On a CUDA machine it stays one process (the GPU tests would share one GPU); so it
 does where pytest-xdist is missing (the GPU machine's image), which is why this is not in pyproject's addopts.
 
 The suite's time budget (``SUITE_BUDGET_S``, stated in the README): at the end of a full run (no -k, no -m but
@@ -82,17 +82,21 @@ os.environ["RAY_TMPDIR"] = RAY_TMP_ROOT
 import pytest  # noqa: E402
 
 RAY_NUM_CPUS = 4
+# pytest-xdist processes by default: one more than the cores (at most 4). The suite's end-to-end runs wait a fifth of
+# their time (injected slow steps and hangs, step time-outs, Ray's start-up): on the 2-core machine 3 processes
+# took 545 s where 2 took 650 s
+XDIST_PROCESSES = min((os.cpu_count() or 1) + 1, 4)
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config) -> None:
-    """Two pytest-xdist processes by default (see the module docstring); before xdist reads its options."""
+    """XDIST_PROCESSES pytest-xdist processes by default (see the module docstring); before xdist reads its options."""
     if hasattr(config, "workerinput"):  # an xdist worker (whose -n xdist resets to None): it runs its share
         return
     if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
             and (os.cpu_count() or 1) >= 2 and not torch.cuda.is_available()):
-        config.option.numprocesses = 2
+        config.option.numprocesses = XDIST_PROCESSES
         if config.option.dist == "no":
             config.option.dist = "loadfile"
 

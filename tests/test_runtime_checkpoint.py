@@ -6,9 +6,9 @@ up to float summation order, see test_runtime.py), each writing checkpoints at s
 
 * a run resumed from step 6 on the same world size reproduces steps 7-12 and the final weights bit for bit;
 * a run resumed on the other world size (1 -> 2 here, 2 -> 1 in the crash test) continues within 1e-5;
-* a worker SIGKILLed after the first checkpoint, or one that hangs past --step-timeout-s: the coordinator
-  rebuilds the group by itself and the final loss equals the uninterrupted run's; a worker that keeps
-  hanging ends the run in one sentence naming its rank and the timeout;
+* a worker SIGKILLed after the first checkpoint, then (in the group that replaced it) one that hangs past
+  --step-timeout-s: the coordinator rebuilds the group by itself each time and the final losses equal the
+  uninterrupted run's; a worker that keeps hanging ends the run in one sentence naming its rank and the timeout;
 * a worker killed halfway through writing a checkpoint: no step_* folder for it, and --continue takes the
   previous one (skipping a newer incomplete folder with a warning), here on another world size;
 * a newest checkpoint with one flipped byte (same size): --continue skips it with a warning naming the
@@ -170,51 +170,43 @@ def test_tensor_parallel_sizes_that_do_not_fit_are_one_sentence_before_any_actor
             LLMQTrainer(**dict(BASE, train_file=shards.train, out_dir=str(tmp_path), **FAST, **kw)).start()
 
 
-def test_killed_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_path):
-    """Rank 1's process is SIGKILLed at step 9 (after the step-6 checkpoint) while rank 0 waits in a
-    collective. The coordinator notices, tears the group down, starts a new one, loads step 6, trains
-    7-12 again: the final loss equals the uninterrupted run's, and the log tells what happened."""
+def test_a_killed_and_then_a_hung_worker_are_each_replaced_and_the_run_finishes(reference, shards, tmp_path):
+    """Two failures of one run, each survived by a restart from the step-6 checkpoint:
+
+    * rank 1's process is SIGKILLed at step 9 (as from the OOM killer) while rank 0 waits in a collective: the
+      coordinator notices, tears the group down, starts a new one and loads step 6;
+    * in that second group rank 1 blocks forever at the start of step 9 (alive, not dead) while rank 0 waits for
+      it in the update's collective: the step outlasts --step-timeout-s, the coordinator pins the hang on rank 1
+      (rank 0 is only waiting), kills the group and rebuilds it from step 6 again.
+
+    The third group trains 7-12: the losses equal the uninterrupted run's, the log tells both stories, each
+    group's processes are new, and neither the killed nor the hung process is left behind. The step time-out
+    is 8 s: with a second test suite beside this one on 2 cores, a healthy first step took over 3 s and was
+    taken for the hang."""
     ref = reference[2]
-    res = _run(shards, tmp_path, 2, fault={"kind": "kill", "rank": 1, "step": 8})
-    assert res.metrics["restarts"] == 1
+    res = _run(shards, tmp_path, 2, step_timeout_s=8.0,
+               fault=[{"kind": "kill", "rank": 1, "step": 8}, {"kind": "hang", "rank": 1, "step": 8, "group": 1}])
+    assert res.metrics["restarts"] == 2
     assert [r["step"] for r in res.history] == list(range(1, 13))
     assert res.metrics["train_loss"] == ref.metrics["train_loss"]
     assert _losses(res) == _losses(ref)
     log = _log(res)
-    kinds = [r["log"] for r in log]
-    failure = log[kinds.index("failure")]
-    assert failure["step"] == 8 and "rank" in failure["error"]
-    restart = log[kinds.index("restart")]
-    assert restart["attempt"] == 1 and restart["checkpoint"].endswith("step_00000006")
-    assert [r["reason"] for r in log if r["log"] == "resume"] == ["restart 1"]
-    old_pids = [r["pid"] for r in log if r["log"] == "gpu"]
-    new_pids = log[kinds.index("restarted")]["pids"]
-    assert len(new_pids) == 2 and not set(new_pids) & set(old_pids)  # the whole group was rebuilt
-    with pytest.raises(ProcessLookupError):
-        os.kill(old_pids[1], 0)  # the killed worker is gone
-
-
-def test_hung_worker_is_replaced_and_the_run_finishes(reference, shards, tmp_path):
-    """Rank 1 blocks forever at the start of step 9 (alive, not dead) while rank 0 waits for it in the
-    update's collective. The step outlasts --step-timeout-s; the coordinator pins the hang on rank 1 (rank 0
-    is only waiting), kills the group, rebuilds it from step 6 and ends at the uninterrupted run's losses. The step
-    time-out is 8 s: with a second test suite beside this one on 2 cores, a healthy first step (Ray Data's first
-    batch) took over 3 s and was taken for the hang."""
-    ref = reference[2]
-    res = _run(shards, tmp_path, 2, step_timeout_s=8.0, fault={"kind": "hang", "rank": 1, "step": 8})
-    assert res.metrics["restarts"] == 1
-    assert _losses(res) == _losses(ref)
-    log = _log(res)
-    kinds = [r["log"] for r in log]
-    failure = log[kinds.index("failure")]
-    assert failure["step"] == 8
+    failures = [r for r in log if r["log"] == "failure"]
+    assert [f["step"] for f in failures] == [8, 8]
+    assert "rank" in failures[0]["error"] and "hung" not in failures[0]["error"], failures[0]["error"]
     assert re.fullmatch(r"rank 1 hung in step 9, at the start of the step, with no progress for \d+ s while rank 0 "
-                        r"waited for it: the step did not finish within --step-timeout-s=8\.", failure["error"])
-    assert log[kinds.index("restart")]["checkpoint"].endswith("step_00000006")
-    old_pids = [r["pid"] for r in log if r["log"] == "gpu"]
-    assert not set(log[kinds.index("restarted")]["pids"]) & set(old_pids)
-    with pytest.raises(ProcessLookupError):
-        os.kill(old_pids[1], 0)  # the hung process was killed, not left behind
+                        r"waited for it: the step did not finish within --step-timeout-s=8\.", failures[1]["error"])
+    restarts = [r for r in log if r["log"] == "restart"]
+    assert [r["attempt"] for r in restarts] == [1, 2]
+    assert all(r["checkpoint"].endswith("step_00000006") for r in restarts)
+    assert [r["reason"] for r in log if r["log"] == "resume"] == ["restart 1", "restart 2"]
+    first = [r["pid"] for r in log if r["log"] == "gpu"]
+    second, third = [r["pids"] for r in log if r["log"] == "restarted"]
+    assert len(first) == len(second) == len(third) == 2
+    assert not set(first) & set(second) and not set(second) & set(third)  # each group was rebuilt whole
+    for gone in (first[1], second[1]):  # the killed worker, and the hung one (killed, not left behind)
+        with pytest.raises(ProcessLookupError):
+            os.kill(gone, 0)
 
 
 def test_worker_that_keeps_hanging_ends_the_run_in_one_sentence(ray_cluster, shards, tmp_path):
@@ -369,6 +361,21 @@ def test_hang_is_pinned_on_the_rank_behind_the_others():
     assert find_hung_ranks({0: at(8, 1), 1: at(8, 2)}, [1], 0) == []
     # the failed rank is gone (killed): only a silent pending rank would be blamed
     assert find_hung_ranks({0: None, 1: at(8, 2)}, [1], 0) == []
+
+
+def test_a_fault_hook_fires_in_the_group_it_names():
+    """The test hook's faults fire in the first group of workers, in the group of a later restart ("group": g),
+    or in every group; a restart keeps what is left for the next groups."""
+    from llmq_ray.actors.fault_injection import FaultInjector, next_group_faults
+
+    kill, hang, slow = ({"kind": "kill", "rank": 1, "step": 8}, {"kind": "hang", "rank": 1, "step": 8, "group": 1},
+                        {"kind": "slow_step", "rank": 1, "step": 0, "every_group": True})
+    spec = [kill, hang, slow]
+    assert [f["kind"] for f in FaultInjector(spec, 1).specs] == ["kill", "slow_step"] and not FaultInjector(spec, 0).specs
+    second = next_group_faults(spec)
+    assert second == [slow, dict(hang, group=0)]
+    assert [f["kind"] for f in FaultInjector(second, 1).specs] == ["slow_step", "hang"]
+    assert next_group_faults(second) == [slow] and next_group_faults(kill) is None
 
 
 def test_spike_guard_zscores_limits_and_state():
