@@ -99,22 +99,6 @@ def pytest_cmdline_main(config) -> None:
         config.option.numprocesses = XDIST_PROCESSES
         if config.option.dist == "no":
             config.option.dist = "loadfile"
-            config.option.loadscopereorder = False  # hand the modules out in LONGEST_MODULES' order
-
-
-# the modules that take longest in a full run (wall seconds on the 2-core machine: test_stop ~200 down to
-# test_first_hour ~40), longest first. pytest-xdist hands the modules out in collection order (with its default
-# reordering, the modules with the most tests first: these came last, and one process was left running one of
-# them alone at the end); the collection lists these first, the rest after them in their own order.
-LONGEST_MODULES = ("test_stop", "test_runtime_checkpoint", "test_cluster_survival", "test_runtime", "test_storage",
-                   "test_s3_resume", "test_train_shakespeare", "test_ray_job", "test_tensor_parallel",
-                   "test_triton_kernels", "test_cluster_network", "test_zero_scope", "test_first_hour")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The longest modules first (LONGEST_MODULES); a stable sort, so every process collects the same order."""
-    rank = {name: i for i, name in enumerate(LONGEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].rsplit("/", 1)[-1][:-3], len(rank)))
 
 
 def pytest_configure(config) -> None:

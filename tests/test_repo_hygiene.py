@@ -71,3 +71,4 @@ def test_benchmarks_hold_named_recipes_not_per_call_scripts():
     bad += [f"{p}: a shell script benchmarks/README.md does not list as a recipe" for p in scripts
             if p not in per_call and f"`{os.path.basename(p)}" not in listed]
     assert not bad, "\n".join(bad)
+

@@ -168,6 +168,10 @@ COMMON = ["--device", "cpu", "--model", "tiny", "--backend", "torch", "--model-d
 
 def test_a_killed_s3_run_resumes_bit_identically_to_the_same_resume_from_local_disk(s3, ray_cluster, shards, tmp_path,
                                                                                     monkeypatch):
+    """The acceptance scenario of the module docstring. Over 60 s beside the rest of the suite: the killed run has
+    a Ray of its own (the kill takes its whole process group) and its 0.3 s steps leave the kill time to land in
+    the second checkpoint's upload; then its resume, the local reference run and that run's resume -- six worker
+    processes in all, each run what the bit-for-bit comparison needs."""
     _put(s3, "acc/data/train.bin", open(shards.train, "rb").read())
     store = "s3://bucket/acc/ckpt"
     s3_data = ["--train-file", "s3://bucket/acc/data/train*.bin"]
