@@ -138,9 +138,25 @@ def test_only_what_a_process_needs_at_start_goes_through_rays_runtime_env(monkey
     from llmq_ray.actors import actor_env
     from llmq_ray.actors.actor_env import PACKAGE_PARENT, actor_options, apply_env, installed_from, start_env
 
+    import site
+
+    site_dir = tmp_path / "site-packages"  # an editable install of tmp_path/checkout, as pip writes it
+    info = site_dir / "llmq_ray-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: llmq-ray\nVersion: 0.1.0\n")
+    (info / "direct_url.json").write_text(json.dumps({"dir_info": {"editable": True},
+                                                      "url": (tmp_path / "checkout").as_uri()}))
+    monkeypatch.setattr(site, "getsitepackages", lambda: [str(site_dir)])
+    monkeypatch.setattr(site, "getusersitepackages", lambda: str(tmp_path / "user-site"))
+    assert installed_from(str(tmp_path / "checkout")) and not installed_from(str(tmp_path))
+    assert installed_from(str(site_dir))  # a wheel: the package in site-packages itself
+    (info / "direct_url.json").unlink()
+    installed_from.cache_clear()
+    assert not installed_from(str(tmp_path / "checkout"))
+    installed_from.cache_clear()
+
     env = {"PYTHONPATH": PACKAGE_PARENT, "AWS_SECRET_ACCESS_KEY": "s", "OMP_NUM_THREADS": "2", "LD_LIBRARY_PATH": "/x"}
-    assert installed_from(PACKAGE_PARENT), "the suite runs on an install of this checkout (pip install -e .)"
-    assert not installed_from(str(tmp_path))
+    monkeypatch.setattr(actor_env, "installed_from", lambda folder: True)  # pip install -e of this checkout
     assert actor_options(env, gpu=False) == {}  # no setup process, no secret in the actor's runtime_env
     assert start_env(env, gpu=False, forward_env=["LD_LIBRARY_PATH", "UNSET"]) == {"LD_LIBRARY_PATH": "/x"}
     assert actor_options(env, gpu=True) == {"runtime_env": {"env_vars": env}}
