@@ -28,9 +28,9 @@ Usage::
 
 ``shards`` (session scope): the small token files the runtime tests train on (see its docstring).
 
-``pytest_cmdline_main``: without a ``-n`` of the user's, the suite runs in ``XDIST_PROCESSES`` processes (one more
-than the cores, at most 4; pytest-xdist, ``--dist loadfile``: each module in one process, so its shared fixtures are
-made once) where pytest-xdist is installed, there are 2+ cores and no CUDA; most of it is end-to-end Ray runs whose
+``pytest_cmdline_main``: without a ``-n`` of the user's, the suite runs in ``xdist_processes()`` processes (one
+more than the cores, at most 4, or as many as the cores on a busy machine; pytest-xdist, ``--dist loadfile``: each
+module in one process, so its shared fixtures are made once) where pytest-xdist is installed, there are 2+ cores and no CUDA; most of it is end-to-end Ray runs whose
 waits a third process fills. On a CUDA machine it stays one process (the GPU tests would share one GPU); so it
 does where pytest-xdist is missing (the GPU machine's image), which is why this is not in pyproject's addopts.
 
@@ -82,21 +82,28 @@ os.environ["RAY_TMPDIR"] = RAY_TMP_ROOT
 import pytest  # noqa: E402
 
 RAY_NUM_CPUS = 4
-# pytest-xdist processes by default: one more than the cores (at most 4). The suite's end-to-end runs wait a fifth of
-# their time (injected slow steps and hangs, step time-outs, Ray's start-up): on the 2-core machine 3 processes
-# took 545 s where 2 took 650 s
-XDIST_PROCESSES = min((os.cpu_count() or 1) + 1, 4)
+
+
+def xdist_processes() -> int:
+    """pytest-xdist processes by default: one more than the cores (at most 4), as many as the cores when the
+    machine is busy already (a load average above its cores + 1: another suite beside this one). The suite's
+    end-to-end runs wait a fifth of their time (injected slow steps and hangs, step time-outs, Ray's start-up):
+    on the idle 2-core machine 3 processes took 545 s where 2 took 650 s; two suites of 3 beside each other put a
+    load of 37 on 2 cores."""
+    cores = os.cpu_count() or 1
+    busy = hasattr(os, "getloadavg") and os.getloadavg()[0] > cores + 1
+    return min(cores if busy else cores + 1, 4)
 RAY_OBJECT_STORE_BYTES = 256 * 1024 * 1024
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config) -> None:
-    """XDIST_PROCESSES pytest-xdist processes by default (see the module docstring); before xdist reads its options."""
+    """xdist_processes() pytest-xdist processes by default (see the module docstring); before xdist reads its options."""
     if hasattr(config, "workerinput"):  # an xdist worker (whose -n xdist resets to None): it runs its share
         return
     if (config.pluginmanager.hasplugin("xdist") and config.option.numprocesses is None
             and (os.cpu_count() or 1) >= 2 and not torch.cuda.is_available()):
-        config.option.numprocesses = XDIST_PROCESSES
+        config.option.numprocesses = xdist_processes()
         if config.option.dist == "no":
             config.option.dist = "loadfile"
 

@@ -149,6 +149,8 @@ def _kinds(log: list, kind: str) -> list:
 
 def test_a_lost_node_is_replaced_by_a_spare_and_the_losses_stay_those_of_the_uninterrupted_run(
         cluster, bucket, reference):
+    """Near or over 60 s beside the rest of the suite: as the module's first test it also waits for the module's
+    cluster head (a process of its own) and the reference run, and its scenario starts 3 worker nodes."""
     out = _scenario(cluster, bucket, "spare", nodes=3, remove_after_step=4)
     assert out["error"] is None and out["removed_at"] is not None, _story(out)
     assert [r["step"] for r in out["history"]] == list(range(1, STEPS + 1))

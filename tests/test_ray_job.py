@@ -106,7 +106,7 @@ def test_ray_job_stop_leaves_a_checkpoint_and_a_resubmitted_job_finishes_bit_exa
     submitted = _ray_job(dashboard, "submit", "--no-wait", "--runtime-env-json", _runtime_env(True), "--", *entry)
     job_id = next(w for w in submitted.replace("'", " ").split() if w.startswith("raysubmit_"))
     log_file = out / "log.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 480  # a guard against a hang: the job's set-up took 45 s beside a second suite
     while len(_steps(read_log(str(log_file)) if log_file.exists() else [])) < 4:  # a few steps under way
         assert time.monotonic() < deadline, _ray_job(dashboard, "logs", job_id)
         time.sleep(0.3)

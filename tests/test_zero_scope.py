@@ -219,7 +219,9 @@ def test_node_scope_matches_one_worker_and_its_checkpoint_resumes_on_one(two_nod
     each node, then across nodes) the per-step losses agree within 1e-5, and the gradient norms too (the norm
     counts each shard once, not once per node). The run checkpoints at step 2: two shard files (the first
     node's), four data states; one worker resumes it and trains steps 3-4 as the uninterrupted one-worker run
-    did. (ZeRO-1 and ZeRO-3 under node scope: the engine test above, in the same 4 processes as the collectives.)"""
+    did. (ZeRO-1 and ZeRO-3 under node scope: the engine test above, in the same 4 processes as the collectives.)
+    Near 60 s beside the rest of the suite: its set-up starts the 2-node cluster (and the session's Ray again
+    after the module)."""
     import ray
 
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
