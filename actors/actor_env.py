@@ -26,8 +26,10 @@ import functools
 import os
 from typing import Optional
 
+import llmq_ray
+
 # the folder that holds the llmq_ray package: a source checkout's root, or site-packages
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__import__("llmq_ray").__file__)))
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(llmq_ray.__file__)))
 
 
 @functools.lru_cache(maxsize=None)
